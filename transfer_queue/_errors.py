@@ -1,0 +1,135 @@
+"""Sluice's exception hierarchy.
+
+Every error a Sluice service or client raises derives from one root, so callers can catch the
+whole family at once::
+
+    SluiceError
+     ├── TimeoutError        (also builtins.TimeoutError) not enough samples/budget/space in time
+     ├── CapacityError       storage stayed full for the whole `timeout` of a put
+     ├── SchemaError         (also ValueError) the data contradicts a field's dtype/shape, or
+     │                       asks for a field that does not exist; your input is wrong
+     ├── ProtocolError       a message could not be decoded or is not allowed; the peer is wrong
+     ├── SealedError         put into a partition after `seal`
+     ├── StaleError          a sample or version breaks the staleness rules
+     ├── VersionError        `set_version` tried to go backwards
+     ├── WeightSyncError     a weight transfer failed; the previous version stays in place
+     ├── ServiceError        a service failed while serving the request (a bug: report it)
+     └── ClosedError         the client or cluster was already closed (your code closed it)
+
+Services reply with an `ErrorReply(code, message)`; the client turns `code` back into the class
+here, so the error raised in your process is the same one raised in the service.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "SluiceError",
+    "TimeoutError",
+    "CapacityError",
+    "SchemaError",
+    "ProtocolError",
+    "SealedError",
+    "StaleError",
+    "VersionError",
+    "WeightSyncError",
+    "ServiceError",
+    "ClosedError",
+    "error_code",
+    "error_from_code",
+]
+
+
+class SluiceError(Exception):
+    """Root of every Sluice error."""
+
+    code = "sluice"
+
+
+class TimeoutError(SluiceError, builtins.TimeoutError):  # noqa: A001 - the contract's name
+    """The request could not be satisfied within its `timeout` (samples, budget or a reply)."""
+
+    code = "timeout"
+
+
+class CapacityError(SluiceError):
+    """Storage stayed full for the whole `timeout`; clear consumed samples or add capacity."""
+
+    code = "capacity"
+
+
+class SchemaError(SluiceError, ValueError):
+    """The input contradicts the schema: wrong dtype or shape, unknown field, bad batch size."""
+
+    code = "schema"
+
+
+class ProtocolError(SluiceError):
+    """A message was malformed, oversized, of an unknown type or from another protocol version."""
+
+    code = "protocol"
+
+
+class SealedError(SluiceError):
+    """The partition was sealed: no more samples may be put into it."""
+
+    code = "sealed"
+
+
+class StaleError(SluiceError):
+    """A sample or grant violates the staleness bound."""
+
+    code = "stale"
+
+
+class VersionError(SluiceError, ValueError):
+    """A weight version went backwards; versions are monotone."""
+
+    code = "version"
+
+
+class WeightSyncError(SluiceError):
+    """A weight transfer failed or was interrupted; the previous version stays in place."""
+
+    code = "weight_sync"
+
+
+class ServiceError(SluiceError):
+    """The service hit an unexpected error while serving this request (a bug in Sluice)."""
+
+    code = "service"
+
+
+class ClosedError(SluiceError):
+    """The client or cluster was already closed; open a new one."""
+
+    code = "closed"
+
+
+_BY_CODE: dict[str, type[SluiceError]] = {
+    cls.code: cls
+    for cls in (
+        SluiceError,
+        TimeoutError,
+        CapacityError,
+        SchemaError,
+        ProtocolError,
+        SealedError,
+        StaleError,
+        VersionError,
+        WeightSyncError,
+        ServiceError,
+        ClosedError,
+    )
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire code for `exc`: its Sluice class's code, or `service` for anything foreign."""
+    return exc.code if isinstance(exc, SluiceError) else ServiceError.code
+
+
+def error_from_code(code: str, message: str) -> SluiceError:
+    """Rebuild the exception a service reported; unknown codes become `ServiceError`."""
+    return _BY_CODE.get(code, ServiceError)(message)

@@ -1,0 +1,362 @@
+"""The wire messages: one tagged union of frozen msgspec structs per service.
+
+Controller and storage units each decode exactly one union (`ControllerRequest`,
+`StorageRequest`) and answer with a `Reply`. Tensor bytes never appear here: they travel as
+separate raw frames after the message (see `_wire`). New fields get defaults so messages can
+evolve without breaking older peers of the same protocol version.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from ._meta import BatchMeta, FieldSpec
+
+__all__ = [
+    "ClusterConfig",
+    "UnitInfo",
+    "RowInfo",
+    # controller requests
+    "Hello",
+    "RegisterUnit",
+    "BeginPut",
+    "CommitPut",
+    "AbortPut",
+    "GetMeta",
+    "Ack",
+    "Nack",
+    "Clear",
+    "ClearPartition",
+    "Seal",
+    "SetVersion",
+    "WaitVersion",
+    "Acquire",
+    "Release",
+    "Status",
+    "Announce",
+    "Lookup",
+    "ControllerRequest",
+    # storage requests
+    "Write",
+    "CommitWrite",
+    "Read",
+    "Free",
+    "UnitStatus",
+    "StorageRequest",
+    # replies
+    "Ok",
+    "ErrorReply",
+    "HelloReply",
+    "PutPlan",
+    "MetaReply",
+    "VersionReply",
+    "GrantReply",
+    "StatusReply",
+    "LookupReply",
+    "WriteReply",
+    "ReadReply",
+    "Reply",
+]
+
+StalePolicy = Literal["drop", "keep", "requeue"]
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Settings shared by the controller and every client of a cluster."""
+
+    num_storage_units: int = 2
+    storage_capacity: int = 2 << 30
+    """Total bytes across all units (each unit holds an equal share)."""
+    max_staleness: int | None = None
+    """η: the most versions a consumed sample may lag the trainer; None = unbounded."""
+    consumer_batch_size: int = 64
+    """Samples the trainer consumes per version step (AReaL's batch size for admission)."""
+    lease_timeout: float = 300.0
+    grant_timeout: float = 600.0
+    stale_policy: StalePolicy = "drop"
+    samplers: tuple[str, ...] = ()
+    """Extra samplers as "module:Class" import paths, loaded by the controller."""
+    metrics_port: int | None = None
+    host: str = "127.0.0.1"
+
+
+class UnitInfo(msgspec.Struct, frozen=True):
+    """Where a storage unit listens and how a co-located client maps its arena."""
+
+    unit_id: int
+    address: str
+    capacity: int
+    shm_path: str = ""
+    host_id: str = ""
+
+
+class RowInfo(msgspec.Struct, frozen=True):
+    """Per-sample facts a producer records with new rows."""
+
+    versions_first: list[int]
+    versions_last: list[int]
+    groups: list[int]
+    seqlens: list[int]
+    grant_id: int = 0
+    source_partition: str = ""
+    source_task: str = ""
+    source_indexes: list[int] = []
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+# -- controller requests -----------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    pass
+
+
+class RegisterUnit(_Msg, tag="register_unit"):
+    unit: UnitInfo
+
+
+class BeginPut(_Msg, tag="begin_put"):
+    """Validate the schema and place rows: new rows when `indexes` is empty, else new columns."""
+
+    partition: str
+    fields: dict[str, FieldSpec]
+    n: int
+    row_bytes: int
+    indexes: list[int] = []
+
+
+class CommitPut(_Msg, tag="commit_put"):
+    """The units hold the data: mark `fields` ready for `indexes` (and register new rows)."""
+
+    partition: str
+    indexes: list[int]
+    fields: dict[str, FieldSpec]
+    rows: RowInfo | None = None
+
+
+class AbortPut(_Msg, tag="abort_put"):
+    partition: str
+    indexes: list[int]
+
+
+class GetMeta(_Msg, tag="get_meta"):
+    partition: str
+    task: str
+    fields: list[str]
+    batch_size: int
+    sampler: str = "fifo"
+    sampler_options: dict[str, int | float | str] = {}
+    max_staleness: int | None = None
+    timeout: float = 30.0
+    allow_partial: bool = False
+    lease_timeout: float | None = None
+
+
+class Ack(_Msg, tag="ack"):
+    partition: str
+    task: str
+    indexes: list[int]
+
+
+class Nack(_Msg, tag="nack"):
+    partition: str
+    task: str
+    indexes: list[int]
+
+
+class Clear(_Msg, tag="clear"):
+    partition: str
+    indexes: list[int]
+
+
+class ClearPartition(_Msg, tag="clear_partition"):
+    partition: str
+
+
+class Seal(_Msg, tag="seal"):
+    partition: str
+
+
+class SetVersion(_Msg, tag="set_version"):
+    version: int
+
+
+class WaitVersion(_Msg, tag="wait_version"):
+    """Answer once the version exceeds `after`, with every version set since, in order."""
+
+    after: int
+    timeout: float = 30.0
+
+
+class Acquire(_Msg, tag="acquire"):
+    n: int
+    timeout: float = 30.0
+
+
+class Release(_Msg, tag="release"):
+    grant_id: int
+    n: int
+
+
+class Status(_Msg, tag="status"):
+    pass
+
+
+class Announce(_Msg, tag="announce"):
+    """Publish a small value under `key` (e.g. a weight publisher's endpoint)."""
+
+    key: str
+    value: bytes
+
+
+class Lookup(_Msg, tag="lookup"):
+    key: str
+    timeout: float = 0.0
+
+
+ControllerRequest = Union[
+    Hello,
+    RegisterUnit,
+    BeginPut,
+    CommitPut,
+    AbortPut,
+    GetMeta,
+    Ack,
+    Nack,
+    Clear,
+    ClearPartition,
+    Seal,
+    SetVersion,
+    WaitVersion,
+    Acquire,
+    Release,
+    Status,
+    Announce,
+    Lookup,
+]
+
+# -- storage requests --------------------------------------------------------------------
+
+Via = Literal["frames", "shm"]
+
+
+class Write(_Msg, tag="write"):
+    """Store rows. `via="frames"`: one frame per field follows (rows in `indexes` order, ragged
+    values concatenated). `via="shm"`: reserve space and reply with arena offsets; the client
+    copies, then sends `CommitWrite`."""
+
+    partition: str
+    indexes: list[int]
+    fields: dict[str, FieldSpec]
+    lengths: dict[str, list[int]] = {}
+    via: Via = "frames"
+    timeout: float = 30.0
+
+
+class CommitWrite(_Msg, tag="commit_write"):
+    token: int
+    abort: bool = False
+
+
+class Read(_Msg, tag="read"):
+    """Return `fields` of `indexes`: as frames, or as arena runs for a co-located client."""
+
+    partition: str
+    indexes: list[int]
+    fields: list[str]
+    via: Via = "frames"
+
+
+class Free(_Msg, tag="free"):
+    """Drop rows (all rows of the partition when `indexes` is None)."""
+
+    partition: str
+    indexes: list[int] | None = None
+
+
+class UnitStatus(_Msg, tag="unit_status"):
+    pass
+
+
+StorageRequest = Union[Write, CommitWrite, Read, Free, UnitStatus]
+
+# -- replies -----------------------------------------------------------------------------
+
+
+class Ok(_Msg, tag="ok"):
+    pass
+
+
+class ErrorReply(_Msg, tag="error"):
+    code: str
+    message: str
+
+
+class HelloReply(_Msg, tag="hello_reply"):
+    cluster_id: str
+    config: ClusterConfig
+    units: list[UnitInfo]
+    version: int
+
+
+class PutPlan(_Msg, tag="put_plan"):
+    indexes: list[int]
+    units: list[int]
+
+
+class MetaReply(_Msg, tag="meta_reply"):
+    meta: BatchMeta
+
+
+class VersionReply(_Msg, tag="version_reply"):
+    version: int
+    history: list[int] = []
+
+
+class GrantReply(_Msg, tag="grant_reply"):
+    grant_id: int
+    n: int
+    version: int
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    status: dict
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    value: bytes | None
+
+
+class WriteReply(_Msg, tag="write_reply"):
+    """`token`/`offsets` are set for a shm reservation (field -> arena offset)."""
+
+    token: int = 0
+    offsets: dict[str, int] = {}
+
+
+class ReadReply(_Msg, tag="read_reply"):
+    """Per field: `lengths` (ragged fields, per row) and `runs` of (arena offset, nbytes) in row
+    order; with frames, one frame per run follows, fields in request order."""
+
+    lengths: dict[str, list[int]]
+    runs: dict[str, list[tuple[int, int]]]
+
+
+Reply = Union[
+    Ok,
+    ErrorReply,
+    HelloReply,
+    PutPlan,
+    MetaReply,
+    VersionReply,
+    GrantReply,
+    StatusReply,
+    LookupReply,
+    WriteReply,
+    ReadReply,
+]

@@ -1,0 +1,140 @@
+"""The asyncio ZeroMQ ROUTER loop that every Sluice service runs.
+
+A service subclasses `Service`, builds its `Codec` for its request union and registers one
+handler per message type. A handler returns a reply (optionally with data frames) at once, or
+a coroutine when it must wait (for samples, budget, space): that coroutine runs as its own task,
+so a parked request never delays anyone else. Malformed input gets an `ErrorReply` and is
+counted; the loop keeps serving whatever arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ._errors import ProtocolError, SluiceError, error_code
+from ._messages import ErrorReply, Reply
+from ._wire import Codec, pack_prefix
+
+__all__ = ["Service", "Handled", "run_service"]
+
+log = logging.getLogger("sluice.service")
+
+Handled = Reply | tuple[Reply, list[Any]]
+Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled]]
+
+
+class Service:
+    """A ROUTER socket bound to `bind`, dispatching decoded requests to typed handlers."""
+
+    def __init__(self, codec: Codec, bind: str, max_frame_bytes: int = -1):
+        self.codec = codec
+        self.handlers: dict[type, Handler] = {}
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if max_frame_bytes > 0:
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sock.bind(bind)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.rejected = 0
+        self.served = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._tasks: set[asyncio.Task] = set()
+        self._serving: asyncio.Task | None = None
+
+    def route(self, msg_type: type, handler: Handler) -> None:
+        self.handlers[msg_type] = handler
+
+    def stop(self) -> None:
+        if self._serving is not None:
+            self._serving.cancel()
+
+    async def serve(self) -> None:
+        """Serve until `stop()` (or until the task running this is cancelled)."""
+        self._serving = asyncio.current_task()
+        try:
+            while True:
+                self._dispatch(await self.sock.recv_multipart(copy=False))
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            self.sock.close(linger=0)
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        identity, body = frames[0], frames[1:]
+        if body and len(body[0].bytes if hasattr(body[0], "bytes") else body[0]) == 0:
+            body = body[1:]  # REQ peers add an empty delimiter
+        request_id = 0
+        try:
+            request_id, msg, data = self.codec.decode(body)
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"{type(msg).__name__} is not served here")
+            result = handler(msg, data)
+        except ProtocolError as exc:
+            self.rejected += 1
+            self._reply(identity, request_id, ErrorReply(exc.code, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
+            self._fail(identity, request_id, exc)
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(self._finish(identity, request_id, result))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._reply(identity, request_id, result)
+
+    async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled]) -> None:
+        try:
+            result = await pending
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._fail(identity, request_id, exc)
+            return
+        self._reply(identity, request_id, result)
+
+    def _fail(self, identity: Any, request_id: int, exc: Exception) -> None:
+        if not isinstance(exc, SluiceError):
+            log.exception("handler failed")
+        self._reply(identity, request_id, ErrorReply(error_code(exc), f"{type(exc).__name__}: {exc}"))
+
+    def _reply(self, identity: Any, request_id: int, result: Handled) -> None:
+        msg, data = result if isinstance(result, tuple) else (result, [])
+        self.served += 1
+        frames = [identity, pack_prefix(request_id), self._encoder.encode(msg), *data]
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError:  # the peer is gone; nothing to tell it
+            log.debug("reply to a vanished peer dropped")
+
+
+def run_service(make: Callable[[], Awaitable[Service]], announce: Callable[[Service], str]) -> None:
+    """Process entry point: build the service, print its address line, serve until SIGTERM/SIGINT."""
+    import torch
+
+    torch.set_num_threads(1)  # data-moving copies stay on one core (DESIGN section 7)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    async def main() -> None:
+        service = await make()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop)
+        print(announce(service), flush=True)
+        await service.serve()
+
+    asyncio.run(main())
