@@ -18,6 +18,7 @@ __all__ = [
     "ClusterConfig",
     "UnitInfo",
     "RowInfo",
+    "Cancel",
     # controller requests
     "Hello",
     "RegisterUnit",
@@ -73,6 +74,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """η: the most versions a consumed sample may lag the trainer; None = unbounded."""
     consumer_batch_size: int = 64
     """Samples the trainer consumes per version step (AReaL's batch size for admission)."""
+    budget_staleness: float | None = None
+    """η of the admission budget when it differs from max_staleness (verl's fractional threshold)."""
+    partial_rollout: bool = False
     lease_timeout: float = 300.0
     grant_timeout: float = 600.0
     stale_policy: StalePolicy = "drop"
@@ -107,6 +111,14 @@ class RowInfo(msgspec.Struct, frozen=True):
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
     pass
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Withdraw this peer's parked request `request_id` (any service); answered with `Ok`.
+
+    If the request was already answered, that answer arrives before this one's `Ok`."""
+
+    request_id: int
 
 
 # -- controller requests -----------------------------------------------------------------
@@ -220,6 +232,7 @@ class Lookup(_Msg, tag="lookup"):
 
 
 ControllerRequest = Union[
+    Cancel,
     Hello,
     RegisterUnit,
     BeginPut,
@@ -283,7 +296,7 @@ class UnitStatus(_Msg, tag="unit_status"):
     pass
 
 
-StorageRequest = Union[Write, CommitWrite, Read, Free, UnitStatus]
+StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus]
 
 # -- replies -----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from ._errors import ProtocolError, SluiceError, error_code
-from ._messages import ErrorReply, Reply
+from ._messages import Cancel, ErrorReply, Ok, Reply
 from ._wire import Codec, pack_prefix
 
 __all__ = ["Service", "Handled", "run_service"]
@@ -49,7 +49,7 @@ class Service:
         self.rejected = 0
         self.served = 0
         self._encoder = msgspec.msgpack.Encoder()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._serving: asyncio.Task | None = None
 
     def route(self, msg_type: type, handler: Handler) -> None:
@@ -68,7 +68,7 @@ class Service:
         except asyncio.CancelledError:
             pass
         finally:
-            for task in list(self._tasks):
+            for task in list(self._tasks.values()):
                 task.cancel()
             self.sock.close(linger=0)
 
@@ -79,6 +79,10 @@ class Service:
         request_id = 0
         try:
             request_id, msg, data = self.codec.decode(body)
+            if isinstance(msg, Cancel):
+                self._cancel(identity, msg.request_id)
+                self._reply(identity, request_id, Ok())
+                return
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError(f"{type(msg).__name__} is not served here")
@@ -91,17 +95,23 @@ class Service:
             self._fail(identity, request_id, exc)
             return
         if inspect.isawaitable(result):
+            key = (identity.bytes, request_id)
             task = asyncio.ensure_future(self._finish(identity, request_id, result))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[key] = task
+            task.add_done_callback(lambda _: self._tasks.pop(key, None))
         else:
             self._reply(identity, request_id, result)
+
+    def _cancel(self, identity: Any, request_id: int) -> None:
+        task = self._tasks.pop((identity.bytes, request_id), None)
+        if task is not None:
+            task.cancel()
 
     async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled]) -> None:
         try:
             result = await pending
         except asyncio.CancelledError:
-            raise
+            return  # withdrawn by the client (Cancel) or the service is stopping: no answer
         except Exception as exc:  # noqa: BLE001
             self._fail(identity, request_id, exc)
             return

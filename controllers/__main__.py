@@ -1,0 +1,34 @@
+"""`python -m controllers --config JSON`: run a controller, print `SLUICE_CONTROLLER <address>`."""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+
+from transfer_queue._messages import ClusterConfig
+from transfer_queue._service import run_service
+
+from .metrics import serve_prometheus
+from .service import Controller
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m controllers", description=__doc__)
+    parser.add_argument("--config", default="{}", help="ClusterConfig as JSON")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--cluster-id", default=None)
+    args = parser.parse_args()
+    config = msgspec.json.decode(args.config, type=ClusterConfig)
+
+    async def make() -> Controller:
+        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id)
+        if config.metrics_port is not None:
+            serve_prometheus(ctl, config.metrics_port, config.host)
+        return ctl
+
+    run_service(make, lambda ctl: f"SLUICE_CONTROLLER {ctl.address}")
+
+
+if __name__ == "__main__":
+    main()

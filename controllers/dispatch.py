@@ -1,0 +1,253 @@
+"""Serving `get_meta`: find ready samples, apply the staleness bound, sample, lease, or park.
+
+A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
+whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
+moves; its deadline is a loop timer. Nothing here sleeps or polls, so a waiting consumer never
+slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
+the ready pool (at-least-once delivery).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from transfer_queue._errors import TimeoutError
+from transfer_queue._meta import BatchMeta
+from transfer_queue._messages import ClusterConfig, GetMeta
+
+from .samplers import SampleView, SamplerRegistry
+from .staleness import Admission, StaleCounters
+from .table import Partition, TaskState
+from .versions import VersionClock
+
+__all__ = ["Dispatcher"]
+
+
+@dataclass
+class _Waiter:
+    req: GetMeta
+    future: asyncio.Future
+    deadline: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _Lease:
+    partition: str
+    task: str
+    rows: np.ndarray
+    outstanding: int
+    timer: asyncio.TimerHandle
+
+
+@dataclass
+class Dispatcher:
+    """Consumer-side scheduling over the controller's partitions."""
+
+    config: ClusterConfig
+    partitions: dict[str, Partition]
+    clock: VersionClock
+    admission: Admission
+    samplers: SamplerRegistry
+    free_rows: Callable[[Partition, np.ndarray], None]
+    """Kill rows and release their bytes on the storage units (owned by the controller)."""
+    stale: StaleCounters = field(default_factory=StaleCounters)
+    waiters: dict[str, list[_Waiter]] = field(default_factory=dict)
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    served: int = 0
+    acked: int = 0
+    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # -- get_meta ----------------------------------------------------------------------
+
+    async def get_meta(self, req: GetMeta) -> BatchMeta:
+        meta = self._evaluate(req, final=False)
+        if meta is not None:
+            return meta
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(req, loop.create_future())
+        waiter.deadline = loop.call_later(max(req.timeout, 0.0), self._expire_waiter, waiter)
+        self.waiters.setdefault(req.partition, []).append(waiter)
+        try:
+            return await waiter.future
+        finally:
+            waiter.deadline.cancel()
+            queue = self.waiters.get(req.partition, [])
+            if waiter in queue:
+                queue.remove(waiter)
+
+    def wake(self, partition: str) -> None:
+        """Re-evaluate the partition's parked requests in arrival order."""
+        for waiter in list(self.waiters.get(partition, ())):
+            if not waiter.future.done():
+                self._settle(waiter, final=False)
+
+    def wake_all(self) -> None:
+        for name in list(self.waiters):
+            self.wake(name)
+
+    def _expire_waiter(self, waiter: _Waiter) -> None:
+        if not waiter.future.done():
+            self._settle(waiter, final=True)
+
+    def _settle(self, waiter: _Waiter, final: bool) -> None:
+        try:
+            meta = self._evaluate(waiter.req, final)
+        except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
+            waiter.future.set_exception(exc)
+            return
+        if meta is not None:
+            waiter.future.set_result(meta)
+
+    def _evaluate(self, req: GetMeta, final: bool) -> BatchMeta | None:
+        """A leased batch, or None to keep waiting; at the deadline a short batch or an error."""
+        part = self.partitions.get(req.partition)
+        sampler = self.samplers.get(req.sampler)
+        if part is None:
+            return self._give_up(req, None) if final else None
+        task = part.task(req.task)
+        mask = part.available(task, req.fields)
+        ready = np.empty(0, np.int64) if mask is None else np.flatnonzero(mask) + task.cursor
+        bound = self.config.max_staleness if req.max_staleness is None else req.max_staleness
+        if bound is not None and len(ready):
+            too_stale = (self.clock.current - part.v_first[ready]) > bound
+            if too_stale.any():
+                self._handle_stale(part, ready[too_stale])
+                ready = ready[~too_stale]
+        view = SampleView(part.group, part.seqlen, part.v_first)
+        rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, False)
+        if rows is None and self._drained(part, task, len(ready), bound):
+            rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
+        if rows is None:
+            if not final:
+                return None
+            if not req.allow_partial:
+                return self._give_up(req, part)
+            rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
+        return self._lease(part, task, req, rows)
+
+    def _drained(self, part: Partition, task: TaskState, n_ready: int, bound: int | None) -> bool:
+        """Sealed, and every sample the task may still get is ready now: nothing more will come."""
+        if not part.sealed:
+            return False
+        w = part.window(task)
+        pending = part.alive[w] & ~task.consumed[w]
+        if bound is not None:
+            pending &= (self.clock.current - part.v_first[w]) <= bound
+        return int(np.count_nonzero(pending)) == n_ready
+
+    def _give_up(self, req: GetMeta, part: Partition | None) -> BatchMeta:
+        have = "no such partition yet" if part is None else f"{part.n} samples in partition"
+        raise TimeoutError(
+            f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}, "
+            f"fields={req.fields}) found too few ready samples within {req.timeout:g}s ({have}); "
+            "pass allow_partial=True to take what is ready, or a longer timeout"
+        )
+
+    def _lease(self, part: Partition, task: TaskState, req: GetMeta, rows: np.ndarray) -> BatchMeta:
+        lease_id = 0
+        if len(rows):
+            lease_id = next(self._lease_ids)
+            task.lease[rows] = lease_id
+            timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
+            timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
+            self.leases[lease_id] = _Lease(part.name, req.task, rows, len(rows), timer)
+        staleness = (self.clock.current - part.v_first[rows]).tolist()
+        self.stale.served(staleness)
+        self.served += len(rows)
+        return BatchMeta(
+            partition=part.name,
+            indexes=part.gidx[rows].tolist(),
+            policy_versions=part.v_first[rows].tolist(),
+            version_last=part.v_last[rows].tolist(),
+            groups=part.group[rows].tolist(),
+            units=part.unit[rows].tolist(),
+            fields={name: part.schema[name] for name in req.fields if name in part.schema},
+            task=req.task,
+            lease_id=lease_id,
+        )
+
+    # -- staleness policy ----------------------------------------------------------------
+
+    def _handle_stale(self, part: Partition, rows: np.ndarray) -> None:
+        policy = self.config.stale_policy
+        if policy == "keep":
+            fresh = rows[~part.stale_seen[rows]]
+            part.stale_seen[fresh] = True
+            self.stale.kept += len(fresh)
+            return
+        if policy == "requeue":
+            self.stale.requeued += len(rows)
+            self._requeue_sources(part, rows)
+        else:
+            self.stale.dropped += len(rows)
+        self.admission.forget(len(rows))
+        self.free_rows(part, rows)
+
+    def _requeue_sources(self, part: Partition, rows: np.ndarray) -> None:
+        """Offer the prompts that produced `rows` to their producers again."""
+        for ref in np.unique(part.source[rows]):
+            if ref == 0:
+                continue
+            src_name, src_task = part.sources[ref]
+            src = self.partitions.get(src_name)
+            if src is None:
+                continue
+            picked = rows[part.source[rows] == ref]
+            src_rows = src.rows_of(part.source_index[picked], alive=False)
+            src_rows = src_rows[src.alive[src_rows]]
+            state = src.task(src_task)
+            state.consumed[src_rows] = False
+            state.lease[src_rows] = 0
+            if len(src_rows):
+                state.cursor = min(state.cursor, int(src_rows.min()))
+            self.wake(src_name)
+
+    # -- ack / nack / leases -------------------------------------------------------------
+
+    def ack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+        task = part.task(task_name)
+        rows = part.rows_of(indexes, alive=False)
+        self._release_leases(task.lease[rows])
+        fresh = int(np.count_nonzero(~task.consumed[rows]))
+        self.acked += fresh
+        part.consume(task, rows)
+
+    def nack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+        task = part.task(task_name)
+        rows = part.rows_of(indexes, alive=False)
+        rows = rows[~task.consumed[rows]]
+        self._release_leases(task.lease[rows])
+        task.lease[rows] = 0
+        self.wake(part.name)
+
+    def _release_leases(self, lease_ids: np.ndarray) -> None:
+        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
+        for lease_id, count in zip(ids.tolist(), counts.tolist()):
+            lease = self.leases.get(lease_id)
+            if lease is None:
+                continue
+            lease.outstanding -= count
+            if lease.outstanding <= 0:
+                lease.timer.cancel()
+                del self.leases[lease_id]
+
+    def _expire_lease(self, lease_id: int) -> None:
+        lease = self.leases.pop(lease_id, None)
+        part = None if lease is None else self.partitions.get(lease.partition)
+        if part is None:
+            return
+        task = part.task(lease.task)
+        rows = lease.rows[lease.rows < part.n]
+        back = rows[task.lease[rows] == lease_id]
+        task.lease[back] = 0
+        self.wake(part.name)
+
+    def forget_partition(self, name: str) -> None:
+        """Drop the leases of a cleared partition (its parked waiters stay parked)."""
+        for lease_id in [k for k, v in self.leases.items() if v.partition == name]:
+            self.leases.pop(lease_id).timer.cancel()

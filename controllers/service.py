@@ -1,0 +1,342 @@
+"""The controller service: one handler per request type over the sample tables.
+
+It owns the partitions (`table.Partition`), the version clock, admission control and the
+dispatcher. It never touches tensor bytes: producers and consumers move those straight to and
+from the storage units; the controller only tells units which rows to free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+import numpy as np
+import zmq
+
+from transfer_queue._errors import SchemaError, SealedError
+from transfer_queue._messages import (
+    Ack,
+    AbortPut,
+    Acquire,
+    Announce,
+    BeginPut,
+    ClearPartition,
+    Clear,
+    ClusterConfig,
+    CommitPut,
+    ControllerRequest,
+    Free,
+    GetMeta,
+    GrantReply,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    MetaReply,
+    Nack,
+    Ok,
+    PutPlan,
+    RegisterUnit,
+    Release,
+    Reply,
+    Seal,
+    SetVersion,
+    Status,
+    StatusReply,
+    UnitInfo,
+    VersionReply,
+    WaitVersion,
+)
+from transfer_queue._service import Service
+from transfer_queue._wire import Codec
+
+from .dispatch import Dispatcher
+from .metrics import snapshot
+from .placement import place_rows
+from .samplers import SamplerRegistry
+from .staleness import Admission
+from .table import Partition
+from .versions import VersionClock
+
+__all__ = ["Controller"]
+
+log = logging.getLogger("sluice.controller")
+
+_MAX_ANNOUNCE_BYTES = 1 << 20
+
+
+class Controller(Service):
+    """Metadata, versions and scheduling for one Sluice cluster."""
+
+    def __init__(self, config: ClusterConfig, bind: str, cluster_id: str | None = None):
+        super().__init__(Codec(ControllerRequest), bind)
+        self.config = config
+        self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
+        self.started = time.time()
+        self.partitions: dict[str, Partition] = {}
+        self.units: dict[int, UnitInfo] = {}
+        self.unit_bytes: dict[int, int] = {}
+        self._unit_socks: dict[int, zmq.asyncio.Socket] = {}
+        self._unit_codec = Codec(Reply)
+        self._next_index = 0
+        self.clock = VersionClock()
+        budget = config.max_staleness if config.budget_staleness is None else config.budget_staleness
+        self.admission = Admission(
+            budget, config.consumer_batch_size, config.grant_timeout, lambda: self.clock.current
+        )
+        samplers = SamplerRegistry()
+        for path in config.samplers:
+            samplers.load(path)
+        self.dispatch = Dispatcher(config, self.partitions, self.clock, self.admission, samplers, self._free_rows)
+        self.announced: dict[str, bytes] = {}
+        self._announce_waiters: dict[str, list[asyncio.Future]] = {}
+        self.puts = 0
+        self._request_ids = itertools.count(1)
+        for msg_type, handler in {
+            Hello: self.on_hello,
+            RegisterUnit: self.on_register_unit,
+            BeginPut: self.on_begin_put,
+            CommitPut: self.on_commit_put,
+            AbortPut: self.on_abort_put,
+            GetMeta: self.on_get_meta,
+            Ack: self.on_ack,
+            Nack: self.on_nack,
+            Clear: self.on_clear,
+            ClearPartition: self.on_clear_partition,
+            Seal: self.on_seal,
+            SetVersion: self.on_set_version,
+            WaitVersion: self.on_wait_version,
+            Acquire: self.on_acquire,
+            Release: self.on_release,
+            Status: self.on_status,
+            Announce: self.on_announce,
+            Lookup: self.on_lookup,
+        }.items():
+            self.route(msg_type, handler)
+
+    # -- membership --------------------------------------------------------------------
+
+    def on_hello(self, msg: Hello, data) -> HelloReply:
+        units = [self.units[k] for k in sorted(self.units)]
+        return HelloReply(self.cluster_id, self.config, units, self.clock.current)
+
+    def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
+        unit = msg.unit
+        self.units[unit.unit_id] = unit
+        self.unit_bytes.setdefault(unit.unit_id, 0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(unit.address)
+        old = self._unit_socks.pop(unit.unit_id, None)
+        if old is not None:
+            old.close(linger=0)
+        self._unit_socks[unit.unit_id] = sock
+        asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
+        return Ok()
+
+    async def _drain_unit(self, unit_id: int, sock) -> None:
+        """Read (and log failures of) the units' answers to our Free requests."""
+        while not sock.closed:
+            try:
+                frames = await sock.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                _, reply, _ = self._unit_codec.decode(frames)
+            except Exception:  # noqa: BLE001
+                log.warning("unit %d sent an undecodable reply", unit_id)
+                continue
+            if not isinstance(reply, Ok):
+                log.warning("unit %d refused a free: %s", unit_id, reply)
+
+    def _tell_units(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
+        targets = self._unit_socks if rows_by_unit is None else rows_by_unit
+        for unit_id in targets:
+            sock = self._unit_socks.get(unit_id)
+            if sock is None:
+                continue
+            indexes = None if rows_by_unit is None else rows_by_unit[unit_id]
+            frames = self._unit_codec.encode(next(self._request_ids), Free(partition, indexes))
+            sock.send_multipart(frames)
+
+    def _free_rows(self, part: Partition, rows: np.ndarray) -> None:
+        rows = rows[part.alive[rows]]
+        if not len(rows):
+            return
+        part.kill(rows)
+        by_unit: dict[int, list[int]] = {}
+        for unit_id in np.unique(part.unit[rows]).tolist():
+            picked = rows[part.unit[rows] == unit_id]
+            by_unit[unit_id] = part.gidx[picked].tolist()
+            self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - int(part.row_bytes[picked].sum()))
+        self._tell_units(part.name, by_unit)
+
+    # -- puts --------------------------------------------------------------------------
+
+    def _partition(self, name: str) -> Partition:
+        part = self.partitions.get(name)
+        if part is None:
+            part = self.partitions[name] = Partition(name)
+        return part
+
+    def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
+        if msg.n <= 0:
+            raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
+        if not msg.fields:
+            raise SchemaError("a put needs at least one field")
+        part = self._partition(msg.partition)
+        part.check_schema(msg.fields)
+        if msg.indexes:
+            if len(msg.indexes) != msg.n:
+                raise SchemaError(f"{len(msg.indexes)} indexes for a batch of {msg.n}")
+            rows = part.rows_of(msg.indexes)
+            part.add_fields(msg.fields)
+            part.row_bytes[rows] += msg.row_bytes
+            for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
+                self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
+            return PutPlan(list(msg.indexes), part.unit[rows].tolist())
+        if part.sealed:
+            raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
+        if not self.units:
+            raise SchemaError("the cluster has no storage units registered yet")
+        units = place_rows(self.unit_bytes, msg.n, msg.row_bytes)
+        first = self._next_index
+        self._next_index += msg.n
+        part.add_fields(msg.fields)
+        part.append(first, msg.n, units, msg.row_bytes)
+        for unit_id, count in zip(*np.unique(units, return_counts=True)):
+            self.unit_bytes[int(unit_id)] += int(count) * msg.row_bytes
+        return PutPlan(list(range(first, first + msg.n)), units.tolist())
+
+    def on_commit_put(self, msg: CommitPut, data) -> Ok:
+        part = self._partition(msg.partition)
+        rows = part.rows_of(msg.indexes)
+        info = msg.rows
+        if info is not None:
+            n = len(rows)
+            for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
+                                 ("groups", info.groups), ("seqlens", info.seqlens)):
+                if len(values) != n:
+                    raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
+            part.v_first[rows] = info.versions_first
+            part.v_last[rows] = info.versions_last
+            part.group[rows] = info.groups
+            part.seqlen[rows] = info.seqlens
+            if info.source_partition:
+                if len(info.source_indexes) != n:
+                    raise SchemaError(f"source_indexes has {len(info.source_indexes)} entries for {n} samples")
+                ref = (info.source_partition, info.source_task)
+                if ref not in part.sources:
+                    part.sources.append(ref)
+                part.source[rows] = part.sources.index(ref)
+                part.source_index[rows] = info.source_indexes
+            part.committed[rows] = True
+            if info.grant_id:
+                self.admission.used(info.grant_id, n)
+            self.puts += n
+        part.mark_ready(rows, list(msg.fields))
+        self.dispatch.wake(part.name)
+        return Ok()
+
+    def on_abort_put(self, msg: AbortPut, data) -> Ok:
+        part = self.partitions.get(msg.partition)
+        if part is not None:
+            self._free_rows(part, part.rows_of(msg.indexes, alive=False))
+        return Ok()
+
+    # -- consumers ---------------------------------------------------------------------
+
+    async def on_get_meta(self, msg: GetMeta, data) -> MetaReply:
+        if msg.batch_size <= 0:
+            raise SchemaError(f"batch_size must be > 0, got {msg.batch_size}")
+        if not msg.fields:
+            raise SchemaError("get_meta needs at least one field")
+        return MetaReply(await self.dispatch.get_meta(msg))
+
+    def on_ack(self, msg: Ack, data) -> Ok:
+        part = self._existing(msg.partition)
+        self.dispatch.ack(part, msg.task, msg.indexes)
+        return Ok()
+
+    def on_nack(self, msg: Nack, data) -> Ok:
+        part = self._existing(msg.partition)
+        self.dispatch.nack(part, msg.task, msg.indexes)
+        return Ok()
+
+    def _existing(self, name: str) -> Partition:
+        part = self.partitions.get(name)
+        if part is None:
+            raise SchemaError(f"no partition named {name!r}")
+        return part
+
+    def on_clear(self, msg: Clear, data) -> Ok:
+        part = self._existing(msg.partition)
+        self._free_rows(part, part.rows_of(msg.indexes, alive=False))
+        self.dispatch.wake(part.name)
+        return Ok()
+
+    def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
+        part = self.partitions.pop(msg.partition, None)
+        if part is not None:
+            live = np.flatnonzero(part.alive[: part.n])
+            for unit_id in np.unique(part.unit[live]).tolist():
+                used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
+                self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - used)
+            self.dispatch.forget_partition(msg.partition)
+            self._tell_units(msg.partition, None)
+        return Ok()
+
+    def on_seal(self, msg: Seal, data) -> Ok:
+        self._partition(msg.partition).sealed = True
+        self.dispatch.wake(msg.partition)
+        return Ok()
+
+    # -- versions and admission --------------------------------------------------------
+
+    def on_set_version(self, msg: SetVersion, data) -> VersionReply:
+        if self.clock.set(msg.version):
+            self.admission.pump()
+            self.dispatch.wake_all()
+        return VersionReply(self.clock.current)
+
+    async def on_wait_version(self, msg: WaitVersion, data) -> VersionReply:
+        history = await self.clock.wait(msg.after, msg.timeout)
+        return VersionReply(self.clock.current, history)
+
+    async def on_acquire(self, msg: Acquire, data) -> GrantReply:
+        grant_id, version = await self.admission.acquire(msg.n, msg.timeout)
+        return GrantReply(grant_id, msg.n, version)
+
+    def on_release(self, msg: Release, data) -> Ok:
+        self.admission.release(msg.grant_id, msg.n)
+        return Ok()
+
+    # -- small shared values -----------------------------------------------------------
+
+    def on_announce(self, msg: Announce, data) -> Ok:
+        if len(msg.value) > _MAX_ANNOUNCE_BYTES:
+            raise SchemaError(f"announced values are limited to {_MAX_ANNOUNCE_BYTES} bytes")
+        self.announced[msg.key] = msg.value
+        for fut in self._announce_waiters.pop(msg.key, []):
+            if not fut.done():
+                fut.set_result(msg.value)
+        return Ok()
+
+    async def on_lookup(self, msg: Lookup, data) -> LookupReply:
+        value = self.announced.get(msg.key)
+        if value is not None or msg.timeout <= 0:
+            return LookupReply(value)
+        fut = asyncio.get_running_loop().create_future()
+        self._announce_waiters.setdefault(msg.key, []).append(fut)
+        try:
+            return LookupReply(await asyncio.wait_for(fut, msg.timeout))
+        except asyncio.TimeoutError:
+            return LookupReply(None)
+
+    # -- status ------------------------------------------------------------------------
+
+    def on_status(self, msg: Status, data) -> StatusReply:
+        return StatusReply(snapshot(self))

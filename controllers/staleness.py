@@ -1,0 +1,169 @@
+"""Admission control for producers (AReaL's rule) and the staleness counters.
+
+A producer asks for generation slots before it generates. Slots are granted only while
+
+    accepted + running + n <= (max_staleness + version + 1) * consumer_batch_size
+
+where `accepted` counts samples put under a grant (less those dropped or requeued as stale, which
+must be generated again) and `running` the slots granted but not yet put. Requests wait in FIFO
+order without polling: a version bump or returned slots re-run `pump`. A grant that is not
+used up within `grant_timeout` (its producer died or gave up) returns its slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transfer_queue._errors import SchemaError, TimeoutError
+
+__all__ = ["Admission", "StaleCounters"]
+
+
+@dataclass
+class _Grant:
+    remaining: int
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class StaleCounters:
+    """What happened to samples that were too stale when a consumer asked for them."""
+
+    dropped: int = 0
+    kept: int = 0
+    requeued: int = 0
+    served_histogram: dict[int, int] = field(default_factory=dict)
+
+    def served(self, staleness: list[int]) -> None:
+        for s in staleness:
+            self.served_histogram[s] = self.served_histogram.get(s, 0) + 1
+
+
+class Admission:
+    """Generation-slot budget under a staleness bound; unlimited when `max_staleness` is None."""
+
+    def __init__(self, max_staleness: float | None, batch_size: int, grant_timeout: float, version_of: Callable[[], int]):
+        self.version_of = version_of
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.grant_timeout = grant_timeout
+        self.accepted = 0
+        self.running = 0
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.expired = 0
+        self._grants: dict[int, _Grant] = {}
+        self._ids = itertools.count(1)
+        self._queue: deque[tuple[int, asyncio.Future]] = deque()
+
+    def budget(self) -> float:
+        """Slots that may be granted now."""
+        if self.max_staleness is None:
+            return float("inf")
+        return math.floor((self.max_staleness + self.version_of() + 1) * self.batch_size + 1e-9) - self.accepted - self.running
+
+    async def acquire(self, n: int, timeout: float) -> tuple[int, int]:
+        """(grant id, version) once `n` slots fit the budget; FIFO among waiting producers."""
+        if n <= 0:
+            raise SchemaError(f"acquire needs n > 0, got {n}")
+        most = None if self.max_staleness is None else math.floor((self.max_staleness + 1) * self.batch_size + 1e-9)
+        if most is not None and n > most:
+            raise SchemaError(f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} slots")
+        if not self._queue and n <= self.budget():
+            return self._grant(n), self.version_of()
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((n, fut))
+        self.waits += 1
+        start = time.monotonic()
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"no generation budget for {n} samples within {timeout:g}s "
+                f"(accepted {self.accepted} + running {self.running}, version {self.version_of()}); "
+                "the trainer has not consumed enough to open more"
+            ) from None
+        finally:
+            self.wait_seconds += time.monotonic() - start
+            self._queue = deque((m, f) for m, f in self._queue if f is not fut)
+
+    def _grant(self, n: int) -> int:
+        grant_id = next(self._ids)
+        self.running += n
+        grant = self._grants[grant_id] = _Grant(n)
+        grant.expiry = asyncio.get_running_loop().call_later(self.grant_timeout, self._expire, grant_id)
+        return grant_id
+
+    def pump(self) -> None:
+        """Grant waiting requests, in order, while the head fits."""
+        while self._queue:
+            n, fut = self._queue[0]
+            if fut.done():
+                self._queue.popleft()
+                continue
+            if n > self.budget():
+                return
+            self._queue.popleft()
+            fut.set_result((self._grant(n), self.version_of()))
+
+    def used(self, grant_id: int, n: int) -> None:
+        """`n` samples were put under `grant_id`: they move from running to accepted."""
+        grant = self._grants.get(grant_id)
+        if grant is None:
+            self.accepted += n  # expired grant: the samples still count once they exist
+            return
+        k = min(n, grant.remaining)
+        grant.remaining -= k
+        self.running -= k
+        self.accepted += n
+        if grant.remaining == 0:
+            self._close(grant_id)
+
+    def release(self, grant_id: int, n: int) -> None:
+        """Return up to `n` unused slots of a grant."""
+        grant = self._grants.get(grant_id)
+        if grant is None:
+            return
+        k = min(n, grant.remaining)
+        grant.remaining -= k
+        self.running -= k
+        if grant.remaining == 0:
+            self._close(grant_id)
+        self.pump()
+
+    def forget(self, n: int) -> None:
+        """`n` accepted samples were dropped or requeued as stale: they will be generated again."""
+        self.accepted = max(0, self.accepted - n)
+
+    def _close(self, grant_id: int) -> None:
+        grant = self._grants.pop(grant_id)
+        if grant.expiry is not None:
+            grant.expiry.cancel()
+
+    def _expire(self, grant_id: int) -> None:
+        grant = self._grants.get(grant_id)
+        if grant is None:
+            return
+        self.expired += 1
+        self.running -= grant.remaining
+        grant.remaining = 0
+        self._close(grant_id)
+        self.pump()
+
+    def stats(self) -> dict:
+        return {
+            "accepted": self.accepted,
+            "running": self.running,
+            "budget": None if self.max_staleness is None else self.budget(),
+            "open_grants": len(self._grants),
+            "waiting": len(self._queue),
+            "waits": self.waits,
+            "wait_seconds": round(self.wait_seconds, 6),
+            "expired_grants": self.expired,
+        }

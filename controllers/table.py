@@ -1,0 +1,183 @@
+"""The controller's per-partition sample table: numpy columns over samples, no object per sample.
+
+Rows are appended in arrival order (global indexes grow monotonically, so a binary search maps
+an index to its row). Each consumer task keeps a `consumed` flag and a lease id per row, plus a
+cursor below which every row is consumed or gone, so the scan for ready samples only looks at
+the live window, not at the partition's whole history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transfer_queue._errors import SchemaError
+from transfer_queue._meta import FieldSpec
+
+__all__ = ["Partition", "TaskState"]
+
+_INITIAL_ROWS = 1024
+
+
+@dataclass
+class TaskState:
+    """One consumer task's view of a partition."""
+
+    consumed: np.ndarray
+    lease: np.ndarray
+    cursor: int = 0
+
+    def grow(self, capacity: int) -> None:
+        self.consumed = _grown(self.consumed, capacity)
+        self.lease = _grown(self.lease, capacity)
+
+
+def _grown(arr: np.ndarray, capacity: int) -> np.ndarray:
+    out = np.zeros(capacity, dtype=arr.dtype)
+    out[: len(arr)] = arr
+    return out
+
+
+@dataclass
+class Partition:
+    """Every sample of one partition: location, versions, readiness and per-task consumption."""
+
+    name: str
+    sealed: bool = False
+    schema: dict[str, FieldSpec] = field(default_factory=dict)
+    n: int = 0
+    capacity: int = _INITIAL_ROWS
+    tasks: dict[str, TaskState] = field(default_factory=dict)
+    ready: dict[str, np.ndarray] = field(default_factory=dict)
+    sources: list[tuple[str, str]] = field(default_factory=lambda: [("", "")])
+
+    def __post_init__(self) -> None:
+        c = self.capacity
+        self.gidx = np.zeros(c, np.int64)
+        self.alive = np.zeros(c, bool)
+        self.committed = np.zeros(c, bool)
+        self.unit = np.zeros(c, np.int32)
+        self.row_bytes = np.zeros(c, np.int64)
+        self.v_first = np.zeros(c, np.int64)
+        self.v_last = np.zeros(c, np.int64)
+        self.group = np.zeros(c, np.int64)
+        self.seqlen = np.zeros(c, np.int64)
+        self.source = np.zeros(c, np.int32)  # index into `sources`; 0 = none
+        self.source_index = np.full(c, -1, np.int64)
+        self.stale_seen = np.zeros(c, bool)
+
+    _COLUMNS = (
+        "gidx", "alive", "committed", "unit", "row_bytes", "v_first", "v_last",
+        "group", "seqlen", "source", "source_index", "stale_seen",
+    )
+
+    # -- rows --------------------------------------------------------------------------
+
+    def append(self, first_gidx: int, n: int, units: np.ndarray, row_bytes: int) -> np.ndarray:
+        """Register `n` new, not yet committed rows; returns their row numbers."""
+        if self.n + n > self.capacity:
+            self._grow(max(self.capacity * 2, self.n + n))
+        rows = np.arange(self.n, self.n + n)
+        self.gidx[rows] = np.arange(first_gidx, first_gidx + n)
+        self.alive[rows] = True
+        self.unit[rows] = units
+        self.row_bytes[rows] = row_bytes
+        self.n += n
+        return rows
+
+    def _grow(self, capacity: int) -> None:
+        for name in self._COLUMNS:
+            setattr(self, name, _grown(getattr(self, name), capacity))
+        self.source_index[self.capacity :] = -1
+        for name, arr in self.ready.items():
+            self.ready[name] = _grown(arr, capacity)
+        for task in self.tasks.values():
+            task.grow(capacity)
+        self.capacity = capacity
+
+    def rows_of(self, indexes: list[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
+        """Row numbers of global `indexes`; `SchemaError` names any index this partition lacks."""
+        idx = np.asarray(indexes, dtype=np.int64)
+        rows = np.searchsorted(self.gidx[: self.n], idx)
+        rows = np.minimum(rows, max(self.n - 1, 0))
+        bad = (self.n == 0) | (self.gidx[rows] != idx)
+        if alive:
+            bad |= ~self.alive[rows]
+        if np.any(bad):
+            missing = idx[bad][:5].tolist()
+            raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {missing}")
+        return rows
+
+    def kill(self, rows: np.ndarray) -> None:
+        self.alive[rows] = False
+        for task in self.tasks.values():
+            task.lease[rows] = 0
+            self._advance(task)
+
+    # -- fields ------------------------------------------------------------------------
+
+    def check_schema(self, fields: dict[str, FieldSpec]) -> None:
+        """Refuse fields whose dtype or per-sample shape contradicts what the partition holds."""
+        for name, spec in fields.items():
+            known = self.schema.get(name)
+            if known is not None and known != spec:
+                raise SchemaError(
+                    f"field {name!r} of partition {self.name!r} is {_show(known)}, got {_show(spec)}; "
+                    "every put of a field must keep its dtype and per-sample shape "
+                    "(use a nested jagged tensor for variable lengths)"
+                )
+
+    def add_fields(self, fields: dict[str, FieldSpec]) -> None:
+        for name, spec in fields.items():
+            if name not in self.schema:
+                self.schema[name] = spec
+                self.ready[name] = np.zeros(self.capacity, bool)
+
+    def mark_ready(self, rows: np.ndarray, fields: list[str]) -> None:
+        for name in fields:
+            self.ready[name][rows] = True
+
+    # -- tasks -------------------------------------------------------------------------
+
+    def task(self, name: str) -> TaskState:
+        state = self.tasks.get(name)
+        if state is None:
+            state = self.tasks[name] = TaskState(np.zeros(self.capacity, bool), np.zeros(self.capacity, np.int64))
+        return state
+
+    def window(self, task: TaskState) -> slice:
+        return slice(task.cursor, self.n)
+
+    def available(self, task: TaskState, fields: list[str]) -> np.ndarray | None:
+        """Mask over the task's window: live, committed rows with `fields` ready, not consumed or
+        leased by the task. None if a field is unknown to the partition (nothing can be ready)."""
+        w = self.window(task)
+        mask = self.alive[w] & self.committed[w] & ~task.consumed[w] & (task.lease[w] == 0)
+        for name in fields:
+            ready = self.ready.get(name)
+            if ready is None:
+                return None
+            mask &= ready[w]
+        return mask
+
+    def outstanding(self, task: TaskState) -> int:
+        """Live rows the task has not consumed yet (ready, leased or still being written)."""
+        w = self.window(task)
+        return int(np.count_nonzero(self.alive[w] & ~task.consumed[w]))
+
+    def consume(self, task: TaskState, rows: np.ndarray) -> None:
+        task.consumed[rows] = True
+        task.lease[rows] = 0
+        self._advance(task)
+
+    def _advance(self, task: TaskState) -> None:
+        w = self.window(task)
+        done = task.consumed[w] | ~self.alive[w]
+        pending = np.flatnonzero(~done)
+        task.cursor += int(pending[0]) if len(pending) else int(done.size)
+
+
+def _show(spec: FieldSpec) -> str:
+    dims = ",".join("*" if d < 0 else str(d) for d in spec.shape)
+    return f"{spec.dtype}[{dims}]"

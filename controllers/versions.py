@@ -1,0 +1,55 @@
+"""The trainer's weight version: monotone, with a bounded history so no waiter misses a step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from transfer_queue._errors import TimeoutError, VersionError
+
+__all__ = ["VersionClock"]
+
+_HISTORY = 4096
+
+
+class VersionClock:
+    """Current version, the versions set so far (newest `_HISTORY`), and parked waiters."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.history: deque[tuple[int, float]] = deque([(0, time.time())], maxlen=_HISTORY)
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+
+    def set(self, version: int) -> bool:
+        """Advance to `version`; returns False if it is the current one already."""
+        if version < self.current:
+            raise VersionError(f"version {version} is older than the current version {self.current}; versions only grow")
+        if version == self.current:
+            return False
+        self.current = version
+        self.history.append((version, time.time()))
+        waiting, self._waiters = self._waiters, []
+        for after, fut in waiting:
+            if fut.done():
+                continue
+            if version > after:
+                fut.set_result(self.since(after))
+            else:
+                self._waiters.append((after, fut))
+        return True
+
+    def since(self, after: int) -> list[int]:
+        """Every recorded version newer than `after`, oldest first."""
+        return [v for v, _ in self.history if v > after]
+
+    async def wait(self, after: int, timeout: float) -> list[int]:
+        """Versions newer than `after`, as soon as there is one."""
+        if self.current > after:
+            return self.since(after)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((after, fut))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"version stayed at {self.current} (waited {timeout:g}s for a version after {after})") from None

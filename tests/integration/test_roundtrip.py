@@ -1,0 +1,96 @@
+"""Put and get through real processes: every dtype, dense and ragged, TCP frames and shm."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import transfer_queue as tq
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, dtype=dtype)
+
+
+def _ragged(dtype: torch.dtype, lengths: list[int], inner: tuple[int, ...] = ()) -> torch.Tensor:
+    return torch.nested.nested_tensor([_random(dtype, (n, *inner)) for n in lengths], layout=torch.jagged)
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.is_nested:
+        assert b.is_nested
+        assert torch.equal(a.offsets(), b.offsets())
+        assert torch.equal(a.values(), b.values())
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_every_dtype_dense_and_ragged(shared_cluster, use_shm):
+    part = f"rt-{uuid.uuid4().hex[:6]}"
+    lengths = [3, 0, 7, 1, 5, 2, 9, 4]
+    data = {}
+    for dtype in DTYPES:
+        name = str(dtype).split(".")[-1]
+        data[f"dense_{name}"] = _random(dtype, (8, 5, 3))
+        data[f"ragged_{name}"] = _ragged(dtype, lengths, (2,))
+    data["scalar"] = torch.arange(8, dtype=torch.float32)
+    td = TensorDict(data, batch_size=[8])
+    with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
+        assert bool(client._arenas) == use_shm
+        meta = client.put(td, partition=part)
+        assert len(meta) == 8 and set(meta.fields) == set(data)
+        assert len(set(meta.units)) == 2, "a batch is spread over both units"
+        got_meta = client.get_meta(list(data), 8, task="check", partition=part, timeout=5)
+        assert got_meta.indexes == meta.indexes
+        batch = client.get_data(got_meta)
+        for name, tensor in data.items():
+            _assert_same(tensor, batch[name])
+        client.ack(got_meta)
+
+
+def test_rows_come_back_in_meta_order_across_puts(client):
+    for start in range(0, 40, 10):
+        client.put(TensorDict({"x": torch.arange(start, start + 10)}, batch_size=[10]))
+    meta = client.get_meta(["x"], 40, task="t", timeout=5)
+    shuffled = meta.select([5, 39, 0, 17, 22, 3, 11])
+    assert client.get_data(shuffled)["x"].tolist() == [5, 39, 0, 17, 22, 3, 11]
+    # ragged rows from several puts, asked for out of order
+    for start in range(0, 20, 5):
+        rows = [torch.full((i + 1,), i) for i in range(start, start + 5)]
+        client.put(TensorDict({"r": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[5]), partition="r")
+    meta = client.get_meta(["r"], 20, task="t", partition="r", timeout=5).select([19, 2, 7, 0])
+    out = client.get_data(meta)["r"]
+    assert [t.tolist() for t in out.unbind()] == [[19] * 20, [2] * 3, [7] * 8, [0]]
+
+
+def test_new_columns_for_the_same_rows(client):
+    meta = client.put(TensorDict({"prompt": torch.arange(16).view(8, 2)}, batch_size=[8]))
+    got = client.get_meta(["prompt"], 8, task="ref", timeout=5)
+    prompts = client.get_data(got)["prompt"]
+    extended = client.put(TensorDict({"logp": prompts.float().sum(-1)}, batch_size=[8]), meta=got)
+    assert set(extended.fields) == {"prompt", "logp"}
+    client.ack(got)
+    both = client.get_meta(["prompt", "logp"], 8, task="train", timeout=5)
+    batch = client.get_data(both)
+    assert both.indexes == meta.indexes
+    assert torch.equal(batch["logp"], batch["prompt"].float().sum(-1))
+
+
+def test_get_data_of_a_subset_of_fields(client):
+    client.put(TensorDict({"a": torch.ones(4, 2), "b": torch.zeros(4)}, batch_size=[4]))
+    meta = client.get_meta(["a", "b"], 4, task="t", timeout=5)
+    batch = client.get_data(meta, fields=["b"])
+    assert list(batch.keys()) == ["b"]

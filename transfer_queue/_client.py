@@ -1,0 +1,184 @@
+"""The blocking client: drives `ClientCore` flows with plain ZeroMQ DEALER sockets.
+
+One DEALER per service (controller, each storage unit), replies matched to requests by id, so a
+request may stay in flight (e.g. the next `get_meta` of a stream) while another completes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Iterator, Sequence
+
+import zmq
+
+from ._client_core import CONTROLLER, Call, ClientCore, Flow, wrap_flows
+from ._errors import ClosedError, TimeoutError
+from ._messages import Cancel, Ok
+from ._meta import BatchMeta
+
+__all__ = ["Client"]
+
+
+class _Pending:
+    """A flow whose current calls are on the wire."""
+
+    def __init__(self, flow: Flow, calls: list[Call] | None, ids: list[int], result: Any = None):
+        self.flow, self.calls, self.ids, self.result = flow, calls, ids, result
+
+
+class Client(ClientCore):
+    """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done."""
+
+    def __init__(self, address: str, use_shm: bool | None = None):
+        super().__init__(address, use_shm)
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._ids = itertools.count(1)
+        self._stash: dict[int, tuple[Any, list[Any]]] = {}
+        self._closed = False
+        self.hello()
+
+    # -- driver ------------------------------------------------------------------------
+
+    def _sock(self, target: int) -> zmq.Socket:
+        address = self.target_address(target)
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        return sock
+
+    def _start(self, flow: Flow, replies: list | None = None) -> _Pending:
+        if self._closed:
+            raise ClosedError("this client was closed; connect a new one")
+        try:
+            calls = next(flow) if replies is None else flow.send(replies)
+        except StopIteration as stop:
+            return _Pending(flow, None, [], stop.value)
+        ids = []
+        for call in calls:
+            rid = next(self._ids)
+            self._sock(call.target).send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
+            ids.append(rid)
+        return _Pending(flow, calls, ids)
+
+    def _finish(self, pending: _Pending) -> Any:
+        while pending.calls is not None:
+            replies = [self._recv(call, rid) for call, rid in zip(pending.calls, pending.ids)]
+            pending = self._start(pending.flow, replies)
+        return pending.result
+
+    def _run(self, flow: Flow) -> Any:
+        return self._finish(self._start(flow))
+
+    def _abandon(self, pending: _Pending) -> None:
+        """Withdraw calls still in flight; give back anything they were granted meanwhile."""
+        if pending.calls is None or self._closed:
+            return
+        for call, rid in zip(pending.calls, pending.ids):
+            cancel_id = next(self._ids)
+            self._sock(call.target).send_multipart(self.codec.encode(cancel_id, Cancel(rid)))
+            self._recv(Call(call.target, Cancel(rid)), cancel_id)
+            reply, _ = self._stash.pop(rid, (None, None))
+            undo = self.undo(reply)
+            if undo is not None:
+                self._run(self._one(call.target, undo, Ok))
+
+    def _recv(self, call: Call, rid: int) -> tuple[Any, list[Any]]:
+        sock = self._sock(call.target)
+        deadline = None if call.wait is None else time.monotonic() + call.wait
+        while rid not in self._stash:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not sock.poll(None if left is None else int(left * 1000) + 1):
+                raise TimeoutError(
+                    f"{self.target_address(call.target)} did not answer {type(call.msg).__name__} "
+                    f"within {call.wait:g}s; is the cluster still running?"
+                )
+            got, msg, data = self.codec.decode(sock.recv_multipart(copy=False))
+            self._stash[got] = (msg, data)
+        return self._stash.pop(rid)
+
+    # -- iteration helpers -------------------------------------------------------------
+
+    def stream(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str = "train",
+        *,
+        timeout: float | None = None,
+        **get_meta_options: Any,
+    ) -> Iterator[tuple[Any, BatchMeta]]:
+        """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
+
+        Taking the next batch acks the previous one. While you work on a batch, the request for
+        the next is already waiting at the controller. Leaving the loop early nacks the batch in
+        hand (ack it yourself first if you finished it). `timeout=None` waits indefinitely.
+        """
+        wait = 1e9 if timeout is None else timeout
+
+        def request() -> _Pending:
+            return self._start(self.get_meta.__wrapped__(self, fields, batch_size, task, partition, timeout=wait, **get_meta_options))
+
+        pending = request()
+        meta = None
+        try:
+            while True:
+                meta = self._finish(pending)
+                pending = None
+                if not len(meta):
+                    meta = None
+                    return
+                pending = request()
+                batch = self.get_data(meta)
+                yield batch, meta
+                self.ack(meta)
+                meta = None
+        finally:
+            if pending is not None:
+                self._abandon(pending)
+            if meta is not None:
+                self.nack(meta)
+
+    def versions(self, timeout: float = 1e9) -> Iterator[int]:
+        """Every version the trainer sets from now on, in order, none skipped."""
+        after = self.get_version()
+        while True:
+            for version in self._versions_after(after, timeout):
+                yield version
+                after = version
+
+    @property
+    def version(self) -> int:
+        return self.get_version()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close sockets and unmap arenas; the client cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self.close_arenas()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _sync(fn):
+    def method(self, *args, **kwargs):
+        return self._run(fn(self, *args, **kwargs))
+
+    return method
+
+
+wrap_flows(Client, _sync)

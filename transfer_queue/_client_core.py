@@ -1,0 +1,523 @@
+"""Everything a client does except touching sockets, written once for `Client` and `AsyncClient`.
+
+Each operation is a *flow*: a generator that yields a list of `Call`s (sent in parallel) and
+receives their decoded replies, until it returns the result. `Client` drives flows with blocking
+sockets, `AsyncClient` with asyncio sockets; neither runs a hidden event loop or thread. Reply
+checking, placement across units, the shared-memory fast path, and batch assembly live here.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Mapping, Sequence
+
+import msgspec
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ._errors import ProtocolError, SchemaError, error_from_code
+from ._messages import (
+    Ack,
+    AbortPut,
+    Acquire,
+    Announce,
+    BeginPut,
+    Clear,
+    ClearPartition,
+    ClusterConfig,
+    CommitPut,
+    CommitWrite,
+    ErrorReply,
+    GetMeta,
+    GrantReply,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    MetaReply,
+    Nack,
+    Ok,
+    PutPlan,
+    Read,
+    ReadReply,
+    Release,
+    Reply,
+    RowInfo,
+    Seal,
+    SetVersion,
+    Status,
+    StatusReply,
+    UnitInfo,
+    VersionReply,
+    WaitVersion,
+    Write,
+    WriteReply,
+)
+from ._meta import BatchMeta
+from ._tensors import Assembler, Columns
+from ._wire import Codec
+
+__all__ = ["Call", "ClientCore", "Grant", "flow", "host_id", "CONTROLLER"]
+
+CONTROLLER = -1
+"""`Call.target` of the controller; storage units are addressed by their unit id."""
+
+_GRACE = 10.0
+"""Seconds a client waits for a reply beyond the request's own timeout."""
+
+
+@dataclass(frozen=True)
+class Call:
+    target: int
+    msg: msgspec.Struct
+    data: Sequence[Any] = ()
+    wait: float | None = _GRACE
+    """Seconds to wait for the reply (None: forever)."""
+
+
+Flow = Generator[list[Call], list[tuple[Any, list[Any]]], Any]
+
+
+def flow(fn: Callable[..., Flow]) -> Callable[..., Flow]:
+    """Mark a `ClientCore` method as a flow; each driver exposes it as a blocking or async method."""
+    fn.__sluice_flow__ = True
+    return fn
+
+
+def host_id() -> str:
+    """Identifies this host for shared-memory co-location (hostname + boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+@dataclass
+class Grant:
+    """Generation slots granted by `acquire`: `n` samples under policy `version`.
+
+    Puts by the same client draw on its open grants (oldest first) unless given `grant=`.
+    As a context manager it returns the slots it did not use when the block ends.
+    """
+
+    grant_id: int
+    n: int
+    version: int
+    remaining: int
+    _client: Any = field(repr=False, default=None)
+
+    def __enter__(self) -> "Grant":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    async def __aenter__(self) -> "Grant":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.release()
+
+    def release(self):
+        """Give the unused slots back (returns an awaitable on an `AsyncClient`)."""
+        return self._client.release(self)
+
+
+class ClientCore:
+    """State and flows shared by both clients: cluster info, unit maps, grants."""
+
+    def __init__(self, address: str, use_shm: bool | None = None):
+        self.address = address
+        self.codec = Codec(Reply)
+        self.use_shm = use_shm
+        self.config: ClusterConfig | None = None
+        self.cluster_id = ""
+        self.units: dict[int, UnitInfo] = {}
+        self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._grants: list[Grant] = []
+
+    # -- driver plumbing ---------------------------------------------------------------
+
+    def target_address(self, target: int) -> str:
+        if target == CONTROLLER:
+            return self.address
+        unit = self.units.get(target)
+        if unit is None:
+            raise SchemaError(f"unknown storage unit {target}; the cluster has {sorted(self.units)}")
+        return unit.address
+
+    @staticmethod
+    def check(reply: Any, expected: type) -> Any:
+        """The reply if it is `expected`; the service's typed error if it reported one."""
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        if not isinstance(reply, expected):
+            raise ProtocolError(f"expected {expected.__name__}, got {type(reply).__name__}")
+        return reply
+
+    @staticmethod
+    def undo(reply: Any) -> msgspec.Struct | None:
+        """The request that gives back what an abandoned reply holds (a lease, a grant)."""
+        if isinstance(reply, MetaReply) and len(reply.meta):
+            meta = reply.meta
+            return Nack(meta.partition, meta.task, list(meta.indexes))
+        if isinstance(reply, GrantReply):
+            return Release(reply.grant_id, reply.n)
+        return None
+
+    def _one(self, target: int, msg: msgspec.Struct, expected: type, wait: float | None = _GRACE):
+        replies = yield [Call(target, msg, (), wait)]
+        return self.check(replies[0][0], expected)
+
+    # -- cluster -----------------------------------------------------------------------
+
+    @flow
+    def hello(self) -> Flow:
+        """Fetch the cluster's configuration and storage units (done on connect)."""
+        reply = yield from self._one(CONTROLLER, Hello(), HelloReply)
+        self.config, self.cluster_id = reply.config, reply.cluster_id
+        self.units = {u.unit_id: u for u in reply.units}
+        self._map_arenas()
+        return reply
+
+    def _map_arenas(self) -> None:
+        if self.use_shm is False:
+            return
+        me = host_id()
+        for unit in self.units.values():
+            if unit.unit_id in self._arenas or unit.host_id != me or not unit.shm_path:
+                continue
+            try:
+                fd = os.open(unit.shm_path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                mm = mmap.mmap(fd, unit.capacity)
+            finally:
+                os.close(fd)
+            self._arenas[unit.unit_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+
+    def close_arenas(self) -> None:
+        for mm, view in self._arenas.values():
+            del view
+            try:
+                mm.close()
+            except BufferError:  # a tensor still views it; the mapping goes with that tensor
+                pass
+        self._arenas.clear()
+
+    # -- producers ---------------------------------------------------------------------
+
+    @flow
+    def put(
+        self,
+        data: TensorDict | Mapping[str, torch.Tensor],
+        partition: str = "train",
+        *,
+        meta: BatchMeta | None = None,
+        policy_version: int | tuple[int, int] | Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+        grant: Grant | None = None,
+        source: BatchMeta | None = None,
+        timeout: float = 30.0,
+    ) -> Flow:
+        """Store a batch. New samples by default; with `meta=`, new columns for those samples.
+
+        `policy_version` is the version that generated the samples: one int, a (first, last)
+        span for a partial rollout resumed under newer weights, or one int per sample (default:
+        the grant's version, else 0). `groups` are GRPO group ids (default: one group per
+        sample). `source` is the prompt batch the samples came from (needed by the `requeue`
+        stale policy). Raises `CapacityError` if storage stays full for `timeout` seconds,
+        `SchemaError` for data that contradicts the partition's fields, `SealedError` after
+        `seal`. On any error nothing of the batch becomes visible.
+        """
+        cols = Columns(data)
+        if meta is not None:
+            if len(meta) != cols.n:
+                raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
+            partition = meta.partition
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [])
+        plan = yield from self._one(CONTROLLER, begin, PutPlan)
+        units = np.asarray(plan.units, np.int64)
+        try:
+            yield from self._write(partition, cols, plan.indexes, units, timeout)
+        except BaseException:
+            if meta is None:
+                yield from self._one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+            raise
+        rows = None
+        if meta is None:
+            rows = self._row_info(cols, policy_version, groups, grant, source)
+        yield from self._one(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), Ok)
+        if meta is not None:
+            return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
+        return BatchMeta(
+            partition=partition,
+            indexes=plan.indexes,
+            policy_versions=rows.versions_first,
+            version_last=rows.versions_last,
+            groups=rows.groups,
+            units=plan.units,
+            fields=cols.specs,
+        )
+
+    def _write(self, partition: str, cols: Columns, indexes: list[int], units: np.ndarray, timeout: float):
+        """Send each unit its rows: raw frames, or straight into its mapped arena."""
+        idx = np.asarray(indexes, np.int64)
+        calls, shm_jobs = [], []
+        for unit_id in np.unique(units).tolist():
+            positions = np.flatnonzero(units == unit_id)
+            buffers, lengths = cols.slice(positions)
+            via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
+            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout)
+            data = [b.numpy() for b in buffers] if via == "frames" else ()
+            calls.append(Call(unit_id, msg, data, timeout + _GRACE))
+            shm_jobs.append((unit_id, via, buffers))
+        replies = yield calls
+        errors, commits = [], []
+        for (unit_id, via, buffers), (reply, _) in zip(shm_jobs, replies):
+            try:
+                reply = self.check(reply, WriteReply)
+            except Exception as exc:  # noqa: BLE001 - collect, then raise the first
+                errors.append(exc)
+                continue
+            if via == "shm":
+                arena = self._arenas[unit_id][1]
+                if not errors:
+                    for name, buf in zip(cols.specs, buffers):
+                        off = reply.offsets[name]
+                        arena[off : off + buf.numel()].copy_(buf)
+                commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors))))
+        if commits:
+            replies = yield commits
+            for reply, _ in replies:
+                try:
+                    self.check(reply, Ok)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _row_info(self, cols, policy_version, groups, grant, source) -> RowInfo:
+        n = cols.n
+        grant = grant or next((g for g in self._grants if g.remaining > 0), None)
+        if policy_version is None:
+            policy_version = grant.version if grant else 0
+        first, last = _versions(policy_version, n)
+        group_ids = list(range(n)) if groups is None else [int(g) for g in groups]
+        if len(group_ids) != n:
+            raise SchemaError(f"groups has {len(group_ids)} entries for {n} samples")
+        grant_id = 0
+        if grant is not None:
+            grant_id = grant.grant_id
+            grant.remaining = max(0, grant.remaining - n)
+            if grant.remaining == 0 and grant in self._grants:
+                self._grants.remove(grant)
+        src = ("", "", [])
+        if source is not None:
+            if len(source) != n:
+                raise SchemaError(f"source has {len(source)} samples, the batch has {n}")
+            src = (source.partition, source.task, list(source.indexes))
+        return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src)
+
+    @flow
+    def acquire(self, n: int, timeout: float = 30.0) -> Flow:
+        """Wait (without polling) for `n` generation slots inside the staleness budget.
+
+        Returns a `Grant` with the policy version to generate with. Raises `TimeoutError` when
+        the budget does not open within `timeout`.
+        """
+        reply = yield from self._one(CONTROLLER, Acquire(n, timeout), GrantReply, timeout + _GRACE)
+        grant = Grant(reply.grant_id, reply.n, reply.version, reply.n, self)
+        self._grants.append(grant)
+        return grant
+
+    @flow
+    def release(self, grant: Grant) -> Flow:
+        """Return a grant's unused slots."""
+        if grant in self._grants:
+            self._grants.remove(grant)
+        if grant.remaining > 0:
+            yield from self._one(CONTROLLER, Release(grant.grant_id, grant.remaining), Ok)
+            grant.remaining = 0
+
+    @flow
+    def seal(self, partition: str = "train") -> Flow:
+        """No more samples will come to `partition`; streams end once it is drained."""
+        yield from self._one(CONTROLLER, Seal(partition), Ok)
+
+    # -- consumers ---------------------------------------------------------------------
+
+    @flow
+    def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str = "train",
+        *,
+        sampler: str = "fifo",
+        max_staleness: int | None = None,
+        timeout: float = 30.0,
+        allow_partial: bool = False,
+        lease_timeout: float | None = None,
+        **sampler_options: int | float | str,
+    ) -> Flow:
+        """Lease `batch_size` samples whose `fields` are ready and that `task` has not consumed.
+
+        Waits up to `timeout` seconds; raises `TimeoutError` if too few are ready then (with
+        `allow_partial=True`, returns what is ready, possibly nothing). A sealed, drained
+        partition returns the remainder at once (an empty batch when nothing is left). Samples
+        staler than `max_staleness` (default: the cluster's) are never served. The lease lasts
+        `lease_timeout` seconds (default: the cluster's); unacked samples then return to the
+        pool. Extra keyword arguments go to the sampler (`group_size=` for `grpo_group`,
+        `dp_size=` for `seqlen_balanced`).
+        """
+        msg = GetMeta(
+            partition, task, list(fields), batch_size, sampler, dict(sampler_options),
+            max_staleness, timeout, allow_partial, lease_timeout,
+        )
+        reply = yield from self._one(CONTROLLER, msg, MetaReply, timeout + _GRACE)
+        return reply.meta
+
+    @flow
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Flow:
+        """Read the batch's fields from every unit holding it, in parallel; rows in meta order.
+
+        Uniform fields come back dense, ragged ones as jagged nested tensors. Asking for a
+        field the batch lacks raises `SchemaError`.
+        """
+        names = list(meta.fields) if fields is None else list(fields)
+        missing = [f for f in names if f not in meta.fields]
+        if missing:
+            raise SchemaError(f"the batch has no field(s) {missing}; it has {sorted(meta.fields)}")
+        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta))
+        if not len(meta) or not names:
+            return assembler.result()
+        units = np.asarray(meta.units, np.int64)
+        idx = np.asarray(meta.indexes, np.int64)
+        targets = np.unique(units).tolist()
+        calls = []
+        for unit_id in targets:
+            via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
+            calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
+        replies = yield calls
+        for unit_id, (reply, frames) in zip(targets, replies):
+            reply = self.check(reply, ReadReply)
+            runs: dict[str, list[torch.Tensor]] = {}
+            if frames:
+                it = iter(frames)
+                for name in names:
+                    runs[name] = [_frame_bytes(next(it)) for _ in reply.runs[name]]
+            else:
+                arena = self._arenas[unit_id][1]
+                runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
+            assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs)
+        return assembler.result()
+
+    @flow
+    def ack(self, meta: BatchMeta) -> Flow:
+        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        if len(meta):
+            yield from self._one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes)), Ok)
+
+    @flow
+    def nack(self, meta: BatchMeta) -> Flow:
+        """Give the batch back unconsumed: its samples are ready for the task again."""
+        if len(meta):
+            yield from self._one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes)), Ok)
+
+    @flow
+    def clear(self, meta: BatchMeta) -> Flow:
+        """Delete the batch's samples from the controller and the storage units."""
+        if len(meta):
+            yield from self._one(CONTROLLER, Clear(meta.partition, list(meta.indexes)), Ok)
+
+    @flow
+    def clear_partition(self, partition: str = "train") -> Flow:
+        """Delete every sample of `partition` (the name may then be reused, unsealed)."""
+        yield from self._one(CONTROLLER, ClearPartition(partition), Ok)
+
+    # -- versions ------------------------------------------------------------------------
+
+    @flow
+    def set_version(self, version: int) -> Flow:
+        """Record the trainer's new weight version (monotone; `VersionError` going backwards)."""
+        reply = yield from self._one(CONTROLLER, SetVersion(version), VersionReply)
+        return reply.version
+
+    @flow
+    def get_version(self) -> Flow:
+        """The trainer's current weight version."""
+        reply = yield from self._one(CONTROLLER, WaitVersion(-1, 0.0), VersionReply)
+        return reply.version
+
+    @flow
+    def wait_version(self, version: int, timeout: float = 30.0) -> Flow:
+        """Block until the version is at least `version`; returns the current version."""
+        reply = yield from self._one(CONTROLLER, WaitVersion(version - 1, timeout), VersionReply, timeout + _GRACE)
+        return reply.version
+
+    @flow
+    def _versions_after(self, after: int, timeout: float) -> Flow:
+        reply = yield from self._one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + _GRACE)
+        return reply.history
+
+    # -- status and small shared values --------------------------------------------------
+
+    @flow
+    def status(self) -> Flow:
+        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes."""
+        reply = yield from self._one(CONTROLLER, Status(), StatusReply)
+        return reply.status
+
+    @flow
+    def announce(self, key: str, value: bytes) -> Flow:
+        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`."""
+        yield from self._one(CONTROLLER, Announce(key, bytes(value)), Ok)
+
+    @flow
+    def lookup(self, key: str, timeout: float = 0.0) -> Flow:
+        """The value announced under `key`, waiting up to `timeout` for it; None if absent."""
+        reply = yield from self._one(CONTROLLER, Lookup(key, timeout), LookupReply, timeout + _GRACE)
+        return reply.value
+
+
+def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
+    if isinstance(policy_version, (int, np.integer)):
+        return [int(policy_version)] * n, [int(policy_version)] * n
+    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(isinstance(v, (int, np.integer)) for v in policy_version):
+        first, last = int(policy_version[0]), int(policy_version[1])
+        if last < first:
+            raise SchemaError(f"a version span must be (first, last) with first <= last, got {policy_version}")
+        return [first] * n, [last] * n
+    versions = [int(v) for v in policy_version]
+    if len(versions) != n:
+        raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
+    return versions, list(versions)
+
+
+def _frame_bytes(frame: Any) -> torch.Tensor:
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def flows_of(cls: type) -> dict[str, Callable]:
+    """The flow methods of `cls`, by name."""
+    return {name: fn for klass in reversed(cls.__mro__) for name, fn in vars(klass).items() if getattr(fn, "__sluice_flow__", False)}
+
+
+def wrap_flows(cls: type, make: Callable[[Callable], Callable]) -> type:
+    """Give `cls` one driver method per flow, keeping name, signature and docstring."""
+    for name, fn in flows_of(ClientCore).items():
+        setattr(cls, name, functools.wraps(fn)(make(fn)))
+    return cls

@@ -1,0 +1,197 @@
+"""Starting a cluster: the embedded default runs the controller and each storage unit as a local
+process (`python -m controllers`, `python -m storage`); nothing is imported across services.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import glob
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from ._client import Client
+from ._errors import ServiceError, SchemaError
+from ._messages import ClusterConfig
+from ._staleness import StalenessConfig
+
+__all__ = ["Cluster", "init", "connect", "parse_bytes"]
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+_START_TIMEOUT = 60.0
+
+
+def parse_bytes(size: int | str) -> int:
+    """`"2GiB"`, `"512MB"`, `1 << 30` -> bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", size)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise SchemaError(f"cannot read {size!r} as a size; use e.g. '2GiB', '512MB' or an int")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _die_with_parent() -> None:
+    """Child processes end when the process that started them dies (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cluster:
+    """A running set of Sluice services. `address` is the controller's ZeroMQ endpoint."""
+
+    def __init__(self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen]):
+        self.address = address
+        self.config = config
+        self.cluster_id = cluster_id
+        self._procs = procs
+        atexit.register(self.shutdown)
+
+    def connect(self, use_shm: bool | None = None) -> Client:
+        """A new blocking client of this cluster."""
+        return Client(self.address, use_shm)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every service and remove its shared memory; safe to call twice."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for path in glob.glob(f"/dev/shm/sluice-{self.cluster_id}-*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        atexit.unregister(self.shutdown)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
+    )
+
+
+def _address_of(proc: subprocess.Popen, tag: str) -> str:
+    """Wait for the `TAG address` line a service prints once it serves."""
+    deadline = time.monotonic() + _START_TIMEOUT
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith(tag + " "):
+                return line.split(None, 1)[1].strip()
+            if not line:
+                break
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    raise ServiceError(f"`{' '.join(proc.args[1:4])} ...` did not start (exit code {proc.poll()}); see its stderr")
+
+
+def init(
+    num_storage_units: int = 2,
+    storage_capacity: int | str = "2GiB",
+    *,
+    max_staleness: int | None = None,
+    consumer_batch_size: int = 64,
+    staleness: StalenessConfig | None = None,
+    lease_timeout: float = 300.0,
+    grant_timeout: float = 600.0,
+    stale_policy: Literal["drop", "keep", "requeue"] = "drop",
+    samplers: tuple[str, ...] = (),
+    metrics_port: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    backend: Literal["local"] = "local",
+) -> Cluster:
+    """Start a controller and `num_storage_units` storage units as local processes.
+
+    `storage_capacity` is the total across units. `max_staleness` (η) bounds how many versions
+    a consumed sample may lag; `consumer_batch_size` is the trainer's samples per step, used by
+    admission control; or pass a `StalenessConfig` (e.g. `StalenessConfig.from_verl(...)`) as
+    `staleness` instead. Services bind to `host` (loopback by default).
+    """
+    if staleness is None:
+        staleness = StalenessConfig(consumer_batch_size, max_staleness)
+    if backend != "local":
+        raise SchemaError(f"unknown backend {backend!r}; this build runs the embedded 'local' backend")
+    if num_storage_units <= 0:
+        raise SchemaError(f"num_storage_units must be > 0, got {num_storage_units}")
+    config = ClusterConfig(
+        num_storage_units=num_storage_units,
+        storage_capacity=parse_bytes(storage_capacity),
+        max_staleness=staleness.max_staleness,
+        consumer_batch_size=staleness.consumer_batch_size,
+        budget_staleness=staleness.budget_staleness,
+        partial_rollout=staleness.partial_rollout,
+        lease_timeout=lease_timeout,
+        grant_timeout=grant_timeout,
+        stale_policy=stale_policy,
+        samplers=tuple(samplers),
+        metrics_port=metrics_port,
+        host=host,
+    )
+    cluster_id = uuid.uuid4().hex[:12]
+    procs: list[subprocess.Popen] = []
+    try:
+        ctl = _spawn(["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
+                      "--cluster-id", cluster_id, "--port", str(port)])
+        procs.append(ctl)
+        address = _address_of(ctl, "SLUICE_CONTROLLER")
+        per_unit = config.storage_capacity // num_storage_units
+        units = [
+            _spawn(["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(per_unit),
+                    "--cluster-id", cluster_id, "--controller", address, "--host", host])
+            for unit_id in range(num_storage_units)
+        ]
+        procs.extend(units)
+        for unit in units:
+            _address_of(unit, "SLUICE_STORAGE")
+    except BaseException:
+        Cluster("", config, cluster_id, procs).shutdown()
+        raise
+    return Cluster(address, config, cluster_id, procs)
+
+
+def connect(address: str, use_shm: bool | None = None) -> Client:
+    """A blocking client of the cluster whose controller listens at `address`.
+
+    `use_shm=None` reads and writes co-located storage units through their shared-memory
+    arenas (one memcpy) and the others over TCP; False forces TCP frames everywhere.
+    """
+    return Client(address, use_shm)

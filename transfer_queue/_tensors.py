@@ -1,0 +1,216 @@
+"""Tensor bytes in and out of storage: slicing a batch per unit, assembling reads into a batch.
+
+Dense fields travel as the raw bytes of `rows x per-sample shape`; ragged fields (jagged nested
+tensors) as their concatenated values plus per-row lengths. Nothing here serializes objects:
+a buffer is a byte view of a tensor that already exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ._errors import SchemaError
+from ._meta import FieldSpec, field_spec_of, torch_dtype
+
+__all__ = ["Columns", "as_bytes", "Assembler"]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (copies only if not contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _consecutive(pos: np.ndarray) -> bool:
+    return len(pos) == 0 or int(pos[-1]) - int(pos[0]) == len(pos) - 1
+
+
+@dataclass
+class _Column:
+    spec: FieldSpec
+    dense: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    offsets: np.ndarray | None = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class Columns:
+    """A validated batch to put: per field its schema and tensor, sliceable by batch positions."""
+
+    def __init__(self, data: TensorDict | Mapping[str, torch.Tensor]):
+        if isinstance(data, TensorDict):
+            if data.batch_dims != 1:
+                raise SchemaError(f"put needs a TensorDict with one batch dimension, got batch_size {list(data.batch_size)}")
+            items = list(data.items())
+            self.n = int(data.batch_size[0])
+        else:
+            items = list(data.items())
+            self.n = int(items[0][1].shape[0]) if items else 0
+        if self.n <= 0:
+            raise SchemaError(f"put needs at least one sample, got batch_size {self.n}")
+        if not items:
+            raise SchemaError("put needs at least one field")
+        self.columns: dict[str, _Column] = {}
+        for name, tensor in items:
+            if not isinstance(name, str) or not name:
+                raise SchemaError(f"field names must be non-empty strings, got {name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise SchemaError(f"field {name!r} is a {type(tensor).__name__}; only tensors can be put")
+            try:
+                spec = field_spec_of(tensor)
+            except (KeyError, ValueError) as exc:
+                raise SchemaError(f"field {name!r}: unsupported tensor ({tensor.dtype}, nested={tensor.is_nested}): {exc}") from exc
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            if tensor.is_nested:
+                offsets = tensor.offsets().cpu().numpy().astype(np.int64)
+                if len(offsets) != self.n + 1:
+                    raise SchemaError(f"field {name!r} has {len(offsets) - 1} samples, the batch has {self.n}")
+                values = tensor.values().contiguous()
+                if offsets[0] != 0:
+                    values, offsets = values[offsets[0] : offsets[-1]], offsets - offsets[0]
+                self.columns[name] = _Column(spec, values=values, offsets=offsets)
+            else:
+                if tensor.dim() == 0 or tensor.shape[0] != self.n:
+                    raise SchemaError(f"field {name!r} has shape {list(tensor.shape)}, the batch has {self.n} samples")
+                self.columns[name] = _Column(spec, dense=tensor.contiguous())
+
+    @property
+    def specs(self) -> dict[str, FieldSpec]:
+        return {name: col.spec for name, col in self.columns.items()}
+
+    def row_bytes(self) -> int:
+        """Average bytes per sample over all fields (ragged fields by their actual size)."""
+        total = 0
+        for col in self.columns.values():
+            if col.dense is not None:
+                total += col.spec.row_bytes * self.n
+            else:
+                total += int(col.offsets[-1]) * col.spec.row_bytes
+        return -(-total // self.n)
+
+    def seqlens(self) -> list[int]:
+        """Tokens per sample for seqlen balancing: the longest ragged field, else the sum of an
+        `attention_mask`, else 0."""
+        ragged = [col.lengths for col in self.columns.values() if col.offsets is not None]
+        if ragged:
+            return np.max(np.stack(ragged), axis=0).tolist()
+        mask = self.columns.get("attention_mask")
+        if mask is not None and mask.dense is not None:
+            return mask.dense.reshape(self.n, -1).sum(dim=1).tolist()
+        return [0] * self.n
+
+    def slice(self, positions: np.ndarray) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+        """Per field, one byte buffer of the rows at `positions` (in that order), and the per-row
+        lengths of the ragged fields. A run of consecutive positions is a view, not a copy."""
+        buffers: list[torch.Tensor] = []
+        lengths: dict[str, list[int]] = {}
+        contiguous = _consecutive(positions)
+        for name, col in self.columns.items():
+            if col.dense is not None:
+                if contiguous:
+                    rows = col.dense[int(positions[0]) : int(positions[0]) + len(positions)]
+                else:
+                    rows = col.dense.index_select(0, torch.from_numpy(positions))
+                buffers.append(as_bytes(rows))
+                continue
+            offs = col.offsets
+            lengths[name] = (offs[positions + 1] - offs[positions]).tolist()
+            if contiguous:
+                vals = col.values[int(offs[positions[0]]) : int(offs[positions[-1] + 1])]
+            else:
+                vals = torch.cat([col.values[int(offs[p]) : int(offs[p + 1])] for p in positions])
+            buffers.append(as_bytes(vals))
+        return buffers, lengths
+
+
+class Assembler:
+    """Builds the output TensorDict of `get_data` from the runs each unit returns.
+
+    Call `add_unit` once per unit with the batch positions its rows fill (in request order),
+    the per-row lengths of ragged fields, and per field the byte runs (frame or arena slices);
+    `result()` then returns dense tensors and jagged nested tensors in batch order.
+    """
+
+    def __init__(self, specs: Mapping[str, FieldSpec], batch_size: int):
+        self.specs = dict(specs)
+        self.n = batch_size
+        self._parts: list[tuple[np.ndarray, Mapping[str, list[int]], Mapping[str, list[Any]]]] = []
+
+    def add_unit(self, positions: np.ndarray, lengths: Mapping[str, list[int]], runs: Mapping[str, list[Any]]) -> None:
+        self._parts.append((positions, lengths, runs))
+
+    def result(self) -> TensorDict:
+        out: dict[str, torch.Tensor] = {}
+        for name, spec in self.specs.items():
+            out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
+        return TensorDict(out, batch_size=[self.n])
+
+    def _dense(self, name: str, spec: FieldSpec) -> torch.Tensor:
+        out = torch.empty((self.n, *spec.shape), dtype=torch_dtype(spec.dtype))
+        rb = spec.row_bytes
+        flat = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8).reshape(-1)
+        for positions, _, runs in self._parts:
+            k = 0
+            for src in runs[name]:
+                m = src.numel() // rb if rb else 0
+                _place(flat, src, positions[k : k + m], rb)
+                k += m
+            if k != len(positions):
+                raise SchemaError(f"field {name!r}: storage returned {k} rows, expected {len(positions)}")
+        return out
+
+    def _ragged(self, name: str, spec: FieldSpec) -> torch.Tensor:
+        lengths = np.zeros(self.n, np.int64)
+        for positions, lens, _ in self._parts:
+            lengths[positions] = lens[name]
+        offsets = np.zeros(self.n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        inner = spec.shape[1:]
+        values = torch.empty((int(offsets[-1]), *inner), dtype=torch_dtype(spec.dtype))
+        eb = spec.row_bytes
+        flat = values.view(-1).view(torch.uint8) if values.numel() else values.view(torch.uint8).reshape(-1)
+        for positions, lens, runs in self._parts:
+            row_lens = np.asarray(lens[name], np.int64)
+            k = 0
+            for src in runs[name]:
+                start = k
+                budget = src.numel()
+                while k < len(positions) and budget >= row_lens[k] * eb and (budget > 0 or row_lens[k] == 0):
+                    budget -= row_lens[k] * eb
+                    k += 1
+                _place_ragged(flat, src, positions[start:k], offsets, row_lens[start:k], eb)
+        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+
+
+def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int) -> None:
+    """Copy `len(positions)` rows of `rb` bytes from `src` to those rows of `flat`."""
+    if not len(positions):
+        return
+    if _consecutive(positions):
+        start = int(positions[0]) * rb
+        flat[start : start + src.numel()].copy_(src)
+    else:
+        flat.view(-1, rb).index_copy_(0, torch.from_numpy(positions), src.view(-1, rb))
+
+
+def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
+    if not len(positions):
+        return
+    if _consecutive(positions):
+        start = int(offsets[positions[0]]) * eb
+        flat[start : start + src.numel()].copy_(src)
+        return
+    cursor = 0
+    for pos, length in zip(positions.tolist(), row_lens.tolist()):
+        nbytes = length * eb
+        start = int(offsets[pos]) * eb
+        flat[start : start + nbytes].copy_(src[cursor : cursor + nbytes])
+        cursor += nbytes
