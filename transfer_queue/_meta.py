@@ -9,37 +9,17 @@ from __future__ import annotations
 import math
 
 import msgspec
-import torch
 
-__all__ = ["FieldSpec", "BatchMeta", "RAGGED", "field_spec_of", "torch_dtype", "dtype_name"]
+__all__ = ["FieldSpec", "BatchMeta", "RAGGED", "ITEMSIZE"]
 
 RAGGED = -1
 """Marks the first per-sample dimension of a ragged (jagged) field in `FieldSpec.shape`."""
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
+ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
 }
-_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {k: v.itemsize for k, v in _DTYPES.items()}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a wire dtype name (raises `KeyError` for unsupported names)."""
-    return _DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a torch dtype (raises `KeyError` for unsupported dtypes)."""
-    return _NAMES[dtype]
+"""Bytes per element of every dtype that may cross the wire, by wire name."""
 
 
 class FieldSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -54,7 +34,7 @@ class FieldSpec(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def inner_numel(self) -> int:
@@ -66,15 +46,6 @@ class FieldSpec(msgspec.Struct, frozen=True, array_like=True):
     def row_bytes(self) -> int:
         """Bytes per sample of a dense field (per ragged element for ragged fields)."""
         return self.inner_numel * self.itemsize
-
-
-def field_spec_of(tensor: torch.Tensor) -> FieldSpec:
-    """The per-sample `FieldSpec` of a batched tensor (dense, or a jagged nested tensor)."""
-    if tensor.is_nested:
-        if getattr(tensor, "_ragged_idx", 1) != 1:
-            raise ValueError("only nested tensors ragged along dim 1 (per-sample dim 0) are supported")
-        return FieldSpec(dtype_name(tensor.dtype), (RAGGED, *tensor.values().shape[1:]))
-    return FieldSpec(dtype_name(tensor.dtype), tuple(tensor.shape[1:]))
 
 
 class BatchMeta(msgspec.Struct, frozen=True):

@@ -134,9 +134,6 @@ class Service:
 
 def run_service(make: Callable[[], Awaitable[Service]], announce: Callable[[Service], str]) -> None:
     """Process entry point: build the service, print its address line, serve until SIGTERM/SIGINT."""
-    import torch
-
-    torch.set_num_threads(1)  # data-moving copies stay on one core (DESIGN section 7)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     async def main() -> None:

@@ -7,6 +7,7 @@ a buffer is a byte view of a tensor that already exists.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -15,9 +16,34 @@ import torch
 from tensordict import TensorDict
 
 from ._errors import SchemaError
-from ._meta import FieldSpec, field_spec_of, torch_dtype
+from ._meta import ITEMSIZE, RAGGED, FieldSpec
 
-__all__ = ["Columns", "as_bytes", "Assembler"]
+# Received frames are read-only buffers; torch warns on viewing them although we only read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+__all__ = ["Columns", "as_bytes", "Assembler", "torch_dtype", "dtype_name", "field_spec_of"]
+
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire dtype name (raises `KeyError` for unsupported names)."""
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (raises `KeyError` for unsupported dtypes)."""
+    return _NAMES[dtype]
+
+
+def field_spec_of(tensor: torch.Tensor) -> FieldSpec:
+    """The per-sample `FieldSpec` of a batched tensor (dense, or a jagged nested tensor)."""
+    if tensor.is_nested:
+        if getattr(tensor, "_ragged_idx", 1) != 1:
+            raise ValueError("only nested tensors ragged along dim 1 (per-sample dim 0) are supported")
+        return FieldSpec(dtype_name(tensor.dtype), (RAGGED, *tensor.values().shape[1:]))
+    return FieldSpec(dtype_name(tensor.dtype), tuple(tensor.shape[1:]))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
