@@ -158,6 +158,7 @@ class AsyncClient(ClientCore):
     # -- lifecycle ---------------------------------------------------------------------
 
     async def close(self) -> None:
+        """Close sockets and unmap arenas; the client cannot be used afterwards."""
         if self._closed:
             return
         self._closed = True

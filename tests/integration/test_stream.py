@@ -1,0 +1,84 @@
+"""Streaming micro-batches with the sync and the async client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import transfer_queue as tq
+
+
+def _td(start: int, n: int) -> TensorDict:
+    return TensorDict({"x": torch.arange(start, start + n)}, batch_size=[n])
+
+
+def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
+    def produce():
+        with tq.connect(cluster.address) as producer:
+            for start in range(0, 50, 10):
+                producer.put(_td(start, 10))
+                time.sleep(0.02)
+            producer.seal()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    seen, sizes = [], []
+    for batch, meta in client.stream(["x"], 8, task="train", timeout=20):
+        seen.extend(batch["x"].tolist())
+        sizes.append(len(meta))
+    thread.join()
+    assert sorted(seen) == list(range(50))
+    assert sizes[:-1] == [8] * (len(sizes) - 1) and sizes[-1] == 50 % 8
+    status = client.status()["partitions"]["train"]["tasks"]["train"]
+    assert status["consumed"] == 50 and status["leased"] == 0
+
+
+def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
+    client.put(_td(0, 32))
+    for _batch, meta in client.stream(["x"], 8, task="train", timeout=5):
+        client.ack(meta)  # finished this one, then stop
+        break
+    status = client.status()["partitions"]["train"]["tasks"]["train"]
+    assert status["consumed"] == 8 and status["leased"] == 0
+    rest = client.get_meta(["x"], 24, task="train", timeout=5)
+    assert sorted(client.get_data(rest)["x"].tolist()) == list(range(8, 32))
+
+
+async def test_async_stream_prefetches_and_drains(cluster):
+    client = await tq.connect_async(cluster.address)
+    for start in range(0, 40, 8):
+        await client.put(_td(start, 8))
+    await client.seal()
+    seen = []
+    async for batch, meta in client.stream(["x"], 16, task="train", timeout=10):
+        seen.extend(batch["x"].tolist())
+    assert sorted(seen) == list(range(40))
+    await client.close()
+
+
+async def test_async_client_serves_concurrent_coroutines(cluster):
+    client = await tq.connect_async(cluster.address)
+    waiter = asyncio.ensure_future(client.get_meta(["x"], 4, task="t", timeout=10))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    await client.put(_td(0, 4))  # same client, while its other request is parked
+    meta = await asyncio.wait_for(waiter, 5)
+    assert len(meta) == 4
+    batch = await client.get_data(meta)
+    assert batch["x"].tolist() == [0, 1, 2, 3]
+    # a cancelled, parked get_meta is withdrawn: it takes nothing when samples arrive later
+    pending = asyncio.ensure_future(client.get_meta(["x"], 8, task="u", timeout=10, lease_timeout=60))
+    await asyncio.sleep(0.2)
+    pending.cancel()
+    await asyncio.sleep(0.2)
+    await client.put(_td(4, 4))
+    again = await client.get_meta(["x"], 8, task="u", timeout=5)
+    assert sorted((await client.get_data(again))["x"].tolist()) == list(range(8))
+    with pytest.raises(tq.SchemaError):
+        await client.get_meta(["x"], -1, task="t")
+    await client.close()
