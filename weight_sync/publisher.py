@@ -1,0 +1,514 @@
+"""`WeightPublisher`: the trainer's side of the weight channel.
+
+`publish(tensors, version)` makes one snapshot copy of the weights into a pre-faulted staging
+slot (casting as declared) and returns: the trainer may change its weights again at once.
+Everything else happens in the background: transports stream the slot bucket by bucket as it
+fills, a finisher thread checksums it (validation mode) and marks it complete, and the
+coordinator (rank 0) records version v in the controller only once every rank has v complete,
+then tells subscribers. A slot is reused only after every lease on it is released.
+
+Threads in the trainer process: the control server (`protocol.RpcServer`, which also runs the
+coordinator's bookkeeping), the finisher, and whatever the transports serve with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Iterable, Mapping
+
+import msgspec
+import torch
+import xxhash
+
+import transfer_queue as tq
+from transfer_queue._errors import SchemaError, TimeoutError, VersionError, WeightSyncError
+
+from .buckets import layout_buckets, pack
+from .layout import Layout
+from .manifest import Manifest
+from .mapping import FlatShard, TPShard
+from .plan import Read
+from .protocol import (
+    Checksums,
+    Confirm,
+    Describe,
+    Described,
+    Failed,
+    Granted,
+    Join,
+    Latest,
+    Lease,
+    Offer,
+    Ok,
+    Pending,
+    Pull,
+    RankInfo,
+    RelayPull,
+    Release,
+    RpcClient,
+    RpcServer,
+    SlotInfo,
+    Staged,
+    Verify,
+    failed,
+)
+from .staging import Slot, SlotTable
+from .transports import Source, Transport, resolve
+from .transports.base import gather, read_chunks
+
+__all__ = ["WeightPublisher", "host_id", "directory_key"]
+
+log = logging.getLogger("sluice.weight_sync")
+
+_KEPT_MANIFESTS = 8
+_RECENT = 64
+
+
+def host_id() -> str:
+    """This machine's identity: hostname plus boot id (equal ids may share memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def directory_key(name: str) -> str:
+    """The controller key under which channel `name`'s coordinator announces itself."""
+    return f"weight_sync/{name}"
+
+
+Sharding = TPShard | FlatShard | Mapping[str, Layout] | None
+
+
+class WeightPublisher:
+    """Publishes a trainer rank's weights to every `WeightSubscriber` of channel `name`.
+
+    Args:
+        address: the controller's address (`cluster.address`), or None to run without one
+            (subscribers are then given `publisher.endpoint` directly).
+        transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
+            "torch"), a `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
+        name: the channel; one coordinator (rank 0) per name and controller.
+        rank, world_size: this trainer rank among those that publish shards of the model.
+        coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
+        shard: which part of each tensor this rank holds: a `TPShard`, a `FlatShard`, or an
+            explicit {name: Layout}; None means every tensor whole.
+        cast: dtype conversions applied while staging, e.g. {torch.float32: torch.bfloat16}.
+        bucket_bytes: staging bucket size: the unit of pipelining.
+        slots: staging slots (2 = double buffering; 1 halves memory but `publish` then waits
+            for readers of the previous version).
+        validate: checksum every staged tensor so subscribers can verify what they applied.
+        lease_timeout: how long a reader may pin a slot before it is presumed dead.
+        timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
+    """
+
+    def __init__(
+        self,
+        address: str | None,
+        transport: str | Transport | list = "auto",
+        *,
+        name: str = "policy",
+        rank: int = 0,
+        world_size: int = 1,
+        coordinator: str | None = None,
+        shard: Sharding = None,
+        cast: Mapping[torch.dtype, torch.dtype] | None = None,
+        bucket_bytes: int = 64 << 20,
+        slots: int = 2,
+        validate: bool = False,
+        lease_timeout: float = 60.0,
+        timeout: float = 60.0,
+        host: str = "127.0.0.1",
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.shard = shard
+        self.cast = dict(cast or {})
+        self.bucket_bytes = bucket_bytes
+        self.validate = validate
+        self.timeout = timeout
+        self.last_publish_seconds = 0.0
+        """How long the last `publish` blocked the trainer."""
+        self._table = SlotTable(slots, shared=True, lease_timeout=lease_timeout)
+        self._transports = {t.name: t for t in resolve(transport)}
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._manifest_key: tuple | None = None
+        self._last = -1
+        self._started = -1  # newest version this rank began staging (server thread's copy)
+        self._lease_waiters: list[tuple[Lease, Pending]] = []
+        self._relays: dict[tuple[int, int, str], list[str]] = {}
+        self._checksums: dict[int, tuple[list[int], list[int], list[str]]] = {}  # slot -> starts, sums, names
+        self._closed = False
+        self._client = tq.connect(address) if address is not None else None
+        self._client_lock = threading.Lock()
+        source = _SlotSource(self._table, timeout)
+        data = {t.name: t.serve(source) for t in self._transports.values()}
+        self._server = RpcServer(self._handle, bind=f"tcp://{host}:*")
+        self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
+        self._coordinator = _Coordinator(self) if rank == 0 else None
+        self._upstream: RpcClient | None = None
+        if rank == 0:
+            if self._client is not None:
+                self._controller(lambda c: c.announce(directory_key(name), msgspec.msgpack.encode(self.info)))
+        else:
+            self._upstream = RpcClient(coordinator or self._find_coordinator(), timeout=timeout)
+            self._upstream.call(Join(self.info))
+        self._finished: queue.Queue = queue.Queue()
+        self._finisher = threading.Thread(target=self._finish_loop, name="sluice-ws-finisher", daemon=True)
+        self._finisher.start()
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint (give rank 0's to subscribers when there is no controller)."""
+        return self.info.control
+
+    @property
+    def version(self) -> int:
+        """The newest version this rank has been asked to publish (-1 before the first)."""
+        return self._last
+
+    def _find_coordinator(self) -> str:
+        if self._client is None:
+            raise ValueError("ranks > 0 need the controller's address or `coordinator=` (rank 0's endpoint)")
+        raw = self._controller(lambda c: c.lookup(directory_key(self.name), timeout=self.timeout))
+        if raw is None:
+            raise TimeoutError(f"rank 0 of weight channel {self.name!r} did not announce itself within {self.timeout} s")
+        return msgspec.msgpack.decode(raw, type=RankInfo).control
+
+    def _controller(self, call):  # noqa: ANN001, ANN202 - one blocking client, several threads
+        with self._client_lock:
+            return call(self._client)
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def publish(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stage `tensors` as `version`; returns once the trainer may change them again.
+
+        `tensors` is a state dict or (name, tensor) pairs, in a stable order. Raises
+        `VersionError` unless `version` is above every version published before,
+        `SchemaError` if a tensor contradicts `shard`, `TimeoutError` if readers pin every
+        slot for `timeout` seconds. Version v reaches the controller only once every rank
+        has it complete; a publish that fails leaves the previous version in place.
+        """
+        start = time.perf_counter()
+        if self._closed:
+            raise tq.ClosedError("this publisher was closed")
+        if version <= self._last:
+            raise VersionError(f"version {version} is not above the last published version {self._last}")
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        manifest = self._manifest(items)
+        slot = self._table.claim(version, manifest.nbytes, self.timeout)
+        slot.manifest = manifest
+        self._last = version
+        self._server.submit(lambda: self._on_started(version))
+        for transport in self._transports.values():
+            lease, _ = self._table.lease(version)
+            transport.send(slot, lambda lease=lease: self._table.release(lease))
+        try:
+            pack(manifest, [t for _, t in items], slot.segment.tensor, lambda n: self._table.advance(slot, n))
+        except Exception as exc:
+            self._table.fail(slot)
+            self._finished.put((slot, version, False))
+            raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
+        self._finished.put((slot, version, True))
+        self.last_publish_seconds = time.perf_counter() - start
+
+    def _manifest(self, items: list[tuple[str, torch.Tensor]]) -> Manifest:
+        """The manifest for `items`, reused while names, shapes and dtypes stay the same."""
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+        if key == self._manifest_key:
+            return next(reversed(self._manifests.values()))
+        specs = []
+        for name, tensor in items:
+            layout = self._layout(name, tensor)
+            layout.check()
+            flat = layout.flat_stop >= 0
+            if (flat and layout.numel != tensor.numel()) or (not flat and layout.local_shape != tuple(tensor.shape)):
+                raise SchemaError(f"{name}: local tensor of shape {tuple(tensor.shape)} does not match its layout {layout}")
+            specs.append((name, self.cast.get(tensor.dtype, tensor.dtype), layout))
+        manifest = layout_buckets(specs, self.bucket_bytes, self.rank, self.world_size)
+        self._manifest_key = key
+        self._manifests[manifest.id] = manifest
+        self._manifests.move_to_end(manifest.id)
+        while len(self._manifests) > _KEPT_MANIFESTS:
+            self._manifests.popitem(last=False)
+        return manifest
+
+    def _layout(self, name: str, tensor: torch.Tensor) -> Layout:
+        if self.shard is None:
+            return Layout.full(tensor.shape)
+        if isinstance(self.shard, Mapping):
+            return self.shard[name] if name in self.shard else Layout.full(tensor.shape)
+        return self.shard.layout(name, tensor)
+
+    def _finish_loop(self) -> None:
+        """Background: checksum (validation mode) and complete each staged version in order."""
+        while (job := self._finished.get()) is not None:
+            slot, version, ok = job
+            if ok and self.validate:
+                self._checksums[slot.index] = _checksum_slot(slot)
+            if ok:
+                self._table.advance(slot, slot.manifest.nbytes, complete=True)
+            if self._coordinator is not None:
+                self._server.submit(lambda v=version, ok=ok: self._coordinator.on_staged(0, v, ok))
+            else:
+                try:
+                    self._upstream.call(Staged(self.rank, version, ok))
+                except Exception as exc:  # noqa: BLE001 - rank 0 gone: subscribers will notice too
+                    log.warning("could not tell rank 0 that version %d is staged: %s", version, exc)
+
+    # -- control requests (server thread) ------------------------------------------------
+
+    def _handle(self, msg: msgspec.Struct, pending: Pending) -> None:
+        match msg:
+            case Lease():
+                self._lease(msg, pending)
+            case Release(lease=lease):
+                self._table.release(lease)
+                pending.reply(Ok())
+            case Describe(manifest=mid):
+                manifest = self._manifests.get(mid)
+                if manifest is None:
+                    raise WeightSyncError(f"manifest {mid:#x} is no longer kept by rank {self.rank}")
+                pending.reply(Described(manifest))
+            case Verify():
+                pending.reply(self._verify(msg))
+            case Join() | Staged() | Latest() | Confirm() if self._coordinator is not None:
+                self._coordinator.handle(msg, pending)
+            case _:
+                raise WeightSyncError(f"{type(msg).__name__} must go to rank 0 of the channel, not rank {self.rank}")
+
+    def _on_started(self, version: int) -> None:
+        self._started = version
+        waiting, self._lease_waiters = self._lease_waiters, []
+        for msg, pending in waiting:
+            if not pending.done:
+                self._lease(msg, pending)
+        if self._coordinator is not None:
+            self._coordinator.on_started(version)
+
+    def _lease(self, msg: Lease, pending: Pending) -> None:
+        got = self._table.lease(msg.version)
+        if got is None:
+            if msg.version > self._started and not self._closed:
+                self._lease_waiters.append((msg, pending))
+                self._server.park(pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time")
+                return
+            raise WeightSyncError(f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})")
+        lease, slot = got
+        info = SlotInfo(slot.index, slot.generation, slot.size, slot.segment.path)
+        pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg)))
+
+    def _relay_source(self, msg: Lease) -> str:
+        """Where this subscriber should pull from: "" (this rank) or a relay's endpoint.
+
+        Subscribers on the same plan form a tree, `fanout` children per node, in arrival order.
+        """
+        transport = self._transports.get(msg.transport)
+        if transport is None or transport.fanout is None or not msg.relay or msg.direct:
+            return ""
+        key = (msg.version, msg.plan, msg.transport)
+        members = self._relays.setdefault(key, [])
+        for old in [k for k in self._relays if k[0] < msg.version - _RECENT]:
+            del self._relays[old]
+        position = len(members)
+        members.append(msg.relay)
+        fanout = transport.fanout
+        return "" if position < fanout else members[(position - fanout) // fanout]
+
+    def _verify(self, msg: Verify) -> Checksums:
+        """Checksums of the requested boxes, after re-checking their tensors against the
+        checksums taken when they were staged (names of any tensor that changed since)."""
+        slot = self._table.leased(msg.lease)
+        if slot is None:
+            raise WeightSyncError("verify needs a lease that is still held")
+        if slot.index not in self._checksums:
+            raise WeightSyncError("this publisher was not started with validate=True")
+        starts, sums, names = self._checksums[slot.index]
+        staged = slot.segment.tensor
+        corrupt, checked, values = [], set(), []
+        for read in msg.reads:
+            i = bisect.bisect_right(starts, read.offset) - 1
+            if i not in checked:
+                checked.add(i)
+                entry = slot.manifest.entries[i]
+                if xxhash.xxh3_64_intdigest(_bytes(staged[starts[i] : starts[i] + entry.nbytes])) != sums[i]:
+                    corrupt.append(names[i])
+            values.append(box_checksum(staged, read))
+        return Checksums(values, corrupt)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving and free the staging memory; subscribers keep what they applied."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finished.put(None)
+        self._finisher.join(timeout=self.timeout)
+        for transport in self._transports.values():
+            transport.close()
+        self._server.close()
+        if self._upstream is not None:
+            self._upstream.close()
+        self._table.close()
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Coordinator:
+    """Rank 0's bookkeeping (server thread only): which ranks have which versions, the
+    newest complete version, and the subscribers waiting for news."""
+
+    def __init__(self, publisher: WeightPublisher):
+        self.pub = publisher
+        self.ranks: dict[int, RankInfo] = {0: publisher.info}
+        self.holders: dict[int, set[int]] = {}
+        """Version -> ranks that have it complete (until every rank has)."""
+        self.complete = -1
+        self.started = -1
+        self.recent: deque[int] = deque(maxlen=_RECENT)
+        self.abandoned: deque[int] = deque(maxlen=_RECENT)
+        self.waiters: list[tuple[msgspec.Struct, Pending]] = []
+
+    def handle(self, msg: msgspec.Struct, pending: Pending) -> None:
+        match msg:
+            case Join(info=info):
+                self.ranks[info.rank] = info
+                pending.reply(Ok())
+                self._wake()
+            case Staged(rank=rank, version=version, complete=ok):
+                self.on_staged(rank, version, ok)
+                pending.reply(Ok())
+            case Latest() | Confirm():
+                if not self._answer(msg, pending):
+                    self.waiters.append((msg, pending))
+                    self.pub._server.park(pending, msg.timeout, "no newer version in time")
+
+    def on_started(self, version: int) -> None:
+        """Rank 0 began staging `version` (subscribers may start pulling it)."""
+        self.started = version
+        self._wake()
+
+    def on_staged(self, rank: int, version: int, ok: bool) -> None:
+        """`rank` finished staging `version` (or abandoned it: `ok` False)."""
+        if not ok:
+            self.abandoned.append(version)
+            self.holders.pop(version, None)
+        else:
+            ranks = self.holders.setdefault(version, set())
+            ranks.add(rank)
+            if len(ranks) == self.pub.world_size and version > self.complete:
+                self._complete(version)
+        self._wake()
+
+    def _complete(self, version: int) -> None:
+        for old in [v for v in self.holders if v <= version]:
+            del self.holders[old]
+        if self.pub._client is not None:
+            try:
+                self.pub._controller(lambda c: c.set_version(version))
+            except VersionError:
+                if self.pub._controller(lambda c: c.version) < version:
+                    raise
+            except Exception as exc:  # noqa: BLE001 - the controller is unreachable: nobody is told
+                log.error("could not record version %d in the controller: %s", version, exc)
+                self.abandoned.append(version)
+                return
+        self.complete = version
+        self.recent.append(version)
+
+    def _answer(self, msg: msgspec.Struct, pending: Pending) -> bool:
+        """Answer `msg` now if it can be; False to keep waiting."""
+        if isinstance(msg, Confirm):
+            if msg.version in self.recent:
+                pending.reply(Ok())
+            elif msg.version in self.abandoned or msg.version < self.complete:
+                pending.reply(failed(WeightSyncError(f"version {msg.version} was abandoned by the trainer")))
+            else:
+                return False
+            return True
+        ready = len(self.ranks) == self.pub.world_size
+        if ready and self.complete > msg.after:
+            pending.reply(Offer(self.complete, True, self._rank_list()))
+        elif ready and not msg.complete and self.started > max(msg.after, self.complete) and self.started not in self.abandoned:
+            pending.reply(Offer(self.started, False, self._rank_list()))
+        elif msg.timeout <= 0:
+            pending.reply(Offer(self.complete if ready else -1, True, self._rank_list() if ready else []))
+        else:
+            return False
+        return True
+
+    def _rank_list(self) -> list[RankInfo]:
+        return [self.ranks[r] for r in range(self.pub.world_size)]
+
+    def _wake(self) -> None:
+        waiting, self.waiters = self.waiters, []
+        for msg, pending in waiting:
+            if not pending.done and not self._answer(msg, pending):
+                self.waiters.append((msg, pending))
+
+
+class _SlotSource(Source):
+    """Serves `Pull`s from the slots of a publisher rank, waiting for bytes still staging."""
+
+    def __init__(self, table: SlotTable, timeout: float):
+        self.table = table
+        self.timeout = timeout
+
+    def open(self, request: Pull | RelayPull):  # noqa: ANN201
+        if not isinstance(request, Pull):
+            raise WeightSyncError("a publisher rank is not a relay")
+        slot = self.table.leased(request.lease)
+        if slot is None or slot.version != request.version:
+            raise WeightSyncError(f"lease {request.lease} on version {request.version} is not held (expired?)")
+
+        def views():  # noqa: ANN202
+            scratch: list[torch.Tensor] = []
+            for read in request.reads:
+                slot.wait_filled(read.end, request.version, self.timeout)
+                for box in read_chunks(read):
+                    yield gather(slot.segment.tensor, read, box, scratch)
+
+        def done(ok: bool) -> None:
+            if not ok:
+                self.table.release(request.lease)  # the reader failed; it will lease again
+
+        return views(), done
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().numpy()).cast("B")
+
+
+def box_checksum(slot: torch.Tensor, read: Read) -> int:
+    """xxh3-64 of `read`'s box bytes (row-major) in `slot`."""
+    piece = slot[read.offset : read.end].view(*read.shape, read.itemsize)
+    return xxhash.xxh3_64_intdigest(_bytes(piece[tuple(slice(l, h) for l, h in zip(read.lo, read.hi))]))
+
+
+def _checksum_slot(slot: Slot) -> tuple[list[int], list[int], list[str]]:
+    """(start, xxh3-64, name) of every staged tensor, taken right after staging."""
+    manifest = slot.manifest
+    starts, sums, names = [], [], []
+    for entry in manifest.entries:
+        start = manifest.start(entry)
+        starts.append(start)
+        sums.append(xxhash.xxh3_64_intdigest(_bytes(slot.segment.tensor[start : start + entry.nbytes])))
+        names.append(entry.name)
+    return starts, sums, names

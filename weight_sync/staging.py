@@ -1,0 +1,214 @@
+"""Staging memory: pre-faulted segments that stay mapped, and the slots that hold versions.
+
+A `Segment` is one buffer allocated and touched once, then reused for every version (first
+touch costs ~10x a warm copy on these machines, DESIGN section 7). Shared segments are
+`memfd`s: another process on the host maps one through `/proc/<pid>/fd/<fd>` and it vanishes
+with its last user, so a killed publisher leaves nothing behind in /dev/shm. Private segments
+(a subscriber's receive buffer) are anonymous memory advised to use huge pages.
+
+A `Slot` is a segment plus the version staged in it, how many bytes of it are staged so far
+(readers may stream bucket k while bucket k+1 is packed) and the leases of its readers: a slot
+is reused only once every lease on it is released or has expired. `SlotTable` keeps a
+publisher's slots under one condition variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+import time
+import warnings
+
+import torch
+
+from transfer_queue._errors import TimeoutError, WeightSyncError
+
+__all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
+
+
+class Segment:
+    """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view."""
+
+    def __init__(self, size: int, shared: bool = True, name: str = "sluice-weights"):
+        self.size = size
+        self.fd = -1
+        length = max(size, 1)
+        if shared:
+            self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, length)
+            self._mm = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        else:
+            self._mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)[:size]
+        if not shared:
+            self.tensor.zero_()  # fault every page in now, not on the data path
+
+    @property
+    def path(self) -> str:
+        """Where a co-located process opens this (shared) segment."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def close(self) -> None:
+        """Unmap and free; views of `tensor` must be gone."""
+        if self._mm.closed:
+            return
+        del self.tensor
+        self._mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def map_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map another process's shared segment read-only: (mapping, uint8 view of `size` bytes).
+
+    Raises `OSError` if the segment cannot be opened (not co-located, or its owner is gone).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
+        view = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+    return mm, view
+
+
+class Slot:
+    """One segment holding (part of) one version, with staging progress and reader leases."""
+
+    def __init__(self, index: int, cond: threading.Condition):
+        self.index = index
+        self.generation = 0
+        """Bumped whenever the segment is replaced (readers must remap)."""
+        self.segment: Segment | None = None
+        self.version = -1
+        self.filled = 0
+        """Bytes staged so far, from the start; readers may read below this mark."""
+        self.complete = False
+        self.failed = False
+        self.leases: dict[int, float] = {}
+        """Lease id -> monotonic deadline."""
+        self.manifest = None
+        """What the owner staged here (a publisher's `Manifest`), set after `claim`."""
+        self._cond = cond
+
+    @property
+    def size(self) -> int:
+        return self.segment.size if self.segment is not None else 0
+
+    def busy(self, now: float) -> bool:
+        return any(deadline > now for deadline in self.leases.values())
+
+    def wait_filled(self, end: int, version: int, timeout: float) -> None:
+        """Block until bytes [0, end) of `version` are staged.
+
+        Raises `WeightSyncError` if staging of that version failed or the slot moved on, and
+        `TimeoutError` after `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.version != version or self.failed:
+                    raise WeightSyncError(f"version {version} was abandoned while it was being read")
+                if self.filled >= end:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"version {version}: bytes up to {end} not staged within {timeout} s")
+                self._cond.wait(left)
+
+
+class SlotTable:
+    """A fixed number of slots, reused oldest-first once their readers are done."""
+
+    def __init__(self, count: int, shared: bool, lease_timeout: float):
+        self.cond = threading.Condition()
+        self.slots = [Slot(i, self.cond) for i in range(count)]
+        self.shared = shared
+        self.lease_timeout = lease_timeout
+        self._lease_ids = itertools.count(1)
+        self._lease_slot: dict[int, Slot] = {}
+
+    def claim(self, version: int, size: int, timeout: float) -> Slot:
+        """A slot to stage `version` into (`size` bytes), waiting for its readers to finish.
+
+        The slot holding the newest complete version is taken only when it is the only one.
+        Raises `TimeoutError` if readers still hold every candidate after `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                newest = max((s.version for s in self.slots if s.complete), default=-1)
+                candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
+                for slot in candidates:
+                    if not slot.busy(now):
+                        self._reset(slot, version, size)
+                        return slot
+                if now >= deadline:
+                    raise TimeoutError(f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow")
+                expiry = min(d for s in self.slots for d in s.leases.values() if d > now)
+                self.cond.wait(min(deadline, expiry) - now)
+
+    def _reset(self, slot: Slot, version: int, size: int) -> None:
+        for lease in slot.leases:
+            self._lease_slot.pop(lease, None)
+        slot.leases.clear()
+        if slot.segment is None or slot.segment.size < size:
+            if slot.segment is not None:
+                slot.segment.close()
+            slot.segment = None  # free the old one before faulting in the new one
+            slot.segment = Segment(size, shared=self.shared)
+            slot.generation += 1
+        slot.version, slot.filled, slot.complete, slot.failed = version, 0, False, False
+
+    def advance(self, slot: Slot, filled: int, complete: bool = False) -> None:
+        """Mark bytes [0, filled) staged (and the version complete), waking waiting readers."""
+        with self.cond:
+            slot.filled = filled
+            slot.complete = complete
+            self.cond.notify_all()
+
+    def fail(self, slot: Slot) -> None:
+        """Abandon the version being staged in `slot`; its readers get `WeightSyncError`."""
+        with self.cond:
+            slot.failed = True
+            self.cond.notify_all()
+
+    def find(self, version: int) -> Slot | None:
+        with self.cond:
+            return next((s for s in self.slots if s.version == version and not s.failed), None)
+
+    def lease(self, version: int) -> tuple[int, Slot] | None:
+        """Pin the slot holding `version` (complete or being staged) for one reader."""
+        with self.cond:
+            slot = next((s for s in self.slots if s.version == version and not s.failed), None)
+            if slot is None:
+                return None
+            lease = next(self._lease_ids)
+            slot.leases[lease] = time.monotonic() + self.lease_timeout
+            self._lease_slot[lease] = slot
+            return lease, slot
+
+    def leased(self, lease: int) -> Slot | None:
+        """The slot `lease` pins, or None if it was released or the slot reused."""
+        with self.cond:
+            return self._lease_slot.get(lease)
+
+    def release(self, lease: int) -> None:
+        with self.cond:
+            slot = self._lease_slot.pop(lease, None)
+            if slot is not None:
+                slot.leases.pop(lease, None)
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            for slot in self.slots:
+                if slot.segment is not None:
+                    slot.segment.close()
+                    slot.segment = None

@@ -1,0 +1,65 @@
+"""`shm`: same host, shared memory. Subscribers copy straight out of the publisher's slots.
+
+The publisher's slots are already shared segments (memfds), so there is nothing to send and
+nothing to serve: a subscriber maps the slot it was granted once per slot generation, keeps
+it mapped, and at apply time copies its reads from it into its own tensors (one memcpy,
+no socket, no intermediate buffer). Double buffering comes from the slot table: the publisher
+stages version v+1 into the other slot while v is read, and never reuses a slot under a lease.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from transfer_queue._errors import WeightSyncError
+
+from ..staging import map_segment
+from .base import Job, Transport, register
+
+__all__ = ["ShmTransport"]
+
+
+@register
+class ShmTransport(Transport):
+    """Maps publisher slots read-only; one mapping per (rank, slot), kept until it changes."""
+
+    name = "shm"
+    mode = "map"
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap, torch.Tensor]] = {}
+
+    def serve(self, source) -> str:  # noqa: ANN001 - nothing to serve: slots are shared
+        return "memfd"
+
+    def receive(self, job: Job) -> torch.Tensor:
+        slot = job.grant.slot
+        key = (job.rank, slot.index)
+        held = self._maps.get(key)
+        if held is not None and held[0] == slot.generation:
+            return held[2]
+        self._unmap(key)
+        if not slot.path:
+            raise WeightSyncError(f"rank {job.rank} does not share its staging memory")
+        try:
+            mm, view = map_segment(slot.path, slot.size)
+        except OSError as exc:
+            raise WeightSyncError(f"cannot map rank {job.rank}'s slot {slot.path}: {exc} (not on the same host, or the publisher is gone)") from exc
+        self._maps[key] = (slot.generation, mm, view)
+        return view
+
+    def _unmap(self, key: tuple[int, int]) -> None:
+        held = self._maps.pop(key, None)
+        if held is not None:
+            _, mm, view = held
+            del view, held
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with it
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            self._unmap(key)

@@ -1,0 +1,204 @@
+"""`tcp`: raw TCP sockets, received straight into the subscriber's preallocated buffer.
+
+The publisher rank serves its slots from a thread per connection: each read leaves as a view
+of the slot (`sendall`, no copy) or, when strided, gathered through a bounded scratch buffer.
+The subscriber keeps one connection per peer and `recv_into`s the bytes where its plan put
+them. With several subscribers on the same plan the publisher points later ones at earlier
+ones (`fanout` direct children per node: 1 makes a chain, 2 a binary tree), and each relays
+bytes as they arrive, so the trainer's link carries every byte `fanout` times, not once per
+subscriber. Sockets bind to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import torch
+
+from transfer_queue._errors import SluiceError, WeightSyncError
+
+from ..protocol import Pull, RelayPull
+from .base import (
+    STATUS,
+    Job,
+    Source,
+    Transport,
+    as_bytes,
+    decode_request,
+    encode_request,
+    raise_status,
+    register,
+    status_header,
+)
+
+__all__ = ["TcpTransport"]
+
+_SOCKET_BUFFER = 4 << 20
+_PROGRESS_STEP = 8 << 20
+"""Report received bytes (to relays waiting on them) at least this often."""
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, progress=None, base: int = 0) -> None:
+    """Fill `view` from `sock`; `progress(base + n)` every `_PROGRESS_STEP` bytes."""
+    got, reported = 0, 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise WeightSyncError("the sender closed the stream early (publisher or relay gone, or version abandoned)")
+        got += n
+        if progress is not None and got - reported >= _PROGRESS_STEP:
+            progress(base + got)
+            reported = got
+
+
+@register
+class TcpTransport(Transport):
+    """Raw sockets; `fanout` children per node in the relay tree (None: no relaying)."""
+
+    name = "tcp"
+    mode = "reads"
+
+    def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2):
+        self.host = host
+        self.fanout = fanout
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._peers: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- serving -------------------------------------------------------------------------
+
+    def serve(self, source: Source) -> str:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((self.host, 0))
+        self._listener.listen(64)
+        self._spawn(self._accept, source)
+        host, port = self._listener.getsockname()
+        return f"{host}:{port}"
+
+    def _spawn(self, target, *args) -> None:  # noqa: ANN001
+        thread = threading.Thread(target=target, args=args, name="sluice-ws-tcp", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self, source: Source) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            _tune(conn)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            self._spawn(self._serve_conn, conn, source)
+
+    def _serve_conn(self, conn: socket.socket, source: Source) -> None:
+        try:
+            while True:
+                head = bytearray(4)
+                try:
+                    _recv_exact(conn, memoryview(head))
+                except WeightSyncError:
+                    return  # the subscriber hung up between requests
+                body = bytearray(int.from_bytes(head, "little"))
+                _recv_exact(conn, memoryview(body))
+                try:
+                    views, done = source.open(decode_request(bytes(body)))
+                except SluiceError as exc:
+                    conn.sendall(status_header(exc))
+                    continue
+                ok = False
+                try:
+                    conn.sendall(status_header(None))
+                    for view in views:
+                        conn.sendall(view)
+                    ok = True
+                finally:
+                    done(ok)
+        except (OSError, SluiceError):
+            pass  # the peer vanished or the version was abandoned: dropping the connection tells it
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def receive(self, job: Job) -> torch.Tensor:
+        if job.grant.source:
+            endpoint, request = job.grant.source, RelayPull(job.version, job.rank, job.digest)
+        else:
+            endpoint, request = job.endpoint, Pull(job.grant.lease, job.version, job.reads)
+        try:
+            sock = self._peer(endpoint)
+            sock.settimeout(job.timeout)
+            body = encode_request(request)
+            sock.sendall(len(body).to_bytes(4, "little") + body)
+            head = bytearray(STATUS.size)
+            _recv_exact(sock, memoryview(head))
+            failed, length = STATUS.unpack(head)
+            if failed:
+                text = bytearray(length)
+                _recv_exact(sock, memoryview(text))
+                raise_status(bytes(text))
+            into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
+            buf = as_bytes(into)
+            for read, offset in zip(job.reads, job.offsets):
+                _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)
+                job.progress(offset + read.nbytes)
+        except (OSError, WeightSyncError) as exc:
+            self._drop(endpoint)
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise WeightSyncError(f"tcp stream from {endpoint} failed: {exc}") from exc
+        return into
+
+    def _peer(self, endpoint: str) -> socket.socket:
+        sock = self._peers.get(endpoint)
+        if sock is None:
+            host, port = endpoint.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            _tune(sock)
+            self._peers[endpoint] = sock
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        sock = self._peers.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+            threads = list(self._threads)
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            except OSError:
+                pass
+            self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for endpoint in list(self._peers):
+            self._drop(endpoint)
+        for thread in threads:
+            thread.join(timeout=5)
