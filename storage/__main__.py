@@ -1,0 +1,139 @@
+"""`python -m storage`: run one storage unit.
+
+    python -m storage --unit-id K --capacity BYTES --cluster-id ID [--host 127.0.0.1]
+                      [--controller tcp://HOST:PORT] [--page-bytes 65536] [--register-timeout 30]
+
+Binds `tcp://{host}:*` (a free port; loopback unless told otherwise), creates the arena
+`/dev/shm/sluice-{ID}-u{K}`, registers with the controller when one is given (and waits for its
+`Ok`), then prints exactly one line, `SLUICE_STORAGE {address}`, to stdout and serves until
+SIGTERM or SIGINT. On the way out it unlinks the arena file.
+
+Exit status: 0 after a signal-initiated stop; 1 when the unit could not start (arena file
+exists, /dev/shm too small, bad arguments) or the controller refused or ignored the
+registration. The reason goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import socket
+import sys
+from typing import Sequence
+
+import zmq
+import zmq.asyncio
+
+from transfer_queue._errors import SluiceError
+from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitInfo
+from transfer_queue._service import Service, run_service
+from transfer_queue._wire import Codec
+
+from .arena import PAGE_BYTES
+from .service import StorageUnit
+
+ANNOUNCE = "SLUICE_STORAGE"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+class StartupError(Exception):
+    """The unit could not start or register; the message says why."""
+
+
+def parse_bytes(text: str) -> int:
+    """`"1048576"`, `"64MiB"`, `"2GiB"`, `"1.5GB"` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def host_id() -> str:
+    """Hostname and boot id: equal on both sides means a client can map the unit's /dev/shm file."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+async def register(unit: StorageUnit, controller: str, timeout: float) -> None:
+    """Send `RegisterUnit` to the controller and wait for its `Ok`; `StartupError` otherwise."""
+    info = UnitInfo(unit.unit_id, unit.address, unit.arena.capacity, unit.arena.path, host_id())
+    codec = Codec(Reply)
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(controller)
+        await sock.send_multipart(codec.encode(1, RegisterUnit(info)))
+        try:
+            frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
+        except asyncio.TimeoutError:
+            raise StartupError(f"controller {controller} did not answer the registration within {timeout} s") from None
+        try:
+            _, reply, _ = codec.decode(frames)
+        except SluiceError as exc:
+            raise StartupError(f"controller {controller} answered the registration with garbage: {exc}") from exc
+    finally:
+        sock.close(linger=0)
+    if isinstance(reply, ErrorReply):
+        raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {reply.code}: {reply.message}")
+    if not isinstance(reply, Ok):
+        raise StartupError(f"controller {controller} answered the registration with {type(reply).__name__}, not Ok")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m storage", description="Run one Sluice storage unit.")
+    p.add_argument("--unit-id", type=int, required=True)
+    p.add_argument("--capacity", type=parse_bytes, required=True, help="arena bytes (e.g. 1073741824 or 1GiB)")
+    p.add_argument("--cluster-id", required=True, help="names the /dev/shm arena file")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    p.add_argument("--controller", default=None, help="controller endpoint to register with")
+    p.add_argument("--page-bytes", type=parse_bytes, default=PAGE_BYTES, help="allocation granularity")
+    p.add_argument("--register-timeout", type=float, default=30.0)
+    return p
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Until the service loop takes over the signals, a SIGTERM unwinds (and unlinks the arena)
+    # instead of killing the process outright.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    async def make() -> Service:
+        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes)
+        if args.controller is None:
+            return unit
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        assert me is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a stop while registering still cleans up
+            loop.add_signal_handler(sig, me.cancel)
+        try:
+            await register(unit, args.controller, args.register_timeout)
+        except BaseException:
+            unit.close()
+            raise
+        return unit
+
+    try:
+        run_service(make, lambda unit: f"{ANNOUNCE} {unit.address}")
+    except (StartupError, FileExistsError, MemoryError, ValueError, OSError, zmq.ZMQError) as exc:
+        print(f"storage unit {args.unit_id}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

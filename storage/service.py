@@ -1,0 +1,290 @@
+"""The storage-unit service: one handler per `StorageRequest`.
+
+A unit holds tensor rows of any number of partitions in one shared-memory arena (`arena`),
+indexed by (partition, field, global index) (`table`). Writes arrive as raw data frames (one per
+field, copied into the arena with one memcpy each) or, for co-located clients, as a reservation
+the client fills through its own mapping and then commits (`writes`). A full arena parks writes
+in a FIFO until space frees up or their timeout passes (`space`). Reads answer with arena runs,
+and with zero-copy frames of them unless the client maps the arena itself.
+
+Handlers answer at once when they can; only a write that must wait for space becomes a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, TimeoutError
+from transfer_queue._messages import (
+    CommitWrite,
+    Free,
+    Ok,
+    Read,
+    ReadReply,
+    StatusReply,
+    StorageRequest,
+    UnitStatus,
+    Write,
+    WriteReply,
+)
+from transfer_queue._service import Handled, Service
+from transfer_queue._wire import MAX_DATA_FRAMES, Codec
+
+from .arena import PAGE_BYTES, Arena, Chunk
+from .space import SpaceQueue, Ticket
+from .table import Table
+from .writes import Reservation, check_frames, field_sizes
+
+__all__ = ["StorageUnit"]
+
+_EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
+
+
+class StorageUnit(Service):
+    """A storage unit bound to `tcp://{host}:*`, holding up to `capacity` bytes of rows.
+
+    Raises `FileExistsError` when the arena file already exists (another unit of the same
+    cluster id and unit id) and `MemoryError` when /dev/shm cannot hold `capacity` bytes.
+    """
+
+    def __init__(
+        self,
+        unit_id: int,
+        capacity: int,
+        cluster_id: str,
+        host: str = "127.0.0.1",
+        page_bytes: int = PAGE_BYTES,
+    ):
+        self.unit_id = unit_id
+        self.arena = Arena.create(cluster_id, unit_id, capacity, page_bytes)
+        try:
+            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", max_frame_bytes=self.arena.capacity)
+        except BaseException:
+            self.arena.close()
+            raise
+        self.table = Table(self.arena, unit_id)
+        self.space = SpaceQueue(self.arena, self._full_message)
+        self.reservations: dict[int, Reservation] = {}
+        self._expired: OrderedDict[int, float] = OrderedDict()
+        self._next_token = 1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.route(Write, self._on_write)
+        self.route(CommitWrite, self._on_commit)
+        self.route(Read, self._on_read)
+        self.route(Free, self._on_free)
+        self.route(UnitStatus, self._on_status)
+
+    @property
+    def shm_path(self) -> str:
+        return self.arena.path
+
+    async def serve(self) -> None:
+        """Pre-fault the arena in the background, serve until `stop()`, then close the arena."""
+        self._loop = asyncio.get_running_loop()
+        self.arena.start_prefault()
+        try:
+            await super().serve()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop pending reservations and unlink the arena file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for res in self.reservations.values():
+            res.timer.cancel()
+        self.reservations.clear()
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+        self.arena.close()
+
+    # -- Write / CommitWrite -------------------------------------------------------------
+
+    def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled]:
+        sizes = field_sizes(msg)
+        check_frames(msg, frames, sizes)
+        self.table.check_specs(msg.partition, msg.fields)
+        need = self.space.need(sizes)
+        if need > self.arena.capacity:
+            raise CapacityError(
+                f"a write of {need} bytes to partition {msg.partition!r} can never fit storage unit "
+                f"{self.unit_id} of {self.arena.capacity} bytes; split the put or raise storage_capacity"
+            )
+        chunks = self.space.alloc_now(sizes)
+        if chunks is not None:
+            return self._store(msg, frames, chunks)
+        # Wait for space, in line. Waiting writes keep their frames in memory outside the arena:
+        # bound them by the capacity too, so a flood of writes to a full unit cannot exhaust RAM.
+        held = sum(sizes) if msg.via == "frames" else 0
+        if held and self.space.held + held > self.arena.capacity:
+            why = f" and {self.space.held} bytes of writes already wait for space, so this one is refused at once"
+            raise CapacityError(self._full_message(need, why))
+        return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
+
+    def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled:
+        """Copy frames into freshly allocated chunks and register the rows, or reserve them."""
+        if msg.via == "shm":
+            return self._reserve(msg, chunks)
+        try:
+            self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
+        except SchemaError:
+            self.space.release(chunks)
+            raise
+        array = self.arena.array
+        for chunk, frame in zip(chunks, frames):
+            if chunk.nbytes:
+                array[chunk.offset : chunk.offset + chunk.nbytes] = np.frombuffer(frame, dtype=np.uint8)
+        self._register(msg, chunks)
+        return WriteReply()
+
+    def _register(self, msg: Write, chunks: Sequence[Chunk]) -> None:
+        for (name, spec), chunk in zip(msg.fields.items(), chunks):
+            lengths = msg.lengths.get(name) if spec.ragged else None
+            self.table.insert(msg.partition, name, spec, msg.indexes, chunk, lengths)
+        self.space.release(chunks)  # the creator's references; replaced rows may have freed space
+
+    def _reserve(self, msg: Write, chunks: list[Chunk]) -> WriteReply:
+        token = self._next_token
+        self._next_token += 1
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(max(msg.timeout, 0.0), self._expire_reservation, token)
+        self.reservations[token] = Reservation(token, msg, chunks, timer)
+        return WriteReply(token=token, offsets={name: c.offset for name, c in zip(msg.fields, chunks)})
+
+    def _expire_reservation(self, token: int) -> None:
+        res = self.reservations.pop(token, None)
+        if res is None:
+            return
+        self._expired[token] = res.msg.timeout
+        while len(self._expired) > _EXPIRED_KEPT:
+            self._expired.popitem(last=False)
+        self.space.release(res.chunks)
+
+    def _on_commit(self, msg: CommitWrite, frames: list[Any]) -> Handled:
+        _no_frames(msg, frames)
+        res = self.reservations.pop(msg.token, None)
+        if res is None:
+            if msg.abort:
+                return Ok()  # aborting is idempotent; an expired reservation is already freed
+            if msg.token in self._expired:
+                raise TimeoutError(
+                    f"reservation {msg.token} on storage unit {self.unit_id} expired: it was not "
+                    f"committed within its timeout of {self._expired[msg.token]} s and its space was "
+                    "freed; write again (with a longer timeout)"
+                )
+            raise SchemaError(f"storage unit {self.unit_id} has no reservation {msg.token} (never made or already committed)")
+        res.timer.cancel()
+        if msg.abort:
+            self.space.release(res.chunks)
+            return Ok()
+        try:
+            self.table.check_specs(res.msg.partition, res.msg.fields)
+        except SchemaError:
+            self.space.release(res.chunks)
+            raise
+        self._register(res.msg, res.chunks)
+        return Ok()
+
+    # -- Read ----------------------------------------------------------------------------
+
+    def _on_read(self, msg: Read, frames: list[Any]) -> Handled:
+        _no_frames(msg, frames)
+        if len(set(msg.fields)) != len(msg.fields):
+            raise SchemaError(f"read of partition {msg.partition!r} lists a field twice: {msg.fields}")
+        plan = self.table.read(msg.partition, msg.indexes, msg.fields)
+        reply = ReadReply(lengths=plan.lengths, runs=plan.runs)
+        if msg.via == "shm":
+            return reply
+        if len(plan.chunks) > MAX_DATA_FRAMES:
+            raise SchemaError(
+                f"this read spans {len(plan.chunks)} separate arena runs, more than the "
+                f"{MAX_DATA_FRAMES} frames one message may carry; read fewer rows per request"
+            )
+        runs = (run for name in msg.fields for run in plan.runs[name])
+        return reply, [self._frame(off, n, chunks) for (off, n), chunks in zip(runs, plan.chunks)]
+
+    def _frame(self, offset: int, nbytes: int, chunks: list[Chunk]) -> Any:
+        """A reply frame of arena bytes.
+
+        Frames below ZeroMQ's copy threshold are copied while the reply is sent. Larger ones
+        are sent zero-copy, so their chunks stay referenced until ZeroMQ drops the frame: a Free
+        or a replacing Write meanwhile cannot hand the bytes to a new write before they left.
+        """
+        if nbytes < zmq.COPY_THRESHOLD:
+            return self.arena.view[offset : offset + nbytes]
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        frame = self.arena.array[offset : offset + nbytes]
+        for chunk in chunks:
+            chunk.refs += 1
+        weakref.finalize(frame, self._unpin_soon, chunks).atexit = False
+        return frame
+
+    def _unpin_soon(self, chunks: list[Chunk]) -> None:
+        # Runs in whichever thread drops the frame last (pyzmq's garbage-collector thread).
+        loop = self._loop
+        if loop is None or self._closed:
+            return
+        try:
+            loop.call_soon_threadsafe(self._unpin, chunks)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+    def _unpin(self, chunks: list[Chunk]) -> None:
+        if not self._closed:
+            self.space.release(chunks)
+
+    # -- Free / UnitStatus ---------------------------------------------------------------
+
+    def _on_free(self, msg: Free, frames: list[Any]) -> Handled:
+        _no_frames(msg, frames)
+        if self.table.remove(msg.partition, msg.indexes):
+            self.space.wake()
+        return Ok()
+
+    def _on_status(self, msg: UnitStatus, frames: list[Any]) -> Handled:
+        _no_frames(msg, frames)
+        return StatusReply(status=self.status())
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot of the unit: capacity, bytes in use, rows per partition, queues, counters."""
+        alloc = self.arena.allocator
+        return {
+            "unit_id": self.unit_id,
+            "address": self.address,
+            "shm_path": self.arena.path,
+            "capacity": alloc.capacity,
+            "used": alloc.used,
+            "free": alloc.free_bytes,
+            "largest_free": alloc.largest_free,
+            "page_bytes": alloc.page_bytes,
+            "prefaulted": self.arena.prefaulted,
+            "rows": self.table.row_counts(),
+            "pending_writes": len(self.space),
+            "pending_bytes": self.space.held,
+            "reservations": len(self.reservations),
+            "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
+            "rejected": self.rejected,
+            "served": self.served,
+        }
+
+    def _full_message(self, need: int, why: str = "") -> str:
+        alloc = self.arena.allocator
+        return (
+            f"storage unit {self.unit_id} is full: {alloc.used} of {alloc.capacity} bytes used "
+            f"(this write needs {need} bytes, the largest free extent is {alloc.largest_free}){why}; "
+            "clear consumed samples or raise storage_capacity"
+        )
+
+
+def _no_frames(msg: Any, frames: list[Any]) -> None:
+    if frames:
+        raise ProtocolError(f"{type(msg).__name__} carries no data frames, got {len(frames)}")

@@ -1,0 +1,234 @@
+"""The row index of a unit: where each (partition, field, global index) lives in the arena.
+
+Per partition and field, a dict maps each global index to a row tuple
+`(offset, nbytes, length, chunk)`: the row's bytes in the arena, its length along the ragged
+dimension (0 for dense fields) and the chunk that holds it. A Read of a few hundred rows costs a
+few hundred dict look-ups per field and one pass merging rows whose bytes are adjacent in the
+arena into runs (consecutive rows of one Write always are), never any per-byte Python work.
+
+A field's `FieldSpec` is fixed while the partition holds rows of it: a reader gets only bytes
+and lengths, so rows of one field written with two different dtypes or shapes could not be told
+apart. The spec is forgotten when the field's last row is freed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from transfer_queue._errors import SchemaError
+from transfer_queue._meta import FieldSpec
+
+from .arena import Arena, Chunk
+
+__all__ = ["Row", "Column", "Partition", "ReadPlan", "Table"]
+
+Row = tuple[int, int, int, Chunk]
+"""(arena offset, nbytes, ragged length or 0, chunk holding the bytes)."""
+
+_LISTED = 10  # how many missing indexes an error message names
+
+
+class Column:
+    """The rows of one field of one partition."""
+
+    __slots__ = ("spec", "rows")
+
+    def __init__(self, spec: FieldSpec):
+        self.spec = spec
+        self.rows: dict[int, Row] = {}
+
+
+class Partition:
+    """The columns of one partition, and how many columns hold each index (for row counts)."""
+
+    __slots__ = ("columns", "held")
+
+    def __init__(self) -> None:
+        self.columns: dict[str, Column] = {}
+        self.held: dict[int, int] = {}
+
+
+class ReadPlan:
+    """What a Read returns: per-field ragged lengths and arena runs, plus the chunks per run.
+
+    `chunks[i]` lists the chunks the i-th run (counting across fields in request order)
+    touches, so a zero-copy reply can hold them until ZeroMQ has sent the bytes.
+    """
+
+    __slots__ = ("lengths", "runs", "chunks")
+
+    def __init__(self) -> None:
+        self.lengths: dict[str, list[int]] = {}
+        self.runs: dict[str, list[tuple[int, int]]] = {}
+        self.chunks: list[list[Chunk]] = []
+
+
+class Table:
+    """All rows a unit holds, by partition and field; owns their references on arena chunks."""
+
+    def __init__(self, arena: Arena, unit_id: int = 0):
+        self.arena = arena
+        self.unit_id = unit_id
+        self.partitions: dict[str, Partition] = {}
+
+    # -- writing -------------------------------------------------------------------------
+
+    def check_specs(self, partition: str, fields: dict[str, FieldSpec]) -> None:
+        """Raise `SchemaError` if a field already holds rows of another dtype or shape."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        for name, spec in fields.items():
+            col = part.columns.get(name)
+            if col is not None and col.spec != spec:
+                raise SchemaError(
+                    f"field {name!r} of partition {partition!r} holds rows of dtype {col.spec.dtype} "
+                    f"and shape {list(col.spec.shape)} on storage unit {self.unit_id}; this write has "
+                    f"dtype {spec.dtype} and shape {list(spec.shape)}. Write matching tensors, or free "
+                    "the field's rows first"
+                )
+
+    def insert(
+        self,
+        partition: str,
+        name: str,
+        spec: FieldSpec,
+        indexes: Sequence[int],
+        chunk: Chunk,
+        lengths: Sequence[int] | None = None,
+    ) -> None:
+        """Register rows `indexes` of field `name`, laid out back to back in `chunk`.
+
+        Dense rows take `spec.row_bytes` each; ragged rows `lengths[i] * spec.row_bytes`.
+        A row that already exists is replaced and its old bytes released (producers retry).
+        The caller has validated sizes and specs (`check_specs`) and keeps its own chunk reference.
+        """
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self.partitions[partition] = Partition()
+        col = part.columns.get(name)
+        if col is None:
+            col = part.columns[name] = Column(spec)
+        rows, held, unref = col.rows, part.held, self.arena.unref
+        row_bytes = spec.row_bytes
+        base = chunk.offset
+        if lengths is None:
+            sizes: Iterable[int] = [row_bytes] * len(indexes)
+            lens: Iterable[int] = [0] * len(indexes)
+        else:
+            sizes = [n * row_bytes for n in lengths]
+            lens = lengths
+        chunk.refs += len(indexes)
+        offset = base
+        for index, size, length in zip(indexes, sizes, lens):
+            old = rows.get(index)
+            rows[index] = (offset, size, length, chunk)
+            offset += size
+            if old is None:
+                held[index] = held.get(index, 0) + 1
+            else:
+                unref(old[3])
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, partition: str, indexes: Sequence[int], fields: Sequence[str]) -> ReadPlan:
+        """Lengths and runs of `fields` for `indexes` (rows in the given order).
+
+        Raises `SchemaError` naming the unknown partition, field or indexes.
+        """
+        part = self.partitions.get(partition)
+        if part is None:
+            raise SchemaError(f"storage unit {self.unit_id} holds no rows of partition {partition!r}")
+        plan = ReadPlan()
+        for name in fields:
+            col = part.columns.get(name)
+            if col is None:
+                held = sorted(part.columns)
+                raise SchemaError(
+                    f"partition {partition!r} on storage unit {self.unit_id} has no field {name!r} "
+                    f"(it holds {held[:20]}{' ...' if len(held) > 20 else ''})"
+                )
+            rows = col.rows
+            try:
+                entries = [rows[i] for i in indexes]
+            except KeyError:
+                missing = [i for i in indexes if i not in rows]
+                listed = ", ".join(map(str, missing[:_LISTED])) + (" ..." if len(missing) > _LISTED else "")
+                raise SchemaError(
+                    f"storage unit {self.unit_id} holds no row(s) [{listed}] ({len(missing)} of "
+                    f"{len(indexes)} requested) of field {name!r} in partition {partition!r}"
+                ) from None
+            if col.spec.ragged:
+                plan.lengths[name] = [e[2] for e in entries]
+            plan.runs[name] = _merge_runs(entries, plan.chunks)
+        return plan
+
+    # -- freeing -------------------------------------------------------------------------
+
+    def remove(self, partition: str, indexes: Iterable[int] | None = None) -> int:
+        """Drop rows (all rows of the partition when `indexes` is None); returns rows dropped.
+
+        Unknown partitions and indexes are ignored: freeing is idempotent.
+        """
+        part = self.partitions.get(partition)
+        if part is None:
+            return 0
+        unref = self.arena.unref
+        if indexes is None:
+            for col in part.columns.values():
+                for row in col.rows.values():
+                    unref(row[3])
+            del self.partitions[partition]
+            return len(part.held)
+        held = part.held
+        dropped = 0
+        for index in indexes:
+            if held.pop(index, None) is None:
+                continue
+            dropped += 1
+            for col in part.columns.values():
+                row = col.rows.pop(index, None)
+                if row is not None:
+                    unref(row[3])
+        if dropped:
+            for name in [n for n, c in part.columns.items() if not c.rows]:
+                del part.columns[name]
+            if not part.columns:
+                del self.partitions[partition]
+        return dropped
+
+    # -- status --------------------------------------------------------------------------
+
+    def row_counts(self) -> dict[str, int]:
+        """Rows (indexes holding at least one field) per partition."""
+        return {name: len(part.held) for name, part in self.partitions.items()}
+
+    def fields(self, partition: str) -> dict[str, FieldSpec]:
+        part = self.partitions.get(partition)
+        return {} if part is None else {n: c.spec for n, c in part.columns.items()}
+
+
+def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int, int]]:
+    """Runs of (offset, nbytes) covering `entries` in order; empty rows contribute nothing.
+
+    Appends, per run, the chunks it touches to `chunks` (a run crosses a chunk boundary only
+    when two chunks happen to be adjacent in the arena and the first ends on a page boundary).
+    """
+    starts: list[int] = []
+    ends: list[int] = []
+    end = -1
+    for offset, nbytes, _, chunk in entries:
+        if nbytes == 0:
+            continue
+        if offset == end:
+            end = ends[-1] = offset + nbytes
+            run_chunks = chunks[-1]
+            if run_chunks[-1] is not chunk:
+                run_chunks.append(chunk)
+        else:
+            end = offset + nbytes
+            starts.append(offset)
+            ends.append(end)
+            chunks.append([chunk])
+    return [(s, e - s) for s, e in zip(starts, ends)]
+

@@ -1,0 +1,127 @@
+"""The arena: the extent allocator's bookkeeping, and the shared-memory file's life cycle."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage.arena import Arena, ExtentAllocator
+
+PAGE = 16
+PAGES = 64
+
+
+def _check(alloc: ExtentAllocator, live: dict[int, int]) -> None:
+    """Live extents never overlap each other or the free list; together they tile the space."""
+    spans = sorted((off, alloc.rounded(n)) for off, n in live.items() if n)
+    spans += alloc.extents()
+    spans.sort()
+    pos = 0
+    for off, size in spans:
+        assert off == pos, f"gap or overlap at {off} (expected {pos}): {spans}"
+        assert size > 0
+        pos = off + size
+    assert pos == alloc.capacity
+    assert alloc.used == sum(alloc.rounded(n) for n in live.values())
+    free = alloc.extents()
+    for (a, na), (b, _) in zip(free, free[1:]):
+        assert a + na < b, "adjacent free extents were not coalesced"
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(0, PAGE * PAGES // 3)),
+        st.tuples(st.just("free"), st.integers(0, 1 << 30)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_random_alloc_free_never_overlaps_and_coalesces(seq: list[tuple[str, int]]) -> None:
+    alloc = ExtentAllocator(PAGE * PAGES, PAGE)
+    live: dict[int, int] = {}  # offset -> requested bytes (non-empty extents only)
+    for op, arg in seq:
+        if op == "alloc":
+            off = alloc.alloc(arg)
+            if off is None:
+                assert alloc.largest_free < alloc.rounded(arg), "first fit missed a free extent that fits"
+            elif arg:
+                assert off % PAGE == 0 and off not in live
+                live[off] = arg
+        elif live:
+            off = sorted(live)[arg % len(live)]
+            alloc.free(off, live.pop(off))
+        _check(alloc, live)
+    for off, n in list(live.items()):
+        alloc.free(off, n)
+    assert alloc.used == 0
+    assert alloc.extents() == [(0, PAGE * PAGES)]
+
+
+def test_first_fit_reuses_the_lowest_hole() -> None:
+    alloc = ExtentAllocator(PAGE * 8, PAGE)
+    a, b, c = alloc.alloc(PAGE), alloc.alloc(2 * PAGE), alloc.alloc(PAGE)
+    assert (a, b, c) == (0, PAGE, 3 * PAGE)
+    alloc.free(b, 2 * PAGE)
+    assert alloc.alloc(1) == PAGE  # the hole, not the tail
+    assert alloc.alloc(PAGE * 5) is None  # 1 + 4 pages free, never 5 in one piece
+    assert alloc.alloc(PAGE * 4) == 4 * PAGE
+    assert alloc.used == alloc.capacity - PAGE
+
+
+def test_zero_bytes_cost_nothing_and_bad_frees_are_refused() -> None:
+    alloc = ExtentAllocator(PAGE * 4, PAGE)
+    assert alloc.alloc(0) == 0 and alloc.used == 0
+    alloc.free(0, 0)
+    off = alloc.alloc(PAGE + 1)
+    assert alloc.used == 2 * PAGE
+    with pytest.raises(ValueError):
+        alloc.free(off + 1, PAGE)  # misaligned
+    with pytest.raises(ValueError):
+        alloc.free(2 * PAGE, PAGE)  # already free
+    alloc.free(off, PAGE + 1)
+    with pytest.raises(ValueError):
+        alloc.free(off, PAGE + 1)  # double free
+    with pytest.raises(ValueError):
+        ExtentAllocator(PAGE - 1, PAGE)
+    with pytest.raises(ValueError):
+        ExtentAllocator(1000, 24)
+
+
+def test_chunks_free_their_extent_with_the_last_reference() -> None:
+    with Arena(f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u0", 1 << 20) as arena:
+        chunk = arena.new_chunk(100_000)
+        assert chunk is not None and arena.used == 2 * (64 << 10)
+        chunk.refs += 2  # two rows
+        assert not arena.unref(chunk)  # the creator lets go
+        assert not arena.unref(chunk)
+        assert arena.unref(chunk) and arena.used == 0
+        with pytest.raises(ValueError):
+            arena.unref(chunk)
+
+
+def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
+    path = f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u1"
+    arena = Arena(path, (4 << 20) + 100)
+    try:
+        assert os.path.getsize(path) == (4 << 20) + 100
+        assert arena.capacity == 4 << 20  # whole pages only
+        with pytest.raises(FileExistsError):
+            Arena(path, 1 << 20)  # another unit with the same name must not clobber this one
+        arena.array[:4] = [1, 2, 3, 4]
+        with open(path, "rb") as f:
+            assert f.read(4) == b"\x01\x02\x03\x04"  # the file is the memory
+        assert arena.tensor[:4].tolist() == [1, 2, 3, 4]
+        arena.start_prefault()
+        assert arena.wait_prefault(30)
+        assert arena.prefaulted in (0, arena.size)  # 0 only where the kernel lacks the advice
+    finally:
+        arena.close()
+    assert not os.path.exists(path)
+    arena.close()  # idempotent

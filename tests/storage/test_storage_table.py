@@ -1,0 +1,97 @@
+"""The row index: placement of rows in chunks, run merging, replacement and freeing."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Iterator
+
+import pytest
+
+from storage.arena import Arena
+from storage.table import Table
+from transfer_queue._errors import SchemaError
+from transfer_queue._meta import RAGGED, FieldSpec
+
+PAGE = 64 << 10
+DENSE = FieldSpec("float32", (4,))  # 16 bytes per row
+RAGGED_SPEC = FieldSpec("int64", (RAGGED,))  # 8 bytes per element
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    with Arena(f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u0", 1 << 20) as a:
+        yield a
+
+
+def _insert(table: Table, arena: Arena, partition: str, name: str, spec: FieldSpec, indexes, lengths=None):
+    nbytes = spec.row_bytes * (sum(lengths) if lengths is not None else len(indexes))
+    chunk = arena.new_chunk(nbytes)
+    table.insert(partition, name, spec, indexes, chunk, lengths)
+    arena.unref(chunk)  # the creator's reference
+    return chunk
+
+
+def test_dense_rows_merge_into_runs_in_request_order(arena: Arena) -> None:
+    table = Table(arena, unit_id=4)
+    a = _insert(table, arena, "p", "x", DENSE, [10, 11, 12, 13])
+    b = _insert(table, arena, "p", "x", DENSE, [20, 21])
+    assert b.offset == a.offset + PAGE
+    plan = table.read("p", [11, 12, 13, 20, 21, 10], ["x"])
+    assert plan.runs == {"x": [(a.offset + 16, 48), (b.offset, 32), (a.offset, 16)]}
+    assert plan.lengths == {}
+    assert [len(c) for c in plan.chunks] == [1, 1, 1]
+    assert table.row_counts() == {"p": 6}
+
+
+def test_ragged_rows_keep_lengths_and_skip_empty_rows(arena: Arena) -> None:
+    table = Table(arena)
+    c = _insert(table, arena, "p", "ids", RAGGED_SPEC, [0, 1, 2, 3], lengths=[3, 0, 2, 5])
+    plan = table.read("p", [0, 1, 2, 3], ["ids"])
+    assert plan.lengths == {"ids": [3, 0, 2, 5]}
+    assert plan.runs == {"ids": [(c.offset, 80)]}
+    plan = table.read("p", [1], ["ids"])
+    assert plan.runs == {"ids": []} and plan.lengths == {"ids": [0]}
+    plan = table.read("p", [3, 0], ["ids"])
+    assert plan.runs == {"ids": [(c.offset + 40, 40), (c.offset, 24)]}
+
+
+def test_replacing_a_row_releases_the_old_chunk(arena: Arena) -> None:
+    table = Table(arena)
+    _insert(table, arena, "p", "x", DENSE, [0, 1])
+    assert arena.used == PAGE
+    _insert(table, arena, "p", "x", DENSE, [1])
+    assert arena.used == 2 * PAGE  # row 0 still holds the first chunk
+    new = _insert(table, arena, "p", "x", DENSE, [0])
+    assert new.offset == 2 * PAGE
+    assert arena.used == 2 * PAGE  # the first chunk went back when its last row was replaced
+    assert arena.alloc(1) == 0
+    assert table.row_counts() == {"p": 2}
+
+
+def test_remove_is_idempotent_and_frees_chunks(arena: Arena) -> None:
+    table = Table(arena)
+    _insert(table, arena, "p", "x", DENSE, [0, 1, 2])
+    _insert(table, arena, "p", "ids", RAGGED_SPEC, [0, 1, 2], lengths=[1, 1, 1])
+    _insert(table, arena, "q", "x", DENSE, [0])
+    assert table.remove("p", [1, 99]) == 1
+    assert table.remove("p", [1]) == 0
+    assert table.remove("nope", [1]) == 0
+    assert arena.used == 3 * PAGE
+    assert table.remove("p", [0, 2]) == 2
+    assert table.row_counts() == {"q": 1} and arena.used == PAGE
+    assert table.fields("p") == {}  # the spec is forgotten with the last row
+    assert table.remove("q") == 1 and arena.used == 0
+
+
+def test_schema_errors_say_what_is_missing(arena: Arena) -> None:
+    table = Table(arena, unit_id=2)
+    _insert(table, arena, "p", "x", DENSE, [0, 1])
+    with pytest.raises(SchemaError, match="no rows of partition 'q'"):
+        table.read("q", [0], ["x"])
+    with pytest.raises(SchemaError, match="has no field 'y'"):
+        table.read("p", [0], ["y"])
+    with pytest.raises(SchemaError, match=r"no row\(s\) \[5, 7\] \(2 of 3 requested\) of field 'x'"):
+        table.read("p", [0, 5, 7], ["x"])
+    with pytest.raises(SchemaError, match="holds rows of dtype float32"):
+        table.check_specs("p", {"x": FieldSpec("float16", (4,))})
+    table.check_specs("p", {"x": DENSE, "y": FieldSpec("int8", ())})
