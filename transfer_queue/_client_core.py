@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._errors import ProtocolError, SchemaError, error_from_code
+from ._errors import CapacityError, ProtocolError, SchemaError, error_from_code
 from ._messages import (
     Ack,
     AbortPut,
@@ -275,6 +275,12 @@ class ClientCore:
         for unit_id in np.unique(units).tolist():
             positions = np.flatnonzero(units == unit_id)
             buffers, lengths = cols.slice(positions)
+            nbytes = sum(b.numel() for b in buffers)
+            if nbytes > self.units[unit_id].capacity:
+                raise CapacityError(
+                    f"{len(positions)} samples ({nbytes} bytes) exceed storage unit {unit_id}'s whole capacity "
+                    f"of {self.units[unit_id].capacity} bytes; put smaller batches or raise storage_capacity"
+                )
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout)
             data = [b.numpy() for b in buffers] if via == "frames" else ()

@@ -62,8 +62,10 @@ def test_full_storage_pushes_back_then_recovers():
         with pytest.raises(tq.CapacityError):
             client.put(big(), timeout=0.5)
         assert time.monotonic() - started >= 0.4
+        with pytest.raises(tq.CapacityError, match="whole capacity"):
+            client.put(TensorDict({"x": torch.zeros(40, 65536)}, batch_size=[40]))  # 10 MiB > 8 MiB
         status = client.status()["partitions"]["train"]
-        assert status["samples"] == 32, "the refused put left nothing behind"
+        assert status["samples"] == 32, "the refused puts left nothing behind"
         # a blocked put goes through once space is freed
         done = {}
         thread = threading.Thread(target=lambda: done.setdefault("meta", client2.put(big(), timeout=20)))
