@@ -222,7 +222,9 @@ class RpcClient:
     """A DEALER socket to one `RpcServer`, used from one thread.
 
     `call` sends a request and waits for its reply; a `Failed` reply is raised as the Sluice
-    error it names. A peer that is not reachable or does not answer raises `WeightSyncError`.
+    error it names. A peer that is not reachable, drops the connection while a call waits
+    (watched through a socket monitor, so a killed publisher is noticed at once) or does not
+    answer in time raises `WeightSyncError`.
     """
 
     def __init__(self, endpoint: str, timeout: float = 10.0, connect_timeout: float = 2.0):
@@ -232,19 +234,28 @@ class RpcClient:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # refuse to queue for a peer that is not connected
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count(1)
 
     def call(self, msg: msgspec.Struct, timeout: float | None = None) -> Any:
         """Send `msg` and return the reply; waits at most `timeout` (default: the client's)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         rid = next(self._ids)
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()  # disconnects before this call are history
         if not self._sock.poll(max(0, min(deadline - time.monotonic(), self.connect_timeout)) * 1000, zmq.POLLOUT):
             raise WeightSyncError(f"publisher at {self.endpoint} is not reachable (gone, or not started)")
         self._sock.send_multipart(REQUEST_CODEC.encode(rid, msg), copy=False)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(left * 1000, zmq.POLLIN):
+            ready = dict(self._poller.poll(left * 1000)) if left > 0 else {}
+            if self._monitor in ready:
+                raise WeightSyncError(f"the publisher at {self.endpoint} dropped the connection (gone?)")
+            if self._sock not in ready:
                 raise WeightSyncError(f"no reply from the publisher at {self.endpoint} within the timeout (gone?)")
             got, reply, _ = REPLY_CODEC.decode(self._sock.recv_multipart())
             if got != rid:
@@ -254,6 +265,8 @@ class RpcClient:
             return reply
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
 

@@ -114,6 +114,9 @@ class WeightSubscriber:
         """The version the tensors hold (-1: none applied yet)."""
         self.last_apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
+        self.last_sources: list[str] = []
+        """Per publisher rank, where the last received version came from: "" for the rank
+        itself, else the endpoint of the subscriber that relayed it."""
         self._relay = relay
         self._host = host
         self._buffers = buffers
@@ -182,10 +185,10 @@ class WeightSubscriber:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._receiver is not None:
-            self._receiver.join(timeout=self.timeout)
         for transport in self._offered:
-            transport.close()
+            transport.close()  # unblocks a receiver waiting on a socket
+        if self._receiver is not None:
+            self._receiver.join(timeout=1.0 if self._transport.mode == "image" else self.timeout)
         for client in [self._coordinator, *self._rank_clients.values()]:
             if client is not None:
                 client.close()
@@ -385,9 +388,7 @@ class WeightSubscriber:
             slot = self._recv.claim(version, plan.nbytes, self.timeout)
             self._holding = (version, plan)
             buffer = slot.segment.tensor
-            for rank, grant in enumerate(grants):
-                if plan.reads(rank):
-                    self._pull(rank, version, grant, plan, slot)
+            sources = [self._pull(r, version, g, plan, slot) if plan.reads(r) else "" for r, g in enumerate(grants)]
             if not offer.complete:
                 self._coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
             checksums = self._verify(plan, grants) if self.validate else {}
@@ -397,13 +398,16 @@ class WeightSubscriber:
             raise
         finally:
             self._release(grants)
+        self.last_sources = sources
         self._ready(version, plan, slot, {r: buffer for r in range(len(grants))}, checksums)
         return version
 
-    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot) -> None:  # noqa: ANN001
-        """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank."""
+    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot) -> str:  # noqa: ANN001
+        """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank.
+        Returns where they came from ("" for the rank itself)."""
         try:
             self._transport.receive(self._job(rank, version, grant, plan, slot))
+            return grant.source
         except WeightSyncError as exc:
             if not grant.source:
                 raise
@@ -413,6 +417,7 @@ class WeightSubscriber:
                 self._transport.receive(self._job(rank, version, direct, plan, slot))
             finally:
                 self._release_one(rank, direct)
+            return ""
 
     def _release_one(self, rank: int, grant: Granted) -> None:
         try:

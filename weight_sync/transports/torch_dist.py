@@ -24,13 +24,20 @@ from .base import Job, Transport, register
 
 __all__ = ["TorchTransport"]
 
+_WORLD = "sluice/weight_sync/world_size"
+_RANK = "sluice/weight_sync/rank"
+_GOODBYE = -2
+"""Header version that tells subscribers the publisher closed the group."""
+_IDLE = datetime.timedelta(days=7)
+"""How long a subscriber waits for the next version's header (trainer steps can be long)."""
 _HEADER = 5
 """int64s opening each broadcast: version, manifest id - 2**63, slot bytes, buckets, bucket bytes."""
 
 
 @register
 class TorchTransport(Transport):
-    """Broadcast to a group of `world_size` (the publisher and `world_size - 1` subscribers)."""
+    """Broadcast to a group of `world_size` (the publisher and `world_size - 1` subscribers;
+    subscribers learn it from the publisher's store)."""
 
     name = "torch"
     mode = "image"
@@ -48,6 +55,7 @@ class TorchTransport(Transport):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._bounce: torch.Tensor | None = None
+        self._ended = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -64,22 +72,23 @@ class TorchTransport(Transport):
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
         return dist.ProcessGroupGloo(store, rank, self.world_size, opts)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
         """Broadcast `tensor` (CPU) from group rank 0, through a device buffer under NCCL."""
         if self.device.type == "cpu":
-            self._group.broadcast(tensor, 0).wait()
+            self._group.broadcast(tensor, 0, timeout).wait()
             return
         if self._bounce is None or self._bounce.numel() < tensor.numel():
             self._bounce = torch.empty(tensor.numel(), dtype=tensor.dtype, device=self.device)
         bounce = self._bounce[: tensor.numel()]
         bounce.copy_(tensor)
-        self._group.broadcast(bounce, 0).wait()
+        self._group.broadcast(bounce, 0, timeout).wait()
         tensor.copy_(bounce)
 
     # -- publisher -----------------------------------------------------------------------
 
     def serve(self, source) -> str:  # noqa: ANN001 - the pusher reads slots it is sent
         self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout))
+        self._store.set(_WORLD, str(self.world_size))
         self._thread = threading.Thread(target=self._push_loop, name="sluice-ws-torch", daemon=True)
         self._thread.start()
         return f"{self.host}:{self._store.port}"
@@ -102,6 +111,10 @@ class TorchTransport(Transport):
                 while self._queued is None and not self._closed:
                     self._cond.wait()
                 if self._closed:
+                    try:
+                        self._broadcast(torch.full((_HEADER,), _GOODBYE, dtype=torch.int64))
+                    except RuntimeError:
+                        pass  # members are gone already
                     return
                 slot, version, release = self._queued
                 self._queued = None
@@ -137,38 +150,43 @@ class TorchTransport(Transport):
             if self._group is None:
                 host, port = job.endpoint.rsplit(":", 1)
                 store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
-                rank = store.add("sluice/weight_sync/rank", 1)
+                self.world_size = int(store.get(_WORLD))
+                rank = store.add(_RANK, 1)
                 if rank >= self.world_size:
                     raise WeightSyncError(f"the torch group is full ({self.world_size} members); raise world_size at the publisher")
                 self._group = self._make_group(store, rank)
+            if self._ended:
+                raise WeightSyncError("the publisher closed the torch group")
             while True:
                 header = torch.zeros(_HEADER, dtype=torch.int64)
-                self._broadcast(header)
+                self._broadcast(header, _IDLE)  # the next version may be far off
                 version, manifest, size, buckets, bucket = header.tolist()
-                into = job.into(size) if version >= job.version else torch.empty(size, dtype=torch.uint8)
+                if version == _GOODBYE:
+                    self._ended = True
+                    raise WeightSyncError("the publisher closed the torch group")
+                wanted = version >= job.version
+                if wanted:
+                    job.version, job.manifest = version, manifest + (1 << 63)
+                into = job.into(size) if wanted else torch.empty(size, dtype=torch.uint8)
                 for k in range(buckets):
                     self._broadcast(into[k * bucket : min((k + 1) * bucket, size)])
                 ok = torch.zeros(1, dtype=torch.int64)
                 self._broadcast(ok)
-                if version >= job.version:
+                if wanted:
                     if not ok.item():
                         raise WeightSyncError(f"the publisher abandoned version {version} while broadcasting it")
-                    job.version, job.manifest = version, manifest + (1 << 63)
                     return into
         except RuntimeError as exc:
             raise WeightSyncError(f"torch.distributed broadcast failed: {exc}") from exc
 
     def close(self) -> None:
+        """Publisher: say goodbye to the group and stop. Subscriber: leave; a receive blocked
+        in the collective cannot be interrupted (gloo has no cancel) and ends with the group."""
         with self._cond:
             self._closed = True
             if self._queued is not None:
                 self._queued[2]()
             self._queued = None
             self._cond.notify_all()
-        if self._group is not None:
-            try:
-                self._group.abort()
-            except (RuntimeError, AttributeError):
-                pass
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -1,0 +1,187 @@
+"""The channel over real processes and sockets, for every transport: versions arrive whole and
+in place, never mixed; late joiners get the newest; a publisher killed mid-transfer leaves
+subscribers on the previous version; tcp relays along a chain."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from weight_sync import TcpTransport, UcxTransport, WeightPublisher
+
+from .workers import BUCKET, kill, publisher, subscriber, transport_of, weights
+
+TRANSPORTS = [
+    pytest.param("shm", id="shm"),
+    pytest.param("tcp", id="tcp"),
+    pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")),
+    pytest.param("torch", id="torch"),
+]
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["tests.weight_sync.workers"])  # workers fork from a process that imported torch once
+
+
+def _publisher_transport(name: str, subscribers: int):
+    """A picklable spec (`workers.transport_of` builds it): torch needs the group's size."""
+    return ("torch", {"world_size": subscribers + 1}) if name == "torch" else name
+
+
+class Subscribers:
+    """Subscriber processes and the events they report."""
+
+    def __init__(self, n: int, endpoint: str | None, transport, address: str | None = None, first_id: int = 0, **kwargs):
+        self.out = CTX.Queue()
+        self.stop = CTX.Event()
+        self.procs = [
+            CTX.Process(target=subscriber, args=(self.out, self.stop, first_id + i, address, endpoint, transport, dict(kwargs)), daemon=True)
+            for i in range(n)
+        ]
+        self.ids = [first_id + i for i in range(n)]
+        self.latest = {i: -1 for i in self.ids}
+        self.errors = {i: 0 for i in self.ids}
+        for p in self.procs:
+            p.start()
+
+    def _drain(self, timeout: float) -> tuple | None:
+        try:
+            event = self.out.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return None
+        if event[0] == "applied":
+            self.latest[event[1]] = event[2]
+        elif event[0] == "error":
+            self.errors[event[1]] += 1
+        return event
+
+    def wait_applied(self, version: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.latest.values()) < version:
+            assert time.monotonic() < deadline, f"subscribers hold {self.latest}, waited for {version}"
+            self._drain(0.2)
+
+    def wait_errors(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.errors.values()) < 1:
+            assert time.monotonic() < deadline, f"subscribers saw no error: {self.errors}"
+            self._drain(0.2)
+
+    def finish(self, timeout: float = 60.0) -> dict[int, dict]:
+        self.stop.set()
+        summaries: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(summaries) < len(self.procs):
+            assert time.monotonic() < deadline, "subscribers did not finish"
+            event = self._drain(0.5)
+            if event is not None and event[0] == "done":
+                summaries[event[1]] = event[2]
+        for p in self.procs:
+            p.join(10)
+        return summaries
+
+
+def _check(summary: dict, final: int) -> None:
+    assert summary["errors"] == [] or all("WeightSyncError" in e for e in summary["errors"]), summary["errors"]
+    assert not summary["mixed"], "a subscriber held a mix of versions"
+    assert not summary["moved"], "a tensor was reallocated"
+    assert summary["applied"] == sorted(set(summary["applied"])), summary["applied"]
+    assert summary["final"] == final and summary["exact"]
+
+
+def _no_segments_left() -> None:
+    assert not glob.glob("/dev/shm/*sluice*weights*")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_versions_arrive_whole_and_in_place(transport):
+    """Two subscriber processes take v1, then v2, in place and exact; then versions 3..10
+    published back to back never show up mixed."""
+    pub = WeightPublisher(None, transport=transport_of(_publisher_transport(transport, 2)), bucket_bytes=BUCKET)
+    subs = Subscribers(2, pub.endpoint, transport)
+    try:
+        pub.publish(weights(1), 1)
+        subs.wait_applied(1)
+        pub.publish(weights(2), 2)
+        subs.wait_applied(2)
+        for version in range(3, 11):
+            pub.publish(weights(version), version)
+        subs.wait_applied(10)
+        for summary in subs.finish().values():
+            assert summary["applied"][:2] == [1, 2]
+            _check(summary, 10)
+    finally:
+        pub.close()
+    _no_segments_left()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_late_joiner_gets_the_newest(transport):
+    pub = WeightPublisher(None, transport=transport_of(_publisher_transport(transport, 1)), bucket_bytes=BUCKET)
+    try:
+        for version in (1, 2, 3):
+            pub.publish(weights(version), version)
+        subs = Subscribers(1, pub.endpoint, transport)
+        subs.wait_applied(3)
+        (summary,) = subs.finish().values()
+        assert summary["applied"] == [3]
+        _check(summary, 3)
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
+    """The trainer dies while version 2 is half staged (and, for streaming transports, half
+    sent): subscribers report `WeightSyncError` and keep version 1, exactly."""
+    commands, out = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=publisher, args=(out, commands, None, _publisher_transport(transport, 2), {"bucket_bytes": BUCKET}), daemon=True)
+    proc.start()
+    try:
+        _, endpoint = out.get(timeout=60)
+        subs = Subscribers(2, endpoint, transport)
+        commands.put(("publish", 1))
+        subs.wait_applied(1)
+        commands.put(("publish", 2, True))
+        while out.get(timeout=30)[0] != "stalled":
+            pass
+        time.sleep(0.5)  # let streaming subscribers start on version 2
+        kill(proc)
+        subs.wait_errors()
+        for summary in subs.finish().values():
+            assert 2 not in summary["applied"]
+            _check(summary, 1)
+    finally:
+        if proc.is_alive():
+            kill(proc)
+
+
+def test_tcp_relay_chain():
+    """With fanout 1 the second subscriber pulls from the first, which relays as it receives."""
+    pub = WeightPublisher(None, transport=TcpTransport(fanout=1), bucket_bytes=BUCKET)
+    subs = Subscribers(2, pub.endpoint, "tcp")
+    try:
+        for version in (1, 2):
+            pub.publish(weights(version), version)
+            subs.wait_applied(version)
+        summaries = subs.finish()
+        sources = sorted(s["sources"][0] for s in summaries.values())
+        assert sources[0] == "" and sources[1].startswith("127.0.0.1:"), sources
+        for summary in summaries.values():
+            _check(summary, 2)
+    finally:
+        pub.close()
+
+
+def test_publisher_cleans_up_its_threads_and_memory():
+    before = {t for t in os.listdir(f"/proc/{os.getpid()}/task")}
+    pub = WeightPublisher(None, transport="auto", bucket_bytes=BUCKET)
+    pub.publish(weights(1), 1)
+    pub.close()
+    time.sleep(0.2)
+    after = {t for t in os.listdir(f"/proc/{os.getpid()}/task")}
+    assert len(after - before) <= 1, "publisher threads outlived close()"  # ucx keeps its progress thread
+    fds = os.listdir(f"/proc/{os.getpid()}/fd")
+    assert not any("sluice-weights" in os.readlink(f"/proc/{os.getpid()}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"))

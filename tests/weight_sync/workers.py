@@ -1,0 +1,188 @@
+"""Process entry points for the weight-sync tests: subscribers and publishers in their own
+processes (spawned), reporting to the test through a queue. Weights are deterministic per
+version, so every process can compute what it must hold and compare exactly."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+import traceback
+
+import torch
+
+import weight_sync  # noqa: F401 - preloaded by the forkserver
+
+SHAPES = {
+    "model.embed_tokens.weight": (512, 96),
+    "model.layers.0.self_attn.q_proj.weight": (96, 96),
+    "model.layers.0.self_attn.k_proj.weight": (32, 96),
+    "model.layers.0.self_attn.v_proj.weight": (32, 96),
+    "model.layers.0.self_attn.o_proj.weight": (96, 96),
+    "model.layers.0.mlp.gate_proj.weight": (256, 96),
+    "model.layers.0.mlp.up_proj.weight": (256, 96),
+    "model.layers.0.mlp.down_proj.weight": (96, 256),
+    "model.layers.0.input_layernorm.weight": (96,),
+    "model.norm.weight": (96,),
+    "lm_head.weight": (512, 96),
+}
+"""A tiny Llama: ~0.5 MB in bf16, several 64 KiB buckets, one tensor split over buckets."""
+
+BUCKET = 64 << 10
+
+
+def weights(version: int, dtype: torch.dtype = torch.bfloat16, shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
+    """The (global) weights of `version`: the same in every process."""
+    gen = torch.Generator().manual_seed(version)
+    return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
+
+
+def transport_of(spec: str | tuple):
+    """A transport from a picklable spec: a name, or (name, kwargs)."""
+    from weight_sync.transports import get
+
+    if isinstance(spec, str):
+        return spec
+    name, kwargs = spec
+    return get(name)(**kwargs)
+
+
+def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dict) -> None:
+    """Poll until `stop` is set; after every apply check that every tensor holds exactly the
+    applied version. Reports each applied version, errors, and a final summary."""
+    torch.set_num_threads(1)
+    from weight_sync import WeightSubscriber
+
+    tp = kwargs.pop("tp", None)
+    shapes = kwargs.pop("shapes", SHAPES)
+    expect_fn = kwargs.pop("expect", None)
+    mine = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    if tp is not None:
+        from weight_sync import LLAMA, TPShard
+
+        kwargs["shard"] = TPShard(tp[0], tp[1])
+        kwargs["mapping"] = LLAMA
+        mine = local_targets(tp[0], tp[1])
+    ptrs = {name: t.data_ptr() for name, t in mine.items()}
+    summary = {"id": sub_id, "applied": [], "errors": [], "mixed": False, "moved": False}
+    try:
+        sub = WeightSubscriber(address, mine, transport=transport_of(transport), publisher=endpoint, **kwargs)
+        while not stop.is_set():
+            try:
+                version = sub.poll()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                summary["errors"].append(f"{type(exc).__name__}: {exc}")
+                out.put(("error", sub_id, type(exc).__name__))
+                time.sleep(0.05)
+                continue
+            if version is None:
+                time.sleep(0.002)
+                continue
+            expected = local_targets(tp[0], tp[1], version) if tp is not None else weights(version, shapes=shapes)
+            if not all(torch.equal(mine[n], expected[n]) for n in mine):
+                summary["mixed"] = True
+            if any(mine[n].data_ptr() != ptrs[n] for n in mine):
+                summary["moved"] = True
+            summary["applied"].append(version)
+            out.put(("applied", sub_id, version))
+        summary["sources"] = list(sub.last_sources)
+        sub.close()
+        summary["final"] = sub.version
+        final = local_targets(tp[0], tp[1], sub.version) if tp is not None else weights(sub.version, shapes=shapes)
+        summary["exact"] = sub.version < 0 or all(torch.equal(mine[n], final[n]) for n in mine)
+    except Exception:  # noqa: BLE001
+        summary["errors"].append(traceback.format_exc())
+    out.put(("done", sub_id, summary))
+
+
+def local_targets(rank: int, size: int, version: int | None = None) -> dict[str, torch.Tensor]:
+    """What a vLLM-style TP rank holds (fused qkv and gate_up), zeros or `version`'s values."""
+    from weight_sync import LLAMA_TP_DIMS, TPShard
+    from weight_sync.layout import Layout
+
+    full = weights(version if version is not None else 0)
+    shard = TPShard(rank, size, LLAMA_TP_DIMS)
+
+    def part(name: str) -> torch.Tensor:
+        layout = Layout.tp(full[name].shape, shard.dim(name), rank, size) if shard.dim(name) >= 0 else Layout.full(full[name].shape)
+        (lo, hi) = layout.box
+        return full[name][tuple(slice(a, b) for a, b in zip(lo, hi))]
+
+    out = {}
+    for name in full:
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([part(name), part(name.replace("q_proj", "k_proj")), part(name.replace("q_proj", "v_proj"))])
+        elif ".gate_proj." in name:
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([part(name), part(name.replace("gate_proj", "up_proj"))])
+        else:
+            out[name] = part(name)
+    out = {n: t.clone() for n, t in out.items()}
+    if version is None:
+        for t in out.values():
+            t.zero_()
+    return out
+
+
+def publisher(out, commands, address, transport, kwargs: dict) -> None:
+    """Serve as a publisher; `commands` brings ("publish", version[, stall]) and ("close",).
+
+    With stall, staging stops after the first bucket and never finishes (a trainer that
+    hangs or dies mid-publish: the test then kills this process).
+    """
+    torch.set_num_threads(1)
+    import weight_sync.publisher as publisher_module
+    from weight_sync import TPShard, WeightPublisher
+
+    tp = kwargs.pop("tp", None)
+    if tp is not None:
+        kwargs["shard"] = TPShard(tp[0], tp[1])
+    pub = WeightPublisher(address, transport=transport_of(transport), **kwargs)
+    out.put(("endpoint", pub.endpoint))
+    real_pack = publisher_module.pack
+
+    def stalling_pack(manifest, tensors, slot, progress):  # noqa: ANN001
+        def stall(nbytes: int) -> None:
+            progress(nbytes)
+            out.put(("stalled", nbytes))
+            while True:
+                time.sleep(1)
+
+        real_pack(manifest, tensors, slot, stall)
+
+    while True:
+        try:
+            command = commands.get(timeout=60)
+        except queue.Empty:
+            break
+        if command[0] == "close":
+            break
+        version = command[1]
+        full = weights(version)
+        state = full if tp is None else {n: t for n, t in tp_slices(full, tp[0], tp[1]).items()}
+        if len(command) > 2 and command[2]:
+            publisher_module.pack = stalling_pack
+        pub.publish(state, version)
+        out.put(("published", version))
+    pub.close()
+    out.put(("closed",))
+
+
+def tp_slices(full: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """A Megatron-style trainer rank's TP shards of `full` (HF names, unfused)."""
+    from weight_sync import LLAMA_TP_DIMS, TPShard
+
+    shard = TPShard(rank, size, LLAMA_TP_DIMS)
+    out = {}
+    for name, tensor in full.items():
+        dim = shard.dim(name)
+        out[name] = tensor.chunk(size, dim)[rank].clone() if 0 <= dim < tensor.dim() else tensor
+    return out
+
+
+def kill(process) -> None:  # noqa: ANN001
+    """SIGKILL a worker (no cleanup runs in it)."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)
