@@ -88,6 +88,7 @@ class FlatShard:
     shapes: Mapping[str, Sequence[int]]
 
     def layout(self, name: str, local: torch.Tensor) -> Layout:
+        """The layout of this rank's flat shard of `name` (`local` must hold exactly it)."""
         layout = Layout.full(self.shapes[name]).flat_shard(self.rank, self.size)
         if local.numel() != layout.numel:
             raise SchemaError(f"{name}: local shard has {local.numel()} elements, rank {self.rank}/{self.size} holds {layout.numel}")

@@ -137,6 +137,8 @@ class WeightSubscriber:
         self._recv: SlotTable | None = None
         self._receiver: threading.Thread | None = None
         self._relay_endpoint = ""
+        self._fetched = -1
+        """The newest version the receiver brought in (applied or not)."""
         self._holding: tuple[int, Plan] | None = None
         """(version, plan) of what the receive buffer holds or is filling (relays serve it)."""
 
@@ -345,13 +347,12 @@ class WeightSubscriber:
 
     def _receive_loop(self, endpoint: str) -> None:
         self._coordinator = RpcClient(endpoint, timeout=self.timeout)
-        received = -1
         while not self._closed:
             try:
                 if self._transport.mode == "image":
-                    received = self._receive_image(received)
+                    self._receive_image()
                 else:
-                    received = self._receive_reads(received)
+                    self._receive_reads()
             except Exception as exc:  # noqa: BLE001 - whatever failed, the transfer is discarded
                 if not isinstance(exc, SluiceError):
                     log.exception("weight transfer failed")
@@ -371,22 +372,25 @@ class WeightSubscriber:
                 self._cond.wait(1.0)
             return not self._closed
 
-    def _receive_reads(self, received: int) -> int:
+    def _receive_reads(self) -> None:
         if not self._await_free_buffer():
-            return received
+            return
+        after = max(self._fetched, self.version)
         try:
-            offer: Offer = self._coordinator.call(Latest(max(received, self.version), False, 1.0), timeout=1.0 + self.timeout)
+            offer: Offer = self._coordinator.call(Latest(after, False, 1.0), timeout=1.0 + self.timeout)
         except TimeoutError:
-            return received
-        if offer.version <= max(received, self.version):
-            return received
+            return
+        if offer.version <= after:
+            return
         version = offer.version
         grants = self._lease_all(version)
         slot = None
         try:
             plan = self._plan(tuple(g.manifest for g in grants))
             slot = self._recv.claim(version, plan.nbytes, self.timeout)
-            self._holding = (version, plan)
+            with self._cond:
+                self._holding = (version, plan)
+                self._cond.notify_all()
             buffer = slot.segment.tensor
             sources = [self._pull(r, version, g, plan, slot) if plan.reads(r) else "" for r, g in enumerate(grants)]
             if not offer.complete:
@@ -400,7 +404,6 @@ class WeightSubscriber:
             self._release(grants)
         self.last_sources = sources
         self._ready(version, plan, slot, {r: buffer for r in range(len(grants))}, checksums)
-        return version
 
     def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot) -> str:  # noqa: ANN001
         """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank.
@@ -425,9 +428,9 @@ class WeightSubscriber:
         except SluiceError:
             pass
 
-    def _receive_image(self, received: int) -> int:
+    def _receive_image(self) -> None:
         if not self._await_free_buffer():
-            return received
+            return
         slot = None
 
         def into(nbytes: int) -> torch.Tensor:
@@ -435,7 +438,7 @@ class WeightSubscriber:
             slot = self._recv.claim(job.version, nbytes, self.timeout)
             return slot.segment.tensor
 
-        job = Job(0, received + 1, 0, self._ranks[0].data[self._transport.name], None, [], [], 0, into, lambda n: None, self.timeout)
+        job = Job(0, max(self._fetched, self.version) + 1, 0, self._ranks[0].data[self._transport.name], None, [], [], 0, into, lambda n: None, self.timeout)
         try:
             image = self._transport.receive(job)
             plan = self._plan((job.manifest,))
@@ -452,10 +455,10 @@ class WeightSubscriber:
                 self._recv.fail(slot)
             raise
         self._ready(job.version, plan, slot, {0: image}, checksums)
-        return job.version
 
     def _ready(self, version: int, plan: Plan, slot, sources, checksums) -> None:  # noqa: ANN001
         """Mark `version` whole in `slot`; it stays pinned until applied or superseded."""
+        self._fetched = version
         self._recv.advance(slot, plan.nbytes if self._transport.mode == "reads" else slot.size, complete=True)
         lease, _ = self._recv.lease(version)
         with self._cond:
@@ -484,18 +487,30 @@ class WeightSubscriber:
                 buffer = received.sources[0]
                 source = lambda c: buffer[c.recv : c.recv + c.read.nbytes].view(c.dtype).view(c.read.box_shape)  # noqa: E731
             self._apply(received.version, received.plan, source, received.checksums)
+        except WeightSyncError:
+            with self._cond:  # checksums disagree: discard this copy, wait for the next version
+                if self._received is received:
+                    self._received = None
+            raise
         finally:
             self._recv.release(lease)
             with self._cond:
-                if self._received is received and self.version >= received.version:
-                    self._recv.release(received.lease)  # applied: the buffer may be reused
+                if self._received is None or self.version >= received.version:
+                    self._recv.release(received.lease)  # applied or discarded: the buffer may be reused
                     self._cond.notify_all()
         return received.version
 
     # -- apply ------------------------------------------------------------------------------
 
     def _apply(self, version: int, plan: Plan, source: Callable[[Copy], torch.Tensor], checksums: dict[int, Checksums]) -> None:
-        """Copy every planned read into the tensors, then check checksums if validating."""
+        """Copy every planned read into the tensors, then check checksums if validating.
+
+        A source tensor the publisher found changed since staging stops the apply before any
+        copy; a slice that differs after the copy is reported by name. Either way the version
+        is not marked applied (a background receiver drops it and waits for the next one)."""
+        corrupt = sorted({name for c in checksums.values() for name in c.corrupt})
+        if corrupt:
+            raise WeightSyncError(f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}")
         start = time.perf_counter()
         with torch.no_grad():
             for copy in plan.copies:
@@ -514,9 +529,13 @@ class _RelaySource(Source):
 
     def open(self, request: Pull | RelayPull):  # noqa: ANN201
         sub = self.sub
-        holding = sub._holding
-        if not isinstance(request, RelayPull) or holding is None or holding[0] != request.version or request.plan != sub._signature:
-            raise WeightSyncError(f"this relay does not hold version {getattr(request, 'version', '?')} for that plan")
+        if not isinstance(request, RelayPull) or request.plan != sub._signature:
+            raise WeightSyncError("this relay serves only subscribers with the same plan")
+        with sub._cond:  # the downstream may ask before this relay has started on the version
+            sub._cond.wait_for(lambda: sub._closed or (sub._holding is not None and sub._holding[0] >= request.version), sub.timeout)
+            holding = sub._holding
+        if holding is None or holding[0] != request.version:
+            raise WeightSyncError(f"this relay does not hold version {request.version}")
         got = sub._recv.lease(request.version)
         if got is None:
             raise WeightSyncError(f"this relay moved past version {request.version}")
@@ -545,7 +564,7 @@ def _numel(lo: tuple[int, ...], hi: tuple[int, ...]) -> int:
 
 def _compare(plan: Plan, checksums: dict[int, Checksums]) -> None:
     """Raise `WeightSyncError` naming every tensor whose applied bytes differ."""
-    bad = {f"{name} (changed in the publisher's staging)" for c in checksums.values() for name in c.corrupt}
+    bad = set()
     seen: dict[int, int] = {}
     for copy in plan.copies:
         i = seen.get(copy.rank, 0)

@@ -1,0 +1,98 @@
+"""Sharded trainers to differently sharded subscribers over real processes, and validation
+mode catching a corrupted byte."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from transfer_queue._errors import WeightSyncError
+from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
+
+from .test_channel import CTX, Subscribers, _check
+from .workers import BUCKET, SHAPES, publisher, weights
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_two_trainer_tp_ranks_feed_tp1_and_tp2_subscribers(transport):
+    """Trainer TP=2 (HF names, unfused) to inference TP=1 and TP=2 (fused qkv/gate_up): each
+    subscriber pulls exactly its slices from both ranks and ends exact."""
+    commands = [CTX.Queue(), CTX.Queue()]
+    outs = [CTX.Queue(), CTX.Queue()]
+    kwargs = {"bucket_bytes": BUCKET, "world_size": 2}
+    procs = [CTX.Process(target=publisher, args=(outs[0], commands[0], None, transport, {**kwargs, "rank": 0, "tp": (0, 2)}), daemon=True)]
+    procs[0].start()
+    try:
+        _, endpoint = outs[0].get(timeout=60)
+        procs.append(CTX.Process(target=publisher, args=(outs[1], commands[1], None, transport, {**kwargs, "rank": 1, "tp": (1, 2), "coordinator": endpoint}), daemon=True))
+        procs[1].start()
+        outs[1].get(timeout=60)
+        groups = [Subscribers(1, endpoint, transport, first_id=i, tp=tp) for i, tp in enumerate([(0, 1), (0, 2), (1, 2)])]
+        for version in (1, 2):
+            for queue in commands:
+                queue.put(("publish", version))
+            for group in groups:
+                group.wait_applied(version)
+        for group in groups:
+            for summary in group.finish().values():
+                _check(summary, 2)
+    finally:
+        for queue in commands:
+            queue.put(("close",))
+        for proc in procs:
+            proc.join(10)
+
+
+def _zeros() -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_validation_names_a_tensor_corrupted_in_staging(transport):
+    """A byte flipped in the publisher's staged snapshot is caught before it is applied;
+    the next clean version goes through."""
+    with WeightPublisher(None, transport=transport, bucket_bytes=BUCKET, validate=True) as pub:
+        pub.publish(weights(1), 1)
+        slot = _staged(pub, 1)
+        entry = next(e for e in slot.manifest.entries if e.name.endswith("down_proj.weight"))
+        slot.segment.tensor[slot.manifest.start(entry) + 5] ^= 0xFF
+        mine = _zeros()
+        with WeightSubscriber(None, mine, transport=transport, publisher=pub.endpoint, validate=True) as sub:
+            with pytest.raises(WeightSyncError, match="down_proj.weight"):
+                sub.wait(1, timeout=10)
+            assert sub.version == -1 and all(not t.any() for t in mine.values())
+            pub.publish(weights(2), 2)
+            _staged(pub, 2)
+            assert sub.wait(2, timeout=30) == 2
+            assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+
+
+def _staged(pub: WeightPublisher, version: int):
+    """The publisher's slot holding `version`, once complete."""
+    slot = pub._table.find(version)
+    deadline = time.monotonic() + 10
+    while not slot.complete:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return slot
+
+
+class _FlippingTcp(TcpTransport):
+    """Corrupts one received byte: what a faulty NIC or relay would do."""
+
+    def receive(self, job):  # noqa: ANN001, ANN201
+        into = super().receive(job)
+        into[7] ^= 0x01
+        return into
+
+
+def test_validation_names_a_tensor_corrupted_in_transit():
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True) as pub:
+        with WeightSubscriber(None, _zeros(), transport=_FlippingTcp(), publisher=pub.endpoint, validate=True) as sub:
+            pub.publish(weights(1), 1)
+            first = next(iter(SHAPES))
+            with pytest.raises(WeightSyncError, match=f"checksum mismatch.*{first}"):
+                sub.wait(1, timeout=30)
+            assert sub.version == -1
