@@ -8,8 +8,6 @@ so subscribers cache their plans and publishers send the manifest only when it c
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import torch
 import xxhash
@@ -75,9 +73,3 @@ class Manifest(msgspec.Struct, frozen=True):
     def start(self, entry: Entry) -> int:
         """Byte offset of `entry` from the start of the slot."""
         return entry.bucket * self.bucket_bytes + entry.offset
-
-    def buckets_of(self, entry: Entry) -> range:
-        """The buckets `entry`'s bytes occupy."""
-        start = self.start(entry)
-        end = start + max(entry.nbytes, 1)
-        return range(start // self.bucket_bytes, math.ceil(end / self.bucket_bytes))

@@ -39,7 +39,6 @@ from .protocol import (
     Confirm,
     Describe,
     Described,
-    Failed,
     Granted,
     Join,
     Latest,

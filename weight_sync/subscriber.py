@@ -33,6 +33,7 @@ import xxhash
 import transfer_queue as tq
 from transfer_queue._errors import SluiceError, TimeoutError, WeightSyncError
 
+from .layout import numel
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Copy, Plan, build_plan
@@ -548,18 +549,11 @@ class _RelaySource(Source):
                 slot.wait_filled(c.recv + c.read.nbytes, request.version, sub.timeout)
                 position = c.recv
                 for lo, hi in read_chunks(c.read):
-                    n = c.read.itemsize * _numel(lo, hi)
+                    n = c.read.itemsize * numel(lo, hi)
                     yield memoryview(buffer[position : position + n].numpy()).cast("B")
                     position += n
 
         return views(), lambda ok: sub._recv.release(lease)
-
-
-def _numel(lo: tuple[int, ...], hi: tuple[int, ...]) -> int:
-    n = 1
-    for l, h in zip(lo, hi):
-        n *= h - l
-    return n
 
 
 def _compare(plan: Plan, checksums: dict[int, Checksums]) -> None:

@@ -4,8 +4,6 @@ subscribers on the previous version; tcp relays along a chain."""
 
 from __future__ import annotations
 
-import glob
-import multiprocessing as mp
 import os
 import time
 
@@ -13,7 +11,8 @@ import pytest
 
 from weight_sync import TcpTransport, UcxTransport, WeightPublisher
 
-from .workers import BUCKET, kill, publisher, subscriber, transport_of, weights
+from .harness import CTX, Subscribers, check, no_segments_left, publisher_transport
+from .workers import BUCKET, kill, publisher, transport_of, weights
 
 TRANSPORTS = [
     pytest.param("shm", id="shm"),
@@ -21,85 +20,11 @@ TRANSPORTS = [
     pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")),
     pytest.param("torch", id="torch"),
 ]
-CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["tests.weight_sync.workers"])  # workers fork from a process that imported torch once
-
-
-def _publisher_transport(name: str, subscribers: int):
-    """A picklable spec (`workers.transport_of` builds it): torch needs the group's size."""
-    return ("torch", {"world_size": subscribers + 1}) if name == "torch" else name
-
-
-class Subscribers:
-    """Subscriber processes and the events they report."""
-
-    def __init__(self, n: int, endpoint: str | None, transport, address: str | None = None, first_id: int = 0, **kwargs):
-        self.out = CTX.Queue()
-        self.stop = CTX.Event()
-        self.procs = [
-            CTX.Process(target=subscriber, args=(self.out, self.stop, first_id + i, address, endpoint, transport, dict(kwargs)), daemon=True)
-            for i in range(n)
-        ]
-        self.ids = [first_id + i for i in range(n)]
-        self.latest = {i: -1 for i in self.ids}
-        self.errors = {i: 0 for i in self.ids}
-        for p in self.procs:
-            p.start()
-
-    def _drain(self, timeout: float) -> tuple | None:
-        try:
-            event = self.out.get(timeout=timeout)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            return None
-        if event[0] == "applied":
-            self.latest[event[1]] = event[2]
-        elif event[0] == "error":
-            self.errors[event[1]] += 1
-        return event
-
-    def wait_applied(self, version: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while min(self.latest.values()) < version:
-            assert time.monotonic() < deadline, f"subscribers hold {self.latest}, waited for {version}"
-            self._drain(0.2)
-
-    def wait_errors(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while min(self.errors.values()) < 1:
-            assert time.monotonic() < deadline, f"subscribers saw no error: {self.errors}"
-            self._drain(0.2)
-
-    def finish(self, timeout: float = 60.0) -> dict[int, dict]:
-        self.stop.set()
-        summaries: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout
-        while len(summaries) < len(self.procs):
-            assert time.monotonic() < deadline, "subscribers did not finish"
-            event = self._drain(0.5)
-            if event is not None and event[0] == "done":
-                summaries[event[1]] = event[2]
-        for p in self.procs:
-            p.join(10)
-        return summaries
-
-
-def _check(summary: dict, final: int) -> None:
-    assert summary["errors"] == [] or all("WeightSyncError" in e for e in summary["errors"]), summary["errors"]
-    assert not summary["mixed"], "a subscriber held a mix of versions"
-    assert not summary["moved"], "a tensor was reallocated"
-    assert summary["applied"] == sorted(set(summary["applied"])), summary["applied"]
-    assert summary["final"] == final and summary["exact"]
-
-
-def _no_segments_left() -> None:
-    assert not glob.glob("/dev/shm/*sluice*weights*")
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_versions_arrive_whole_and_in_place(transport):
     """Two subscriber processes take v1, then v2, in place and exact; then versions 3..10
     published back to back never show up mixed."""
-    pub = WeightPublisher(None, transport=transport_of(_publisher_transport(transport, 2)), bucket_bytes=BUCKET)
+    pub = WeightPublisher(None, transport=transport_of(publisher_transport(transport, 2)), bucket_bytes=BUCKET)
     subs = Subscribers(2, pub.endpoint, transport)
     try:
         pub.publish(weights(1), 1)
@@ -111,15 +36,15 @@ def test_versions_arrive_whole_and_in_place(transport):
         subs.wait_applied(10)
         for summary in subs.finish().values():
             assert summary["applied"][:2] == [1, 2]
-            _check(summary, 10)
+            check(summary, 10)
     finally:
         pub.close()
-    _no_segments_left()
+    no_segments_left()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_late_joiner_gets_the_newest(transport):
-    pub = WeightPublisher(None, transport=transport_of(_publisher_transport(transport, 1)), bucket_bytes=BUCKET)
+    pub = WeightPublisher(None, transport=transport_of(publisher_transport(transport, 1)), bucket_bytes=BUCKET)
     try:
         for version in (1, 2, 3):
             pub.publish(weights(version), version)
@@ -127,7 +52,7 @@ def test_late_joiner_gets_the_newest(transport):
         subs.wait_applied(3)
         (summary,) = subs.finish().values()
         assert summary["applied"] == [3]
-        _check(summary, 3)
+        check(summary, 3)
     finally:
         pub.close()
 
@@ -137,7 +62,7 @@ def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
     """The trainer dies while version 2 is half staged (and, for streaming transports, half
     sent): subscribers report `WeightSyncError` and keep version 1, exactly."""
     commands, out = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(target=publisher, args=(out, commands, None, _publisher_transport(transport, 2), {"bucket_bytes": BUCKET}), daemon=True)
+    proc = CTX.Process(target=publisher, args=(out, commands, None, publisher_transport(transport, 2), {"bucket_bytes": BUCKET}), daemon=True)
     proc.start()
     try:
         _, endpoint = out.get(timeout=60)
@@ -152,7 +77,7 @@ def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
         subs.wait_errors()
         for summary in subs.finish().values():
             assert 2 not in summary["applied"]
-            _check(summary, 1)
+            check(summary, 1)
     finally:
         if proc.is_alive():
             kill(proc)
@@ -170,7 +95,7 @@ def test_tcp_relay_chain():
         sources = sorted(s["sources"][0] for s in summaries.values())
         assert sources[0] == "" and sources[1].startswith("127.0.0.1:"), sources
         for summary in summaries.values():
-            _check(summary, 2)
+            check(summary, 2)
     finally:
         pub.close()
 

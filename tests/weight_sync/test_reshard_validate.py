@@ -11,7 +11,7 @@ import torch
 from transfer_queue._errors import WeightSyncError
 from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
 
-from .test_channel import CTX, Subscribers, _check
+from .harness import CTX, Subscribers, check
 from .workers import BUCKET, SHAPES, publisher, weights
 
 
@@ -37,7 +37,7 @@ def test_two_trainer_tp_ranks_feed_tp1_and_tp2_subscribers(transport):
                 group.wait_applied(version)
         for group in groups:
             for summary in group.finish().values():
-                _check(summary, 2)
+                check(summary, 2)
     finally:
         for queue in commands:
             queue.put(("close",))

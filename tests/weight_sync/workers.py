@@ -56,7 +56,6 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
 
     tp = kwargs.pop("tp", None)
     shapes = kwargs.pop("shapes", SHAPES)
-    expect_fn = kwargs.pop("expect", None)
     mine = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
     if tp is not None:
         from weight_sync import LLAMA, TPShard

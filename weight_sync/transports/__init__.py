@@ -7,7 +7,7 @@ name; `resolve` turns a name (or "auto") into instances, `auto_choice` picks one
 
 from __future__ import annotations
 
-from . import shm, tcp, torch_dist, ucx
+from . import shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
 from .base import Job, Source, Transport, get, names, register
 
 __all__ = ["Transport", "Job", "Source", "register", "get", "names", "resolve", "AUTO_ORDER"]

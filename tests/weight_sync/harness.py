@@ -1,0 +1,83 @@
+"""What the process tests share: a forkserver context whose workers import torch once, a
+group of subscriber processes and the events they report, and the checks on their summaries."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import time
+
+from .workers import subscriber
+
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["tests.weight_sync.workers"])  # workers fork from a process that imported torch once
+
+
+def publisher_transport(name: str, subscribers: int):
+    """A picklable spec (`workers.transport_of` builds it): torch needs the group's size."""
+    return ("torch", {"world_size": subscribers + 1}) if name == "torch" else name
+
+
+class Subscribers:
+    """Subscriber processes and the events they report."""
+
+    def __init__(self, n: int, endpoint: str | None, transport, address: str | None = None, first_id: int = 0, **kwargs):
+        self.out = CTX.Queue()
+        self.stop = CTX.Event()
+        self.procs = [
+            CTX.Process(target=subscriber, args=(self.out, self.stop, first_id + i, address, endpoint, transport, dict(kwargs)), daemon=True)
+            for i in range(n)
+        ]
+        self.ids = [first_id + i for i in range(n)]
+        self.latest = {i: -1 for i in self.ids}
+        self.errors = {i: 0 for i in self.ids}
+        for p in self.procs:
+            p.start()
+
+    def _drain(self, timeout: float) -> tuple | None:
+        try:
+            event = self.out.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            return None
+        if event[0] == "applied":
+            self.latest[event[1]] = event[2]
+        elif event[0] == "error":
+            self.errors[event[1]] += 1
+        return event
+
+    def wait_applied(self, version: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.latest.values()) < version:
+            assert time.monotonic() < deadline, f"subscribers hold {self.latest}, waited for {version}"
+            self._drain(0.2)
+
+    def wait_errors(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.errors.values()) < 1:
+            assert time.monotonic() < deadline, f"subscribers saw no error: {self.errors}"
+            self._drain(0.2)
+
+    def finish(self, timeout: float = 60.0) -> dict[int, dict]:
+        self.stop.set()
+        summaries: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(summaries) < len(self.procs):
+            assert time.monotonic() < deadline, "subscribers did not finish"
+            event = self._drain(0.5)
+            if event is not None and event[0] == "done":
+                summaries[event[1]] = event[2]
+        for p in self.procs:
+            p.join(10)
+        return summaries
+
+
+def check(summary: dict, final: int) -> None:
+    assert summary["errors"] == [] or all("WeightSyncError" in e for e in summary["errors"]), summary["errors"]
+    assert not summary["mixed"], "a subscriber held a mix of versions"
+    assert not summary["moved"], "a tensor was reallocated"
+    assert summary["applied"] == sorted(set(summary["applied"])), summary["applied"]
+    assert summary["final"] == final and summary["exact"]
+
+
+def no_segments_left() -> None:
+    assert not glob.glob("/dev/shm/*sluice*weights*")
