@@ -108,13 +108,17 @@ class Dispatcher:
         part = self.partitions.get(req.partition)
         sampler = self.samplers.get(req.sampler)
         if part is None:
-            return self._give_up(req, None) if final else None
+            if not final:
+                return None
+            if not req.allow_partial:
+                return self._give_up(req, None)
+            return BatchMeta(req.partition, [], [], [], [], [], {}, task=req.task)  # what is ready: nothing
         task = part.task(req.task)
         mask = part.available(task, req.fields)
         ready = np.empty(0, np.int64) if mask is None else np.flatnonzero(mask) + task.cursor
         bound = self.config.max_staleness if req.max_staleness is None else req.max_staleness
         if bound is not None and len(ready):
-            too_stale = (self.clock.current - part.v_first[ready]) > bound
+            too_stale = part.versioned[ready] & ((self.clock.current - part.v_first[ready]) > bound)
             if too_stale.any():
                 self._handle_stale(part, ready[too_stale])
                 ready = ready[~too_stale]
@@ -137,7 +141,7 @@ class Dispatcher:
         w = part.window(task)
         pending = part.alive[w] & ~task.consumed[w]
         if bound is not None:
-            pending &= (self.clock.current - part.v_first[w]) <= bound
+            pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
     def _give_up(self, req: GetMeta, part: Partition | None) -> BatchMeta:
@@ -156,8 +160,8 @@ class Dispatcher:
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
             self.leases[lease_id] = _Lease(part.name, req.task, rows, len(rows), timer)
-        staleness = (self.clock.current - part.v_first[rows]).tolist()
-        self.stale.served(staleness)
+        staleness = (self.clock.current - part.v_first[rows[part.versioned[rows]]]).tolist()
+        self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)
         return BatchMeta(
             partition=part.name,
@@ -185,7 +189,7 @@ class Dispatcher:
             self._requeue_sources(part, rows)
         else:
             self.stale.dropped += len(rows)
-        self.admission.forget(len(rows))
+        self.admission.forget(int(np.count_nonzero(part.granted[rows])))  # only granted samples were counted
         self.free_rows(part, rows)
 
     def _requeue_sources(self, part: Partition, rows: np.ndarray) -> None:

@@ -234,6 +234,8 @@ class Controller(Service):
                 part.source[rows] = part.sources.index(ref)
                 part.source_index[rows] = info.source_indexes
             part.committed[rows] = True
+            part.granted[rows] = bool(info.grant_id)
+            part.versioned[rows] = info.versioned
             if info.grant_id:
                 self.admission.used(info.grant_id, n)
             self.puts += n

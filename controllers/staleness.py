@@ -84,14 +84,24 @@ class Admission:
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            self._give_back(fut, n)
             raise TimeoutError(
                 f"no generation budget for {n} samples within {timeout:g}s "
                 f"(accepted {self.accepted} + running {self.running}, version {self.version_of()}); "
                 "the trainer has not consumed enough to open more"
             ) from None
+        except asyncio.CancelledError:
+            self._give_back(fut, n)
+            raise
         finally:
             self.wait_seconds += time.monotonic() - start
             self._queue = deque((m, f) for m, f in self._queue if f is not fut)
+            self.pump()  # a request that gave up at the head may have held back ones that fit
+
+    def _give_back(self, fut: asyncio.Future, n: int) -> None:
+        """Release a grant made just as its requester gave up (timed out or was cancelled)."""
+        if fut.done() and not fut.cancelled():
+            self.release(fut.result()[0], n)
 
     def _grant(self, n: int) -> int:
         grant_id = next(self._ids)
@@ -140,6 +150,7 @@ class Admission:
     def forget(self, n: int) -> None:
         """`n` accepted samples were dropped or requeued as stale: they will be generated again."""
         self.accepted = max(0, self.accepted - n)
+        self.pump()
 
     def _close(self, grant_id: int) -> None:
         grant = self._grants.pop(grant_id)

@@ -66,10 +66,12 @@ class Partition:
         self.source = np.zeros(c, np.int32)  # index into `sources`; 0 = none
         self.source_index = np.full(c, -1, np.int64)
         self.stale_seen = np.zeros(c, bool)
+        self.granted = np.zeros(c, bool)  # put under an admission grant (counted as accepted)
+        self.versioned = np.zeros(c, bool)  # has a policy version; the others (prompts) are never stale
 
     _COLUMNS = (
         "gidx", "alive", "committed", "unit", "row_bytes", "v_first", "v_last",
-        "group", "seqlen", "source", "source_index", "stale_seen",
+        "group", "seqlen", "source", "source_index", "stale_seen", "granted", "versioned",
     )
 
     # -- rows --------------------------------------------------------------------------

@@ -147,9 +147,12 @@ class AsyncClient(ClientCore):
             if meta is not None:
                 await self.nack(meta)
 
-    async def versions(self, timeout: float = 1e9) -> AsyncIterator[int]:
-        """Every version the trainer sets from now on, in order, none skipped."""
-        after = await self.get_version()
+    async def versions(self, timeout: float = 1e9, after: int | None = None) -> AsyncIterator[int]:
+        """Every version the trainer sets after `after`, in order, none skipped. The default is
+        the version when iteration starts (an async generator runs nothing before its first
+        step): pass `after` to miss nothing set in between."""
+        if after is None:
+            after = await self.get_version()
         while True:
             for version in await self._versions_after(after, timeout):
                 yield version

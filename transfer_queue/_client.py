@@ -143,9 +143,13 @@ class Client(ClientCore):
             if meta is not None:
                 self.nack(meta)
 
-    def versions(self, timeout: float = 1e9) -> Iterator[int]:
-        """Every version the trainer sets from now on, in order, none skipped."""
-        after = self.get_version()
+    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
+        """Every version the trainer sets after `after` (default: the version at this call), in
+        order, none skipped. Each wait for the next one raises `TimeoutError` after `timeout`."""
+        start = self.get_version() if after is None else after
+        return self._follow_versions(start, timeout)
+
+    def _follow_versions(self, after: int, timeout: float) -> Iterator[int]:
         while True:
             for version in self._versions_after(after, timeout):
                 yield version

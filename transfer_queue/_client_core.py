@@ -232,7 +232,8 @@ class ClientCore:
 
         `policy_version` is the version that generated the samples: one int, a (first, last)
         span for a partial rollout resumed under newer weights, or one int per sample (default:
-        the grant's version, else 0). `groups` are GRPO group ids (default: one group per
+        the grant's version; with neither, the samples carry no version, e.g. prompts: they read
+        as version 0 and are never too stale). `groups` are GRPO group ids (default: one group per
         sample). `source` is the prompt batch the samples came from (needed by the `requeue`
         stale policy). Raises `CapacityError` if storage stays full for `timeout` seconds,
         `SchemaError` for data that contradicts the partition's fields, `SealedError` after
@@ -314,6 +315,7 @@ class ClientCore:
     def _row_info(self, cols, policy_version, groups, grant, source) -> RowInfo:
         n = cols.n
         grant = grant or next((g for g in self._grants if g.remaining > 0), None)
+        versioned = policy_version is not None or grant is not None
         if policy_version is None:
             policy_version = grant.version if grant else 0
         first, last = _versions(policy_version, n)
@@ -331,7 +333,7 @@ class ClientCore:
             if len(source) != n:
                 raise SchemaError(f"source has {len(source)} samples, the batch has {n}")
             src = (source.partition, source.task, list(source.indexes))
-        return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src)
+        return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src, versioned=versioned)
 
     @flow
     def acquire(self, n: int, timeout: float = 30.0) -> Flow:

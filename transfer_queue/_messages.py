@@ -107,6 +107,8 @@ class RowInfo(msgspec.Struct, frozen=True):
     source_partition: str = ""
     source_task: str = ""
     source_indexes: list[int] = []
+    versioned: bool = True
+    """False: put with no policy version and no grant (e.g. prompts); such rows are never stale."""
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):

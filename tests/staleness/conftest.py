@@ -1,0 +1,31 @@
+"""Fixtures of the staleness tests: small real clusters started with the settings a test needs."""
+
+from __future__ import annotations
+
+import glob
+from typing import Any, Callable, Iterator
+
+import pytest
+
+import transfer_queue as tq
+
+MakeCluster = Callable[..., "tq.Cluster"]
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[MakeCluster]:
+    """`make_cluster(**init_kwargs)` starts a one-unit cluster; every one is shut down (and
+    checked to leave no shared memory behind) when the test ends."""
+    started: list[tq.Cluster] = []
+
+    def make(**kwargs: Any) -> tq.Cluster:
+        kwargs.setdefault("num_storage_units", 1)
+        kwargs.setdefault("storage_capacity", "64MiB")
+        cluster = tq.init(**kwargs)
+        started.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in started:
+        cluster.shutdown()
+        assert not glob.glob(f"/dev/shm/sluice-{cluster.cluster_id}-*")
