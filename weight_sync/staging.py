@@ -62,13 +62,14 @@ class Segment:
 
 
 def map_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """Map another process's shared segment read-only: (mapping, uint8 view of `size` bytes).
+    """Map another process's shared segment read-only: (mapping, uint8 view of `size` bytes),
+    its page tables filled at once (not one fault per page during the first apply).
 
     Raises `OSError` if the segment cannot be opened (not co-located, or its owner is gone).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     with warnings.catch_warnings():

@@ -82,6 +82,9 @@ class WeightSubscriber:
             publisher's snapshot; `WeightSyncError` names the tensors that differ.
         relay: re-serve received bytes to other subscribers (tcp), so the trainer's link is
             not the bottleneck.
+        pipelined: pull a version while it is still being staged (bucket k on the wire while
+            k+1 is packed). Shortest end-to-end time; False waits for complete versions, which
+            keeps the trainer's cores to itself while it packs.
         buffers: receive buffers for background transports (default 1, or 2 for torch, which
             must keep receiving while a version waits to be applied).
         timeout: seconds to wait on the publisher for any one step of a transfer.
@@ -99,6 +102,7 @@ class WeightSubscriber:
         mapping: NameMapping | None = None,
         validate: bool = False,
         relay: bool = True,
+        pipelined: bool = True,
         buffers: int | None = None,
         timeout: float = 30.0,
         host: str = "127.0.0.1",
@@ -119,6 +123,7 @@ class WeightSubscriber:
         """Per publisher rank, where the last received version came from: "" for the rank
         itself, else the endpoint of the subscriber that relayed it."""
         self._relay = relay
+        self._pipelined = pipelined
         self._host = host
         self._buffers = buffers
         self._offered = [t for t in resolve(transport)]
@@ -378,7 +383,7 @@ class WeightSubscriber:
             return
         after = max(self._fetched, self.version)
         try:
-            offer: Offer = self._coordinator.call(Latest(after, False, 1.0), timeout=1.0 + self.timeout)
+            offer: Offer = self._coordinator.call(Latest(after, not self._pipelined, 1.0), timeout=1.0 + self.timeout)
         except TimeoutError:
             return
         if offer.version <= after:

@@ -1,0 +1,427 @@
+"""Weight-sync benchmark: trainer weights to 1 and 2 rollout processes, every transport, next
+to the limits and baselines measured in the same run.
+
+For each state-dict size (Llama-shaped bf16 tensors) it measures, as medians over repeated
+versions after warm-up versions (one per staging slot):
+
+- each transport (shm, tcp pipelined and not, ucx when installed, torch/gloo) to 1 and 2
+  subscriber processes: seconds from `publish` to the last subscriber having applied the
+  version in place ("s"), GB/s into each subscriber over that time and over the time after
+  `publish` returned, and how long `publish` blocked the trainer;
+- the memcpy floor: copying the state dict once into touched memory, one thread, measured
+  again right before every publish (block/memcpy is the median of those paired ratios);
+- the raw socket: the state's bytes over one loopback TCP connection per subscriber,
+  received with `recv_into` straight into its tensors (no protocol, no staging), measured
+  again right before each configuration with as many subscribers ("raw sock/s" is the
+  fraction of that speed reached);
+- what a team would otherwise use: `torch.save` to /dev/shm then `torch.load` (plain, and
+  with `mmap=True`) and copy into the model, in every subscriber; Ray's object store
+  (`ray.put` of the state dict, `ray.get` and copy in every subscriber, as Ray actors; up to
+  1 GiB, as its store and actors do not fit beside a 4 GiB run in 24 GiB). "save+load/s" is
+  how many times faster than the plain torch.save/load a row is.
+
+The machines are shared and noisy: every ratio is against limits of the same run. Prints a
+table and writes results/weight_sync-<time>.json. Run:
+
+    .venv/bin/python benchmarks/weight_sync.py                    # 1 GiB (~5 minutes)
+    .venv/bin/python benchmarks/weight_sync.py --sizes 1GiB,4GiB  # and 4 GiB (~10 minutes)
+    .venv/bin/python benchmarks/weight_sync.py --quick            # 256 MiB, 3 repeats (~1.5 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import gbps, median, print_table, write_record  # noqa: E402
+
+GIB = 1 << 30
+WARMUP = 2
+"""Versions published before measuring: one per staging slot (and receive buffer)."""
+
+# hidden, intermediate, kv width, vocab: a TinyLlama-like and a Llama-2-7B-like layer stack
+CONFIGS = {
+    "256MiB": (1024, 2816, 256, 32000),
+    "1GiB": (2048, 5632, 256, 32000),
+    "4GiB": (4096, 11008, 4096, 32000),
+}
+
+
+def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
+    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size`."""
+    hidden, inter, kv, vocab = CONFIGS[size]
+    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB}[size] // 2
+    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, round((target - 2 * vocab * hidden - hidden) / per_layer))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        })
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return shapes
+
+
+def _zeros(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}  # zero-filled: touched
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+# -- the subscriber-side worker: one long-lived process per subscriber ------------------------
+
+
+def worker(conn) -> None:  # noqa: ANN001
+    """Serve commands from the benchmark: hold the model's tensors, run a subscriber session or
+    a baseline's receiving side, answer with monotonic timestamps (one clock per machine)."""
+    torch.set_num_threads(1)
+    from weight_sync import WeightSubscriber
+    from weight_sync.transports import get
+
+    targets: dict[str, torch.Tensor] = {}
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "quit":
+            return
+        if cmd == "shapes":
+            targets = {}
+            gc.collect()
+            targets = _zeros(args[0])
+            conn.send("ok")
+        elif cmd == "session":  # (transport name, kwargs, endpoint, versions, subscriber kwargs)
+            name, kwargs, endpoint, versions, sub_kwargs = args
+            transport = get(name)(**kwargs) if kwargs else name
+            with WeightSubscriber(None, targets, transport=transport, publisher=endpoint, timeout=120, **sub_kwargs) as sub:
+                conn.send("ready")
+                for version in versions:
+                    sub.wait(version, timeout=300)
+                    conn.send((version, time.monotonic(), sub.last_apply_seconds))
+            conn.send(float(sum(t.float().sum().item() for t in list(targets.values())[:3])))
+        elif cmd == "raw":  # receive the tensors' bytes over one TCP connection, in place
+            srv = socket.socket()
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            conn.send(srv.getsockname()[1])
+            peer, _ = srv.accept()
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            for _ in range(args[0]):
+                for tensor in targets.values():
+                    view, got = _bytes(tensor), 0
+                    while got < len(view):
+                        got += peer.recv_into(view[got:])
+                conn.send(time.monotonic())
+            peer.close()
+            srv.close()
+        elif cmd == "torch_load":  # (path, mmap)
+            path, use_mmap = args
+            loaded = torch.load(path, mmap=use_mmap, weights_only=True)
+            for name, tensor in loaded.items():
+                targets[name].copy_(tensor)
+            del loaded
+            conn.send(time.monotonic())
+
+
+class Workers:
+    """The subscriber processes, started once (forkserver, torch preloaded)."""
+
+    def __init__(self, n: int):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "weight_sync"])
+        self.conns = []
+        self.procs = []
+        self.held: list[dict] = []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker, args=(child,), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+            self.held.append({})
+
+    def send(self, n: int, *msg) -> None:  # noqa: ANN002
+        for conn in self.conns[:n]:
+            conn.send(msg)
+
+    def recv(self, n: int) -> list:
+        return [conn.recv() for conn in self.conns[:n]]
+
+    def hold(self, shapes: dict, n: int) -> None:
+        """The first `n` workers hold a model of `shapes` (touched); the others hold none."""
+        for i, conn in enumerate(self.conns):
+            want = shapes if i < n else {}
+            if self.held[i] != want:
+                conn.send(("shapes", want))
+                conn.recv()
+                self.held[i] = want
+
+    def close(self) -> None:
+        self.send(len(self.conns), "quit")
+        for proc in self.procs:
+            proc.join(10)
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+class Floor:
+    """The memcpy floor: the state dict copied once, tensor by tensor, into touched memory
+    (one reused scratch as large as the largest tensor, to spare RAM), one thread."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+        self.scratch = torch.zeros(max(t.numel() for t in state.values()), dtype=torch.bfloat16)
+
+    def seconds(self) -> float:
+        t0 = time.perf_counter()
+        for tensor in self.state.values():
+            self.scratch[: tensor.numel()].view(tensor.shape).copy_(tensor)
+        return time.perf_counter() - t0
+
+
+def raw_socket(state: dict[str, torch.Tensor], workers: Workers, reps: int, n: int = 1) -> list[float]:
+    """Seconds to send the state's bytes to `n` subscribers at once, one TCP connection (and
+    one sending thread) each, received with `recv_into` straight into their tensors."""
+    workers.send(n, "raw", reps + 1)
+    socks = []
+    for port in workers.recv(n):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        socks.append(sock)
+
+    def send(sock: socket.socket) -> None:
+        for tensor in state.values():
+            sock.sendall(_bytes(tensor))
+
+    out = []
+    for _ in range(reps + 1):
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=send, args=(sock,)) for sock in socks]
+        for thread in threads:
+            thread.start()
+        done = max(workers.recv(n))
+        for thread in threads:
+            thread.join()
+        out.append(done - t0)
+    for sock in socks:
+        sock.close()
+    return out[1:]
+
+
+def channel(state, floor: Floor, workers: Workers, n: int, name: str, reps: int, version: list[int], slots: int, sub_kwargs: dict) -> dict:  # noqa: ANN001
+    """Publish `WARMUP` + `reps` versions to `n` subscribers; per measured version: seconds to the
+    last subscriber's apply, seconds after `publish` returned, publish blocking seconds, the
+    slowest apply, and a memcpy of the state taken just before (paired, for ratios)."""
+    from weight_sync import TorchTransport, WeightPublisher
+
+    transport = TorchTransport(world_size=n + 1) if name == "torch" else name
+    out = {k: [] for k in ("seconds", "after_publish", "blocking", "apply", "memcpy")}
+    with WeightPublisher(None, transport=transport, slots=slots, timeout=300) as pub:
+        versions = [version[0] + i for i in range(1, reps + WARMUP + 1)]
+        version[0] = versions[-1]
+        workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs)
+        assert workers.recv(n) == ["ready"] * n
+        for i, v in enumerate(versions):
+            copy = floor.seconds()
+            t0 = time.monotonic()
+            pub.publish(state, v)
+            returned = time.monotonic()
+            done = workers.recv(n)
+            if i < WARMUP:
+                continue  # the first versions fault each staging slot and receive buffer in
+            last = max(t for _, t, _ in done)
+            for key, value in zip(out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)):
+                out[key].append(value)
+        sums = workers.recv(n)
+    expect = float(sum(t.float().sum().item() for t in list(state.values())[:3]))
+    assert all(abs(s - expect) <= 1e-3 * max(1.0, abs(expect)) for s in sums), "a subscriber holds other values"
+    return out
+
+
+def torch_save_load(state, workers: Workers, n: int, reps: int, use_mmap: bool) -> list[tuple[float, float]]:
+    """(seconds to the last subscriber, save seconds): torch.save to /dev/shm, load, copy in."""
+    path = f"/dev/shm/sluice-bench-{os.getpid()}.pt"
+    out = []
+    try:
+        for _ in range(reps + 1):
+            t0 = time.monotonic()
+            torch.save(state, path)
+            saved = time.monotonic() - t0
+            workers.send(n, "torch_load", path, use_mmap)
+            out.append((max(workers.recv(n)) - t0, saved))
+            os.unlink(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out[1:]
+
+
+def ray_put_get(state, shapes, n: int, reps: int, nbytes: int) -> list[tuple[float, float]]:
+    """(seconds to the last subscriber, put seconds): `ray.put` of the state dict, then
+    `ray.get` and copy into the model in `n` subscriber actors."""
+    import ray
+
+    ray.init(object_store_memory=int(nbytes * 1.5) + (256 << 20), logging_level="ERROR", log_to_driver=False, include_dashboard=False)
+    try:
+
+        @ray.remote
+        class Rollout:
+            def __init__(self, shapes):  # noqa: ANN001
+                torch.set_num_threads(1)
+                self.targets = _zeros(shapes)
+
+            def load(self, refs) -> float:  # noqa: ANN001
+                state = ray.get(refs[0])
+                for name, tensor in state.items():
+                    self.targets[name].copy_(tensor)
+                return time.monotonic()
+
+        actors = [Rollout.remote(shapes) for _ in range(n)]
+        ray.get([a.load.remote([ray.put({})]) for a in actors])  # started and warm
+        out = []
+        for _ in range(reps + 1):
+            t0 = time.monotonic()
+            ref = ray.put(state)
+            put = time.monotonic() - t0
+            done = ray.get([a.load.remote([ref]) for a in actors])
+            out.append((max(done) - t0, put))
+            del ref
+        return out[1:]
+    finally:
+        ray.shutdown()
+
+
+def _ucx_available() -> bool:
+    from weight_sync import UcxTransport
+
+    return UcxTransport.is_available()
+
+
+def _ray_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+def run_size(size: str, workers: Workers, reps: int, version: list[int], baselines: bool) -> dict:
+    """Every measurement for one state-dict size. Above 2 GiB only what fits in 24 GiB beside
+    the trainer's copy runs: shm to 1 and 2 subscribers, tcp to 1, and the mmap'd
+    torch.save/load (one staging slot; a model in every subscriber process that takes part)."""
+    shapes = llama_shapes(size)
+    state = {n: torch.randn(s, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes.items()}
+    nbytes = sum(t.numel() * 2 for t in state.values())
+    big = nbytes > 2 * GIB
+    slots = 1 if big else 2
+    workers.hold(shapes, 1 if big else 2)
+    floor = Floor(state)
+    res: dict[str, dict] = {"memcpy": {"seconds": [floor.seconds() for _ in range(reps)]}}
+    res["raw_socket"] = {"seconds": raw_socket(state, workers, reps)}
+    if big:
+        configs = [("shm", {}, 1), ("shm", {}, 2), ("tcp", {}, 1)]
+    else:
+        configs = [("shm", {}, 1), ("shm", {}, 2), ("tcp", {}, 1), ("tcp", {}, 2), ("tcp", {"pipelined": False}, 1)]
+        configs += [("ucx", {}, 1), ("ucx", {}, 2)] if _ucx_available() else []
+        configs += [("torch", {}, 1), ("torch", {}, 2)]
+    for name, sub_kwargs, n in configs:
+        workers.hold(shapes, n if big else 2)
+        raw = raw_socket(state, workers, 1, n)[0]  # the limit, right before this configuration
+        label = f"{name}{'' if sub_kwargs.get('pipelined', True) else ' unpipelined'} x{n}"
+        res[label] = channel(state, floor, workers, n, name, reps, version, slots, sub_kwargs)
+        res[label]["raw_socket"] = raw
+        gc.collect()
+    if baselines:
+        for n in (1, 2):
+            workers.hold(shapes, n if big else 2)
+            for use_mmap in ([True] if big else [False, True]):  # plain loads need 2 more copies in RAM
+                rows = torch_save_load(state, workers, n, reps, use_mmap)
+                label = "torch.save/load" + (" mmap" if use_mmap else "")
+                res[f"{label} x{n}"] = {"seconds": [r[0] for r in rows], "blocking": [r[1] for r in rows]}
+            if _ray_available() and not big:  # Ray's store plus two more models: > 24 GiB at 4 GiB
+                rows = ray_put_get(state, shapes, n, reps, nbytes)
+                res[f"ray put/get x{n}"] = {"seconds": [r[0] for r in rows], "blocking": [r[1] for r in rows]}
+    del state, floor
+    workers.hold({}, 0)
+    gc.collect()
+    return {"bytes": nbytes, "tensors": len(shapes), "results": res}
+
+
+def summarize(size: str, record: dict) -> list[list]:
+    """Table rows: medians, GB/s into each subscriber, and ratios against the same run's
+    limits (paired with each version or configuration where they were measured alongside)."""
+    res, nbytes = record["results"], record["bytes"]
+    memcpy = median(res["memcpy"]["seconds"])
+    raw = median(res["raw_socket"]["seconds"])
+    nan = float("nan")
+    rows = []
+    for label, f in res.items():
+        n = 2 if label.endswith("x2") else 1
+        seconds = median(f["seconds"])
+        blocking = median(f["blocking"]) if "blocking" in f else nan
+        paired = [b / m for b, m in zip(f["blocking"], f["memcpy"])] if "memcpy" in f else [blocking / memcpy] if "blocking" in f else []
+        baseline = res.get(f"torch.save/load x{n}", res.get(f"torch.save/load mmap x{n}"))
+        f.update(
+            median_seconds=seconds,
+            gbps_each=gbps(nbytes, seconds),
+            gbps_each_after_publish=gbps(nbytes, median(f["after_publish"])) if "after_publish" in f else nan,
+            blocking_over_memcpy=median(paired),
+            raw_socket_over_seconds=f.get("raw_socket", raw) / seconds,
+            save_load_over_seconds=median(baseline["seconds"]) / seconds if baseline else nan,
+        )
+        rows.append([size, label, seconds, f["gbps_each"], f["gbps_each_after_publish"], blocking, f["blocking_over_memcpy"], f["raw_socket_over_seconds"], f["save_load_over_seconds"]])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="256 MiB only, 3 repeats")
+    parser.add_argument("--sizes", default=None, help="comma-separated of 256MiB,1GiB,4GiB (default 1GiB)")
+    parser.add_argument("--reps", type=int, default=None, help="measured versions per configuration (default 5, quick 3)")
+    parser.add_argument("--no-baselines", action="store_true", help="skip torch.save/load and Ray")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the trainer's copies run on one core, like the services'
+    sizes = (args.sizes or ("256MiB" if args.quick else "1GiB")).split(",")
+    reps = args.reps or (3 if args.quick else 5)
+    workers = Workers(2)
+    version = [0]
+    records = {}
+    rows = []
+    start = time.monotonic()
+    header = ["size", "what", "s", "GB/s each", "after publish", "blocks s", "block/memcpy", "raw sock/s", "save+load/s"]
+    title = f"weight sync: medians of {reps} versions; ratios against limits measured in this run"
+    try:
+        for size in sizes:
+            records[size] = run_size(size, workers, reps, version, not args.no_baselines)
+            size_rows = summarize(size, records[size])
+            print_table(f"{title} ({size})", header, size_rows)
+            rows += size_rows
+    finally:
+        workers.close()
+        if rows:
+            table = print_table(title, header, rows)
+            path = write_record("weight_sync", {"sizes": records, "reps": reps, "table": table, "wall_seconds": time.monotonic() - start})
+            print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
