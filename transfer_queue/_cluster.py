@@ -1,5 +1,6 @@
 """Starting a cluster: the embedded default runs the controller and each storage unit as a local
 process (`python -m controllers`, `python -m storage`); nothing is imported across services.
+`backend="ray"` (`_ray_backend`) starts the same command lines, built here, inside Ray actors.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ._client import Client
 from ._errors import ServiceError, SchemaError
 from ._messages import ClusterConfig
 from ._staleness import StalenessConfig
+
+if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) needs no torch
+    from ._client import Client
 
 __all__ = ["Cluster", "init", "connect", "parse_bytes"]
 
@@ -43,12 +46,22 @@ def parse_bytes(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
+def _find_prctl() -> Any:
+    """libc's `prctl`, or None where there is no glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
+
+
 def _die_with_parent() -> None:
     """Child processes end when the process that started them dies (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Cluster:
@@ -63,28 +76,15 @@ class Cluster:
 
     def connect(self, use_shm: bool | None = None) -> Client:
         """A new blocking client of this cluster."""
+        from ._client import Client
+
         return Client(self.address, use_shm)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every service and remove its shared memory; safe to call twice."""
         procs, self._procs = self._procs, []
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        for path in glob.glob(f"/dev/shm/sluice-{self.cluster_id}-*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _stop_processes(procs, timeout)
+        _remove_shm(self.cluster_id)
         atexit.unregister(self.shutdown)
 
     @property
@@ -96,6 +96,43 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every service, wait up to `timeout` in all, then SIGKILL the ones still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _remove_shm(cluster_id: str) -> None:
+    """Unlink this machine's leftover shared-memory files of `cluster_id` (units killed mid-way)."""
+    for path in glob.glob(f"/dev/shm/sluice-{cluster_id}-*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _controller_command(config: ClusterConfig, cluster_id: str, port: int) -> list[str]:
+    """Arguments of `python` that run the controller; every backend starts it this way."""
+    return ["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
+            "--cluster-id", cluster_id, "--port", str(port)]
+
+
+def _storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> list[str]:
+    """Arguments of `python` that run storage unit `unit_id`, registering with `controller`."""
+    return ["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity),
+            "--cluster-id", cluster_id, "--controller", controller, "--host", host]
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
@@ -137,7 +174,8 @@ def init(
     metrics_port: int | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
-    backend: Literal["local"] = "local",
+    backend: Literal["local", "ray"] = "local",
+    ray_address: str | None = None,
 ) -> Cluster:
     """Start a controller and `num_storage_units` storage units as local processes.
 
@@ -145,11 +183,17 @@ def init(
     a consumed sample may lag; `consumer_batch_size` is the trainer's samples per step, used by
     admission control; or pass a `StalenessConfig` (e.g. `StalenessConfig.from_verl(...)`) as
     `staleness` instead. Services bind to `host` (loopback by default).
+
+    `backend="ray"` runs the same processes from Ray actors spread over the Ray cluster's nodes
+    (it joins the running Ray session, or calls `ray.init(address=ray_address)`); pass
+    `host="auto"` so each service binds and advertises its node's IP. See `_ray_backend`.
     """
     if staleness is None:
         staleness = StalenessConfig(consumer_batch_size, max_staleness)
-    if backend != "local":
-        raise SchemaError(f"unknown backend {backend!r}; this build runs the embedded 'local' backend")
+    if backend not in ("local", "ray"):
+        raise SchemaError(f"unknown backend {backend!r}; use 'local' (processes on this machine) or 'ray'")
+    if host == "auto" and backend != "ray":
+        raise SchemaError("host='auto' (each node's IP) needs backend='ray'; the local backend binds an explicit host")
     if num_storage_units <= 0:
         raise SchemaError(f"num_storage_units must be > 0, got {num_storage_units}")
     config = ClusterConfig(
@@ -167,16 +211,18 @@ def init(
         host=host,
     )
     cluster_id = uuid.uuid4().hex[:12]
+    if backend == "ray":
+        from ._ray_backend import start_ray_cluster
+
+        return start_ray_cluster(config, cluster_id, port, ray_address)
     procs: list[subprocess.Popen] = []
     try:
-        ctl = _spawn(["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
-                      "--cluster-id", cluster_id, "--port", str(port)])
+        ctl = _spawn(_controller_command(config, cluster_id, port))
         procs.append(ctl)
         address = _address_of(ctl, "SLUICE_CONTROLLER")
         per_unit = config.storage_capacity // num_storage_units
         units = [
-            _spawn(["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(per_unit),
-                    "--cluster-id", cluster_id, "--controller", address, "--host", host])
+            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host))
             for unit_id in range(num_storage_units)
         ]
         procs.extend(units)
@@ -194,4 +240,6 @@ def connect(address: str, use_shm: bool | None = None) -> Client:
     `use_shm=None` reads and writes co-located storage units through their shared-memory
     arenas (one memcpy) and the others over TCP; False forces TCP frames everywhere.
     """
+    from ._client import Client
+
     return Client(address, use_shm)

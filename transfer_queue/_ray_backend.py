@@ -1,0 +1,256 @@
+"""`tq.init(backend="ray")`: the same services, started from Ray actors spread over a Ray cluster.
+
+Each service (the controller, every storage unit) gets one `ServiceActor`. The actor runs on
+some node and starts there the very process the embedded backend starts locally (the command
+lines and the launch helpers live in `_cluster`), reads its `SLUICE_* address` line and hands
+the address back. From then on Ray is out of the data path: clients on any node talk to the
+services over Sluice's own ZeroMQ wire protocol, exactly as with the embedded backend. Only
+strings and ints cross Ray's actor calls; nothing of Sluice's is pickled onto its sockets.
+
+Placement: the controller actor goes where Ray's default policy puts it (usually the driver's
+node); storage-unit actors use `scheduling_strategy="SPREAD"`, one per unit. Actors reserve
+no CPUs (`num_cpus=0`): they only hold a process handle, and the services are I/O processes
+outside Ray's accounting, so a cluster fits even on a 2-core node.
+
+Lifetime: the actors are owned by the process that called `init`; `Cluster.shutdown()` stops
+each service (SIGTERM, then SIGKILL), sweeps leftover `/dev/shm/sluice-<id>-*` files on every
+node it used (through a one-off task pinned to the node where an actor has died) and kills the
+actors. A service never outlives its actor: the launcher sets PR_SET_PDEATHSIG, and Ray kills
+a dead worker's children.
+
+Addresses: services bind `host`. The default, loopback, only serves clients on the same node;
+for several nodes pass `host="auto"`, which each actor resolves to its node's IP
+(`ray.util.get_node_ip_address()`), or an address every node can reach. `"0.0.0.0"` binds all
+interfaces but is then advertised as `tcp://0.0.0.0:PORT`, which other nodes cannot dial.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ._cluster import (
+    _ROOT,
+    _START_TIMEOUT,
+    Cluster,
+    _address_of,
+    _controller_command,
+    _remove_shm,
+    _spawn,
+    _stop_processes,
+    _storage_command,
+)
+from ._errors import ServiceError
+from ._messages import ClusterConfig
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = ["RayCluster", "ServiceActor", "start_ray_cluster"]
+
+_CALL_GRACE = 30.0
+"""Seconds added to a service's own start/stop limit for Ray to place the actor and answer."""
+
+
+def _ray() -> ModuleType:
+    """The `ray` module, or an ImportError that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            'tq.init(backend="ray") needs Ray: pip install "sluice-rl[ray]" (or "ray[default]>=2.9")'
+        ) from exc
+    return ray
+
+
+def _node_host(host: str) -> str:
+    """`host`, with "auto" replaced by the IP of the node this runs on."""
+    return _ray().util.get_node_ip_address() if host == "auto" else host
+
+
+class ServiceActor:
+    """Runs one Sluice service process on the node Ray placed this actor on.
+
+    A plain class, made a Ray actor by `_actor_class()`; its methods take and return only
+    strings and ints. Ray runs a default actor's methods on the worker's main thread, the one
+    that spawns the process, so the process's parent-death signal fires when the actor dies.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+
+    def start_controller(self, config_json: str, cluster_id: str, port: int) -> str:
+        """Start the controller with `config_json` (a `ClusterConfig`); return its address."""
+        config = msgspec.json.decode(config_json, type=ClusterConfig)
+        config = msgspec.structs.replace(config, host=_node_host(config.host))
+        return self._start(_controller_command(config, cluster_id, port), "SLUICE_CONTROLLER")
+
+    def start_storage(self, unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> str:
+        """Start storage unit `unit_id`, registered with `controller`; return its address."""
+        return self._start(
+            _storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE"
+        )
+
+    def _start(self, args: list[str], tag: str) -> str:
+        if self._proc is not None:
+            raise ServiceError("this actor already runs a service; start one actor per service")
+        self._proc = _spawn(args)
+        return _address_of(self._proc, tag)
+
+    def where(self) -> dict[str, Any]:
+        """`{"node_id": str, "node_ip": str, "pid": int}`: where the service runs (pid 0 once stopped)."""
+        ray = _ray()
+        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "pid": self._proc.pid if self._proc else 0}
+
+    def alive(self) -> bool:
+        """Whether the service process is still running."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM the service, SIGKILL it after `timeout` seconds; safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _stop_processes([proc], timeout)
+
+    def sweep(self, cluster_id: str) -> None:
+        """Remove `cluster_id`'s leftover shared-memory files on this node."""
+        _remove_shm(cluster_id)
+
+
+def _runtime_env() -> dict[str, Any] | None:
+    """What Ray's workers need to import Sluice: nothing when it is installed (`pip install`,
+    also `-e`); run from an uninstalled checkout, that checkout on PYTHONPATH, as `_spawn` gives
+    the services. (A runtime_env costs a fresh worker per actor, ~2 s more per start here.)"""
+    try:
+        importlib.metadata.distribution("sluice-rl")
+    except importlib.metadata.PackageNotFoundError:
+        return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}}
+    return None
+
+
+@functools.cache
+def _actor_class() -> Any:
+    """`ServiceActor` as a Ray actor class, made once per process (Ray exports each class once)."""
+    return _ray().remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(ServiceActor)
+
+
+class RayCluster(Cluster):
+    """A cluster whose services run under Ray actors; `address` is the controller's endpoint.
+
+    `services` lists where each service landed: `{"service", "address", "node_id", "node_ip", "pid"}`.
+    """
+
+    def __init__(
+        self, address: str, config: ClusterConfig, cluster_id: str, actors: list[Any], owns_ray: bool
+    ) -> None:
+        super().__init__(address, config, cluster_id, [])
+        self._actors = actors
+        self._owns_ray = owns_ray
+        self.services: list[dict[str, Any]] = []
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every service, sweep its nodes' shared memory, kill the actors; safe to call twice.
+
+        Calls `ray.shutdown()` only when `init` started Ray itself.
+        """
+        actors, self._actors = self._actors, []
+        ray = _ray()
+        if actors and ray.is_initialized():
+            stopped = _answered(ray, [a.stop.remote(timeout) for a in actors], timeout + _CALL_GRACE)
+            refs = [a.sweep.remote(self.cluster_id) for a, ok in zip(actors, stopped) if ok]
+            nodes = [s["node_id"] for s in self.services]
+            orphans = {n for n, ok in zip(nodes, stopped) if not ok} - {n for n, ok in zip(nodes, stopped) if ok}
+            refs += [_node_task(ray, _remove_shm, n).remote(self.cluster_id) for n in orphans]
+            _answered(ray, refs, _CALL_GRACE)
+            for actor in actors:
+                ray.kill(actor)
+        super().shutdown(timeout)  # this node's leftover shared memory, the atexit hook
+        if self._owns_ray and ray.is_initialized():
+            self._owns_ray = False
+            ray.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        """Whether every service process is still running (asks each actor)."""
+        ray = _ray()
+        if not self._actors or not ray.is_initialized():
+            return False
+        try:
+            return all(_gather(ray, [a.alive.remote() for a in self._actors], _CALL_GRACE))
+        except ServiceError:
+            return False
+
+
+def _gather(ray: ModuleType, refs: list[Any], timeout: float) -> list[Any]:
+    """`ray.get(refs)`, with Ray's errors turned into `ServiceError`."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayError as exc:
+        raise ServiceError(
+            f"a Sluice service under Ray failed: {exc} (its stderr is in the Ray worker logs, "
+            "e.g. /tmp/ray/session_latest/logs on its node)"
+        ) from exc
+
+
+def _answered(ray: ModuleType, refs: list[Any], timeout: float) -> list[bool]:
+    """Per call, whether it returned within `timeout` seconds in all (its actor may have died)."""
+    deadline = time.monotonic() + timeout
+    answered = []
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            answered.append(True)
+        except ray.exceptions.RayError:
+            answered.append(False)
+    return answered
+
+
+def _node_task(ray: ModuleType, fn: Any, node_id: str) -> Any:
+    """`fn` as a Ray task that runs only on node `node_id`."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return ray.remote(fn).options(num_cpus=0, scheduling_strategy=strategy, runtime_env=_runtime_env())
+
+
+def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_address: str | None) -> RayCluster:
+    """Start the controller, then the storage units, each from its own Ray actor.
+
+    Joins the Ray session this process already has; otherwise calls `ray.init(address=ray_address)`
+    (None: a new local Ray, or the one `RAY_ADDRESS` names) and shuts it down again with the cluster.
+    """
+    ray = _ray()
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=ray_address)
+    actor_class = _actor_class()
+    actors: list[Any] = []
+    cluster = RayCluster("", config, cluster_id, actors, owns_ray)
+    try:
+        controller = actor_class.options(name=f"sluice-{cluster_id}-controller").remote()
+        actors.append(controller)
+        ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port)
+        cluster.address = _gather(ray, [ref], _START_TIMEOUT + _CALL_GRACE)[0]
+        per_unit = config.storage_capacity // config.num_storage_units
+        units = [
+            actor_class.options(name=f"sluice-{cluster_id}-unit-{k}", scheduling_strategy="SPREAD").remote()
+            for k in range(config.num_storage_units)
+        ]
+        actors.extend(units)
+        refs = [u.start_storage.remote(k, per_unit, cluster_id, cluster.address, config.host)
+                for k, u in enumerate(units)]
+        addresses = [cluster.address, *_gather(ray, refs, _START_TIMEOUT + _CALL_GRACE)]
+        places = _gather(ray, [a.where.remote() for a in actors], _CALL_GRACE)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    names = ["controller", *(f"storage-{k}" for k in range(config.num_storage_units))]
+    cluster.services = [{"service": n, "address": a, **p} for n, a, p in zip(names, addresses, places)]
+    return cluster
