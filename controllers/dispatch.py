@@ -220,6 +220,8 @@ class Dispatcher:
         fresh = int(np.count_nonzero(~task.consumed[rows]))
         self.acked += fresh
         part.consume(task, rows)
+        if part.sealed:  # the task's last lease may have been all that kept a waiter from `_drained`
+            self.wake(part.name)
 
     def nack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
         task = part.task(task_name)

@@ -91,7 +91,10 @@ class Client(ClientCore):
         deadline = None if call.wait is None else time.monotonic() + call.wait
         while rid not in self._stash:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not sock.poll(None if left is None else int(left * 1000) + 1):
+            # zmq's poll takes a C int of milliseconds: wait in slices of at most an hour
+            if not sock.poll(None if left is None else int(min(left, 3600.0) * 1000) + 1):
+                if left is not None and left > 3600.0:
+                    continue
                 raise TimeoutError(
                     f"{self.target_address(call.target)} did not answer {type(call.msg).__name__} "
                     f"within {call.wait:g}s; is the cluster still running?"
