@@ -22,7 +22,7 @@ def snapshot(ctl: "Controller") -> dict:
         committed = alive & part.committed[:n]
         tasks = {}
         for task_name, task in part.tasks.items():
-            consumed = task.consumed[:n]
+            consumed = task.consumed[:n] & alive
             leased = (task.lease[:n] != 0) & alive & ~consumed
             tasks[task_name] = {
                 "consumed": int(np.count_nonzero(consumed)),
