@@ -59,7 +59,7 @@ from ._messages import (
     WriteReply,
 )
 from ._meta import BatchMeta
-from ._tensors import Assembler, Columns
+from ._tensors import Assembler, BufferPool, Columns
 from ._wire import Codec
 
 __all__ = ["Call", "ClientCore", "Grant", "flow", "host_id", "CONTROLLER"]
@@ -141,6 +141,7 @@ class ClientCore:
         self.cluster_id = ""
         self.units: dict[int, UnitInfo] = {}
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self._grants: list[Grant] = []
 
     # -- driver plumbing ---------------------------------------------------------------
@@ -212,6 +213,7 @@ class ClientCore:
             except BufferError:  # a tensor still views it; the mapping goes with that tensor
                 pass
         self._arenas.clear()
+        self._pool.clear()
 
     # -- producers ---------------------------------------------------------------------
 
@@ -406,7 +408,7 @@ class ClientCore:
         missing = [f for f in names if f not in meta.fields]
         if missing:
             raise SchemaError(f"the batch has no field(s) {missing}; it has {sorted(meta.fields)}")
-        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta))
+        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool)
         if not len(meta) or not names:
             return assembler.result()
         units = np.asarray(meta.units, np.int64)

@@ -7,6 +7,7 @@ a buffer is a byte view of a tensor that already exists.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -21,7 +22,7 @@ from ._meta import ITEMSIZE, RAGGED, FieldSpec
 # Received frames are read-only buffers; torch warns on viewing them although we only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-__all__ = ["Columns", "as_bytes", "Assembler", "torch_dtype", "dtype_name", "field_spec_of"]
+__all__ = ["Columns", "as_bytes", "Assembler", "BufferPool", "torch_dtype", "dtype_name", "field_spec_of"]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -157,17 +158,72 @@ class Columns:
         return buffers, lengths
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class BufferPool:
+    """Reuses the memory of output tensors that their users have dropped.
+
+    A fresh tensor's pages fault in on first touch, which costs ~10x a warm copy (DESIGN
+    section 7), and the allocator hands big blocks back to the OS when they are freed, so every
+    batch would pay that again. The pool keeps the storages of large outputs (`min_bytes` and up,
+    at most `max_bytes` in all, least recently used forgotten first) and hands one out again once
+    no tensor uses it any more (its storage use count is back to the pool's own). A tensor made
+    from it is an ordinary tensor (not a view) owning a storage of exactly its size.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20):
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._entries: list[tuple[int, torch.UntypedStorage, int]] = []  # (nbytes, storage, idle count), LRU first
+        self._bytes = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Like `torch.empty(shape, dtype=dtype)`, on recycled memory when there is some."""
+        nbytes = math.prod(shape) * _ITEMSIZES[dtype]
+        if _use_count is None or nbytes < self.min_bytes or nbytes > self.max_bytes:
+            return torch.empty(shape, dtype=dtype)
+        storage = self._take(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+    def _take(self, nbytes: int) -> torch.UntypedStorage:
+        entries = self._entries
+        for i, (size, storage, idle) in enumerate(entries):
+            if size == nbytes and _use_count(storage._cdata) == idle:
+                if storage.nbytes() != nbytes:  # resized by a user meanwhile: not ours to reuse
+                    del entries[i]
+                    self._bytes -= size
+                    break
+                entries.append(entries.pop(i))
+                return storage
+        storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        entries.append((nbytes, storage, _use_count(storage._cdata)))
+        self._bytes += nbytes
+        while self._bytes > self.max_bytes and len(entries) > 1:
+            self._bytes -= entries.pop(0)[0]  # a user may still hold it; it is freed with them
+        return storage
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+_ITEMSIZES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in _DTYPES.values()}
+
+
 class Assembler:
     """Builds the output TensorDict of `get_data` from the runs each unit returns.
 
     Call `add_unit` once per unit with the batch positions its rows fill (in request order),
     the per-row lengths of ragged fields, and per field the byte runs (frame or arena slices);
-    `result()` then returns dense tensors and jagged nested tensors in batch order.
+    `result()` then returns dense tensors and jagged nested tensors in batch order. Output
+    tensors come from `pool` when given (reused warm memory), else from `torch.empty`.
     """
 
-    def __init__(self, specs: Mapping[str, FieldSpec], batch_size: int):
+    def __init__(self, specs: Mapping[str, FieldSpec], batch_size: int, pool: BufferPool | None = None):
         self.specs = dict(specs)
         self.n = batch_size
+        self._empty = pool.empty if pool is not None else _plain_empty
         self._parts: list[tuple[np.ndarray, Mapping[str, list[int]], Mapping[str, list[Any]]]] = []
 
     def add_unit(self, positions: np.ndarray, lengths: Mapping[str, list[int]], runs: Mapping[str, list[Any]]) -> None:
@@ -180,7 +236,7 @@ class Assembler:
         return TensorDict(out, batch_size=[self.n])
 
     def _dense(self, name: str, spec: FieldSpec) -> torch.Tensor:
-        out = torch.empty((self.n, *spec.shape), dtype=torch_dtype(spec.dtype))
+        out = self._empty((self.n, *spec.shape), torch_dtype(spec.dtype))
         rb = spec.row_bytes
         flat = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8).reshape(-1)
         for positions, _, runs in self._parts:
@@ -200,7 +256,7 @@ class Assembler:
         offsets = np.zeros(self.n + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         inner = spec.shape[1:]
-        values = torch.empty((int(offsets[-1]), *inner), dtype=torch_dtype(spec.dtype))
+        values = self._empty((int(offsets[-1]), *inner), torch_dtype(spec.dtype))
         eb = spec.row_bytes
         flat = values.view(-1).view(torch.uint8) if values.numel() else values.view(torch.uint8).reshape(-1)
         for positions, lens, runs in self._parts:
@@ -214,6 +270,10 @@ class Assembler:
                     k += 1
                 _place_ragged(flat, src, positions[start:k], offsets, row_lens[start:k], eb)
         return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+
+
+def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int) -> None:
