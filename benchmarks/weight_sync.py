@@ -327,7 +327,7 @@ def _ray_available() -> bool:
 def run_size(size: str, workers: Workers, reps: int, version: list[int], baselines: bool) -> dict:
     """Every measurement for one state-dict size. Above 2 GiB only what fits in 24 GiB beside
     the trainer's copy runs: shm to 1 and 2 subscribers, tcp to 1, and the mmap'd
-    torch.save/load (one staging slot; a model in every subscriber process that takes part)."""
+    torch.save/load to 1 (one staging slot; a model only in the processes that take part)."""
     shapes = llama_shapes(size)
     state = {n: torch.randn(s, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes.items()}
     nbytes = sum(t.numel() * 2 for t in state.values())
@@ -351,7 +351,7 @@ def run_size(size: str, workers: Workers, reps: int, version: list[int], baselin
         res[label]["raw_socket"] = raw
         gc.collect()
     if baselines:
-        for n in (1, 2):
+        for n in (1,) if big else (1, 2):  # at 4 GiB a second model beside the file does not fit
             workers.hold(shapes, n if big else 2)
             for use_mmap in ([True] if big else [False, True]):  # plain loads need 2 more copies in RAM
                 rows = torch_save_load(state, workers, n, reps, use_mmap)

@@ -17,7 +17,6 @@ from typing import Iterable, Sequence
 
 import msgspec
 import torch
-import xxhash
 
 from transfer_queue._errors import SchemaError
 
@@ -105,12 +104,10 @@ class Copy:
 @dataclass(frozen=True)
 class Plan:
     """Every copy a subscriber makes, grouped by rank; `regions[r]` is (start, nbytes) of rank
-    r's reads in the receive buffer and `digests[r]` identifies those reads (relays match on
-    it)."""
+    r's reads in the receive buffer."""
 
     copies: tuple[Copy, ...]
     regions: tuple[tuple[int, int], ...]
-    digests: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +155,7 @@ def build_plan(manifests: Sequence[Manifest], bindings: Sequence[Binding], first
             )
             pending.append((rank, read, dtype, binding, box))
     copies: list[Copy] = []
-    regions, digests = [], []
+    regions = []
     recv = 0
     for rank in range(len(manifests)):
         start = recv
@@ -170,8 +167,7 @@ def build_plan(manifests: Sequence[Manifest], bindings: Sequence[Binding], first
             copies.append(Copy(rank, read, dtype, binding, dst, recv))
             recv += _align(read.nbytes)
         regions.append((start, recv - start))
-        digests.append(xxhash.xxh3_64_intdigest(msgspec.msgpack.encode([p[1] for p in mine])))
-    return Plan(tuple(copies), tuple(regions), tuple(digests))
+    return Plan(tuple(copies), tuple(regions))
 
 
 def _align(n: int) -> int:

@@ -206,7 +206,7 @@ class RelayPull(_Data, tag="relay"):
 
 
 DataRequest = Union[Pull, RelayPull]
-DATA_CODEC = msgspec.msgpack.Decoder(DataRequest)
+DATA_DECODER = msgspec.msgpack.Decoder(DataRequest)
 DATA_ENCODER = msgspec.msgpack.Encoder()
 
 REQUEST_CODEC = Codec(Request)

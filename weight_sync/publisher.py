@@ -13,27 +13,26 @@ coordinator's bookkeeping), the finisher, and whatever the transports serve with
 
 from __future__ import annotations
 
-import bisect
 import logging
 import queue
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Iterable, Mapping
 
 import msgspec
 import torch
-import xxhash
 
 import transfer_queue as tq
 from transfer_queue._errors import SchemaError, TimeoutError, VersionError, WeightSyncError
 
 from .buckets import layout_buckets, pack
+from .checksum import Snapshot
+from .coordinator import RECENT, Coordinator
 from .layout import Layout
 from .manifest import Manifest
 from .mapping import FlatShard, TPShard
-from .plan import Read
 from .protocol import (
     Checksums,
     Confirm,
@@ -43,7 +42,6 @@ from .protocol import (
     Join,
     Latest,
     Lease,
-    Offer,
     Ok,
     Pending,
     Pull,
@@ -55,9 +53,8 @@ from .protocol import (
     SlotInfo,
     Staged,
     Verify,
-    failed,
 )
-from .staging import Slot, SlotTable
+from .staging import SlotTable
 from .transports import Source, Transport, resolve
 from .transports.base import gather, read_chunks
 
@@ -66,7 +63,6 @@ __all__ = ["WeightPublisher", "host_id", "directory_key"]
 log = logging.getLogger("sluice.weight_sync")
 
 _KEPT_MANIFESTS = 8
-_RECENT = 64
 
 
 def host_id() -> str:
@@ -145,7 +141,7 @@ class WeightPublisher:
         self._started = -1  # newest version this rank began staging (server thread's copy)
         self._lease_waiters: list[tuple[Lease, Pending]] = []
         self._relays: dict[tuple[int, int, str], list[str]] = {}
-        self._checksums: dict[int, tuple[list[int], list[int], list[str]]] = {}  # slot -> starts, sums, names
+        self._snapshots: dict[int, Snapshot] = {}  # slot index -> checksums taken after staging
         self._closed = False
         self._client = tq.connect(address) if address is not None else None
         self._client_lock = threading.Lock()
@@ -153,7 +149,7 @@ class WeightPublisher:
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self._server = RpcServer(self._handle, bind=f"tcp://{host}:*")
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
-        self._coordinator = _Coordinator(self) if rank == 0 else None
+        self._coordinator = Coordinator(self.info, world_size, self._server.park, self._record if self._client else None) if rank == 0 else None
         self._upstream: RpcClient | None = None
         if rank == 0:
             if self._client is not None:
@@ -186,6 +182,14 @@ class WeightPublisher:
     def _controller(self, call):  # noqa: ANN001, ANN202 - one blocking client, several threads
         with self._client_lock:
             return call(self._client)
+
+    def _record(self, version: int) -> None:
+        """Set the controller's version (one already there, set by someone else, is fine)."""
+        try:
+            self._controller(lambda c: c.set_version(version))
+        except VersionError:
+            if self._controller(lambda c: c.version) < version:
+                raise
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -254,7 +258,7 @@ class WeightPublisher:
         while (job := self._finished.get()) is not None:
             slot, version, ok = job
             if ok and self.validate:
-                self._checksums[slot.index] = _checksum_slot(slot)
+                self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.segment.tensor)
             if ok:
                 self._table.advance(slot, slot.manifest.nbytes, complete=True)
             if self._coordinator is not None:
@@ -317,7 +321,7 @@ class WeightPublisher:
             return ""
         key = (msg.version, msg.plan, msg.transport)
         members = self._relays.setdefault(key, [])
-        for old in [k for k in self._relays if k[0] < msg.version - _RECENT]:
+        for old in [k for k in self._relays if k[0] < msg.version - RECENT]:
             del self._relays[old]
         position = len(members)
         members.append(msg.relay)
@@ -326,24 +330,14 @@ class WeightPublisher:
 
     def _verify(self, msg: Verify) -> Checksums:
         """Checksums of the requested boxes, after re-checking their tensors against the
-        checksums taken when they were staged (names of any tensor that changed since)."""
+        snapshot taken when they were staged."""
         slot = self._table.leased(msg.lease)
         if slot is None:
             raise WeightSyncError("verify needs a lease that is still held")
-        if slot.index not in self._checksums:
+        snapshot = self._snapshots.get(slot.index)
+        if snapshot is None:
             raise WeightSyncError("this publisher was not started with validate=True")
-        starts, sums, names = self._checksums[slot.index]
-        staged = slot.segment.tensor
-        corrupt, checked, values = [], set(), []
-        for read in msg.reads:
-            i = bisect.bisect_right(starts, read.offset) - 1
-            if i not in checked:
-                checked.add(i)
-                entry = slot.manifest.entries[i]
-                if xxhash.xxh3_64_intdigest(_bytes(staged[starts[i] : starts[i] + entry.nbytes])) != sums[i]:
-                    corrupt.append(names[i])
-            values.append(box_checksum(staged, read))
-        return Checksums(values, corrupt)
+        return snapshot.verify(slot.manifest, slot.segment.tensor, msg.reads)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -368,99 +362,6 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Coordinator:
-    """Rank 0's bookkeeping (server thread only): which ranks have which versions, the
-    newest complete version, and the subscribers waiting for news."""
-
-    def __init__(self, publisher: WeightPublisher):
-        self.pub = publisher
-        self.ranks: dict[int, RankInfo] = {0: publisher.info}
-        self.holders: dict[int, set[int]] = {}
-        """Version -> ranks that have it complete (until every rank has)."""
-        self.complete = -1
-        self.started = -1
-        self.recent: deque[int] = deque(maxlen=_RECENT)
-        self.abandoned: deque[int] = deque(maxlen=_RECENT)
-        self.waiters: list[tuple[msgspec.Struct, Pending]] = []
-
-    def handle(self, msg: msgspec.Struct, pending: Pending) -> None:
-        match msg:
-            case Join(info=info):
-                self.ranks[info.rank] = info
-                pending.reply(Ok())
-                self._wake()
-            case Staged(rank=rank, version=version, complete=ok):
-                self.on_staged(rank, version, ok)
-                pending.reply(Ok())
-            case Latest() | Confirm():
-                if not self._answer(msg, pending):
-                    self.waiters.append((msg, pending))
-                    self.pub._server.park(pending, msg.timeout, "no newer version in time")
-
-    def on_started(self, version: int) -> None:
-        """Rank 0 began staging `version` (subscribers may start pulling it)."""
-        self.started = version
-        self._wake()
-
-    def on_staged(self, rank: int, version: int, ok: bool) -> None:
-        """`rank` finished staging `version` (or abandoned it: `ok` False)."""
-        if not ok:
-            self.abandoned.append(version)
-            self.holders.pop(version, None)
-        else:
-            ranks = self.holders.setdefault(version, set())
-            ranks.add(rank)
-            if len(ranks) == self.pub.world_size and version > self.complete:
-                self._complete(version)
-        self._wake()
-
-    def _complete(self, version: int) -> None:
-        for old in [v for v in self.holders if v <= version]:
-            del self.holders[old]
-        if self.pub._client is not None:
-            try:
-                self.pub._controller(lambda c: c.set_version(version))
-            except VersionError:
-                if self.pub._controller(lambda c: c.version) < version:
-                    raise
-            except Exception as exc:  # noqa: BLE001 - the controller is unreachable: nobody is told
-                log.error("could not record version %d in the controller: %s", version, exc)
-                self.abandoned.append(version)
-                return
-        self.complete = version
-        self.recent.append(version)
-
-    def _answer(self, msg: msgspec.Struct, pending: Pending) -> bool:
-        """Answer `msg` now if it can be; False to keep waiting."""
-        if isinstance(msg, Confirm):
-            if msg.version in self.recent:
-                pending.reply(Ok())
-            elif msg.version in self.abandoned or msg.version < self.complete:
-                pending.reply(failed(WeightSyncError(f"version {msg.version} was abandoned by the trainer")))
-            else:
-                return False
-            return True
-        ready = len(self.ranks) == self.pub.world_size
-        if ready and self.complete > msg.after:
-            pending.reply(Offer(self.complete, True, self._rank_list()))
-        elif ready and not msg.complete and self.started > max(msg.after, self.complete) and self.started not in self.abandoned:
-            pending.reply(Offer(self.started, False, self._rank_list()))
-        elif msg.timeout <= 0:
-            pending.reply(Offer(self.complete if ready else -1, True, self._rank_list() if ready else []))
-        else:
-            return False
-        return True
-
-    def _rank_list(self) -> list[RankInfo]:
-        return [self.ranks[r] for r in range(self.pub.world_size)]
-
-    def _wake(self) -> None:
-        waiting, self.waiters = self.waiters, []
-        for msg, pending in waiting:
-            if not pending.done and not self._answer(msg, pending):
-                self.waiters.append((msg, pending))
 
 
 class _SlotSource(Source):
@@ -489,25 +390,3 @@ class _SlotSource(Source):
                 self.table.release(request.lease)  # the reader failed; it will lease again
 
         return views(), done
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().numpy()).cast("B")
-
-
-def box_checksum(slot: torch.Tensor, read: Read) -> int:
-    """xxh3-64 of `read`'s box bytes (row-major) in `slot`."""
-    piece = slot[read.offset : read.end].view(*read.shape, read.itemsize)
-    return xxhash.xxh3_64_intdigest(_bytes(piece[tuple(slice(l, h) for l, h in zip(read.lo, read.hi))]))
-
-
-def _checksum_slot(slot: Slot) -> tuple[list[int], list[int], list[str]]:
-    """(start, xxh3-64, name) of every staged tensor, taken right after staging."""
-    manifest = slot.manifest
-    starts, sums, names = [], [], []
-    for entry in manifest.entries:
-        start = manifest.start(entry)
-        starts.append(start)
-        sums.append(xxhash.xxh3_64_intdigest(_bytes(slot.segment.tensor[start : start + entry.nbytes])))
-        names.append(entry.name)
-    return starts, sums, names

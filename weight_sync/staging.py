@@ -52,13 +52,17 @@ class Segment:
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def close(self) -> None:
-        """Unmap and free; views of `tensor` must be gone."""
-        if self._mm.closed:
-            return
+        """Unmap and free. A view still alive elsewhere keeps the mapping until it is gone."""
+        if not hasattr(self, "tensor"):
+            return  # closed already
         del self.tensor
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # unmapped when the last view is collected
         if self.fd >= 0:
             os.close(self.fd)
+            self.fd = -1
 
 
 def map_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:

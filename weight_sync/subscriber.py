@@ -33,11 +33,26 @@ import xxhash
 import transfer_queue as tq
 from transfer_queue._errors import SluiceError, TimeoutError, WeightSyncError
 
+from .checksum import compare
 from .layout import numel
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Copy, Plan, build_plan
-from .protocol import Checksums, Confirm, Describe, Granted, Latest, Lease, Offer, Pull, RankInfo, RelayPull, Release, RpcClient, Verify
+from .protocol import (
+    Checksums,
+    Confirm,
+    Describe,
+    Granted,
+    Latest,
+    Lease,
+    Offer,
+    Pull,
+    RankInfo,
+    RelayPull,
+    Release,
+    RpcClient,
+    Verify,
+)
 from .publisher import directory_key, host_id
 from .staging import SlotTable
 from .transports import AUTO_ORDER, Job, Source, Transport, resolve
@@ -57,7 +72,6 @@ class _Received:
 
     version: int
     plan: Plan
-    slot_index: int
     sources: dict[int, torch.Tensor]
     """Rank -> what its copies read from ("image": the slot image; "reads": the buffer)."""
     lease: int
@@ -468,7 +482,7 @@ class WeightSubscriber:
         self._recv.advance(slot, plan.nbytes if self._transport.mode == "reads" else slot.size, complete=True)
         lease, _ = self._recv.lease(version)
         with self._cond:
-            old, self._received = self._received, _Received(version, plan, slot.index, sources, lease, checksums)
+            old, self._received = self._received, _Received(version, plan, sources, lease, checksums)
             self._error = None
             self._cond.notify_all()
         if old is not None:
@@ -523,7 +537,7 @@ class WeightSubscriber:
                 copy.dst.copy_(source(copy))
         self.last_apply_seconds = time.perf_counter() - start
         if checksums:
-            _compare(plan, checksums)
+            compare(plan, checksums)
         self.version = version
 
 
@@ -559,20 +573,6 @@ class _RelaySource(Source):
                     position += n
 
         return views(), lambda ok: sub._recv.release(lease)
-
-
-def _compare(plan: Plan, checksums: dict[int, Checksums]) -> None:
-    """Raise `WeightSyncError` naming every tensor whose applied bytes differ."""
-    bad = set()
-    seen: dict[int, int] = {}
-    for copy in plan.copies:
-        i = seen.get(copy.rank, 0)
-        seen[copy.rank] = i + 1
-        actual = xxhash.xxh3_64_intdigest(memoryview(copy.dst.reshape(-1).view(torch.uint8).numpy()).cast("B"))
-        if actual != checksums[copy.rank].values[i]:
-            bad.add(copy.binding.target if copy.binding.target == copy.binding.source else f"{copy.binding.target} (from {copy.binding.source})")
-    if bad:
-        raise WeightSyncError(f"checksum mismatch after apply in {len(bad)} tensor(s): {', '.join(sorted(bad))}")
 
 
 def _tensors(model_or_tensors: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from transfer_queue._errors import WeightSyncError, error_code, error_from_code
 
 from ..layout import Box
 from ..plan import Read
-from ..protocol import DATA_CODEC, DATA_ENCODER, Granted, Pull, RelayPull
+from ..protocol import DATA_DECODER, DATA_ENCODER, Granted, Pull, RelayPull
 
 __all__ = [
     "Transport",
@@ -211,7 +211,7 @@ def encode_request(request: Pull | RelayPull) -> bytes:
 
 def decode_request(body: bytes) -> Pull | RelayPull:
     try:
-        return DATA_CODEC.decode(body)
+        return DATA_DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WeightSyncError(f"undecodable stream request: {exc}") from exc
 

@@ -1,0 +1,135 @@
+"""Rank 0's bookkeeping for a publisher group: which ranks have staged which versions, the
+newest version complete on every rank, and the subscribers waiting to hear about it.
+
+It lives in rank 0's control-server thread (no locks): `handle` serves `Join`, `Staged`,
+`Latest` and `Confirm`; the publisher calls `on_started` and `on_staged` for rank 0 itself.
+A version becomes complete when every rank reported it staged; it is recorded with `record`
+(the controller's `set_version`) before any subscriber is told, so the controller's version
+never runs ahead of what subscribers can fetch, nor behind what they apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+import msgspec
+
+from transfer_queue._errors import WeightSyncError
+
+from .protocol import (
+    Confirm,
+    Join,
+    Latest,
+    Offer,
+    Ok,
+    Pending,
+    RankInfo,
+    Staged,
+    failed,
+)
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger("sluice.weight_sync")
+
+RECENT = 64
+"""How many recent complete (and abandoned) versions are remembered for `Confirm`."""
+
+
+class Coordinator:
+    """Tracks versions across `world_size` publisher ranks; `info` is rank 0's own.
+
+    `park(pending, timeout, what)` keeps a request waiting (the server fails it at its
+    deadline); `record(version)` registers a complete version with the controller, or is None
+    without one, and may raise when the controller cannot be reached.
+    """
+
+    def __init__(self, info: RankInfo, world_size: int, park: Callable[[Pending, float, str], None], record: Callable[[int], None] | None):
+        self.world_size = world_size
+        self.park = park
+        self.record = record
+        self.ranks: dict[int, RankInfo] = {info.rank: info}
+        self.holders: dict[int, set[int]] = {}
+        """Version -> ranks that have it complete (until every rank has)."""
+        self.complete = -1
+        self.started = -1
+        self.recent: deque[int] = deque(maxlen=RECENT)
+        self.abandoned: deque[int] = deque(maxlen=RECENT)
+        self.waiters: list[tuple[msgspec.Struct, Pending]] = []
+
+    def handle(self, msg: msgspec.Struct, pending: Pending) -> None:
+        """Serve one request meant for the coordinator."""
+        match msg:
+            case Join(info=info):
+                self.ranks[info.rank] = info
+                pending.reply(Ok())
+                self._wake()
+            case Staged(rank=rank, version=version, complete=ok):
+                self.on_staged(rank, version, ok)
+                pending.reply(Ok())
+            case Latest() | Confirm():
+                if not self._answer(msg, pending):
+                    self.waiters.append((msg, pending))
+                    self.park(pending, msg.timeout, "no newer version in time")
+
+    def on_started(self, version: int) -> None:
+        """Rank 0 began staging `version` (subscribers may start pulling it)."""
+        self.started = version
+        self._wake()
+
+    def on_staged(self, rank: int, version: int, ok: bool) -> None:
+        """`rank` finished staging `version` (or abandoned it: `ok` False)."""
+        if not ok:
+            self.abandoned.append(version)
+            self.holders.pop(version, None)
+        else:
+            ranks = self.holders.setdefault(version, set())
+            ranks.add(rank)
+            if len(ranks) == self.world_size and version > self.complete:
+                self._complete(version)
+        self._wake()
+
+    def _complete(self, version: int) -> None:
+        for old in [v for v in self.holders if v <= version]:
+            del self.holders[old]
+        if self.record is not None:
+            try:
+                self.record(version)
+            except Exception as exc:  # noqa: BLE001 - the controller refused or is gone: nobody is told
+                log.error("could not record version %d in the controller: %s", version, exc)
+                self.abandoned.append(version)
+                return
+        self.complete = version
+        self.recent.append(version)
+
+    def _answer(self, msg: msgspec.Struct, pending: Pending) -> bool:
+        """Answer `msg` now if it can be; False to keep waiting."""
+        if isinstance(msg, Confirm):
+            if msg.version in self.recent:
+                pending.reply(Ok())
+            elif msg.version in self.abandoned or msg.version < self.complete:
+                pending.reply(failed(WeightSyncError(f"version {msg.version} was abandoned by the trainer")))
+            else:
+                return False
+            return True
+        ready = len(self.ranks) == self.world_size
+        if ready and self.complete > msg.after:
+            pending.reply(Offer(self.complete, True, self._rank_list()))
+        elif ready and not msg.complete and self.started > max(msg.after, self.complete) and self.started not in self.abandoned:
+            pending.reply(Offer(self.started, False, self._rank_list()))
+        elif msg.timeout <= 0:
+            pending.reply(Offer(self.complete if ready else -1, True, self._rank_list() if ready else []))
+        else:
+            return False
+        return True
+
+    def _rank_list(self) -> list[RankInfo]:
+        return [self.ranks[r] for r in range(self.world_size)]
+
+    def _wake(self) -> None:
+        waiting, self.waiters = self.waiters, []
+        for msg, pending in waiting:
+            if not pending.done and not self._answer(msg, pending):
+                self.waiters.append((msg, pending))
