@@ -31,7 +31,7 @@ from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitIn
 from transfer_queue._service import Service, run_service
 from transfer_queue._wire import Codec
 
-from .arena import PAGE_BYTES
+from .arena import PAGE_BYTES, keep_freed_memory
 from .service import StorageUnit
 
 ANNOUNCE = "SLUICE_STORAGE"
@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the service loop takes over the signals, a SIGTERM unwinds (and unlinks the arena)
     # instead of killing the process outright.
     signal.signal(signal.SIGTERM, _interrupt)
+    keep_freed_memory()  # received Write frames land in warm memory
 
     async def make() -> Service:
         unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes)

@@ -59,7 +59,7 @@ from ._messages import (
     WriteReply,
 )
 from ._meta import BatchMeta
-from ._tensors import Assembler, BufferPool, Columns
+from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
 from ._wire import Codec
 
 __all__ = ["Call", "ClientCore", "Grant", "flow", "host_id", "CONTROLLER"]
@@ -417,6 +417,8 @@ class ClientCore:
         calls = []
         for unit_id in targets:
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
+            if via == "frames":
+                keep_freed_memory()  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
         replies = yield calls
         for unit_id, (reply, frames) in zip(targets, replies):
