@@ -34,6 +34,8 @@ __all__ = [
     "memcpy_bandwidth",
     "physical_limits",
     "machine_info",
+    "cpu_seconds",
+    "CpuMeter",
 ]
 
 
@@ -73,6 +75,57 @@ def repeat(fn: Callable[[], float], reps: int, warmup: int = 0) -> list[float]:
 def gbps(nbytes: float, seconds: float) -> float:
     """GB/s (10^9 bytes per second)."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# -- CPU accounting -----------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds used so far by process `pid`, all its threads (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return (float("nan"), float("nan"))
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+
+
+class CpuMeter:
+    """CPU seconds that named processes spend between `start()` and `stop()`.
+
+    On a shared machine a rate depends on what the neighbours do; the CPU a transfer costs per
+    GB does much less, so benchmarks report both (`per_gb`) and how many cores were busy.
+    """
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = dict(pids)
+        self._t0 = 0.0
+        self._c0: dict[str, tuple[float, float]] = {}
+        self.wall = 0.0
+        self.used: dict[str, tuple[float, float]] = {}
+
+    def start(self) -> "CpuMeter":
+        self._c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        self._t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> "CpuMeter":
+        self.wall = time.perf_counter() - self._t0
+        for k, p in self.pids.items():
+            u, s = cpu_seconds(p)
+            self.used[k] = (u - self._c0[k][0], s - self._c0[k][1])
+        return self
+
+    def per_gb(self, nbytes: float) -> dict[str, float]:
+        """CPU seconds per GB moved, per process and in total, and the cores busy meanwhile."""
+        gb = nbytes / 1e9
+        out = {k: (u + s) / gb for k, (u, s) in self.used.items()}
+        out["total"] = sum(u + s for u, s in self.used.values()) / gb
+        out["system_share"] = sum(s for _, s in self.used.values()) / max(1e-9, sum(u + s for u, s in self.used.values()))
+        out["cores_busy"] = sum(u + s for u, s in self.used.values()) / self.wall if self.wall else float("nan")
+        return out
 
 
 # -- output -------------------------------------------------------------------------------
@@ -163,11 +216,13 @@ s.close()
 """
 
 
-def tcp_loopback_bandwidth(total: int = 256 << 20, reps: int = 3, chunk: int = 16 << 20) -> list[float]:
+def tcp_loopback_bandwidth(total: int = 256 << 20, reps: int = 3, chunk: int = 16 << 20) -> tuple[list[float], float]:
     """GB/s of `total` bytes over loopback TCP from another process into a preallocated,
-    pre-touched buffer (`recv_into`), one figure per repetition (after one warm-up)."""
+    pre-touched buffer (`recv_into`), one figure per repetition (after one warm-up); and the CPU
+    seconds per GB that sender and receiver spent together."""
     dest = bytearray(total)  # zero-filled: touched
     view = memoryview(dest)
+    c0 = os.times()
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -192,7 +247,9 @@ def tcp_loopback_bandwidth(total: int = 256 << 20, reps: int = 3, chunk: int = 1
     finally:
         srv.close()
         proc.wait(30)
-    return out[1:]
+    c1 = os.times()
+    cpu = (c1.user + c1.system + c1.children_user + c1.children_system) - (c0.user + c0.system + c0.children_user + c0.children_system)
+    return out[1:], cpu / ((reps + 1) * total / 1e9)
 
 
 def memcpy_bandwidth(total: int = 256 << 20, reps: int = 5) -> list[float]:
@@ -216,7 +273,9 @@ def memcpy_bandwidth(total: int = 256 << 20, reps: int = 5) -> list[float]:
 
 
 def physical_limits(total: int = 256 << 20, reps: int = 3) -> dict[str, Any]:
-    """Raw loopback TCP and memcpy bandwidth (GB/s) measured now; medians and every repetition."""
-    tcp = tcp_loopback_bandwidth(total, reps)
+    """Raw loopback TCP and memcpy bandwidth (GB/s) measured now; medians and every repetition,
+    and the CPU seconds per GB that the raw socket transfer costs (both ends)."""
+    tcp, tcp_cpu = tcp_loopback_bandwidth(total, reps)
     mem = memcpy_bandwidth(total, max(reps, 3))
-    return {"tcp_gbps": median(tcp), "tcp_runs": tcp, "memcpy_gbps": median(mem), "memcpy_runs": mem, "bytes": total}
+    return {"tcp_gbps": median(tcp), "tcp_runs": tcp, "tcp_cpu_s_per_gb": tcp_cpu,
+            "memcpy_gbps": median(mem), "memcpy_runs": mem, "bytes": total}

@@ -19,7 +19,7 @@ The physical limits, raw loopback TCP (`sendall` -> `recv_into` a touched buffer
 process) and memcpy (torch `copy_` into a touched destination, one thread), are measured in the
 same run; every rate is also given as a ratio to both. Results go to results/data_plane-*.json.
 
-    .venv/bin/python benchmarks/data_plane.py            # full run (a few minutes)
+    .venv/bin/python benchmarks/data_plane.py            # full run (~3 minutes)
     .venv/bin/python benchmarks/data_plane.py --quick    # < 1 minute
 """
 
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from benchmarks._common import gbps, median, percentile, physical_limits, print_table, write_record
+from benchmarks._common import CpuMeter, gbps, median, percentile, physical_limits, print_table, write_record
 
 SEQ = 4096
 FIELDS = {"input_ids": torch.int64, "responses": torch.int64, "log_probs": torch.float32}
@@ -189,7 +190,8 @@ def streaming(client: tq.Client, producer: Producer, total: int, put_batch: int,
     client.clear(prev)
     t0, t1 = producer.recv()
     assert got == total, (got, total)
-    return {"e2e_gbps": gbps(total * SAMPLE_BYTES, t_last - t0), "producer_gbps": gbps(total * SAMPLE_BYTES, t1 - t0)}
+    return {"e2e_gbps": gbps(total * SAMPLE_BYTES, t_last - t0), "producer_gbps": gbps(total * SAMPLE_BYTES, t1 - t0),
+            "bytes": total * SAMPLE_BYTES}
 
 
 def streaming_async(address: str, use_shm: bool | None, producer: Producer, total: int, put_batch: int, micro: int) -> dict[str, Any]:
@@ -255,14 +257,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client = tq.connect(cluster.address, use_shm=use_shm)
             assert bool(client._arenas) == (use_shm is None), "shm path wanted but the arenas are not mapped"
             producer = Producer(cluster.address, use_shm, args.put_batches)
+            pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster._procs[0].pid,
+                    **{f"unit{i}": p.pid for i, p in enumerate(cluster._procs[1:])}}
             try:
                 time.sleep(args.settle)  # the units pre-fault their arenas in the background
+                # warm-up, not recorded: maps the arenas' pages into both clients, fills the pools
+                sequential(client, args.samples, max(args.put_batches), max(args.micro_batches))
+                streaming(client, producer, args.samples, max(args.put_batches), max(args.micro_batches))
                 for put_batch in args.put_batches:
                     for micro in args.micro_batches:
                         runs = {"seq": [], "stream": [], "astream": []}
                         for _ in range(args.reps):
                             runs["seq"].append(sequential(client, args.samples, put_batch, micro))
-                            runs["stream"].append(streaming(client, producer, args.samples, put_batch, micro))
+                            meter = CpuMeter(pids).start()
+                            res = streaming(client, producer, args.samples, put_batch, micro)
+                            meter.stop()
+                            res["cpu_s"], res["wall_s"] = meter.used, meter.wall
+                            runs["stream"].append(res)
                             if args.async_stream:
                                 runs["astream"].append(streaming_async(cluster.address, use_shm, producer, args.samples, put_batch, micro))
                         record["rows"].append(summarize(path, put_batch, micro, runs))
@@ -282,7 +293,21 @@ def summarize(path: str, put_batch: int, micro: int, runs: dict[str, list[dict[s
         if runs[mode]:
             row[f"{mode}_{key}"] = median(r[key] for r in runs[mode])
     row["get_meta_s"] = [x for r in runs["seq"] for x in r["get_meta_s"]]
+    row["stream_cpu_s_per_gb"] = cpu_per_gb(runs["stream"])
     return row
+
+
+def cpu_per_gb(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds per GB moved over all `runs` (summed: one run is too short for 10 ms ticks)."""
+    if not runs:
+        return {}
+    gb = len(runs) * runs[0]["bytes"] / 1e9
+    keys = runs[0]["cpu_s"].keys()
+    used = {k: sum(sum(r["cpu_s"][k]) for r in runs) for k in keys}
+    system = sum(r["cpu_s"][k][1] for r in runs for k in keys)
+    total = sum(used.values())
+    return {**{k: v / gb for k, v in used.items()}, "total": total / gb, "system_share": system / total if total else float("nan"),
+            "cores_busy": total / sum(r["wall_s"] for r in runs)}
 
 
 def print_progress(row: dict[str, Any]) -> None:
@@ -294,6 +319,7 @@ def print_progress(row: dict[str, Any]) -> None:
 def report(record: dict[str, Any]) -> None:
     tcp, mem = record["limits"]["tcp_gbps"], record["limits"]["memcpy_gbps"]
     reps = record["args"]["reps"]
+    ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print()
     print_table(
         f"Physical limits (this run): loopback TCP {tcp:.2f} GB/s, memcpy {mem:.2f} GB/s",
@@ -312,6 +338,23 @@ def report(record: dict[str, Any]) -> None:
     print_table(
         f"Throughput, {record['args']['samples']} samples x {SAMPLE_BYTES:,} B per run, median of {reps}",
         ["path", "put", "micro", "mode", "MB/s", "samples/s", "x socket", "x memcpy"],
+        rows,
+    )
+    rows = []
+    for r in record["rows"]:
+        c = r["stream_cpu_s_per_gb"]
+        if not c:
+            continue
+        units = sum(v for k, v in c.items() if k.startswith("unit"))
+        ceiling = ncores / c["total"]
+        rows.append([r["path"], r["put_batch"], r["micro"], c["consumer"], c["producer"], c["controller"], units,
+                     c["total"], c["system_share"], c["cores_busy"], ceiling, r["stream_e2e_gbps"] / ceiling])
+    socket_cpu = record["limits"].get("tcp_cpu_s_per_gb", float("nan"))
+    print_table(
+        f"CPU cost of streaming (Client), CPU-seconds per GB, median of {reps}. Ceiling = {ncores} cores / total. "
+        f"Raw loopback TCP costs {socket_cpu:.2f} CPU-s/GB (both ends); the TCP path crosses loopback twice",
+        ["path", "put", "micro", "consumer", "producer", "controller", "units", "total", "sys share", "cores busy",
+         "ceiling GB/s", "x ceiling"],
         rows,
     )
     rows = []
@@ -366,7 +409,7 @@ def targets(record: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (< 1 minute)")
-    p.add_argument("--samples", type=int, help="samples per run (default 4096; quick 1024)")
+    p.add_argument("--samples", type=int, help="samples per run (default 8192; quick 1024)")
     p.add_argument("--reps", type=int, help="repetitions per figure (default 3; quick 1)")
     p.add_argument("--trials", type=int, help="time-to-first-micro-batch trials (default 30; quick 8)")
     p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
@@ -377,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--capacity", default="4GiB", help="total storage capacity (default 4GiB)")
     p.add_argument("--settle", type=float, default=1.0, help="seconds to let the units pre-fault their arenas")
     args = p.parse_args(argv)
-    args.samples = args.samples or (1024 if args.quick else 4096)
+    args.samples = args.samples or (1024 if args.quick else 8192)
     args.reps = args.reps or (1 if args.quick else 3)
     args.trials = args.trials or (8 if args.quick else 30)
     if args.quick and argv is None and "--no-async" not in sys.argv:
