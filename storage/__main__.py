@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import re
 import signal
-import socket
 import sys
 from typing import Sequence
 
@@ -33,6 +32,7 @@ from transfer_queue._wire import Codec
 
 from .arena import PAGE_BYTES, keep_freed_memory
 from .service import StorageUnit
+from transfer_queue._host import host_id
 
 ANNOUNCE = "SLUICE_STORAGE"
 
@@ -51,15 +51,6 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
-
-def host_id() -> str:
-    """Hostname and boot id: equal on both sides means a client can map the unit's /dev/shm file."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}:{boot}"
 
 
 async def register(unit: StorageUnit, controller: str, timeout: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -61,8 +60,9 @@ from ._messages import (
 from ._meta import BatchMeta
 from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
 from ._wire import Codec
+from ._host import host_id
 
-__all__ = ["Call", "ClientCore", "Grant", "flow", "host_id", "CONTROLLER"]
+__all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER"]
 
 CONTROLLER = -1
 """`Call.target` of the controller; storage units are addressed by their unit id."""
@@ -88,15 +88,6 @@ def flow(fn: Callable[..., Flow]) -> Callable[..., Flow]:
     fn.__sluice_flow__ = True
     return fn
 
-
-def host_id() -> str:
-    """Identifies this host for shared-memory co-location (hostname + boot id)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}:{boot}"
 
 
 @dataclass

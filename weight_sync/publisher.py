@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -57,22 +56,14 @@ from .protocol import (
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
 from .transports.base import gather, read_chunks
+from transfer_queue._host import host_id
 
-__all__ = ["WeightPublisher", "host_id", "directory_key"]
+__all__ = ["WeightPublisher", "directory_key"]
 
 log = logging.getLogger("sluice.weight_sync")
 
 _KEPT_MANIFESTS = 8
 
-
-def host_id() -> str:
-    """This machine's identity: hostname plus boot id (equal ids may share memory)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def directory_key(name: str) -> str:

@@ -53,7 +53,9 @@ from .protocol import (
     RpcClient,
     Verify,
 )
-from .publisher import directory_key, host_id
+from transfer_queue._host import host_id
+
+from .publisher import directory_key
 from .staging import SlotTable
 from .transports import AUTO_ORDER, Job, Source, Transport, resolve
 from .transports.base import read_chunks
