@@ -160,7 +160,7 @@ class Dispatcher:
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
             self.leases[lease_id] = _Lease(part.name, req.task, rows, len(rows), timer)
-        staleness = (self.clock.current - part.v_first[rows[part.versioned[rows]]]).tolist()
+        staleness = self.clock.current - part.v_first[rows[part.versioned[rows]]]
         self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)
         return BatchMeta(

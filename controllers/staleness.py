@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from transfer_queue._errors import SchemaError, TimeoutError
 
 __all__ = ["Admission", "StaleCounters"]
@@ -40,9 +42,11 @@ class StaleCounters:
     requeued: int = 0
     served_histogram: dict[int, int] = field(default_factory=dict)
 
-    def served(self, staleness: list[int]) -> None:
-        for s in staleness:
-            self.served_histogram[s] = self.served_histogram.get(s, 0) + 1
+    def served(self, staleness: np.ndarray) -> None:
+        """Count served samples by staleness (one `np.unique` per batch, not a loop per sample)."""
+        values, counts = np.unique(staleness, return_counts=True)
+        for s, c in zip(values.tolist(), counts.tolist()):
+            self.served_histogram[s] = self.served_histogram.get(s, 0) + c
 
 
 class Admission:
