@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import signal
 import sys
 from typing import Sequence
@@ -33,23 +32,14 @@ from transfer_queue._wire import Codec
 from .arena import PAGE_BYTES, keep_freed_memory
 from .service import StorageUnit
 from transfer_queue._host import host_id
+from transfer_queue._sizes import parse_bytes
 
 ANNOUNCE = "SLUICE_STORAGE"
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 
 
 class StartupError(Exception):
     """The unit could not start or register; the message says why."""
 
-
-def parse_bytes(text: str) -> int:
-    """`"1048576"`, `"64MiB"`, `"2GiB"`, `"1.5GB"` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 

@@ -9,7 +9,6 @@ import atexit
 import ctypes
 import glob
 import os
-import re
 import select
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import msgspec
 
 from ._errors import ServiceError, SchemaError
 from ._messages import ClusterConfig
+from ._sizes import parse_bytes
 from ._staleness import StalenessConfig
 
 if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) needs no torch
@@ -30,20 +30,8 @@ if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) 
 
 __all__ = ["Cluster", "init", "connect", "parse_bytes"]
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
 _START_TIMEOUT = 60.0
-
-
-def parse_bytes(size: int | str) -> int:
-    """`"2GiB"`, `"512MB"`, `1 << 30` -> bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", size)
-    if not match or match.group(2).upper() not in _UNITS:
-        raise SchemaError(f"cannot read {size!r} as a size; use e.g. '2GiB', '512MB' or an int")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _find_prctl() -> Any:
