@@ -1,4 +1,4 @@
-"""`python -m recipes.demo` end to end, as `make demo` runs it (smaller)."""
+"""`python -m recipes.dataflow_demo` end to end, as `make demo` runs it (smaller)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_streams_every_sample_through_both_tasks():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "recipes.demo", "--samples", "256", "--batch-size", "32"],
+    run = subprocess.run([sys.executable, "-m", "recipes.dataflow_demo", "--samples", "256", "--batch-size", "32"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {}

@@ -1,4 +1,4 @@
-"""`python -m recipes.demo` (`make demo`): a GRPO-shaped data flow through an embedded cluster.
+"""`python -m recipes.dataflow_demo` (`make demo`): a GRPO-shaped data flow through an embedded cluster.
 
 Two producer processes stand in for rollout workers: each connects its own client and puts
 synthetic rollouts in whole groups of 8 (one prompt, eight responses of random length). Two
@@ -270,7 +270,7 @@ def check(samples: int, consumers: list[Stage], tasks: dict) -> tuple[bool, str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.dataflow_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4096, help="samples to produce (multiple of 8; default 4096)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per put and per consumer batch (multiple of 8)")
     parser.add_argument("--units", type=int, default=2, help="storage units (default 2)")

@@ -1,0 +1,71 @@
+"""The co-located synchronous baseline: one process, both cores, no Sluice.
+
+Generate a step's rollouts with the weights being trained, then train on them, and repeat;
+generation and training share the process's cores (`torch.set_num_threads(2)` here), so the
+comparison with the async runs, which pin a rollout worker and a trainer to one core each,
+is honest about what a single process could already do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from .config import RecipeConfig
+from .engines import make_engine
+from .learner import Learner, RolloutBatch
+from .records import RunLog, StepRecord
+from .task import DigitReversal
+
+__all__ = ["run_colocated"]
+
+
+def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | None = None) -> dict[str, Any]:
+    """Run `trainer.total_steps` generate-then-train steps; returns the totals (`run.json`)."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    task = DigitReversal(cfg.task)
+    learner = Learner(cfg)
+    engine = make_engine(cfg, learner.model)
+    prompts_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    sample_gen = torch.Generator().manual_seed(cfg.seed * 1009)
+    group, width = cfg.rollout.group_size, task.max_new_tokens
+    start, samples = time.perf_counter(), 0
+    with RunLog(cfg.out_dir, on_step) as log:
+        for step in range(1, cfg.trainer.total_steps + 1):
+            t0 = time.perf_counter()
+            prompts = task.prompts(cfg.prompts_per_step, prompts_gen).repeat_interleave(group, 0)
+            gen = engine.generate(prompts, width, sample_gen)
+            batch = RolloutBatch(prompts, gen.tokens, gen.logprobs, task.rewards(prompts, gen.tokens), gen.lengths)
+            t1 = time.perf_counter()
+            stats = learner.step(batch)
+            now = time.perf_counter()
+            samples += len(batch)
+            log.write(StepRecord(
+                step=step,
+                time_s=round(now - start, 4),
+                samples=samples,
+                reward_mean=round(float(batch.rewards.mean()), 5),
+                samples_per_s=round(samples / (now - start), 3),
+                tokens_per_s=round(float(batch.lengths.sum()) / (now - t0), 1),
+                trainer_idle=round((t1 - t0) / (now - t0), 4),
+                rollout_idle=round((now - t1) / (now - t0), 4),
+                version=step,
+                staleness={"0": len(batch)},
+                weight_sync_s=0.0,
+                spanned=0,
+                loss=round(stats["loss"], 5),
+                clip_frac=round(stats["clip_frac"], 4),
+                behaviour_weight=round(stats["behaviour_weight"], 4),
+                response_len=round(float(batch.lengths.float().mean()), 3),
+            ))
+        wall = time.perf_counter() - start
+        return log.finish({
+            "name": cfg.name, "wall_s": round(wall, 3), "samples": samples, "samples_per_s": round(samples / wall, 3),
+            "final_version": cfg.trainer.total_steps, "consumed": samples, "duplicates": 0, "produced": samples,
+            "dropped": 0, "left": 0, "max_staleness": 0, "served_staleness": dict(Counter({"0": samples})),
+            "rollout": [],
+        })

@@ -1,0 +1,144 @@
+"""Run staleness experiments one after another, with equal resources, and compare them.
+
+    python -m recipes.experiments sync.yaml one_step_off.yaml fully_async.yaml --out results/exp \
+        [--seeds 0,1,2] [key=value ...]
+
+Each async run gets a fresh embedded cluster (controller and storage units as local processes),
+its rollout workers pinned to the first core and its trainer to the last (the same processes on
+the same cores for every config), and the same sample budget (`trainer.total_steps` steps of
+the same size). A co-located config (`mode: colocated`) runs in one process on every core.
+Progress shows as a bar per run. Per run `DIR/<name>/` holds `steps.jsonl` (one record per
+trainer step), `run.json` (totals), the resolved config, and each process's log; then
+`DIR/compare.png` and `DIR/summary.md` compare the runs. With several seeds, each seed's runs
+go under `DIR/seed-<s>/` and the comparison reports mean ± spread over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+import transfer_queue as tq
+
+from .colocated import run_colocated
+from .config import RecipeConfig, load, to_yaml
+from .records import StepRecord
+from .report import write_report
+
+__all__ = ["ExperimentError", "run_experiment", "main"]
+
+PROCESS_TIMEOUT = 60.0
+"""Seconds to wait for the rollout workers to leave once the trainer finished."""
+
+
+class ExperimentError(RuntimeError):
+    """A run's trainer or rollout worker failed; the message names it and its log."""
+
+
+def run_experiment(cfg: RecipeConfig, out: Path, progress: bool = True) -> dict[str, Any]:
+    """Run one config into `out` (`steps.jsonl`, `run.json`, logs); returns the totals."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, out_dir=str(out))
+    config_file = out / f"{cfg.name}.yaml"
+    config_file.write_text(to_yaml(cfg))
+    bar = tqdm(total=cfg.trainer.total_steps, desc=f"{cfg.name} (seed {cfg.seed})", unit="step", disable=not progress,
+               dynamic_ncols=True, leave=True)
+    try:
+        if cfg.mode == "colocated":
+            return run_colocated(cfg, lambda r: _advance(bar, r))
+        return _run_async(cfg, out, config_file, bar)
+    finally:
+        bar.close()
+
+
+def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> dict[str, Any]:
+    cores = sorted(os.sched_getaffinity(0))
+    c = cfg.cluster
+    with tq.init(c.units, c.capacity, staleness=cfg.staleness(), lease_timeout=c.lease_timeout,
+                 grant_timeout=c.grant_timeout, stale_policy=c.stale_policy) as cluster:  # type: ignore[arg-type]
+        workers = [
+            _spawn("recipes.rollout_worker", ["--address", cluster.address, "--worker-id", str(i), str(config_file)],
+                   cores[0], out / f"rollout-{i}.log")
+            for i in range(cfg.rollout.workers)
+        ]
+        trainer = _spawn("recipes.async_trainer", ["--address", cluster.address, str(config_file)], cores[-1],
+                         out / "trainer.log", pipe=True)
+        totals = None
+        try:
+            for line in trainer.stdout:  # type: ignore[union-attr]
+                if line.startswith("{"):
+                    record = json.loads(line)
+                    if "totals" in record:
+                        totals = record["totals"]
+                    else:
+                        _advance(bar, StepRecord(**record))
+            if trainer.wait() != 0 or totals is None:
+                raise ExperimentError(f"{cfg.name}: the trainer failed (exit {trainer.returncode}); see {out / 'trainer.log'}")
+            for i, worker in enumerate(workers):
+                if worker.wait(PROCESS_TIMEOUT) != 0:
+                    raise ExperimentError(f"{cfg.name}: rollout worker {i} failed (exit {worker.returncode}); see {out}/rollout-{i}.log")
+        finally:
+            for proc in (trainer, *workers):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return totals
+
+
+def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = False) -> subprocess.Popen:
+    """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    sink = log.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=root, env=env, text=True,
+        stdout=subprocess.PIPE if pipe else sink, stderr=sink,
+    )
+    os.sched_setaffinity(proc.pid, {core})
+    sink.close()
+    return proc
+
+
+def _advance(bar: tqdm, record: StepRecord) -> None:
+    bar.update(1)
+    bar.set_postfix(reward=f"{record.reward_mean:.3f}", samples_s=f"{record.samples_per_s:.0f}",
+                    v=record.version, refresh=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.experiments", description=__doc__.split("\n\n")[0])
+    parser.add_argument("items", nargs="+", metavar="CONFIG.yaml|key=value")
+    parser.add_argument("--out", required=True, type=Path, help="directory for the runs, compare.png and summary.md")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)")
+    args = parser.parse_intermixed_args(argv)
+    files = [i for i in args.items if "=" not in i]
+    overrides = [i for i in args.items if "=" in i]
+    if not files:
+        parser.error("name at least one CONFIG.yaml")
+    configs = [load([f], overrides) for f in files]
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        parser.error(f"config names must differ: {names}")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [configs[0].seed]
+    runs: dict[int, dict[str, Path]] = {}
+    for seed in seeds:  # seeds outermost: machine drift hits every config alike
+        base = args.out if len(seeds) == 1 else args.out / f"seed-{seed}"
+        for cfg in configs:
+            run_experiment(replace(cfg, seed=seed), base / cfg.name)
+            runs.setdefault(seed, {})[cfg.name] = base / cfg.name
+    png, summary = write_report(runs, args.out, baseline="sync" if "sync" in names else names[0])
+    print(summary.read_text())
+    print(f"wrote {png} and {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The rollout worker: prompts in, scored rollouts out, inside the staleness budget.
+
+Per batch it `acquire`s `prompts_per_batch × group_size` generation slots (admission control:
+the budget opens as the trainer consumes and publishes), makes sure its engine holds at least
+the grant's weight version, leases prompts from the prompt partition, generates `group_size`
+responses per prompt, scores them, and `put`s prompts, responses, token log-probs and rewards
+with the policy version, one GRPO group per prompt. New weights are applied through
+`WeightSubscriber` only at safe points: between batches, or, with
+`async_training.partial_rollout`, at the token boundary where a new version arrived
+(`versions()` events): the generation stops there, swaps the weights, resumes from prompt +
+tokens so far under the new ones, and the samples record the version span (first, last).
+
+Several workers may run at once (`--worker-id` tells them apart). A worker stops when the
+trainer announces it is done (after applying the final version) or the prompts run out.
+
+    python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+import torch
+
+import transfer_queue as tq
+from weight_sync import WeightSubscriber
+
+from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
+from .config import RecipeConfig, command_line
+from .engines import make_engine
+from .task import PAD, DigitReversal
+
+__all__ = ["RolloutWorker", "main"]
+
+_FOREVER = 1e6
+"""Timeout for waits that end by an event (budget, stop), not by time."""
+WEIGHT_TIMEOUT = 120.0
+"""Seconds to wait for a weight version the controller already announced."""
+
+
+class RolloutWorker:
+    """One rollout worker process's loop against the cluster at `address`."""
+
+    def __init__(self, cfg: RecipeConfig, address: str, worker_id: int = 0):
+        torch.set_num_threads(1)
+        self.cfg, self.address = cfg, address
+        self.task = DigitReversal(cfg.task)
+        self.engine = make_engine(cfg)
+        self.subscriber = WeightSubscriber(address, dict(self.engine.weights()), transport=cfg.rollout.transport)
+        self.stats = RolloutStats(worker_id)
+        self.generator = torch.Generator().manual_seed(cfg.seed * 1009 + worker_id)
+        self.latest = -1
+        """The newest version the controller announced (partial rollout compares it with the
+        engine's at every token boundary)."""
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> RolloutStats:
+        client = await tq.connect_async(self.address)
+        stop = asyncio.ensure_future(client.lookup(STOP_KEY, timeout=_FOREVER))
+        watcher = asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
+        try:
+            await self._idle(asyncio.to_thread(self._apply, 0))
+            while not stop.done():
+                if not await self._batch(client, stop):
+                    break
+            if stop.done():
+                final = msgspec.msgpack.decode(stop.result(), type=int)
+                await self._idle(asyncio.to_thread(self._apply, final))
+            self.stats.finished = True
+            await client.announce(rollout_key(self.stats.worker, done=True), msgspec.msgpack.encode(self.stats))
+        finally:
+            for task in (stop, watcher):
+                if task is not None:
+                    task.cancel()
+                    with suppress(BaseException):
+                        await task
+            await client.close()
+            self.subscriber.close()
+        if self.cfg.out_dir:
+            path = Path(self.cfg.out_dir, f"rollout-{self.stats.worker}.json")
+            path.write_text(json.dumps(msgspec.to_builtins(self.stats), indent=1))
+        return self.stats
+
+    async def _batch(self, client: tq.AsyncClient, stop: asyncio.Future) -> bool:
+        """Generate and put one batch; False when there is nothing left to do."""
+        cfg = self.cfg.rollout
+        acquire = asyncio.ensure_future(client.acquire(cfg.prompts_per_batch * cfg.group_size, timeout=_FOREVER))
+        await self._idle(asyncio.wait({acquire, stop}, return_when=asyncio.FIRST_COMPLETED))
+        if not acquire.done():
+            acquire.cancel()  # the client withdraws it and gives back a grant won meanwhile
+            with suppress(asyncio.CancelledError):
+                await acquire
+            return False
+        async with acquire.result() as grant:
+            if self.subscriber.version < grant.version:
+                await self._idle(asyncio.to_thread(self._apply, grant.version))
+            meta = await self._idle(client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER))
+            if not len(meta):
+                return False  # the prompt partition is sealed and drained
+            prompts = (await client.get_data(meta))["prompts"]
+            start = time.perf_counter()
+            rollouts = await asyncio.to_thread(self._generate, prompts)
+            groups = [i for i in meta.indexes for _ in range(cfg.group_size)]
+            for rows, span in rollouts.by_span():
+                td = rollouts.select(rows)
+                await client.put(td, partition=TRAIN, policy_version=span, groups=[groups[r] for r in rows], grant=grant)
+            await client.ack(meta)
+            self.stats.busy_s += time.perf_counter() - start
+        self.stats.samples += rollouts.n
+        self.stats.batches += 1
+        self.stats.tokens += int(rollouts.lengths.sum())
+        self.stats.spans += int((rollouts.last > rollouts.first).sum())
+        await client.announce(rollout_key(self.stats.worker), msgspec.msgpack.encode(self.stats))
+        return True
+
+    async def _idle(self, awaitable):  # noqa: ANN001, ANN202 - times a wait as idle
+        start = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self.stats.idle_s += time.perf_counter() - start
+
+    async def _watch_versions(self, client: tq.AsyncClient) -> None:
+        async for version in client.versions(after=max(self.subscriber.version, 0)):
+            self.latest = version
+
+    # -- in the generation thread ------------------------------------------------------------
+
+    def _apply(self, version: int) -> None:
+        """Hold at least `version`: wait for it, or take anything newer already complete."""
+        before = self.subscriber.version
+        start = time.perf_counter()
+        if self.subscriber.version < version:
+            self.subscriber.wait(version, timeout=WEIGHT_TIMEOUT)
+        self.subscriber.poll()
+        if self.subscriber.version != before:
+            self.engine.weights_applied()
+            self.stats.weight_apply_s += time.perf_counter() - start
+        self.stats.version = self.subscriber.version
+
+    def _generate(self, prompts: torch.Tensor) -> "Rollouts":
+        """`group_size` responses per prompt; with partial rollout, swap weights mid-way."""
+        group, width = self.cfg.rollout.group_size, self.task.max_new_tokens
+        prefixes = prompts.repeat_interleave(group, 0)
+        out = Rollouts.empty(prefixes, width, self.subscriber.version)
+        interrupt = None
+        if self.cfg.async_training.partial_rollout:
+            interrupt = lambda: self.latest > self.subscriber.version  # noqa: E731
+        while True:
+            live = torch.nonzero(~out.finished).squeeze(1)
+            done = int(out.lengths[live[0]])  # live rows are aligned: same tokens so far
+            prefix = torch.cat([prefixes[live], out.tokens[live, :done]], dim=1)
+            gen = self.engine.generate(prefix, width - done, self.generator, interrupt)
+            n = gen.tokens.shape[1]
+            out.tokens[live, done : done + n] = gen.tokens
+            out.logprobs[live, done : done + n] = gen.logprobs
+            out.lengths[live] += gen.lengths
+            out.finished[live] = gen.finished
+            out.last[live] = self.subscriber.version
+            if bool(out.finished.all()):
+                break
+            self._apply(self.latest)
+        out.rewards = self.task.rewards(prefixes, out.tokens)
+        return out
+
+
+class Rollouts:
+    """A batch of responses being generated, then scored; rows are prompt-major groups."""
+
+    def __init__(self, prompts: torch.Tensor, tokens, logprobs, lengths, finished, first, last):  # noqa: ANN001
+        self.prompts, self.tokens, self.logprobs = prompts, tokens, logprobs
+        self.lengths, self.finished, self.first, self.last = lengths, finished, first, last
+        self.rewards = torch.zeros(len(prompts))
+
+    @classmethod
+    def empty(cls, prompts: torch.Tensor, width: int, version: int) -> "Rollouts":
+        n = len(prompts)
+        return cls(
+            prompts,
+            torch.full((n, width), PAD, dtype=torch.long),
+            torch.zeros((n, width), dtype=torch.float32),
+            torch.zeros(n, dtype=torch.long),
+            torch.zeros(n, dtype=torch.bool),
+            torch.full((n,), version, dtype=torch.long),
+            torch.full((n,), version, dtype=torch.long),
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.prompts)
+
+    def by_span(self) -> list[tuple[list[int], tuple[int, int]]]:
+        """Rows grouped by their (first, last) version span, one `put` each."""
+        spans: dict[tuple[int, int], list[int]] = {}
+        for row, (a, b) in enumerate(zip(self.first.tolist(), self.last.tolist())):
+            spans.setdefault((a, b), []).append(row)
+        return [(rows, span) for span, rows in spans.items()]
+
+    def select(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        """The rows as the columns the trainer reads; responses and log-probs are ragged."""
+        idx = torch.tensor(rows)
+        lengths = self.lengths[idx].tolist()
+        return {
+            "prompts": self.prompts[idx],
+            "responses": torch.nested.nested_tensor([self.tokens[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged),
+            "logprobs": torch.nested.nested_tensor([self.logprobs[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged),
+            "rewards": self.rewards[idx],
+        }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, cfg = command_line("python -m recipes.rollout_worker", __doc__, argv, worker=True)
+    stats = asyncio.run(RolloutWorker(cfg, args.address, args.worker_id).run())
+    print(json.dumps(msgspec.to_builtins(stats)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
