@@ -1,10 +1,11 @@
-# Sluice: `make demo` runs the streaming demo, `make test` the test suite; both set up .venv.
+# Sluice: `make demo` trains a policy fully asynchronously through Sluice, `make test` runs the
+# test suite; both set up .venv. `make experiments` runs the staleness experiments (the benchmark).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench bench-staleness bench-weights clean
+.PHONY: venv demo test test-all experiments bench bench-staleness bench-weights clean
 
 venv: $(STAMP)
 
@@ -20,6 +21,12 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+experiments: venv
+	$(BIN)/python -m recipes.experiments sync fully_async colocated_sync --seeds 0,1,2 --out results/experiments/speed
+	$(BIN)/python -m recipes.experiments sync one_step_off fully_async fully_async_no_partial \
+		fully_async_eta0 fully_async_eta1 fully_async_eta4 fully_async_eta8 eta8_ppo eta8_decoupled \
+		verl_threshold_01 verl_threshold_03 verl_threshold_05 --out results/experiments/staleness
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m ""

@@ -77,7 +77,8 @@ class AsyncTrainer:
             finally:
                 self.client.announce(STOP_KEY, msgspec.msgpack.encode(self.version))
             wall = time.perf_counter() - start
-            return log.finish({**self.totals(wall, samples), "rollout": self._wait_for_workers()})
+            workers = self._wait_for_workers()  # first: no put is in flight when totals are taken
+            return log.finish({**self.totals(wall, samples), "rollout": workers})
 
     def step(self, step: int, start: float, samples_before: int) -> StepRecord:
         cfg, at = self.cfg, self.cfg.async_training

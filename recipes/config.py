@@ -226,4 +226,7 @@ def _validate(cfg: RecipeConfig) -> None:
     if not 1 <= cfg.task.min_digits <= cfg.task.max_digits:
         raise tq.SchemaError(f"need 1 <= task.min_digits <= task.max_digits, got {cfg.task.min_digits}, {cfg.task.max_digits}")
     if (cfg.rollout.engine == "torch") != (cfg.model.family == "tiny"):
-        raise tq.SchemaError("rollout.engine=torch drives model.family=tiny; hf and vllm drive qwen2")
+        raise tq.SchemaError(
+            f"rollout.engine={cfg.rollout.engine} with model.family={cfg.model.family}: the torch engine drives "
+            "model.family=tiny; hf and vllm drive model.family=qwen2"
+        )

@@ -145,7 +145,7 @@ def _plot(runs: dict[int, dict[str, Path]], rows: list[RunSummary], png: Path) -
                 for k, v in s["staleness"].items():
                     hist[int(k)] += v
         total = sum(hist) or 1
-        axes[1, 1].bar([k + (i - len(rows) / 2) * width for k in range(worst + 1)], [h / total for h in hist], width, label=name)
+        axes[1, 1].bar([k + (i - (len(rows) - 1) / 2) * width for k in range(worst + 1)], [h / total for h in hist], width, label=name)
     axes[1, 1].set(title="staleness of consumed samples", xlabel="versions behind", ylabel="fraction", xticks=list(range(worst + 1)))
     axes[1, 1].legend(fontsize=7)
     for name in names:

@@ -71,9 +71,9 @@ class RolloutWorker:
             while not stop.done():
                 if not await self._batch(client, stop):
                     break
-            if stop.done():
-                final = msgspec.msgpack.decode(stop.result(), type=int)
-                await self._idle(asyncio.to_thread(self._apply, final))
+            await self._idle(self._follow_until_stop(client, stop))
+            final = msgspec.msgpack.decode(stop.result(), type=int)
+            await self._idle(asyncio.to_thread(self._apply, final))
             self.stats.finished = True
             await client.announce(rollout_key(self.stats.worker, done=True), msgspec.msgpack.encode(self.stats))
         finally:
@@ -120,6 +120,19 @@ class RolloutWorker:
         self.stats.spans += int((rollouts.last > rollouts.first).sum())
         await client.announce(rollout_key(self.stats.worker), msgspec.msgpack.encode(self.stats))
         return True
+
+    async def _follow_until_stop(self, client: tq.AsyncClient, stop: asyncio.Future) -> None:
+        """Out of prompts before the trainer is done: keep taking its new versions until it says
+        stop. Raises `tq.TimeoutError` if no version comes for `trainer.batch_timeout` seconds."""
+        while not stop.done():
+            newer = asyncio.ensure_future(client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout))
+            await asyncio.wait({stop, newer}, return_when=asyncio.FIRST_COMPLETED)
+            if not newer.done():
+                newer.cancel()
+                with suppress(asyncio.CancelledError):
+                    await newer
+                return
+            await asyncio.to_thread(self._apply, newer.result())
 
     async def _idle(self, awaitable):  # noqa: ANN001, ANN202 - times a wait as idle
         start = time.perf_counter()

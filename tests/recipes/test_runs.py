@@ -1,0 +1,198 @@
+"""The recipes end to end, as users run them: real clusters, real trainer and rollout worker
+processes, the invariants read back from `steps.jsonl`, `run.json` and the cluster's status."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import transfer_queue as tq
+from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout_key
+from recipes.config import CONFIG_DIR, RecipeConfig, load
+from recipes.report import load_steps
+from recipes.rollout_worker import RolloutWorker
+from weight_sync import WeightPublisher
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+SMALL = ["trainer.ppo_mini_batch_size=8", "rollout.prompts_per_batch=4", "cluster.capacity=64MiB"]
+"""Overrides that keep smoke runs small: 64 samples per step."""
+STEP_FIELDS = {"step", "time_s", "samples", "reward_mean", "samples_per_s", "tokens_per_s", "trainer_idle",
+               "rollout_idle", "version", "staleness", "weight_sync_s"}
+
+
+def _python(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=ENV, text=True, **popen)
+
+
+def _lines(proc: subprocess.Popen, until: str, timeout: float) -> list[str]:
+    """Lines of `proc`'s stdout up to and including the first that starts with `until`."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if line.startswith(until):
+                return seen
+    proc.kill()
+    raise AssertionError(f"no line starting with {until!r} within {timeout}s; got {seen[-5:]}")
+
+
+def check_run(run_dir: Path, cfg: RecipeConfig) -> dict:
+    """The recipe's invariants for one finished run; returns its totals."""
+    steps = load_steps(run_dir)
+    totals = json.loads((run_dir / "run.json").read_text())
+    assert [s["step"] for s in steps] == list(range(1, cfg.trainer.total_steps + 1))
+    assert all(STEP_FIELDS <= set(s) for s in steps)
+    assert [s["samples"] for s in steps] == [cfg.samples_per_step * s["step"] for s in steps]
+    versions = [s["version"] for s in steps]
+    assert versions == sorted(versions) and versions[-1] == totals["final_version"]
+    if cfg.max_staleness is not None:  # the bound holds for every consumed sample
+        assert max(int(k) for s in steps for k in s["staleness"]) <= cfg.max_staleness
+    assert totals["duplicates"] == 0 and totals["consumed"] == totals["samples"]
+    if cfg.mode == "async":  # every produced sample consumed once, dropped as stale, or left over
+        assert totals["consumed"] + totals["dropped"] + totals["left"] == totals["produced"]
+        assert [w["version"] for w in totals["rollout"]] == [totals["final_version"]] * cfg.rollout.workers
+    return totals
+
+
+def test_every_config_runs_through_the_experiment_runner(tmp_path):
+    configs = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    run = subprocess.run([sys.executable, "-m", "recipes.experiments", *configs, "--out", str(tmp_path),
+                          "trainer.total_steps=4", *SMALL], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    for name in configs:
+        check_run(tmp_path / name, load([name], ["trainer.total_steps=4", *SMALL]))
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(f"| {name} |" in summary for name in configs)
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    rows = {r["name"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
+
+
+def test_partial_rollout_swaps_weights_mid_generation_and_records_the_span():
+    """A new version arrives while a batch generates: it stops at the token boundary, applies
+    the version, resumes under it, and the samples carry (first, last) version spans."""
+    cfg = load(["fully_async"], SMALL)
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as client:
+        publisher = WeightPublisher(cluster.address, transport="shm")
+        worker = RolloutWorker(cfg, cluster.address)
+        try:
+            weights = {k: v.clone() for k, v in worker.engine.weights().items()}
+            publisher.publish(weights, version=0)
+            worker._apply(0)
+            for w in weights.values():
+                w.add_(0.01)
+            publisher.publish(weights, version=1)
+            client.wait_version(1)
+            worker.latest = 1  # what the `versions()` watcher does when version 1 is announced
+            prompts = worker.task.prompts(4, torch.Generator().manual_seed(0))
+            rollouts = worker._generate(prompts)
+            assert worker.subscriber.version == 1
+            assert torch.equal(worker.engine.weights()["head.bias"], weights["head.bias"])
+            spans = dict((span, len(rows)) for rows, span in rollouts.by_span())
+            assert set(spans) <= {(0, 0), (0, 1)} and spans.get((0, 1), 0) > 0
+            for rows, span in rollouts.by_span():
+                client.put(rollouts.select(rows), partition=TRAIN, policy_version=span)
+            meta = client.get_meta(["responses"], rollouts.n, "check", TRAIN, timeout=10)
+            assert sorted(meta.version_spans) == sorted(s for s, n in spans.items() for _ in range(n))
+        finally:
+            worker.subscriber.close()
+            publisher.close()
+
+
+def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):
+    cfg = load(["fully_async"], [*SMALL, "trainer.total_steps=5"])
+    serve = _python("-m", "transfer_queue.cli", "serve", "--units", "2", "--capacity", "64MiB",
+                    "--max-staleness", str(cfg.max_staleness),
+                    "--consumer-batch-size", str(cfg.staleness().consumer_batch_size),
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        address = _lines(serve, "SLUICE_ADDRESS", 60)[-1].split()[1]
+        overrides = [*SMALL, "trainer.total_steps=5", f"out_dir={tmp_path}"]
+        worker = _python("-m", "recipes.rollout_worker", "--address", address, "fully_async", *overrides,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        trainer = _python("-m", "recipes.async_trainer", "--address", address, "fully_async", *overrides,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+        w_out, w_err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, w_err[-3000:]
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert [r["step"] for r in records[:-1]] == [1, 2, 3, 4, 5] and "totals" in records[-1]
+        totals = check_run(tmp_path, cfg)
+        assert json.loads(w_out.splitlines()[-1])["version"] == totals["final_version"] == 5
+        with tq.connect(address) as client:
+            status = client.status()
+        assert status["partitions"][TRAIN]["tasks"]["actor_update"]["consumed"] == 0  # consumed samples were cleared
+        assert status["partitions"][PROMPTS]["sealed"]
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(30)
+
+
+def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):
+    overrides = [*SMALL, "trainer.total_steps=12", "rollout.workers=2", "cluster.lease_timeout=3",
+                 "cluster.grant_timeout=3", f"out_dir={tmp_path}"]
+    cfg = load(["fully_async"], overrides)
+    with tq.init(2, "64MiB", staleness=cfg.staleness(), lease_timeout=3, grant_timeout=3) as cluster, \
+            tq.connect(cluster.address) as client:
+        workers = [_python("-m", "recipes.rollout_worker", "--address", cluster.address, "--worker-id", str(i),
+                           "fully_async", *overrides, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                   for i in range(2)]
+        trainer = _python("-m", "recipes.async_trainer", "--address", cluster.address, "fully_async", *overrides,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _lines(trainer, '{"step": 2,', 300)
+            assert client.lookup(rollout_key(1), timeout=60) is not None  # worker 1 is in its loop
+            workers[1].kill()
+            out, err = trainer.communicate(timeout=300)
+            assert trainer.returncode == 0, err[-3000:]
+            assert workers[0].wait(120) == 0
+        finally:
+            for proc in (trainer, *workers):
+                if proc.poll() is None:
+                    proc.kill()
+        steps = load_steps(tmp_path)
+        totals = json.loads((tmp_path / "run.json").read_text())
+        assert len(steps) == 12 and totals["duplicates"] == 0
+        assert max(int(k) for s in steps for k in s["staleness"]) <= cfg.max_staleness
+        assert [w["worker"] for w in totals["rollout"]] == [0]  # the dead worker never said goodbye
+        survivor = msgspec.msgpack.decode(client.lookup(rollout_key(0, done=True)), type=RolloutStats)
+        assert survivor.version == totals["final_version"] == 12
+        admission = client.status()["admission"]
+        assert admission["running"] == 0  # the dead worker's grant came back
+        assert client.status()["partitions"][PROMPTS]["tasks"][ROLLOUT_TASK]["leased"] == 0
+
+
+def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "recipes.demo", "--out", str(tmp_path), "trainer.total_steps=8", *SMALL],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    reward = [line for line in run.stdout.splitlines() if line.startswith("reward ")]
+    assert len(reward) == 1 and " -> " in reward[0]
+    assert f"plot: {tmp_path / 'compare.png'}" in run.stdout
+    assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in run.stdout
+
+
+@pytest.mark.slow
+def test_fully_async_training_raises_the_reward(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "recipes.demo", "--out", str(tmp_path)], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = load_steps(tmp_path / "fully_async")
+    start = sum(s["reward_mean"] for s in steps[:10]) / 10
+    end = sum(s["reward_mean"] for s in steps[-10:]) / 10
+    assert end > start + 0.3, (start, end)
