@@ -24,6 +24,10 @@ aborts the rows still running and returns them with `finished=False`, cut to the
 every unfinished row has (the rows stay aligned, as the rollout worker requires). Without
 `interrupt` it is one `LLM.generate` call.
 
+Side effects of running vLLM in this process: it seeds the process's global RNGs with
+`cfg.seed`, and its CPU worker replaces `torch.set_num_threads` by a no-op (set threads
+before building the engine, as the rollout worker does).
+
 Limits: vLLM's CPU attention supports head sizes 32, 64, 80, ... (`d_model / heads`; the
 recipe's default Qwen2, d_model 64 with 4 heads, has 16: use `model.heads=2`), and the
 unpacked copy of every linear weight is kept beside the packed one (twice the memory of
@@ -64,6 +68,8 @@ class VllmEngine(Engine):
     """
 
     name = "vllm"
+    temperature: float
+    """Sampling temperature of the next `generate` calls (0: greedy); default `rollout.temperature`."""
 
     def __init__(self, cfg: RecipeConfig, temperature: float | None = None, kv_cache_bytes: int = 64 << 20):
         m = cfg.model
@@ -152,12 +158,14 @@ class VllmEngine(Engine):
 
     def _stepped(self, prompts: list[Any], params: list[SamplingParams], interrupt: Callable[[], bool]) -> list[tuple[list[int], list[float], bool]]:
         """Drive the engine one step at a time, stopping at the first step `interrupt` is True."""
+        from vllm.inputs import tokens_input
+
         engine = self.llm.llm_engine
         ids = [f"sluice-{next(self._ids)}" for _ in prompts]
         wanted = set(ids)
         latest: dict[str, Any] = {}
         for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+            engine.add_request(rid, tokens_input(prompt["prompt_token_ids"]), p)  # rendered: token ids as they are
         try:
             while len(latest) < len(ids) or not all(o.finished for o in latest.values()):
                 for out in engine.step():
