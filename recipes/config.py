@@ -99,8 +99,8 @@ class TrainerConfig:
     loss: str = "decoupled"
     """`decoupled` (AReaL: behaviour-weighted, clipped against the proximal policy) or `ppo`."""
     clip_eps: float = 0.2
-    behaviour_weight_cap: float = 5.0
-    """Cap on the decoupled loss's importance weight pi_prox / pi_behaviour."""
+    behaviour_weight_cap: float = 1.0
+    """Truncation of the decoupled loss's importance weight pi_prox / pi_behaviour."""
     batch_timeout: float = 120.0
     """Seconds the trainer waits for a step's samples before it gives up."""
 

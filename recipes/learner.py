@@ -42,20 +42,28 @@ class Learner:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.trainer.lr)
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """Proximal log-probs under the current weights, then one step on the loss; statistics."""
-        t = self.cfg.trainer
+        """Proximal log-probs under the weights at the start of the step, then one optimizer
+        update per mini-batch (`async_training.require_batches` of them, verl's unit); the
+        statistics averaged over the updates."""
+        cfg = self.cfg
         tokens = torch.cat([batch.prompts, batch.responses], dim=1)
         start = batch.prompts.shape[1] - 1
         mask = torch.arange(batch.responses.shape[1])[None, :] < batch.lengths[:, None]
-        temperature = self.cfg.rollout.temperature
+        temperature = cfg.rollout.temperature
         with torch.no_grad():
             proximal = token_logprobs(sequence_logits(self.model, tokens)[:, start:-1], batch.responses, temperature)
-        logprobs = token_logprobs(sequence_logits(self.model, tokens)[:, start:-1], batch.responses, temperature)
-        advantages = group_advantages(batch.rewards, self.cfg.rollout.group_size)
-        loss, stats = policy_loss(
-            LossInputs(logprobs, batch.behaviour, proximal, advantages, mask), t.loss, t.clip_eps, t.behaviour_weight_cap
-        )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": float(loss.detach()), **stats}
+        advantages = group_advantages(batch.rewards, cfg.rollout.group_size)
+        totals: dict[str, float] = {}
+        updates = torch.arange(len(batch)).chunk(cfg.async_training.require_batches)
+        for rows in updates:  # whole groups: mini-batches are multiples of the group size
+            logprobs = token_logprobs(sequence_logits(self.model, tokens[rows])[:, start:-1], batch.responses[rows], temperature)
+            loss, stats = policy_loss(
+                LossInputs(logprobs, batch.behaviour[rows], proximal[rows], advantages[rows], mask[rows]),
+                cfg.trainer.loss, cfg.trainer.clip_eps, cfg.trainer.behaviour_weight_cap,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            for key, value in {"loss": float(loss.detach()), **stats}.items():
+                totals[key] = totals.get(key, 0.0) + value / len(updates)
+        return totals

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from recipes.grpo import LossInputs, group_advantages, policy_loss
@@ -40,11 +41,18 @@ def test_on_stale_data_plain_ppo_clips_every_token_while_the_decoupled_loss_stil
     clip for positive advantages and its gradient vanishes there; the decoupled loss clips against
     the proximal policy and keeps a (capped) gradient."""
     ppo, dec = _inputs(1.0), _inputs(1.0)
-    loss_ppo, ppo_stats = policy_loss(ppo, "ppo", 0.2, 5.0)
-    loss_dec, dec_stats = policy_loss(dec, "decoupled", 0.2, 5.0)
+    loss_ppo, ppo_stats = policy_loss(ppo, "ppo", 0.2, 1.0)
+    loss_dec, dec_stats = policy_loss(dec, "decoupled", 0.2, 1.0)
     loss_ppo.backward(), loss_dec.backward()
     positive = torch.tensor([True, False, True, False])
     assert ppo_stats["clip_frac"] == 1.0 and dec_stats["clip_frac"] == 0.0
     assert bool((ppo.logprobs.grad[positive] == 0).all())
     assert bool((dec.logprobs.grad[positive] != 0).all())
-    assert dec_stats["behaviour_weight"] == torch.exp(torch.tensor(1.0)).item()
+    assert dec_stats["behaviour_weight"] == 1.0  # pi_prox / pi_behaviour = e, truncated at the cap
+
+
+def test_the_behaviour_weight_is_truncated_at_the_cap():
+    _, stats = policy_loss(_inputs(1.0), "decoupled", 0.2, 5.0)
+    assert stats["behaviour_weight"] == pytest.approx(torch.exp(torch.tensor(1.0)).item())
+    _, stats = policy_loss(_inputs(-1.0), "decoupled", 0.2, 1.0)  # the policy moved away: weight 1/e
+    assert stats["behaviour_weight"] == pytest.approx(torch.exp(torch.tensor(-1.0)).item())
