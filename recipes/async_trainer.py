@@ -38,6 +38,7 @@ from .task import PAD, DigitReversal
 
 __all__ = ["AsyncTrainer", "main"]
 
+
 class AsyncTrainer:
     """The trainer side of an async GRPO run against the cluster at `address`."""
 

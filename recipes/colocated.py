@@ -38,8 +38,11 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
         for step in range(1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             prompts = task.prompts(cfg.prompts_per_step, prompts_gen).repeat_interleave(group, 0)
-            gen = engine.generate(prompts, width, sample_gen)
-            batch = RolloutBatch(prompts, gen.tokens, gen.logprobs, task.rewards(prompts, gen.tokens), gen.lengths)
+            # generation batches shaped as a rollout worker's, so the comparison is like for like
+            gens = [engine.generate(chunk, width, sample_gen) for chunk in prompts.split(cfg.rollout.prompts_per_batch * group)]
+            tokens = torch.cat([g.tokens for g in gens])
+            batch = RolloutBatch(prompts, tokens, torch.cat([g.logprobs for g in gens]), task.rewards(prompts, tokens),
+                                 torch.cat([g.lengths for g in gens]))
             t1 = time.perf_counter()
             stats = learner.step(batch)
             now = time.perf_counter()

@@ -24,7 +24,7 @@ import sys
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Sequence
+from typing import Awaitable, Sequence, TypeVar
 
 import msgspec
 import torch
@@ -39,6 +39,7 @@ from .task import PAD, DigitReversal
 
 __all__ = ["RolloutWorker", "main"]
 
+T = TypeVar("T")
 _FOREVER = 1e6
 """Timeout for waits that end by an event (budget, stop), not by time."""
 WEIGHT_TIMEOUT = 120.0
@@ -92,14 +93,10 @@ class RolloutWorker:
     async def _batch(self, client: tq.AsyncClient, stop: asyncio.Future) -> bool:
         """Generate and put one batch; False when there is nothing left to do."""
         cfg = self.cfg.rollout
-        acquire = asyncio.ensure_future(client.acquire(cfg.prompts_per_batch * cfg.group_size, timeout=_FOREVER))
-        await self._idle(asyncio.wait({acquire, stop}, return_when=asyncio.FIRST_COMPLETED))
-        if not acquire.done():
-            acquire.cancel()  # the client withdraws it and gives back a grant won meanwhile
-            with suppress(asyncio.CancelledError):
-                await acquire
+        grant = await self._idle(_unless(client.acquire(cfg.prompts_per_batch * cfg.group_size, timeout=_FOREVER), stop))
+        if grant is None:
             return False
-        async with acquire.result() as grant:
+        async with grant:
             if self.subscriber.version < grant.version:
                 await self._idle(asyncio.to_thread(self._apply, grant.version))
             meta = await self._idle(client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER))
@@ -125,14 +122,9 @@ class RolloutWorker:
         """Out of prompts before the trainer is done: keep taking its new versions until it says
         stop. Raises `tq.TimeoutError` if no version comes for `trainer.batch_timeout` seconds."""
         while not stop.done():
-            newer = asyncio.ensure_future(client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout))
-            await asyncio.wait({stop, newer}, return_when=asyncio.FIRST_COMPLETED)
-            if not newer.done():
-                newer.cancel()
-                with suppress(asyncio.CancelledError):
-                    await newer
-                return
-            await asyncio.to_thread(self._apply, newer.result())
+            newer = await _unless(client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout), stop)
+            if newer is not None:
+                await asyncio.to_thread(self._apply, newer)
 
     async def _idle(self, awaitable):  # noqa: ANN001, ANN202 - times a wait as idle
         start = time.perf_counter()
@@ -183,6 +175,19 @@ class RolloutWorker:
             self._apply(self.latest)
         out.rewards = self.task.rewards(prefixes, out.tokens)
         return out
+
+
+async def _unless(call: Awaitable[T], stop: asyncio.Future) -> T | None:
+    """`call`'s result, or None if `stop` completes first; the client then withdraws the call
+    at the service (and gives back a grant it won meanwhile)."""
+    task = asyncio.ensure_future(call)
+    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 class Rollouts:
