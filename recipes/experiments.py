@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="directory for the runs, compare.png and summary.md")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)")
     args = parser.parse_intermixed_args(argv)
+    # a terminated runner unwinds like an interrupted one: its clusters and processes go with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     files = [i for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
     if not files:

@@ -44,13 +44,10 @@ class DigitReversal:
 
     def targets(self, prompts: torch.Tensor) -> torch.Tensor:
         """The right answers, int64 [n, max_new_tokens], PAD after EOS."""
-        body = prompts[:, : self.max_digits]
-        n = len(prompts)
-        out = torch.full((n, self.max_new_tokens), PAD, dtype=torch.long)
-        for row in range(n):
-            digits = body[row][body[row] != PAD].flip(0)
-            out[row, : len(digits)] = digits
-            out[row, len(digits)] = EOS
+        body = prompts[:, : self.max_digits]  # digits right-aligned after the PADs: flipped, they lead
+        out = torch.full((len(prompts), self.max_new_tokens), PAD, dtype=torch.long)
+        out[:, : self.max_digits] = body.flip(1)
+        out[torch.arange(len(prompts)), (body != PAD).sum(1)] = EOS
         return out
 
     def rewards(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
