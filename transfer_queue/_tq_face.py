@@ -16,7 +16,8 @@ Config: `backend.storage_backend` must be `SimpleStorage` (Mooncake/Yuanrong do 
 Sluice: `SchemaError`); `backend.SimpleStorage.num_data_storage_units` is the number of storage
 units; `metrics.enabled`/`metrics.port` start the Prometheus exporter; an optional `sluice:`
 section passes any of Sluice's `init` keywords (`storage_capacity`, `max_staleness`,
-`consumer_batch_size`, `stale_policy`, ...). `total_storage_size` (a sample count) and
+`consumer_batch_size`, `stale_policy`, ...) and `budget_staleness`/`partial_rollout` (the other
+fields of `StalenessConfig`). `total_storage_size` (a sample count) and
 `controller.sampler`/`polling_mode` have no Sluice meaning and are ignored: Sluice bounds
 storage in bytes (`sluice.storage_capacity`, default 4 GiB).
 
@@ -260,6 +261,10 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_STALENESS_KEYS = ("consumer_batch_size", "max_staleness", "budget_staleness", "partial_rollout")
+"""`sluice:` keys that make up a `StalenessConfig` (YAML cannot hold the object itself)."""
+
+
 def _sluice_kwargs(conf: dict[str, Any]) -> dict[str, Any]:
     """Sluice `init` keywords for a merged TransferQueue config."""
     from ._cluster import init as sluice_init
@@ -271,11 +276,16 @@ def _sluice_kwargs(conf: dict[str, Any]) -> dict[str, Any]:
             "(its own storage units). Set transfer_queue.backend.storage_backend=SimpleStorage"
         )
     extra = {k: v for k, v in (conf.get("sluice") or {}).items() if k != "address"}
-    allowed = set(inspect.signature(sluice_init).parameters) - {"backend", "host", "ray_address"}
+    allowed = set(inspect.signature(sluice_init).parameters) - {"backend", "host", "ray_address", "staleness"}
+    allowed |= set(_STALENESS_KEYS)
     unknown = sorted(set(extra) - allowed)
     if unknown:
         raise SchemaError(f"unknown key(s) {unknown} under transfer_queue.sluice; Sluice's init takes {sorted(allowed)}")
-    kwargs = dict(extra)
+    kwargs = {k: v for k, v in extra.items() if k not in _STALENESS_KEYS}
+    if any(k in extra for k in _STALENESS_KEYS):
+        from ._staleness import StalenessConfig
+
+        kwargs["staleness"] = StalenessConfig(**{k: extra[k] for k in _STALENESS_KEYS if k in extra})
     kwargs.setdefault("num_storage_units", int(conf["backend"]["SimpleStorage"].get("num_data_storage_units") or 2))
     metrics = conf.get("metrics") or {}
     if metrics.get("enabled"):
