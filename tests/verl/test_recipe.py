@@ -100,3 +100,36 @@ def test_checkpoint_engine_moves_weights_exactly():
         sender.close()
         receiver.close()
         tq.close()
+
+
+def test_checkpoint_engine_carries_a_verl_fsdp2_engine_on_cpu(tmp_path):
+    """A real verl FSDP2 trainer process (fsdp_cpu_trainer.py) publishes; this process receives."""
+    import os
+    import subprocess
+    import sys
+
+    model = tiny_qwen2()
+    model.save_pretrained(tmp_path / "qwen2")
+    want = {n: t.clone() for n, t in model.state_dict().items()}
+    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}, "sluice": {"storage_capacity": "16MiB"}})
+    receiver = SluiceCheckpointEngine(bucket_size=1 << 20, transport="tcp", timeout=120.0)
+    trainer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fsdp_cpu_trainer.py")), str(tmp_path / "qwen2")],
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+
+    async def receive(step: int) -> dict[str, torch.Tensor]:
+        return {name: tensor.clone() async for name, tensor in receiver.receive_weights(global_steps=step)}
+
+    try:
+        first = asyncio.run(receive(1))
+        assert first.keys() == want.keys()
+        assert all(torch.equal(first[n], want[n]) for n in want)  # the HF weights the engine loaded
+        second = asyncio.run(receive(2))
+        assert all(torch.equal(second[n], want[n] + 1.0) for n in want)  # after the trainer's update
+        with tq.connect(receiver.address) as client:
+            client.announce("recipes.verl.test/done", b"1")
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        receiver.close()
+        tq.close()
