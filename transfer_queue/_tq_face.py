@@ -130,6 +130,11 @@ def _tq_init(conf: Mapping | None) -> Any:
     try:
         if under_ray:
             face.registry = _register_with_ray(cluster.address, merged)
+            if face.registry is None:  # another process registered first: use its cluster
+                face.client.close()
+                cluster.shutdown()
+                _FACE = _find()
+                return None if conf is None else conf
         else:
             os.environ[ENV_ADDRESS] = cluster.address
             os.environ[ENV_CONF] = json.dumps(merged)
@@ -207,12 +212,16 @@ class _Registry:
 
 
 def _register_with_ray(address: str, conf: dict[str, Any]) -> Any:
+    """The named registry actor for `address`; None if another process holds the name already."""
     import ray
 
     from ._ray_backend import _runtime_env
 
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(_Registry)
-    handle = actor.options(name=RAY_NAME, namespace=RAY_NAMESPACE).remote(address, json.dumps(conf))
+    try:
+        handle = actor.options(name=RAY_NAME, namespace=RAY_NAMESPACE).remote(address, json.dumps(conf))
+    except ValueError:  # "The name ... is already taken"
+        return None
     ray.get(handle.get.remote())
     return handle
 

@@ -190,3 +190,19 @@ def test_another_process_attaches_through_the_environment(face):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[[1.5]]"
     assert tq.kv_list("env")["env"]["from-child"] == {"status": "finished"}
+
+
+def test_keyed_samples_are_sluice_samples(face):
+    """Keys ride on the controller's sample table: Sluice's own consumers and clears see them."""
+    tq.kv_batch_put(["s0", "s1", "s2"], "both", TensorDict({"x": torch.arange(3.0)}, batch_size=[3]))
+    with tq.connect(face["sluice"]["address"]) as client:
+        meta = client.get_meta(["x"], 3, task="native", partition="both", timeout=10)
+        assert client.get_data(meta)["x"].tolist() == [0.0, 1.0, 2.0]
+        assert tq.get_client().kv_retrieve_keys(meta.indexes, "both") == ["s0", "s1", "s2"]
+        client.ack(meta)
+        client.clear(meta.select([0]))  # Sluice's clear frees the row, and the key goes with it
+        assert set(tq.kv_list("both")["both"]) == {"s1", "s2"}
+        client.clear_partition("both")
+    assert tq.kv_list("both") == {}
+    tq.kv_put("s0", "both", tag={"fresh": True})  # the name is usable again, keys start afresh
+    assert tq.kv_list("both") == {"both": {"s0": {"fresh": True}}}
