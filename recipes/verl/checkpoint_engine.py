@@ -118,8 +118,9 @@ class SluiceCheckpointEngine(CheckpointEngine):
     # -- rollout side ---------------------------------------------------------------------
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Wait for version `global_steps` (default: any newer than the last received) and
-        yield every `(name, tensor)` of it. Raises `tq.TimeoutError` after `timeout` seconds."""
+        """Wait for version `global_steps` or newer (default: any newer than the last received)
+        and yield every `(name, tensor)` of the newest whole version (a rollout worker skips
+        versions it was too slow to take). Raises `tq.TimeoutError` after `timeout` seconds."""
         if self._subscriber is None:
             await asyncio.to_thread(self._open_subscriber)
         want = self._subscriber.version + 1 if global_steps is None else int(global_steps)

@@ -4,7 +4,9 @@ whose weights `SluiceCheckpointEngine` publishes as versions 1 and 2 (every para
 verl has no CPU platform, so `PlatformCPU` below (a `PlatformCUDA` with device "cpu", gloo and
 no-op device calls) is installed before verl asks for one. Run by `test_recipe.py` as
 `python tests/verl/fsdp_cpu_trainer.py MODEL_DIR`; it attaches to the Sluice cluster of
-`SLUICE_TQ_ADDRESS` and exits once the test announces `recipes.verl.test/done`.
+`SLUICE_TQ_ADDRESS`, publishes version 2 once the test announces `recipes.verl.test/got-1` (a
+subscriber applies the newest version, so it would otherwise skip 1) and exits once it
+announces `recipes.verl.test/done`.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main(model_dir: str) -> None:
     try:
         for step in (1, 2):
             if step == 2:
+                with tq.connect(sender.address) as client:  # the test has taken version 1
+                    client.lookup("recipes.verl.test/got-1", timeout=120.0)
                 with torch.no_grad():
                     for param in engine.module.parameters():
                         param.add_(1.0)
