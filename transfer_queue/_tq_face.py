@@ -19,7 +19,8 @@ section passes any of Sluice's `init` keywords (`storage_capacity`, `max_stalene
 `consumer_batch_size`, `stale_policy`, ...) and `budget_staleness`/`partial_rollout` (the other
 fields of `StalenessConfig`). `total_storage_size` (a sample count) and
 `controller.sampler`/`polling_mode` have no Sluice meaning and are ignored: Sluice bounds
-storage in bytes (`sluice.storage_capacity`, default 4 GiB).
+storage in bytes (`sluice.storage_capacity`, default 2 GiB as Sluice's `init`; the units
+pre-fault their arenas, so size it to the run).
 
 `tq.init` itself dispatches (see `init`): a mapping argument (or `conf=`) is TransferQueue's
 call; no arguments attach when a TransferQueue-style cluster is found and otherwise start
@@ -62,7 +63,7 @@ _DEFAULTS: dict[str, Any] = {
     "controller": {"sampler": "SequentialSampler", "polling_mode": False},
     "backend": {"storage_backend": "SimpleStorage",
                 "SimpleStorage": {"total_storage_size": None, "num_data_storage_units": 2}},
-    "sluice": {"storage_capacity": "4GiB"},
+    "sluice": {"storage_capacity": "2GiB"},
 }
 
 
