@@ -64,25 +64,19 @@ class KeyIndex:
 
     def live_keys(self) -> list[str]:
         """Keys whose rows are alive; keys of rows freed meanwhile (`clear`) are forgotten."""
-        if not self.index:
-            return []
-        keys = list(self.index)
-        rows = self.part.rows_of(np.fromiter(self.index.values(), np.int64, len(keys)), alive=False)
-        alive = self.part.alive[rows]
-        for key in [k for k, ok in zip(keys, alive.tolist()) if not ok]:
-            self.drop(key)
-        return [k for k, ok in zip(keys, alive.tolist()) if ok]
+        self.lookup(list(self.index))
+        return list(self.index)
 
     def lookup(self, keys: list[str]) -> tuple[list[int], list[str]]:
         """Global indexes of the keys that have a live row, and the keys that have none."""
-        found, missing = [], []
-        for key in keys:
-            gidx = self.index.get(key)
-            if gidx is not None and not self.part.alive[self.part.rows_of([gidx], alive=False)[0]]:
-                self.drop(key)
-                gidx = None
-            (missing if gidx is None else found).append(key if gidx is None else gidx)
-        return found, missing
+        known = [k for k in keys if k in self.index]
+        if known:
+            gidx = np.fromiter((self.index[k] for k in known), np.int64, len(known))
+            alive = self.part.alive[self.part.rows_of(gidx, alive=False)]
+            for key in [k for k, ok in zip(known, alive.tolist()) if not ok]:
+                self.drop(key)  # its row was freed meanwhile (Sluice's `clear`)
+        found = [self.index[k] for k in keys if k in self.index]
+        return found, [k for k in keys if k not in self.index]
 
 
 class KeyService:
