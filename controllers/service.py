@@ -54,6 +54,7 @@ from transfer_queue._service import Service
 from transfer_queue._wire import Codec
 
 from .dispatch import Dispatcher
+from .keys import KeyService
 from .metrics import snapshot
 from .placement import place_rows
 from .samplers import SamplerRegistry
@@ -116,6 +117,7 @@ class Controller(Service):
             Lookup: self.on_lookup,
         }.items():
             self.route(msg_type, handler)
+        self.keys = KeyService(self)
 
     # -- membership --------------------------------------------------------------------
 

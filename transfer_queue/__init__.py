@@ -5,7 +5,13 @@ Layout: `_cluster` starts the services (controller, storage units) as local proc
 (blocking) and `_async_client` (asyncio); `_messages` and `_wire` are the wire protocol
 (msgspec messages, raw tensor frames); `_tensors` slices and assembles batches; `_meta` is
 `BatchMeta`; `_staleness` the staleness settings; `_errors` the exception tree; `_service` the
-asyncio loop the services share.
+asyncio loop the services share; `_objects` carries non-tensor fields as msgpack.
+
+TransferQueue 0.1.11's API lives beside Sluice's (so verl runs unchanged): `_tq_face` holds its
+module functions (`init(conf)`, `kv_*` and their `async_` twins, `get_client`, `close`, ...) and
+the one `init` that dispatches between the two; `_tq_client` its `TransferQueueClient`;
+`_kv_meta` its `KVBatchMeta`; `_tq_checkpoint` its checkpoints. `BatchMeta` is one class for
+both: Sluice's struct, which also answers TransferQueue's `BatchMeta` operations.
 
 Names are imported on first use, so the services (which need only the wire protocol) start
 without loading torch and tensordict.
@@ -32,7 +38,7 @@ from ._errors import (
 from ._meta import RAGGED, BatchMeta, FieldSpec
 
 _LAZY = {
-    "init": "_cluster",
+    "init": "_tq_face",
     "connect": "_cluster",
     "Cluster": "_cluster",
     "parse_bytes": "_cluster",
@@ -42,15 +48,56 @@ _LAZY = {
     "Grant": "_client_core",
     "ClusterConfig": "_messages",
     "StalenessConfig": "_staleness",
+    # TransferQueue 0.1.11's API
+    "close": "_tq_face",
+    "get_client": "_tq_face",
+    "get_metrics_endpoint": "_tq_face",
+    "kv_put": "_tq_face",
+    "kv_batch_put": "_tq_face",
+    "kv_batch_get": "_tq_face",
+    "kv_batch_get_by_meta": "_tq_face",
+    "kv_list": "_tq_face",
+    "kv_clear": "_tq_face",
+    "async_kv_put": "_tq_face",
+    "async_kv_batch_put": "_tq_face",
+    "async_kv_batch_get": "_tq_face",
+    "async_kv_batch_get_by_meta": "_tq_face",
+    "async_kv_list": "_tq_face",
+    "async_kv_clear": "_tq_face",
+    "save_checkpoint": "_tq_checkpoint",
+    "load_checkpoint": "_tq_checkpoint",
+    "KVBatchMeta": "_kv_meta",
+    "TransferQueueClient": "_tq_client",
 }
 
 if TYPE_CHECKING:
     from ._async_client import AsyncClient, connect_async
     from ._client import Client
     from ._client_core import Grant
-    from ._cluster import Cluster, connect, init, parse_bytes
+    from ._cluster import Cluster, connect, parse_bytes
+    from ._kv_meta import KVBatchMeta
     from ._messages import ClusterConfig
     from ._staleness import StalenessConfig
+    from ._tq_checkpoint import load_checkpoint, save_checkpoint
+    from ._tq_client import TransferQueueClient
+    from ._tq_face import (
+        async_kv_batch_get,
+        async_kv_batch_get_by_meta,
+        async_kv_batch_put,
+        async_kv_clear,
+        async_kv_list,
+        async_kv_put,
+        close,
+        get_client,
+        get_metrics_endpoint,
+        init,
+        kv_batch_get,
+        kv_batch_get_by_meta,
+        kv_batch_put,
+        kv_clear,
+        kv_list,
+        kv_put,
+    )
 
 __all__ = [
     "init",
@@ -77,6 +124,26 @@ __all__ = [
     "WeightSyncError",
     "ServiceError",
     "ClosedError",
+    # TransferQueue 0.1.11's API
+    "close",
+    "get_client",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "save_checkpoint",
+    "load_checkpoint",
+    "KVBatchMeta",
+    "TransferQueueClient",
 ]
 
 

@@ -8,7 +8,7 @@ evolve without breaking older peers of the same protocol version.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -38,6 +38,11 @@ __all__ = [
     "Status",
     "Announce",
     "Lookup",
+    "KvResolve",
+    "KvTag",
+    "KvList",
+    "KvKeys",
+    "KvClear",
     "ControllerRequest",
     # storage requests
     "Write",
@@ -56,6 +61,9 @@ __all__ = [
     "GrantReply",
     "StatusReply",
     "LookupReply",
+    "KvMetaReply",
+    "KvListReply",
+    "KvKeysReply",
     "WriteReply",
     "ReadReply",
     "Reply",
@@ -233,6 +241,49 @@ class Lookup(_Msg, tag="lookup"):
     timeout: float = 0.0
 
 
+# -- the key index (TransferQueue's KV API): user keys and tags over global indexes ----------
+
+Tags = dict[str, Any]
+"""A key's tags: msgpack-typed metadata (None, bool, int, float, str, lists and dicts of them)."""
+
+
+class KvResolve(_Msg, tag="kv_resolve"):
+    """The samples of `keys` in `partition`, in key order. `create=True` gives keys the partition
+    lacks new rows (no fields yet); otherwise a missing key is a `SchemaError` naming it."""
+
+    partition: str
+    keys: list[str]
+    create: bool = False
+
+
+class KvTag(_Msg, tag="kv_tag"):
+    """Merge `tags[i]` into the tags of `keys[i]` (dict update), after their data is written."""
+
+    partition: str
+    keys: list[str]
+    tags: list[Tags]
+
+
+class KvList(_Msg, tag="kv_list"):
+    """Every live key with its tags, of one partition (or of all when `partition` is None)."""
+
+    partition: str | None = None
+
+
+class KvKeys(_Msg, tag="kv_keys"):
+    """The keys of global `indexes` of `partition` (`SchemaError` for an index without a key)."""
+
+    partition: str
+    indexes: list[int]
+
+
+class KvClear(_Msg, tag="kv_clear"):
+    """Delete `keys` and their samples (keys the partition lacks are ignored)."""
+
+    partition: str
+    keys: list[str]
+
+
 ControllerRequest = Union[
     Cancel,
     Hello,
@@ -253,6 +304,11 @@ ControllerRequest = Union[
     Status,
     Announce,
     Lookup,
+    KvResolve,
+    KvTag,
+    KvList,
+    KvKeys,
+    KvClear,
 ]
 
 # -- storage requests --------------------------------------------------------------------
@@ -347,6 +403,23 @@ class LookupReply(_Msg, tag="lookup_reply"):
     value: bytes | None
 
 
+class KvMetaReply(_Msg, tag="kv_meta_reply"):
+    """`meta.fields`: the fields ready for every key; `partial`: per field ready for only some
+    keys, their positions in `meta`; `tags`: each key's tags."""
+
+    meta: BatchMeta
+    tags: list[Tags]
+    partial: dict[str, list[int]] = {}
+
+
+class KvListReply(_Msg, tag="kv_list_reply"):
+    partitions: dict[str, dict[str, Tags]]
+
+
+class KvKeysReply(_Msg, tag="kv_keys_reply"):
+    keys: list[str]
+
+
 class WriteReply(_Msg, tag="write_reply"):
     """`token`/`offsets` are set for a shm reservation (field -> arena offset)."""
 
@@ -374,4 +447,7 @@ Reply = Union[
     LookupReply,
     WriteReply,
     ReadReply,
+    KvMetaReply,
+    KvListReply,
+    KvKeysReply,
 ]

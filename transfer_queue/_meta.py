@@ -10,7 +10,9 @@ import math
 
 import msgspec
 
-__all__ = ["FieldSpec", "BatchMeta", "RAGGED", "ITEMSIZE"]
+from ._errors import SchemaError
+
+__all__ = ["FieldSpec", "BatchMeta", "RAGGED", "ITEMSIZE", "OBJECT_DTYPES"]
 
 RAGGED = -1
 """Marks the first per-sample dimension of a ragged (jagged) field in `FieldSpec.shape`."""
@@ -18,8 +20,14 @@ RAGGED = -1
 ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "msgpack": 1, "msgpack_data": 1,
 }
 """Bytes per element of every dtype that may cross the wire, by wire name."""
+
+OBJECT_DTYPES = ("msgpack", "msgpack_data")
+"""Wire dtypes of non-tensor fields: each sample's value as msgpack bytes (a ragged uint8 row).
+"msgpack" comes back as a `NonTensorStack` (one value per sample), "msgpack_data" as a
+`NonTensorData` (one value for the whole batch, stored with every sample). See `_objects`."""
 
 
 class FieldSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -48,12 +56,17 @@ class FieldSpec(msgspec.Struct, frozen=True, array_like=True):
         return self.inner_numel * self.itemsize
 
 
-class BatchMeta(msgspec.Struct, frozen=True):
+class BatchMeta(msgspec.Struct):
     """Which samples a batch holds and where they live; lists are per sample, in batch order.
 
     `policy_versions` is the version that started each sample (its oldest, staleness is measured
     from it); `version_last` the newest version that touched it (equal unless a partial rollout
     resumed under newer weights). `units` is the storage unit holding each sample.
+
+    The same class is TransferQueue's `BatchMeta` for code written against TransferQueue 0.1.11
+    (verl's `tqbridge`): `global_indexes`, `partition_ids`, `field_names`, `is_ready`,
+    `select_fields`, `select_samples`, `concat`, `empty` and a settable, batch-level
+    `extra_info` (never sent by Sluice's services; copied along by `select`/`chunk`).
     """
 
     partition: str
@@ -65,6 +78,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
     fields: dict[str, FieldSpec]
     task: str = ""
     lease_id: int = 0
+    extra_info: dict = {}
 
     def __len__(self) -> int:
         return len(self.indexes)
@@ -94,4 +108,68 @@ class BatchMeta(msgspec.Struct, frozen=True):
             version_last=[self.version_last[p] for p in pos],
             groups=[self.groups[p] for p in pos],
             units=[self.units[p] for p in pos],
+            extra_info=dict(self.extra_info),
         )
+
+    # -- TransferQueue 0.1.11's BatchMeta operations ------------------------------------------
+
+    @property
+    def global_indexes(self) -> list[int]:
+        """TransferQueue's name for `indexes`."""
+        return list(self.indexes)
+
+    @property
+    def partition_ids(self) -> list[str]:
+        """The partition of each sample (a Sluice batch always lies in one partition)."""
+        return [self.partition] * len(self.indexes)
+
+    @property
+    def field_names(self) -> list[str]:
+        """The batch's field names, sorted (TransferQueue's order)."""
+        return sorted(self.fields)
+
+    @property
+    def is_ready(self) -> bool:
+        """True for a non-empty batch: Sluice only hands out metas whose fields are all ready."""
+        return len(self.indexes) > 0
+
+    def select_fields(self, field_names: list[str]) -> "BatchMeta":
+        """The same samples with only `field_names`; `SchemaError` names any field the batch lacks
+        (with TransferQueue's key API: one that is not ready for every sample)."""
+        missing = [f for f in field_names if f not in self.fields]
+        if missing:
+            raise SchemaError(f"field(s) {missing} are not ready for every sample of this batch; it has {sorted(self.fields)}")
+        return msgspec.structs.replace(self, fields={f: self.fields[f] for f in field_names})
+
+    def select_samples(self, sample_indices: list[int]) -> "BatchMeta":
+        """TransferQueue's name for `select`."""
+        return self.select(sample_indices)
+
+    @classmethod
+    def concat(cls, data: list["BatchMeta"]) -> "BatchMeta":
+        """One batch of `data`'s samples in order; they must share partition, task and fields
+        (`SchemaError` otherwise). Empty parts are skipped; no parts give `BatchMeta.empty()`."""
+        parts = [m for m in data if len(m)]
+        if not parts:
+            return cls.empty()
+        first = parts[0]
+        for m in parts[1:]:
+            if (m.partition, m.task, set(m.fields)) != (first.partition, first.task, set(first.fields)):
+                raise SchemaError(
+                    f"cannot concat batches of partitions/tasks/fields {(first.partition, first.task, sorted(first.fields))} "
+                    f"and {(m.partition, m.task, sorted(m.fields))}"
+                )
+        return msgspec.structs.replace(
+            first,
+            indexes=[i for m in parts for i in m.indexes],
+            policy_versions=[v for m in parts for v in m.policy_versions],
+            version_last=[v for m in parts for v in m.version_last],
+            groups=[g for m in parts for g in m.groups],
+            units=[u for m in parts for u in m.units],
+            extra_info={k: v for m in parts for k, v in m.extra_info.items()},
+        )
+
+    @classmethod
+    def empty(cls, extra_info: dict | None = None) -> "BatchMeta":
+        """A batch with no samples (TransferQueue's `BatchMeta.empty`)."""
+        return cls("", [], [], [], [], [], {}, extra_info=dict(extra_info or {}))

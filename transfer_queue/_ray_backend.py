@@ -8,7 +8,9 @@ services over Sluice's own ZeroMQ wire protocol, exactly as with the embedded ba
 strings and ints cross Ray's actor calls; nothing of Sluice's is pickled onto its sockets.
 
 Placement: the controller actor goes where Ray's default policy puts it (usually the driver's
-node); storage-unit actors use `scheduling_strategy="SPREAD"`, one per unit. Actors reserve
+node); storage-unit actors go round-robin over the nodes alive at `init`, one per unit, pinned
+by node affinity (Ray's "SPREAD" strategy, and soft affinity, left actors that reserve no
+resources on one node of a two-node cluster). Actors reserve
 no CPUs (`num_cpus=0`): they only hold a process handle, and the services are I/O processes
 outside Ray's accounting, so a cluster fits even on a 2-core node.
 
@@ -220,6 +222,16 @@ def _node_task(ray: ModuleType, fn: Any, node_id: str) -> Any:
     return ray.remote(fn).options(num_cpus=0, scheduling_strategy=strategy, runtime_env=_runtime_env())
 
 
+def _round_robin(ray: ModuleType, n: int) -> list[Any]:
+    """One node-affinity strategy per unit, cycling over the alive nodes in a fixed order."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+    if not nodes:
+        return ["SPREAD"] * n
+    return [NodeAffinitySchedulingStrategy(nodes[k % len(nodes)], soft=False) for k in range(n)]
+
+
 def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_address: str | None) -> RayCluster:
     """Start the controller, then the storage units, each from its own Ray actor.
 
@@ -240,8 +252,8 @@ def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_add
         cluster.address = _gather(ray, [ref], _START_TIMEOUT + _CALL_GRACE)[0]
         per_unit = config.storage_capacity // config.num_storage_units
         units = [
-            actor_class.options(name=f"sluice-{cluster_id}-unit-{k}", scheduling_strategy="SPREAD").remote()
-            for k in range(config.num_storage_units)
+            actor_class.options(name=f"sluice-{cluster_id}-unit-{k}", scheduling_strategy=strategy).remote()
+            for k, strategy in enumerate(_round_robin(ray, config.num_storage_units))
         ]
         actors.extend(units)
         refs = [u.start_storage.remote(k, per_unit, cluster_id, cluster.address, config.host)

@@ -19,7 +19,8 @@ import torch
 from tensordict import TensorDict
 
 from ._errors import SchemaError
-from ._meta import ITEMSIZE, RAGGED, FieldSpec
+from ._meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
+from ._objects import decode_values, encode_values
 
 # Received frames are read-only buffers; torch warns on viewing them although we only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -28,8 +29,9 @@ __all__ = [
     "Columns", "as_bytes", "Assembler", "BufferPool", "keep_freed_memory", "torch_dtype", "dtype_name", "field_spec_of",
 ]
 
-_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE if name not in OBJECT_DTYPES}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_DTYPES.update(dict.fromkeys(OBJECT_DTYPES, torch.uint8))  # non-tensor values travel as msgpack bytes
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -83,7 +85,7 @@ class Columns:
             self.n = int(data.batch_size[0])
         else:
             items = list(data.items())
-            self.n = int(items[0][1].shape[0]) if items else 0
+            self.n = _rows(items[0][1]) if items else 0
         if self.n <= 0:
             raise SchemaError(f"put needs at least one sample, got batch_size {self.n}")
         if not items:
@@ -92,8 +94,9 @@ class Columns:
         for name, tensor in items:
             if not isinstance(name, str) or not name:
                 raise SchemaError(f"field names must be non-empty strings, got {name!r}")
-            if not isinstance(tensor, torch.Tensor):
-                raise SchemaError(f"field {name!r} is a {type(tensor).__name__}; only tensors can be put")
+            if not isinstance(tensor, torch.Tensor) or is_non_tensor(tensor):
+                self.columns[name] = _object_column(name, tensor, self.n)
+                continue
             try:
                 spec = field_spec_of(tensor)
             except (KeyError, ValueError) as exc:
@@ -160,6 +163,37 @@ class Columns:
                 vals = torch.cat([col.values[int(offs[p]) : int(offs[p + 1])] for p in positions])
             buffers.append(as_bytes(vals))
         return buffers, lengths
+
+
+def is_non_tensor(value: Any) -> bool:
+    """Whether a TensorDict entry is a `NonTensorData`/`NonTensorStack` (not a tensor's data)."""
+    return getattr(value, "_is_non_tensor", False) or type(value).__name__ in ("NonTensorData", "NonTensorStack")
+
+
+def _rows(value: Any) -> int:
+    return int(value.shape[0]) if hasattr(value, "shape") and len(value.shape) else len(value)
+
+
+def _object_column(name: str, value: Any, n: int) -> "_Column":
+    """A non-tensor field as msgpack rows: `NonTensorData` (one value for the batch) becomes
+    "msgpack_data", a `NonTensorStack`, list or numpy array one value per sample ("msgpack")."""
+    dtype = "msgpack"
+    if type(value).__name__ == "NonTensorData":
+        values, dtype = [value.data] * n, "msgpack_data"
+    elif type(value).__name__ == "NonTensorStack":
+        values = value.tolist()
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        values = list(value)
+    else:
+        raise SchemaError(
+            f"field {name!r} is a {type(value).__name__}; put tensors, or per-sample values as a "
+            "NonTensorStack, a list or a numpy array (a NonTensorData for one value per batch)"
+        )
+    if len(values) != n:
+        raise SchemaError(f"field {name!r} has {len(values)} samples, the batch has {n}")
+    raw, offsets = encode_values(name, values)
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return _Column(FieldSpec(dtype, (RAGGED,)), values=data, offsets=offsets)
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -261,7 +295,10 @@ class Assembler:
     def result(self) -> TensorDict:
         out: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
-            out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
+            if spec.dtype in OBJECT_DTYPES:
+                out[name] = _objects_of(spec, *self._ragged_parts(name, spec))
+            else:
+                out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
         return TensorDict(out, batch_size=[self.n])
 
     def _dense(self, name: str, spec: FieldSpec) -> torch.Tensor:
@@ -279,6 +316,10 @@ class Assembler:
         return out
 
     def _ragged(self, name: str, spec: FieldSpec) -> torch.Tensor:
+        values, offsets = self._ragged_parts(name, spec)
+        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+
+    def _ragged_parts(self, name: str, spec: FieldSpec) -> tuple[torch.Tensor, np.ndarray]:
         lengths = np.zeros(self.n, np.int64)
         for positions, lens, _ in self._parts:
             lengths[positions] = lens[name]
@@ -298,7 +339,21 @@ class Assembler:
                     budget -= row_lens[k] * eb
                     k += 1
                 _place_ragged(flat, src, positions[start:k], offsets, row_lens[start:k], eb)
-        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+        return values, offsets
+
+
+def _objects_of(spec: FieldSpec, values: torch.Tensor, offsets: np.ndarray) -> Any:
+    """Decode a non-tensor column: a `NonTensorStack`, or a `NonTensorData` for a "msgpack_data"
+    column whose rows all hold the same value."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    raw = values.numpy().tobytes()
+    rows = decode_values(raw, offsets)
+    if spec.dtype == "msgpack_data" and rows:
+        first = raw[int(offsets[0]) : int(offsets[1])]
+        if all(raw[int(a) : int(b)] == first for a, b in zip(offsets[1:-1], offsets[2:])):
+            return NonTensorData(rows[0], batch_size=[len(rows)])
+    return NonTensorStack(*(NonTensorData(v) for v in rows), stack_dim=0) if rows else NonTensorStack.from_list([])
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

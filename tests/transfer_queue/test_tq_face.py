@@ -1,0 +1,208 @@
+"""TransferQueue 0.1.11's API on a real Sluice cluster (controller and unit processes, ZeroMQ)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+import transfer_queue as tq
+from transfer_queue._tq_face import ENV_ADDRESS
+
+TQ_NAMES = {
+    "init", "close", "get_client", "get_metrics_endpoint", "kv_put", "kv_batch_put", "kv_batch_get",
+    "kv_batch_get_by_meta", "kv_list", "kv_clear", "async_kv_put", "async_kv_batch_put",
+    "async_kv_batch_get", "async_kv_batch_get_by_meta", "async_kv_list", "async_kv_clear",
+    "save_checkpoint", "load_checkpoint", "KVBatchMeta", "BatchMeta", "TransferQueueClient",
+}
+CONF = {"backend": {"SimpleStorage": {"num_data_storage_units": 2}}, "sluice": {"storage_capacity": "64MiB"}}
+
+
+def stack(values):
+    return NonTensorStack(*(NonTensorData(v) for v in values), stack_dim=0)
+
+
+def entry(data: TensorDict, name: str):
+    """The stored entry (`td[name]` unwraps non-tensor entries to their values)."""
+    return dict(data.items())[name]
+
+
+@pytest.fixture(scope="module")
+def face():
+    conf = tq.init(CONF)
+    try:
+        yield conf
+    finally:
+        tq.close()
+
+
+def test_transfer_queue_names_exist():
+    assert TQ_NAMES <= set(tq.__all__)
+    client_methods = {"get_data", "put", "kv_retrieve_meta", "kv_retrieve_keys", "kv_list", "clear_samples"}
+    for name in client_methods:
+        assert callable(getattr(tq.TransferQueueClient, name))
+        assert asyncio.iscoroutinefunction(getattr(tq.TransferQueueClient, f"async_{name}"))
+
+
+def test_init_conf_starts_sluice_and_exports_the_address(face):
+    assert face["sluice"]["address"].startswith("tcp://")
+    assert os.environ[ENV_ADDRESS] == face["sluice"]["address"]
+    assert tq.init() is None  # attaches: TransferQueue's init() in a worker
+    assert tq.get_client().address == face["sluice"]["address"]
+
+
+def test_kv_batch_put_get_with_tags_and_varying_lengths(face):
+    keys = ["u1_0_0", "u1_0_1"]
+    meta = tq.kv_batch_put(keys, "p1", TensorDict({"ids": torch.arange(6).view(2, 3)}, batch_size=[2]),
+                           tags=[{"status": "finished", "global_steps": 3}, {"status": "running"}])
+    assert meta.keys == keys and meta.fields == ["ids"] and meta.partition_id == "p1"
+    assert meta.tags == [{"status": "finished", "global_steps": 3}, {"status": "running"}]
+    tq.kv_put("u2", "p1", fields={"ids": torch.arange(5)}, tag={"is_prompt": True})
+    tq.kv_batch_put(keys[1:], "p1", tags=[{"status": "finished"}])  # tags merge, data stays
+    assert tq.kv_list("p1") == {"p1": {
+        "u1_0_0": {"status": "finished", "global_steps": 3}, "u1_0_1": {"status": "finished"}, "u2": {"is_prompt": True},
+    }}
+    dense = tq.kv_batch_get(keys, "p1")
+    assert torch.equal(dense["ids"], torch.arange(6).view(2, 3))  # same length: dense, like TransferQueue
+    mixed = tq.kv_batch_get(["u2", "u1_0_0"], "p1", "ids")["ids"]
+    assert mixed.is_nested and [t.tolist() for t in mixed.unbind()] == [list(range(5)), [0, 1, 2]]
+    by_meta = tq.kv_batch_get_by_meta(tq.KVBatchMeta(keys=["u1_0_1"], tags=[{}], partition_id="p1", fields=["ids"]))
+    assert by_meta["ids"].tolist() == [[3, 4, 5]]
+
+
+def test_missing_keys_and_unready_fields_raise_value_errors(face):
+    tq.kv_batch_put(["m0", "m1"], "p2", TensorDict({"a": torch.zeros(2, 1)}, batch_size=[2]))
+    tq.kv_put("m2", "p2", tag={"status": "pending"})
+    with pytest.raises(ValueError, match="no key"):
+        tq.kv_batch_get(["m0", "nope"], "p2")
+    with pytest.raises(ValueError, match="not ready"):
+        tq.kv_batch_get(["m0", "m2"], "p2", select_fields=["a"])
+    with pytest.raises(ValueError):
+        tq.kv_batch_put(["x"], "p2")  # neither fields nor tags
+    with pytest.raises(ValueError):
+        tq.kv_batch_put(["x", "y"], "p2", tags=[{}])
+    tq.kv_clear(["m0", "never-existed"], "p2")
+    assert set(tq.kv_list("p2")["p2"]) == {"m1", "m2"}
+
+
+def test_non_tensor_fields_round_trip_exactly(face):
+    values = ["text", {"k": [1, 2.5, "x"], "n": None}, [True, {"deep": [1, 2]}]]
+    arrays = [np.arange(4, dtype=np.int32), np.array(["a", "bc"]), np.array([{"o": 1}, "s"], dtype=object)]
+    data = TensorDict({"t": torch.ones(3, 2)}, batch_size=[3])
+    data["v"] = stack(values)
+    data["a"] = stack(arrays)
+    data["meta"] = NonTensorData({"temperature": 0.7}, batch_size=[3])
+    tq.kv_batch_put(["n0", "n1", "n2"], "p3", data)
+    out = tq.kv_batch_get(["n0", "n1", "n2"], "p3")
+    assert isinstance(entry(out, "v"), NonTensorStack) and entry(out, "v").tolist() == values
+    got = entry(out, "a").tolist()
+    for want, have in zip(arrays, got):
+        assert isinstance(have, np.ndarray) and have.dtype == want.dtype and have.tolist() == want.tolist()
+    assert isinstance(entry(out, "meta"), NonTensorData) and out["meta"] == {"temperature": 0.7}
+    assert isinstance(entry(tq.kv_batch_get("n1", "p3", "v"), "v"), NonTensorStack)
+
+
+def test_arbitrary_objects_are_refused_by_name(face):
+    class Opaque:
+        pass
+
+    data = TensorDict({"t": torch.ones(2)}, batch_size=[2])
+    data["obj"] = stack([1, [Opaque()]])
+    with pytest.raises(tq.SchemaError, match=r"field 'obj', sample 1: a list holding a Opaque .*never pickles"):
+        tq.kv_batch_put(["o0", "o1"], "p4", data)
+    with pytest.raises(tq.SchemaError, match="tags"):
+        tq.kv_put("o2", "p4", tag={"bad": Opaque()})
+
+
+def test_batch_meta_bridges_keys_and_indexes(face):
+    client = tq.get_client()
+    tq.kv_batch_put(["b0", "b1", "b2"], "p5", TensorDict({"x": torch.arange(3)}, batch_size=[3]))
+    meta = client.kv_retrieve_meta(["b2", "b0"], "p5")
+    assert isinstance(meta, tq.BatchMeta) and meta.is_ready and meta.partition_ids == ["p5", "p5"]
+    assert client.kv_retrieve_keys(meta.global_indexes, "p5") == ["b2", "b0"]
+    meta.extra_info = {"step": 1}
+    updated = client.put(TensorDict({"y": torch.tensor([20.0, 0.0])}, batch_size=[2]), metadata=meta)
+    assert updated.field_names == ["x", "y"] and updated.extra_info == {"step": 1}
+    both = client.get_data(updated)
+    assert both["x"].tolist() == [2, 0] and both["y"].tolist() == [20.0, 0.0]
+    halves = updated.chunk(2)
+    assert tq.BatchMeta.concat(halves).indexes == updated.indexes
+    with pytest.raises(ValueError, match="not ready"):
+        tq.kv_batch_get(["b0", "b1"], "p5", "y")  # b1 never got y
+
+
+def test_async_twins_from_two_event_loops(face):
+    async def produce():
+        await tq.async_kv_batch_put(["c0", "c1"], "p6", TensorDict({"x": torch.ones(2, 4)}, batch_size=[2]))
+        await tq.async_kv_put("c0", "p6", tag={"status": "finished"})
+        return await tq.async_kv_list("p6")
+
+    async def consume():
+        client = tq.get_client()
+        meta = await client.async_kv_retrieve_meta(["c0", "c1"], "p6")
+        data = await client.async_get_data(meta)
+        got = await tq.async_kv_batch_get(["c1"], "p6")
+        await tq.async_kv_clear("c1", "p6")
+        return data, got, await tq.async_kv_list("p6")
+
+    listed = asyncio.run(produce())
+    assert listed == {"p6": {"c0": {"status": "finished"}, "c1": {}}}
+    data, got, after = asyncio.run(consume())
+    assert torch.equal(data["x"], torch.ones(2, 4)) and torch.equal(got["x"], torch.ones(1, 4))
+    assert after == {"p6": {"c0": {"status": "finished"}}}
+
+
+def test_checkpoint_round_trip_restores_keys_tags_and_data(face, tmp_path):
+    data = TensorDict({"ids": torch.arange(8).view(2, 4), "bf": torch.randn(2, 3).bfloat16()}, batch_size=[2])
+    data["text"] = stack(["a", "b"])
+    tq.kv_batch_put(["k0", "k1"], "ck", data, tags=[{"status": "finished"}, {"status": "finished"}])
+    tq.kv_batch_put(["k2"], "ck", TensorDict({"ids": torch.arange(3).view(1, 3)}, batch_size=[1]), tags=[{"is_prompt": True}])
+    before = tq.kv_list("ck")
+    tq.save_checkpoint(tmp_path / "ckpt", metadata={"step": 7})
+    assert json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["user_metadata"] == {"step": 7}
+    tq.kv_clear(["k0", "k1", "k2"], "ck")
+    tq.kv_put("stray", "ck", tag={"x": 1})
+    tq.load_checkpoint(tmp_path / "ckpt")
+    assert tq.kv_list("ck") == before
+    out = tq.kv_batch_get(["k0", "k1"], "ck")
+    assert torch.equal(out["ids"], data["ids"]) and torch.equal(out["bf"], data["bf"])
+    assert entry(out, "text").tolist() == ["a", "b"]
+    assert tq.kv_batch_get("k2", "ck", "ids")["ids"].tolist() == [[0, 1, 2]]
+
+
+def test_another_process_attaches_through_the_environment(face):
+    tq.kv_put("from-parent", "env", fields={"x": torch.tensor([1.5])})
+    code = (
+        "import transfer_queue as tq, torch\n"
+        "assert tq.init() is None\n"
+        "print(tq.kv_batch_get('from-parent', 'env')['x'].tolist())\n"
+        "tq.kv_put('from-child', 'env', tag={'status': 'finished'})\n"
+        "tq.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[[1.5]]"
+    assert tq.kv_list("env")["env"]["from-child"] == {"status": "finished"}
+
+
+def test_keyed_samples_are_sluice_samples(face):
+    """Keys ride on the controller's sample table: Sluice's own consumers and clears see them."""
+    tq.kv_batch_put(["s0", "s1", "s2"], "both", TensorDict({"x": torch.arange(3.0)}, batch_size=[3]))
+    with tq.connect(face["sluice"]["address"]) as client:
+        meta = client.get_meta(["x"], 3, task="native", partition="both", timeout=10)
+        assert client.get_data(meta)["x"].tolist() == [0.0, 1.0, 2.0]
+        assert tq.get_client().kv_retrieve_keys(meta.indexes, "both") == ["s0", "s1", "s2"]
+        client.ack(meta)
+        client.clear(meta.select([0]))  # Sluice's clear frees the row, and the key goes with it
+        assert set(tq.kv_list("both")["both"]) == {"s1", "s2"}
+        client.clear_partition("both")
+    assert tq.kv_list("both") == {}
+    tq.kv_put("s0", "both", tag={"fresh": True})  # the name is usable again, keys start afresh
+    assert tq.kv_list("both") == {"both": {"s0": {"fresh": True}}}

@@ -1,0 +1,234 @@
+"""`TransferQueueClient`: TransferQueue 0.1.11's client methods, on Sluice's own clients.
+
+Each operation is written once, as a flow over a `ClientCore` (as Sluice's clients are, see
+`_client_core`), and driven two ways: `name(...)` with this thread's blocking `Client`, and
+`async_name(...)` with an `AsyncClient` bound to the running event loop. verl awaits the same
+client from several loops (its agent loop's and its sync-to-async bridge's), so there is one
+`AsyncClient` per loop and one `Client` per thread; no hidden event loop or thread.
+
+Shapes follow TransferQueue: any tensor field may hold samples of different lengths from one
+put to the next (a `[n, L, ...]` tensor is stored as n rows of length L), and a read returns a
+dense tensor when every sample has the same shape, a jagged nested tensor when not.
+Non-tensor fields (`NonTensorStack`, `NonTensorData`) travel as msgpack (`_objects`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import weakref
+from typing import Any, Callable, Generator, Sequence
+
+import msgspec
+import torch
+from tensordict import TensorDict
+
+from ._async_client import AsyncClient
+from ._client import Client
+from ._client_core import CONTROLLER, ClientCore
+from ._errors import SchemaError
+from ._kv_meta import KVBatchMeta
+from ._messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
+from ._meta import BatchMeta
+from ._tensors import is_non_tensor
+
+__all__ = ["TransferQueueClient"]
+
+Flow = Generator[Any, Any, Any]
+
+
+def _face_flow(fn: Callable[..., Flow]) -> Callable[..., Flow]:
+    fn.__tq_flow__ = True
+    return fn
+
+
+def as_rows(data: TensorDict) -> TensorDict:
+    """`data` with each dense `[n, L, ...]` tensor as a jagged nested tensor of n rows of length L,
+    so later puts of the same field may use another L (TransferQueue stores samples, not columns)."""
+    out = {}
+    n = int(data.batch_size[0])
+    for name, value in data.items():
+        if isinstance(value, torch.Tensor) and not is_non_tensor(value) and not value.is_nested and value.dim() >= 2:
+            length = value.shape[1]
+            offsets = torch.arange(n + 1, dtype=torch.int64) * length
+            value = torch.nested.nested_tensor_from_jagged(value.reshape(n * length, *value.shape[2:]), offsets)
+        out[name] = value
+    return TensorDict(out, batch_size=data.batch_size)
+
+
+def as_dense(data: TensorDict) -> TensorDict:
+    """`data` with every jagged field whose samples all have the same length as a dense tensor."""
+    for name, value in list(data.items()):
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            lengths = value.offsets().diff()
+            if len(lengths) and bool((lengths == lengths[0]).all()):
+                values = value.values()
+                data[name] = values.view(len(lengths), int(lengths[0]), *values.shape[1:])
+    return data
+
+
+class TransferQueueClient:
+    """TransferQueue 0.1.11's `TransferQueueClient` on a Sluice cluster at `address`.
+
+    Methods come in pairs, `name` (blocking) and `async_name`: `get_data`, `put`,
+    `kv_retrieve_meta`, `kv_retrieve_keys`, `kv_list`, `clear_samples`. Errors are Sluice's
+    typed errors (`SchemaError` is a `ValueError`, as TransferQueue raises for bad keys).
+    """
+
+    def __init__(self, address: str, client_id: str = ""):
+        self.address = address
+        self.client_id = client_id
+        self._threads = threading.local()
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
+        self._all_sync: list[Client] = []
+        self._lock = threading.Lock()
+
+    # -- drivers -------------------------------------------------------------------------
+
+    def _client(self) -> Client:
+        client = getattr(self._threads, "client", None)
+        if client is None:
+            client = self._threads.client = Client(self.address)
+            with self._lock:
+                self._all_sync.append(client)
+        return client
+
+    async def _async_client(self) -> AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._loops.get(loop)
+        if client is None:
+            client = self._loops[loop] = AsyncClient(self.address)
+            await client.hello()
+        return client
+
+    def close(self) -> None:
+        """Close this thread's and every other thread's blocking client (async ones close with their loops)."""
+        with self._lock:
+            clients, self._all_sync = self._all_sync, []
+        for client in clients:
+            client.close()
+        self._threads = threading.local()
+
+    # -- flows (each becomes `name` and `async_name`) --------------------------------------
+
+    @_face_flow
+    def get_data(self, core: ClientCore, metadata: BatchMeta) -> Flow:
+        """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
+        data = yield from ClientCore.get_data(core, metadata)
+        return as_dense(data)
+
+    @_face_flow
+    def put(self, core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None,
+            partition_id: str | None = None) -> Flow:
+        """Write `data`: new columns of `metadata`'s samples, or (no metadata) new samples of
+        `partition_id`. Returns the metadata with the written fields added."""
+        if metadata is None:
+            if partition_id is None:
+                raise ValueError("put needs metadata or a partition_id")
+            return (yield from ClientCore.put(core, as_rows(data), partition_id))
+        if not len(metadata):
+            return metadata
+        return (yield from ClientCore.put(core, as_rows(data), meta=metadata))
+
+    @_face_flow
+    def kv_retrieve_meta(self, core: ClientCore, keys: list[str] | str, partition_id: str,
+                         create: bool = False) -> Flow:
+        """The `BatchMeta` of `keys` (their fields ready for every key); `create=True` adds the
+        keys the partition lacks. `SchemaError` names missing keys when not creating."""
+        reply = yield from _resolve(core, [keys] if isinstance(keys, str) else list(keys), partition_id, create)
+        return reply.meta
+
+    @_face_flow
+    def kv_retrieve_keys(self, core: ClientCore, global_indexes: list[int] | int, partition_id: str) -> Flow:
+        """The keys of `global_indexes` in `partition_id`."""
+        indexes = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        reply = yield from core._one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
+        return reply.keys
+
+    @_face_flow
+    def kv_list(self, core: ClientCore, partition_id: str | None = None) -> Flow:
+        """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
+        reply = yield from core._one(CONTROLLER, KvList(partition_id), KvListReply)
+        return reply.partitions
+
+    @_face_flow
+    def clear_samples(self, core: ClientCore, metadata: BatchMeta) -> Flow:
+        """Delete the batch's samples (and their keys)."""
+        yield from ClientCore.clear(core, metadata)
+
+    @_face_flow
+    def kv_batch_put(self, core: ClientCore, keys: list[str], partition_id: str,
+                     fields: TensorDict | None = None, tags: list[dict] | None = None) -> Flow:
+        """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`."""
+        resolved = yield from _resolve(core, keys, partition_id, True)
+        meta = resolved.meta
+        if fields is not None:
+            meta = yield from ClientCore.put(core, as_rows(fields), meta=meta)
+        merged = [dict(t) for t in resolved.tags]
+        if tags is not None:
+            _check_tags(keys, tags)
+            yield from core._one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
+            for mine, new in zip(merged, tags):
+                mine.update(new)
+        return KVBatchMeta(list(keys), merged, partition_id, meta.field_names, {})
+
+    @_face_flow
+    def kv_batch_get(self, core: ClientCore, keys: list[str], partition_id: str,
+                     select_fields: Sequence[str] | None = None) -> Flow:
+        """The fields of `keys` as a TensorDict in key order; `SchemaError` (a `ValueError`) for
+        missing keys or for a field not ready for every key."""
+        reply = yield from _resolve(core, keys, partition_id, False)
+        meta = reply.meta
+        if select_fields is not None:
+            meta = meta.select_fields(list(select_fields))
+        data = yield from ClientCore.get_data(core, meta)
+        return as_dense(data)
+
+    @_face_flow
+    def kv_clear(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+        """Delete `keys` and their samples (unknown keys are ignored)."""
+        yield from core._one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
+
+    @_face_flow
+    def kv_resolve(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+        """`KvMetaReply` of `keys`: their meta, tags, and the fields ready for only some of them."""
+        return (yield from _resolve(core, keys, partition_id, False))
+
+
+def _check_tags(keys: list[str], tags: list[dict]) -> None:
+    for key, tag in zip(keys, tags):
+        try:
+            msgspec.msgpack.encode(tag)
+        except TypeError as exc:
+            raise SchemaError(
+                f"the tags of key {key!r} hold a value msgpack cannot carry ({exc}); tags may hold only "
+                "None, bool, int, float, str and lists/dicts of these (Sluice never pickles)"
+            ) from exc
+
+
+def _resolve(core: ClientCore, keys: list[str], partition: str, create: bool) -> Flow:
+    return (yield from core._one(CONTROLLER, KvResolve(partition, list(keys), create), KvMetaReply))
+
+
+def _twins(cls: type) -> type:
+    """Give each flow of `cls` a blocking method `name` and a coroutine method `async_name`."""
+    for name, fn in list(vars(cls).items()):
+        if not getattr(fn, "__tq_flow__", False):
+            continue
+
+        def blocking(self, *args, _fn=fn, **kwargs):
+            client = self._client()
+            return client._run(_fn(self, client, *args, **kwargs))
+
+        async def coroutine(self, *args, _fn=fn, **kwargs):
+            client = await self._async_client()
+            return await client._run(_fn(self, client, *args, **kwargs))
+
+        setattr(cls, name, functools.wraps(fn)(blocking))
+        setattr(cls, f"async_{name}", functools.wraps(fn)(coroutine))
+        getattr(cls, f"async_{name}").__name__ = f"async_{name}"
+    return cls
+
+
+_twins(TransferQueueClient)
