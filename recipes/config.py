@@ -92,7 +92,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 120
+    total_steps: int = 200
     ppo_mini_batch_size: int = 32
     """Prompts per mini-batch (verl's unit before multiplying by the group size)."""
     lr: float = 3e-3
