@@ -135,11 +135,12 @@ class Dispatcher:
         return self._lease(part, task, req, rows)
 
     def _drained(self, part: Partition, task: TaskState, n_ready: int, bound: int | None) -> bool:
-        """Sealed, and every sample the task may still get is ready now: nothing more will come."""
+        """Sealed, and every committed sample the task may still get is ready now: nothing more
+        will come (a seal ends the puts still in flight, so uncommitted rows never count)."""
         if not part.sealed:
             return False
         w = part.window(task)
-        pending = part.alive[w] & ~task.consumed[w]
+        pending = part.alive[w] & part.committed[w] & ~task.consumed[w]
         if bound is not None:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready

@@ -63,6 +63,8 @@ def snapshot(ctl: "Controller") -> dict:
             "samples_served": ctl.dispatch.served,
             "samples_acked": ctl.dispatch.acked,
             "open_leases": len(ctl.dispatch.leases),
+            "open_puts": len(ctl.open_puts),
+            "puts_expired": ctl.puts_expired,
             "requests_served": ctl.served,
             "requests_rejected": ctl.rejected,
         },

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
-from transfer_queue._errors import SchemaError, SealedError
+from transfer_queue._errors import CapacityError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
     Ack,
     AbortPut,
@@ -51,7 +54,7 @@ from transfer_queue._messages import (
     WaitVersion,
 )
 from transfer_queue._service import Service
-from transfer_queue._wire import Codec
+from transfer_queue._wire import MAX_BATCH, Codec
 
 from .dispatch import Dispatcher
 from .metrics import snapshot
@@ -66,6 +69,20 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
+_PUT_GRACE = 5.0
+"""Seconds an open put may outlive 2 x its timeout (one wait for space, one shm reservation)."""
+_ENDED_KEPT = 4096  # ended puts remembered, so a late CommitPut learns why its rows are gone
+
+
+@dataclass
+class _OpenPut:
+    """New rows placed by `BeginPut` and not yet committed (or aborted)."""
+
+    partition: str
+    first: int
+    n: int
+    deadline: float
+    timer: asyncio.TimerHandle
 
 
 class Controller(Service):
@@ -94,6 +111,9 @@ class Controller(Service):
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         self.puts = 0
+        self.open_puts: dict[int, _OpenPut] = {}
+        self.puts_expired = 0
+        self._ended_puts: OrderedDict[int, SluiceError] = OrderedDict()
         self._request_ids = itertools.count(1)
         for msg_type, handler in {
             Hello: self.on_hello,
@@ -185,6 +205,15 @@ class Controller(Service):
     def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
+        if msg.n > MAX_BATCH:
+            raise SchemaError(f"a put may hold at most {MAX_BATCH} samples, got {msg.n}; split it")
+        if msg.row_bytes < 0 or not math.isfinite(msg.timeout) or msg.timeout < 0:
+            raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
+        if msg.n * msg.row_bytes > self.config.storage_capacity:
+            raise CapacityError(
+                f"a put of {msg.n} samples x {msg.row_bytes} bytes exceeds the whole capacity of the "
+                f"cluster's storage, {self.config.storage_capacity} bytes; put smaller batches or raise storage_capacity"
+            )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
         part = self._partition(msg.partition)
@@ -209,12 +238,17 @@ class Controller(Service):
         part.append(first, msg.n, units, msg.row_bytes)
         for unit_id, count in zip(*np.unique(units, return_counts=True)):
             self.unit_bytes[int(unit_id)] += int(count) * msg.row_bytes
+        lifetime = 2 * msg.timeout + _PUT_GRACE
+        timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
+        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
     def on_commit_put(self, msg: CommitPut, data) -> Ok:
+        info = msg.rows
+        if info is not None:
+            self._close_put(msg)
         part = self._partition(msg.partition)
         rows = part.rows_of(msg.indexes)
-        info = msg.rows
         if info is not None:
             n = len(rows)
             for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
@@ -243,17 +277,66 @@ class Controller(Service):
         self.dispatch.wake(part.name)
         return Ok()
 
-    def on_abort_put(self, msg: AbortPut, data) -> Ok:
-        part = self.partitions.get(msg.partition)
+    def _close_put(self, msg: CommitPut) -> None:
+        """Take the open put that `msg` commits off the clock; raise why it ended if it did."""
+        first = msg.indexes[0] if msg.indexes else -1
+        put = self.open_puts.get(first)
+        if put is None or put.partition != msg.partition or put.n != len(msg.indexes) or msg.indexes[-1] != first + put.n - 1:
+            ended = self._ended_puts.get(first)
+            if ended is not None:
+                raise type(ended)(str(ended))
+            raise SchemaError(f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples")
+        put.timer.cancel()
+        del self.open_puts[first]
+
+    def _end_put(self, first: int, why: SluiceError) -> None:
+        """Drop an open put: free its rows (never committed ones only) and remember why."""
+        put = self.open_puts.pop(first, None)
+        if put is None:
+            return
+        put.timer.cancel()
+        self._ended_puts[first] = why
+        while len(self._ended_puts) > _ENDED_KEPT:
+            self._ended_puts.popitem(last=False)
+        part = self.partitions.get(put.partition)
         if part is not None:
-            self._free_rows(part, part.rows_of(msg.indexes, alive=False))
+            rows = part.rows_of(range(first, first + put.n), alive=False)
+            self._free_rows(part, rows[~part.committed[rows]])
+            self.dispatch.wake(part.name)
+
+    def _expire_put(self, first: int) -> None:
+        put = self.open_puts.get(first)
+        if put is None:
+            return
+        self.puts_expired += 1
+        self._end_put(first, TimeoutError(
+            f"the put of {put.n} samples into partition {put.partition!r} was not committed within "
+            f"{put.deadline:g} s (its producer stalled or died); its rows were freed: put again"
+        ))
+
+    def on_abort_put(self, msg: AbortPut, data) -> Ok:
+        """Free rows of a put that failed; committed rows are never touched (clear them instead)."""
+        part = self.partitions.get(msg.partition)
+        if part is None or not msg.indexes:
+            return Ok()
+        first = msg.indexes[0]
+        if first in self.open_puts:
+            self._end_put(first, SchemaError(f"the put starting at index {first} was aborted by its producer"))
+        else:
+            rows = part.rows_of(msg.indexes, alive=False)
+            self._free_rows(part, rows[~part.committed[rows]])
         return Ok()
 
     # -- consumers ---------------------------------------------------------------------
 
     async def on_get_meta(self, msg: GetMeta, data) -> MetaReply:
-        if msg.batch_size <= 0:
-            raise SchemaError(f"batch_size must be > 0, got {msg.batch_size}")
+        if not 0 < msg.batch_size <= MAX_BATCH:
+            raise SchemaError(f"batch_size must be in 1..{MAX_BATCH}, got {msg.batch_size}")
+        if not msg.timeout >= 0 or (msg.lease_timeout is not None and not msg.lease_timeout > 0):
+            raise SchemaError(
+                f"get_meta needs timeout >= 0 and lease_timeout > 0 (or None for the cluster's), got "
+                f"{msg.timeout} and {msg.lease_timeout}"
+            )
         if not msg.fields:
             raise SchemaError("get_meta needs at least one field")
         return MetaReply(await self.dispatch.get_meta(msg))
@@ -281,6 +364,8 @@ class Controller(Service):
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
+        for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
+            self._end_put(first, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight"))
         part = self.partitions.pop(msg.partition, None)
         if part is not None:
             live = np.flatnonzero(part.alive[: part.n])
@@ -292,7 +377,13 @@ class Controller(Service):
         return Ok()
 
     def on_seal(self, msg: Seal, data) -> Ok:
+        """Seal: puts still in flight are refused (`SealedError` at their commit), so the samples
+        a stream sees are exactly those committed before the seal."""
         self._partition(msg.partition).sealed = True
+        for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
+            self._end_put(first, SealedError(
+                f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
+            ))
         self.dispatch.wake(msg.partition)
         return Ok()
 
@@ -309,6 +400,8 @@ class Controller(Service):
         return VersionReply(self.clock.current, history)
 
     async def on_acquire(self, msg: Acquire, data) -> GrantReply:
+        if msg.n > MAX_BATCH:
+            raise SchemaError(f"acquire may ask for at most {MAX_BATCH} slots at once, got {msg.n}")
         grant_id, version = await self.admission.acquire(msg.n, msg.timeout)
         return GrantReply(grant_id, msg.n, version)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._errors import CapacityError, ProtocolError, SchemaError, error_from_code
+from ._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, error_from_code
 from ._messages import (
     Ack,
     AbortPut,
@@ -62,13 +62,17 @@ from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
 from ._wire import Codec
 from ._host import host_id
 
-__all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER"]
+__all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER", "PROBE_AFTER", "DEAD_AFTER"]
 
 CONTROLLER = -1
 """`Call.target` of the controller; storage units are addressed by their unit id."""
 
 _GRACE = 10.0
 """Seconds a client waits for a reply beyond the request's own timeout."""
+PROBE_AFTER = 1.0
+"""Seconds of silence from a service the client awaits before it pings it (`Ping`)."""
+DEAD_AFTER = 5.0
+"""Seconds of silence (pings unanswered) after which the service is reported dead (`ServiceError`)."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,37 @@ class ClientCore:
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self._grants: list[Grant] = []
+        self._heard: dict[str, float] = {}  # address -> monotonic time of its last message
+        self._pinged: dict[str, float] = {}  # address -> when it was last pinged
+        self.dead: set[str] = set()  # addresses reported dead and silent since
 
     # -- driver plumbing ---------------------------------------------------------------
+
+    def service_name(self, target: int) -> str:
+        name = "the controller" if target == CONTROLLER else f"storage unit {target}"
+        return f"{name} at {self.target_address(target)}"
+
+    def heard(self, address: str, now: float) -> None:
+        """A message came from `address`: it is alive."""
+        self._heard[address] = now
+        self.dead.discard(address)
+
+    def probe(self, target: int, since: float, now: float) -> bool:
+        """Liveness of a service whose reply the client has awaited since `since`: True when it
+        should be pinged now; `ServiceError` naming it when it stayed silent for `DEAD_AFTER` s."""
+        address = self.target_address(target)
+        quiet = now - max(self._heard.get(address, 0.0), since)
+        if quiet > DEAD_AFTER:
+            self.dead.add(address)
+            what = "restart the cluster" if target == CONTROLLER else "the controller retires it and counts its samples lost"
+            raise ServiceError(
+                f"{self.service_name(target)} has not answered for {quiet:.1f} s, pings included: "
+                f"it died or hangs ({what})"
+            )
+        if quiet >= PROBE_AFTER and now - self._pinged.get(address, float("-inf")) >= PROBE_AFTER:
+            self._pinged[address] = now
+            return True
+        return False
 
     def target_address(self, target: int) -> str:
         if target == CONTROLLER:
@@ -163,6 +196,15 @@ class ClientCore:
         if isinstance(reply, GrantReply):
             return Release(reply.grant_id, reply.n)
         return None
+
+    @staticmethod
+    def resume(flow: Flow, replies: list | None = None, error: BaseException | None = None) -> list[Call]:
+        """The flow's next calls: start it, send it `replies`, or throw `error` into it (a driver
+        timeout or cancel) so that its own clean-up (e.g. `AbortPut`) runs. `StopIteration`
+        carries the flow's result; an error the flow does not handle propagates."""
+        if error is not None:
+            return flow.throw(error)
+        return next(flow) if replies is None else flow.send(replies)
 
     def _one(self, target: int, msg: msgspec.Struct, expected: type, wait: float | None = _GRACE):
         replies = yield [Call(target, msg, (), wait)]
@@ -237,14 +279,19 @@ class ClientCore:
             if len(meta) != cols.n:
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [])
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout)
         plan = yield from self._one(CONTROLLER, begin, PutPlan)
         units = np.asarray(plan.units, np.int64)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout)
-        except BaseException:
+        except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
+            raise
+        except BaseException:  # a failed write, a driver timeout, a cancel: free the rows now
             if meta is None:
-                yield from self._one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+                try:
+                    yield from self._one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+                except SluiceError:  # the controller's put deadline frees them anyway
+                    pass
             raise
         rows = None
         if meta is None:

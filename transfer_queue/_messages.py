@@ -19,6 +19,7 @@ __all__ = [
     "UnitInfo",
     "RowInfo",
     "Cancel",
+    "Ping",
     # controller requests
     "Hello",
     "RegisterUnit",
@@ -123,6 +124,10 @@ class Cancel(_Msg, tag="cancel"):
     request_id: int
 
 
+class Ping(_Msg, tag="ping"):
+    """Are you alive? Any service answers `Ok` at once (clients probe a silent peer with it)."""
+
+
 # -- controller requests -----------------------------------------------------------------
 
 
@@ -142,6 +147,8 @@ class BeginPut(_Msg, tag="begin_put"):
     n: int
     row_bytes: int
     indexes: list[int] = []
+    timeout: float = 30.0
+    """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
@@ -253,6 +260,7 @@ ControllerRequest = Union[
     Status,
     Announce,
     Lookup,
+    Ping,
 ]
 
 # -- storage requests --------------------------------------------------------------------
@@ -298,7 +306,7 @@ class UnitStatus(_Msg, tag="unit_status"):
     pass
 
 
-StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus]
+StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from ._errors import ProtocolError, SluiceError, error_code
-from ._messages import Cancel, ErrorReply, Ok, Reply
+from ._messages import Cancel, ErrorReply, Ok, Ping, Reply
 from ._wire import Codec, pack_prefix
 
 __all__ = ["Service", "Handled", "run_service"]
@@ -121,6 +121,9 @@ class Service:
             request_id, msg, data = self.codec.decode(body)
             if isinstance(msg, Cancel):
                 self._cancel(identity, msg.request_id)
+                self._reply(identity, request_id, Ok())
+                return
+            if isinstance(msg, Ping):
                 self._reply(identity, request_id, Ok())
                 return
             handler = self.handlers.get(type(msg))
