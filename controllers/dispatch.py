@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from transfer_queue._errors import TimeoutError
+from transfer_queue._errors import SchemaError, TimeoutError
 from transfer_queue._meta import BatchMeta
 from transfer_queue._messages import ClusterConfig, GetMeta
 
@@ -113,6 +113,12 @@ class Dispatcher:
             if not req.allow_partial:
                 return self._give_up(req, None)
             return BatchMeta(req.partition, [], [], [], [], [], {}, task=req.task)  # what is ready: nothing
+        unknown = [f for f in req.fields if f not in part.schema]
+        if unknown and final:  # until the deadline, a later put (of new columns, too) may bring it
+            raise SchemaError(
+                f"partition {req.partition!r} has no field(s) {unknown}; its fields are {sorted(part.schema)}: "
+                "check the names, or put those fields first"
+            )
         task = part.task(req.task)
         mask = part.available(task, req.fields)
         ready = np.empty(0, np.int64) if mask is None else np.flatnonzero(mask) + task.cursor
@@ -211,6 +217,17 @@ class Dispatcher:
             if len(src_rows):
                 state.cursor = min(state.cursor, int(src_rows.min()))
             self.wake(src_name)
+
+    def lose(self, part: Partition, rows: np.ndarray) -> None:
+        """Rows whose storage unit died: requeue the prompts that produced them, return their
+        admission budget (they must be generated again) and drop them; never served again."""
+        unconsumed = np.zeros(len(rows), bool) if part.tasks else np.ones(len(rows), bool)
+        for task in part.tasks.values():
+            unconsumed |= ~task.consumed[rows]
+        self._requeue_sources(part, rows[unconsumed])  # a consumed sample needs no new rollout
+        self.admission.forget(int(np.count_nonzero(part.granted[rows] & part.committed[rows])))
+        part.kill(rows)
+        self.wake(part.name)
 
     # -- ack / nack / leases -------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from transfer_queue._messages import (
     MetaReply,
     Nack,
     Ok,
+    Ping,
     PutPlan,
     RegisterUnit,
     Release,
@@ -69,6 +70,10 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
+_UNIT_PING = 1.0
+"""Seconds between the controller's liveness pings to each storage unit."""
+_UNIT_DEAD_AFTER = 5.0
+"""Seconds of silence after which a storage unit is retired and its samples counted lost."""
 _PUT_GRACE = 5.0
 """Seconds an open put may outlive 2 x its timeout (one wait for space, one shm reservation)."""
 _ENDED_KEPT = 4096  # ended puts remembered, so a late CommitPut learns why its rows are gone
@@ -96,6 +101,10 @@ class Controller(Service):
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, UnitInfo] = {}
         self.unit_bytes: dict[int, int] = {}
+        self.unit_heard: dict[int, float] = {}  # unit id -> monotonic time of its last message
+        self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
+        self.samples_lost = 0
+        self._pinger: asyncio.TimerHandle | None = None
         self._unit_socks: dict[int, zmq.asyncio.Socket] = {}
         self._unit_codec = Codec(Reply)
         self._next_index = 0
@@ -144,9 +153,14 @@ class Controller(Service):
         return HelloReply(self.cluster_id, self.config, units, self.clock.current)
 
     def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
+        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired."""
         unit = msg.unit
         self.units[unit.unit_id] = unit
+        self.retired.pop(unit.unit_id, None)
         self.unit_bytes.setdefault(unit.unit_id, 0)
+        self.unit_heard[unit.unit_id] = time.monotonic()
+        if self._pinger is None:
+            self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(unit.address)
@@ -157,13 +171,53 @@ class Controller(Service):
         asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
         return Ok()
 
+    def _ping_units(self) -> None:
+        """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds."""
+        now = time.monotonic()
+        for unit_id in list(self.units):
+            if now - self.unit_heard.get(unit_id, now) > _UNIT_DEAD_AFTER:
+                self._retire_unit(unit_id)
+                continue
+            frames = self._unit_codec.encode(next(self._request_ids), Ping())
+            self._unit_socks[unit_id].send_multipart(frames)
+        self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
+
+    def _retire_unit(self, unit_id: int) -> None:
+        """A unit died: never place or serve its rows again. Puts in flight on it fail; its
+        samples are counted lost, and the prompts of those that have a source are requeued."""
+        unit = self.retired[unit_id] = self.units.pop(unit_id)
+        self.unit_bytes.pop(unit_id, None)
+        self.unit_heard.pop(unit_id, None)
+        sock = self._unit_socks.pop(unit_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        why = ServiceError(
+            f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
+            "none of its samples were stored: put again"
+        )
+        for first, put in list(self.open_puts.items()):
+            part = self.partitions.get(put.partition)
+            if part is not None and np.any(part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id):
+                self._end_put(first, why)
+        lost = 0
+        for part in self.partitions.values():
+            rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
+            if len(rows):
+                lost += len(rows)
+                self.dispatch.lose(part, rows)
+        self.samples_lost += lost
+        log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
+
     async def _drain_unit(self, unit_id: int, sock) -> None:
-        """Read (and log failures of) the units' answers to our Free requests."""
+        """Read the units' answers to our Free requests and pings (log refusals); each one
+        tells that the unit is alive."""
         while not sock.closed:
             try:
                 frames = await sock.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            if self._unit_socks.get(unit_id) is sock:
+                self.unit_heard[unit_id] = time.monotonic()
             try:
                 _, reply, _ = self._unit_codec.decode(frames)
             except Exception:  # noqa: BLE001
@@ -191,7 +245,8 @@ class Controller(Service):
         for unit_id in np.unique(part.unit[rows]).tolist():
             picked = rows[part.unit[rows] == unit_id]
             by_unit[unit_id] = part.gidx[picked].tolist()
-            self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - int(part.row_bytes[picked].sum()))
+            if unit_id in self.unit_bytes:  # not a retired unit
+                self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
         self._tell_units(part.name, by_unit)
 
     # -- puts --------------------------------------------------------------------------
@@ -199,6 +254,8 @@ class Controller(Service):
     def _partition(self, name: str) -> Partition:
         part = self.partitions.get(name)
         if part is None:
+            if not name:
+                raise SchemaError("a partition needs a non-empty name (e.g. 'train')")
             part = self.partitions[name] = Partition(name)
         return part
 
@@ -337,8 +394,8 @@ class Controller(Service):
                 f"get_meta needs timeout >= 0 and lease_timeout > 0 (or None for the cluster's), got "
                 f"{msg.timeout} and {msg.lease_timeout}"
             )
-        if not msg.fields:
-            raise SchemaError("get_meta needs at least one field")
+        if not msg.fields or not msg.partition or not msg.task:
+            raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
         return MetaReply(await self.dispatch.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
@@ -371,7 +428,8 @@ class Controller(Service):
             live = np.flatnonzero(part.alive[: part.n])
             for unit_id in np.unique(part.unit[live]).tolist():
                 used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
-                self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - used)
+                if unit_id in self.unit_bytes:
+                    self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
             self.dispatch.forget_partition(msg.partition)
             self._tell_units(msg.partition, None)
         return Ok()

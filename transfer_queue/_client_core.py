@@ -279,6 +279,7 @@ class ClientCore:
             if len(meta) != cols.n:
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
+        rows = None if meta is not None else self._row_info(cols, policy_version, groups, grant, source)  # validates first
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout)
         plan = yield from self._one(CONTROLLER, begin, PutPlan)
         units = np.asarray(plan.units, np.int64)
@@ -293,9 +294,6 @@ class ClientCore:
                 except SluiceError:  # the controller's put deadline frees them anyway
                     pass
             raise
-        rows = None
-        if meta is None:
-            rows = self._row_info(cols, policy_version, groups, grant, source)
         yield from self._one(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), Ok)
         if meta is not None:
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
@@ -359,7 +357,7 @@ class ClientCore:
         if policy_version is None:
             policy_version = grant.version if grant else 0
         first, last = _versions(policy_version, n)
-        group_ids = list(range(n)) if groups is None else [int(g) for g in groups]
+        group_ids = list(range(n)) if groups is None else [_count("group id", g, -_INT64) for g in groups]
         if len(group_ids) != n:
             raise SchemaError(f"groups has {len(group_ids)} entries for {n} samples")
         grant_id = 0
@@ -382,7 +380,7 @@ class ClientCore:
         Returns a `Grant` with the policy version to generate with. Raises `TimeoutError` when
         the budget does not open within `timeout`.
         """
-        reply = yield from self._one(CONTROLLER, Acquire(n, timeout), GrantReply, timeout + _GRACE)
+        reply = yield from self._one(CONTROLLER, Acquire(_count("n", n, 1), timeout), GrantReply, timeout + _GRACE)
         grant = Grant(reply.grant_id, reply.n, reply.version, reply.n, self)
         self._grants.append(grant)
         return grant
@@ -429,7 +427,7 @@ class ClientCore:
         `dp_size=` for `seqlen_balanced`).
         """
         msg = GetMeta(
-            partition, task, list(fields), batch_size, sampler, dict(sampler_options),
+            partition, task, list(fields), _count("batch_size", batch_size, 1), sampler, dict(sampler_options),
             max_staleness, timeout, allow_partial, lease_timeout,
         )
         reply = yield from self._one(CONTROLLER, msg, MetaReply, timeout + _GRACE)
@@ -500,7 +498,7 @@ class ClientCore:
     @flow
     def set_version(self, version: int) -> Flow:
         """Record the trainer's new weight version (monotone; `VersionError` going backwards)."""
-        reply = yield from self._one(CONTROLLER, SetVersion(version), VersionReply)
+        reply = yield from self._one(CONTROLLER, SetVersion(_count("version", version, 0)), VersionReply)
         return reply.version
 
     @flow
@@ -512,7 +510,8 @@ class ClientCore:
     @flow
     def wait_version(self, version: int, timeout: float = 30.0) -> Flow:
         """Block until the version is at least `version`; returns the current version."""
-        reply = yield from self._one(CONTROLLER, WaitVersion(version - 1, timeout), VersionReply, timeout + _GRACE)
+        after = _count("version", version, 0) - 1
+        reply = yield from self._one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + _GRACE)
         return reply.version
 
     @flow
@@ -531,6 +530,8 @@ class ClientCore:
     @flow
     def announce(self, key: str, value: bytes) -> Flow:
         """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`."""
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise SchemaError(f"announce takes bytes, got {type(value).__name__}; encode it (e.g. str.encode())")
         yield from self._one(CONTROLLER, Announce(key, bytes(value)), Ok)
 
     @flow
@@ -540,15 +541,26 @@ class ClientCore:
         return reply.value
 
 
+_INT64 = 1 << 63
+
+
+def _count(name: str, value: Any, low: int, high: int = _INT64 - 1) -> int:
+    """`value` as an int in low..high; `SchemaError` saying so otherwise (before anything is sent)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= int(value) <= high:
+        raise SchemaError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return int(value)
+
+
 def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     if isinstance(policy_version, (int, np.integer)):
-        return [int(policy_version)] * n, [int(policy_version)] * n
+        version = _count("policy_version", policy_version, 0)
+        return [version] * n, [version] * n
     if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(isinstance(v, (int, np.integer)) for v in policy_version):
-        first, last = int(policy_version[0]), int(policy_version[1])
+        first, last = (_count("policy_version", v, 0) for v in policy_version)
         if last < first:
             raise SchemaError(f"a version span must be (first, last) with first <= last, got {policy_version}")
         return [first] * n, [last] * n
-    versions = [int(v) for v in policy_version]
+    versions = [_count("policy_version", v, 0) for v in policy_version]
     if len(versions) != n:
         raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
     return versions, list(versions)

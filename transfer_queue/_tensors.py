@@ -83,7 +83,8 @@ class Columns:
             self.n = int(data.batch_size[0])
         else:
             items = list(data.items())
-            self.n = int(items[0][1].shape[0]) if items else 0
+            first = items[0][1] if items else None
+            self.n = int(first.size(0)) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0
         if self.n <= 0:
             raise SchemaError(f"put needs at least one sample, got batch_size {self.n}")
         if not items:
@@ -93,11 +94,23 @@ class Columns:
             if not isinstance(name, str) or not name:
                 raise SchemaError(f"field names must be non-empty strings, got {name!r}")
             if not isinstance(tensor, torch.Tensor):
-                raise SchemaError(f"field {name!r} is a {type(tensor).__name__}; only tensors can be put")
+                raise SchemaError(f"field {name!r} is a {type(tensor).__name__}; only tensors can be put (torch.as_tensor it)")
+            if tensor.is_nested and tensor.layout != torch.jagged:
+                raise SchemaError(
+                    f"field {name!r} is a nested tensor of layout {tensor.layout}; only jagged ones are "
+                    "supported: build it with torch.nested.nested_tensor(..., layout=torch.jagged)"
+                )
+            if tensor.dim() == 0:
+                raise SchemaError(f"field {name!r} is a 0-dim tensor; a field needs a batch dimension of {self.n} samples")
             try:
                 spec = field_spec_of(tensor)
             except (KeyError, ValueError) as exc:
                 raise SchemaError(f"field {name!r}: unsupported tensor ({tensor.dtype}, nested={tensor.is_nested}): {exc}") from exc
+            if spec.inner_numel == 0:
+                raise SchemaError(
+                    f"field {name!r} has per-sample shape {list(tensor.shape[1:])}, which holds no elements; "
+                    "drop the field or give it at least one element per sample"
+                )
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             if tensor.is_nested:
