@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from transfer_queue._errors import SchemaError, TimeoutError
+from transfer_queue._errors import TimeoutError
 from transfer_queue._meta import BatchMeta
 from transfer_queue._messages import ClusterConfig, GetMeta
 
@@ -113,12 +113,6 @@ class Dispatcher:
             if not req.allow_partial:
                 return self._give_up(req, None)
             return BatchMeta(req.partition, [], [], [], [], [], {}, task=req.task)  # what is ready: nothing
-        unknown = [f for f in req.fields if f not in part.schema]
-        if unknown and final:  # until the deadline, a later put (of new columns, too) may bring it
-            raise SchemaError(
-                f"partition {req.partition!r} has no field(s) {unknown}; its fields are {sorted(part.schema)}: "
-                "check the names, or put those fields first"
-            )
         task = part.task(req.task)
         mask = part.available(task, req.fields)
         ready = np.empty(0, np.int64) if mask is None else np.flatnonzero(mask) + task.cursor
@@ -152,7 +146,16 @@ class Dispatcher:
         return int(np.count_nonzero(pending)) == n_ready
 
     def _give_up(self, req: GetMeta, part: Partition | None) -> BatchMeta:
+        """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
+        task writes later: waiting for those is legitimate, so this stays a timeout)."""
         have = "no such partition yet" if part is None else f"{part.n} samples in partition"
+        unknown = [] if part is None else [f for f in req.fields if f not in part.schema]
+        if unknown:
+            raise TimeoutError(
+                f"get_meta(task={req.task!r}, partition={req.partition!r}) waited {req.timeout:g}s for field(s) "
+                f"{unknown} that no put has brought yet (the partition has {sorted(part.schema)}): check the "
+                "names, or wait longer for the task that writes them"
+            )
         raise TimeoutError(
             f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}, "
             f"fields={req.fields}) found too few ready samples within {req.timeout:g}s ({have}); "

@@ -64,6 +64,7 @@ def snapshot(ctl: "Controller") -> dict:
             "samples_served": ctl.dispatch.served,
             "samples_acked": ctl.dispatch.acked,
             "open_leases": len(ctl.dispatch.leases),
+            "parked_get_meta": sum(len(q) for q in ctl.dispatch.waiters.values()),
             "open_puts": len(ctl.open_puts),
             "puts_expired": ctl.puts_expired,
             "samples_lost": ctl.samples_lost,

@@ -6,27 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import zmq
 
 from transfer_queue._messages import Reply, UnitStatus
 from transfer_queue._wire import Codec
 
+from ..waiting import eventually
+
+__all__ = ["ROOT", "eventually", "unit_status", "rss_bytes", "stalled_producer"]
+
 ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Wait until `check()` (a look at observable state) is truthy; fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.05)
 
 
 def unit_status(address: str, timeout: float = 10.0) -> dict:
