@@ -1,8 +1,13 @@
-"""`python -m controllers --config JSON`: run a controller, print `SLUICE_CONTROLLER <address>`."""
+"""`python -m controllers --config JSON`: run a controller, print `SLUICE_CONTROLLER <address>`.
+
+Storage units register only with the cluster secret, read from `SLUICE_SECRET` (a random one
+when unset: then no unit can join, which is only right for tests of the controller alone).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import msgspec
 
@@ -22,7 +27,7 @@ def main() -> None:
     config = msgspec.json.decode(args.config, type=ClusterConfig)
 
     async def make() -> Controller:
-        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id)
+        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"))
         if config.metrics_port is not None:
             serve_prometheus(ctl, config.metrics_port, config.host)
         return ctl

@@ -68,6 +68,7 @@ def snapshot(ctl: "Controller") -> dict:
             "open_puts": len(ctl.open_puts),
             "puts_expired": ctl.puts_expired,
             "samples_lost": ctl.samples_lost,
+            "registrations_refused": ctl.registrations_refused,
             "requests_served": ctl.served,
             "requests_rejected": ctl.rejected,
         },

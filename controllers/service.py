@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import hmac
 import math
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from transfer_queue._errors import CapacityError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
     Ack,
     AbortPut,
@@ -93,10 +95,12 @@ class _OpenPut:
 class Controller(Service):
     """Metadata, versions and scheduling for one Sluice cluster."""
 
-    def __init__(self, config: ClusterConfig, bind: str, cluster_id: str | None = None):
+    def __init__(self, config: ClusterConfig, bind: str, cluster_id: str | None = None, secret: str | None = None):
         super().__init__(Codec(ControllerRequest), bind)
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
+        self._secret = secret or secrets.token_hex(16)
+        self.registrations_refused = 0
         self.started = time.time()
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, UnitInfo] = {}
@@ -153,7 +157,16 @@ class Controller(Service):
         return HelloReply(self.cluster_id, self.config, units, self.clock.current)
 
     def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
-        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired."""
+        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired.
+
+        Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
+        or replace a live one, and with it redirect clients' data."""
+        if not hmac.compare_digest(msg.secret.encode(), self._secret.encode()):
+            self.registrations_refused += 1
+            raise ProtocolError(
+                f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
+                "(start units with SLUICE_SECRET set to it)"
+            )
         unit = msg.unit
         self.units[unit.unit_id] = unit
         self.retired.pop(unit.unit_id, None)

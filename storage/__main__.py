@@ -5,7 +5,7 @@
 
 Binds `tcp://{host}:*` (a free port; loopback unless told otherwise), creates the arena
 `/dev/shm/sluice-{ID}-u{K}`, registers with the controller when one is given (and waits for its
-`Ok`), then prints exactly one line, `SLUICE_STORAGE {address}`, to stdout and serves until
+`Ok`; the cluster secret comes from the environment variable `SLUICE_SECRET`), then prints exactly one line, `SLUICE_STORAGE {address}`, to stdout and serves until
 SIGTERM or SIGINT. On the way out it unlinks the arena file.
 
 Exit status: 0 after a signal-initiated stop; 1 when the unit could not start (arena file
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Sequence
@@ -43,15 +44,16 @@ class StartupError(Exception):
 
 
 
-async def register(unit: StorageUnit, controller: str, timeout: float) -> None:
-    """Send `RegisterUnit` to the controller and wait for its `Ok`; `StartupError` otherwise."""
+async def register(unit: StorageUnit, controller: str, timeout: float, secret: str) -> None:
+    """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
+    `StartupError` otherwise."""
     info = UnitInfo(unit.unit_id, unit.address, unit.arena.capacity, unit.arena.path, host_id())
     codec = Codec(Reply)
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(controller)
-        await sock.send_multipart(codec.encode(1, RegisterUnit(info)))
+        await sock.send_multipart(codec.encode(1, RegisterUnit(info, secret)))
         try:
             frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
         except asyncio.TimeoutError:
@@ -101,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a stop while registering still cleans up
             loop.add_signal_handler(sig, me.cancel)
         try:
-            await register(unit, args.controller, args.register_timeout)
+            await register(unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""))
         except BaseException:
             unit.close()
             raise

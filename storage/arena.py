@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "shm_path", "keep_freed_memory"]
+from transfer_queue._host import arena_path
+
+__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "keep_freed_memory"]
 
 PAGE_BYTES = 64 << 10
 """Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
@@ -50,11 +52,6 @@ def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-
-
-def shm_path(cluster_id: str, unit_id: int) -> str:
-    """Where unit `unit_id` of cluster `cluster_id` keeps its arena."""
-    return f"/dev/shm/sluice-{cluster_id}-u{unit_id}"
 
 
 class ExtentAllocator:
@@ -215,7 +212,7 @@ class Arena:
     @classmethod
     def create(cls, cluster_id: str, unit_id: int, capacity: int, page_bytes: int = PAGE_BYTES) -> "Arena":
         """The arena of unit `unit_id`; `FileExistsError` if another process holds that name."""
-        return cls(shm_path(cluster_id, unit_id), capacity, page_bytes)
+        return cls(arena_path(cluster_id, unit_id), capacity, page_bytes)
 
     # -- accounting ----------------------------------------------------------------------
 

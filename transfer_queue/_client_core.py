@@ -60,7 +60,7 @@ from ._messages import (
 from ._meta import BatchMeta
 from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
 from ._wire import Codec
-from ._host import host_id
+from ._host import host_id, open_arena
 
 __all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER", "PROBE_AFTER", "DEAD_AFTER"]
 
@@ -228,9 +228,8 @@ class ClientCore:
         for unit in self.units.values():
             if unit.unit_id in self._arenas or unit.host_id != me or not unit.shm_path:
                 continue
-            try:
-                fd = os.open(unit.shm_path, os.O_RDWR)
-            except OSError:
+            fd = open_arena(self.cluster_id, unit.unit_id, unit.shm_path, unit.capacity)
+            if fd is None:  # not this cluster's arena file: reach the unit over TCP instead
                 continue
             try:
                 mm = mmap.mmap(fd, unit.capacity)

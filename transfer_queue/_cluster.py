@@ -9,6 +9,7 @@ import atexit
 import ctypes
 import glob
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -28,7 +29,10 @@ from ._staleness import StalenessConfig
 if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) needs no torch
     from ._client import Client
 
-__all__ = ["Cluster", "init", "connect", "parse_bytes"]
+__all__ = ["Cluster", "init", "connect", "parse_bytes", "SECRET_ENV"]
+
+SECRET_ENV = "SLUICE_SECRET"
+"""Environment variable that hands the cluster secret to service processes (never argv: `ps` shows it)."""
 
 _START_TIMEOUT = 60.0
 _ROOT = str(Path(__file__).resolve().parent.parent)
@@ -55,10 +59,12 @@ def _die_with_parent() -> None:
 class Cluster:
     """A running set of Sluice services. `address` is the controller's ZeroMQ endpoint."""
 
-    def __init__(self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen]):
+    def __init__(self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen], secret: str = ""):
         self.address = address
         self.config = config
         self.cluster_id = cluster_id
+        self.secret = secret
+        """What a storage unit must show to register (set `SLUICE_SECRET` to it for a unit you restart)."""
         self._procs = procs
         atexit.register(self.shutdown)
 
@@ -123,8 +129,9 @@ def _storage_command(unit_id: int, capacity: int, cluster_id: str, controller: s
             "--cluster-id", cluster_id, "--controller", controller, "--host", host]
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
+def _spawn(args: list[str], secret: str) -> subprocess.Popen:
     env = dict(os.environ)
+    env[SECRET_ENV] = secret
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH", "")]))
     return subprocess.Popen(
         [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
@@ -199,18 +206,19 @@ def init(
         host=host,
     )
     cluster_id = uuid.uuid4().hex[:12]
+    secret = secrets.token_hex(16)
     if backend == "ray":
         from ._ray_backend import start_ray_cluster
 
-        return start_ray_cluster(config, cluster_id, port, ray_address)
+        return start_ray_cluster(config, cluster_id, port, ray_address, secret)
     procs: list[subprocess.Popen] = []
     try:
-        ctl = _spawn(_controller_command(config, cluster_id, port))
+        ctl = _spawn(_controller_command(config, cluster_id, port), secret)
         procs.append(ctl)
         address = _address_of(ctl, "SLUICE_CONTROLLER")
         per_unit = config.storage_capacity // num_storage_units
         units = [
-            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host))
+            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host), secret)
             for unit_id in range(num_storage_units)
         ]
         procs.extend(units)
@@ -219,7 +227,7 @@ def init(
     except BaseException:
         Cluster("", config, cluster_id, procs).shutdown()
         raise
-    return Cluster(address, config, cluster_id, procs)
+    return Cluster(address, config, cluster_id, procs, secret)
 
 
 def connect(address: str, use_shm: bool | None = None) -> Client:

@@ -136,7 +136,10 @@ class Hello(_Msg, tag="hello"):
 
 
 class RegisterUnit(_Msg, tag="register_unit"):
+    """Join the cluster (or come back after a restart); refused without the cluster's secret."""
+
     unit: UnitInfo
+    secret: str = ""
 
 
 class BeginPut(_Msg, tag="begin_put"):

@@ -14,9 +14,12 @@ import time
 
 import pytest
 import torch
+import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from transfer_queue._messages import RegisterUnit, Reply, UnitInfo
+from transfer_queue._wire import Codec
 
 from .faults import ROOT, eventually
 
@@ -140,7 +143,7 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
     assert sum(len(m) for _, m in client.stream(["x"], 4, task="t", timeout=10)) == 4
     # a unit that comes back registers again and takes new rows
     os.unlink(client.units[1].shm_path)
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, "SLUICE_SECRET": cluster.secret}
     back = subprocess.Popen(
         [sys.executable, "-m", "storage", "--unit-id", "1", "--capacity", str(128 << 20), "--cluster-id",
          cluster.cluster_id, "--controller", cluster.address],
@@ -172,3 +175,44 @@ def test_put_to_a_hung_unit_fails_fast_and_frees_its_rows(cluster, client):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_unit_registration_needs_the_cluster_secret(cluster, client, tmp_path):
+    """The hijack of issue 9: an unauthenticated RegisterUnit reusing a live unit's id and
+    pointing shm_path at an unrelated file is refused and counted; nothing changes."""
+    victim = tmp_path / "unrelated"
+    victim.write_bytes(b"keep me" * 4096)
+    live = client.units[0]
+    fake = UnitInfo(0, "tcp://127.0.0.1:9", live.capacity, str(victim), live.host_id)
+    codec = Codec(Reply)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    for rid, secret in enumerate(["", "guess"], 1):
+        sock.send_multipart(codec.encode(rid, RegisterUnit(fake, secret)))
+        assert sock.poll(10000)
+        reply = codec.decode(sock.recv_multipart())[1]
+        assert reply.code == "protocol" and "secret" in reply.message, reply
+    sock.close()
+    status = client.status()
+    assert status["counters"]["registrations_refused"] == 2
+    assert status["units"]["0"]["address"] == live.address
+    client.put(_td(8))
+    assert victim.read_bytes() == b"keep me" * 4096
+
+
+def test_client_maps_only_its_clusters_arena_files(cluster, tmp_path):
+    """A unit advertising any other shm path is reached over TCP, never mapped."""
+    from transfer_queue._host import open_arena
+
+    with tq.connect(cluster.address) as client:
+        unit = client.units[0]
+        assert unit.unit_id in client._arenas  # the genuine arena is mapped
+        assert open_arena(client.cluster_id, 0, unit.shm_path, unit.capacity) is not None
+        other = tmp_path / "other"
+        other.write_bytes(bytes(unit.capacity))
+        link = tmp_path / "link"
+        link.symlink_to(unit.shm_path)
+        for path in (str(other), str(link), f"/dev/shm/sluice-{client.cluster_id}-u1", "/dev/shm/../dev/shm/x"):
+            assert open_arena(client.cluster_id, 0, path, unit.capacity) is None
+        assert open_arena(client.cluster_id, 0, unit.shm_path, unit.capacity * 2) is None  # too small a file
