@@ -11,6 +11,8 @@ import os
 
 import msgspec
 
+from transfer_queue._auth import from_env
+from transfer_queue._host import reachable
 from transfer_queue._messages import ClusterConfig
 from transfer_queue._service import run_service
 
@@ -27,12 +29,12 @@ def main() -> None:
     config = msgspec.json.decode(args.config, type=ClusterConfig)
 
     async def make() -> Controller:
-        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"))
+        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"), from_env())
         if config.metrics_port is not None:
             serve_prometheus(ctl, config.metrics_port, config.host)
         return ctl
 
-    run_service(make, lambda ctl: f"SLUICE_CONTROLLER {ctl.address}")
+    run_service(make, lambda ctl: f"SLUICE_CONTROLLER {reachable(ctl.address)}")
 
 
 if __name__ == "__main__":

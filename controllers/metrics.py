@@ -69,6 +69,7 @@ def snapshot(ctl: "Controller") -> dict:
             "puts_expired": ctl.puts_expired,
             "samples_lost": ctl.samples_lost,
             "registrations_refused": ctl.registrations_refused,
+            "auth_refused": ctl.auth_refused,
             "requests_served": ctl.served,
             "requests_rejected": ctl.rejected,
         },

@@ -56,6 +56,7 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
+from transfer_queue._auth import Credentials, secure_client
 from transfer_queue._service import Service
 from transfer_queue._wire import MAX_BATCH, Codec
 
@@ -95,8 +96,12 @@ class _OpenPut:
 class Controller(Service):
     """Metadata, versions and scheduling for one Sluice cluster."""
 
-    def __init__(self, config: ClusterConfig, bind: str, cluster_id: str | None = None, secret: str | None = None):
-        super().__init__(Codec(ControllerRequest), bind)
+    def __init__(
+        self, config: ClusterConfig, bind: str, cluster_id: str | None = None, secret: str | None = None,
+        credentials: Credentials | None = None,
+    ):
+        super().__init__(Codec(ControllerRequest), bind, credentials=credentials)
+        self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
         self._secret = secret or secrets.token_hex(16)
@@ -176,6 +181,8 @@ class Controller(Service):
             self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.credentials is not None:
+            secure_client(sock, self.credentials)
         sock.connect(unit.address)
         old = self._unit_socks.pop(unit.unit_id, None)
         if old is not None:

@@ -25,6 +25,7 @@ from typing import Sequence
 import zmq
 import zmq.asyncio
 
+from transfer_queue._auth import Credentials, from_env, secure_client
 from transfer_queue._errors import SluiceError
 from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitInfo
 from transfer_queue._service import Service, run_service
@@ -32,7 +33,7 @@ from transfer_queue._wire import Codec
 
 from .arena import PAGE_BYTES, keep_freed_memory
 from .service import StorageUnit
-from transfer_queue._host import host_id
+from transfer_queue._host import host_id, reachable
 from transfer_queue._sizes import parse_bytes
 
 ANNOUNCE = "SLUICE_STORAGE"
@@ -44,13 +45,15 @@ class StartupError(Exception):
 
 
 
-async def register(unit: StorageUnit, controller: str, timeout: float, secret: str) -> None:
+async def register(unit: StorageUnit, controller: str, timeout: float, secret: str, credentials: Credentials | None) -> None:
     """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
     `StartupError` otherwise."""
-    info = UnitInfo(unit.unit_id, unit.address, unit.arena.capacity, unit.arena.path, host_id())
+    info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
     codec = Codec(Reply)
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if credentials is not None:
+        secure_client(sock, credentials)
     try:
         sock.connect(controller)
         await sock.send_multipart(codec.encode(1, RegisterUnit(info, secret)))
@@ -94,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_memory()  # received Write frames land in warm memory
 
     async def make() -> Service:
-        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes)
+        credentials = from_env()
+        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes, credentials)
         if args.controller is None:
             return unit
         loop = asyncio.get_running_loop()
@@ -103,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a stop while registering still cleans up
             loop.add_signal_handler(sig, me.cancel)
         try:
-            await register(unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""))
+            await register(unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""), credentials)
         except BaseException:
             unit.close()
             raise

@@ -33,6 +33,7 @@ from transfer_queue._messages import (
     Write,
     WriteReply,
 )
+from transfer_queue._auth import Credentials
 from transfer_queue._service import Handled, Service
 from transfer_queue._wire import MAX_DATA_FRAMES, Codec
 
@@ -60,11 +61,12 @@ class StorageUnit(Service):
         cluster_id: str,
         host: str = "127.0.0.1",
         page_bytes: int = PAGE_BYTES,
+        credentials: Credentials | None = None,
     ):
         self.unit_id = unit_id
         self.arena = Arena.create(cluster_id, unit_id, capacity, page_bytes)
         try:
-            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", max_frame_bytes=self.arena.capacity)
+            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials)
         except BaseException:
             self.arena.close()
             raise
@@ -273,6 +275,7 @@ class StorageUnit(Service):
             "reservations": len(self.reservations),
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
             "rejected": self.rejected,
+            "auth_refused": self.auth_refused,
             "served": self.served,
         }
 

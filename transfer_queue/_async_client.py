@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
-from ._client_core import PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
+from ._auth import Credentials, secure_client
+from ._client_core import DEAD_AFTER, PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
 from ._errors import ClosedError, ProtocolError, SluiceError, TimeoutError
 from ._messages import Cancel, Ok, Ping
 from ._meta import BatchMeta
@@ -26,8 +27,8 @@ __all__ = ["AsyncClient", "connect_async"]
 class AsyncClient(ClientCore):
     """Asyncio Sluice client; create with `await tq.connect_async(address)`."""
 
-    def __init__(self, address: str, use_shm: bool | None = None):
-        super().__init__(address, use_shm)
+    def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
+        super().__init__(address, use_shm, credentials)
         self._ctx = zmq.asyncio.Context.instance()
         self._socks: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task] = {}
@@ -43,6 +44,9 @@ class AsyncClient(ClientCore):
         if sock is None:
             sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(DEAD_AFTER * 1000))  # no connection (refused, down): never block
+            if self.credentials is not None:
+                secure_client(sock, self.credentials)
             sock.connect(address)
             self._readers[address] = asyncio.ensure_future(self._read(address, sock))
         return sock
@@ -66,8 +70,11 @@ class AsyncClient(ClientCore):
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        sock = self._sock(call.target)
-        await sock.send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
+        try:
+            await self._sock(call.target).send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
+        except zmq.Again:
+            self._waiting.pop(rid, None)
+            raise self.unreachable(call.target) from None
         try:
             return await self._wait(call, fut, time.monotonic())
         except BaseException:
@@ -89,7 +96,10 @@ class AsyncClient(ClientCore):
                 )
             if self.probe(call.target, since, now):
                 ping_id = next(self._ids)  # its Ok finds no future and is dropped; hearing it is enough
-                await self._sock(call.target).send_multipart(self.codec.encode(ping_id, Ping()))
+                try:
+                    await self._sock(call.target).send_multipart(self.codec.encode(ping_id, Ping()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # no connection: the silence tells
             left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
             done, _ = await asyncio.wait({fut}, timeout=left)
             if done:
@@ -218,8 +228,9 @@ def _async(fn):
 wrap_flows(AsyncClient, _async)
 
 
-async def connect_async(address: str, use_shm: bool | None = None) -> AsyncClient:
-    """Connect an `AsyncClient` to the cluster whose controller listens at `address`."""
-    client = AsyncClient(address, use_shm)
+async def connect_async(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> AsyncClient:
+    """Connect an `AsyncClient` to the cluster whose controller listens at `address` (with
+    `credentials`, default `SLUICE_CREDENTIALS`, when it is bound beyond loopback)."""
+    client = AsyncClient(address, use_shm, credentials)
     await client.hello()
     return client

@@ -12,7 +12,8 @@ from typing import Any, Iterator, Sequence
 
 import zmq
 
-from ._client_core import PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
+from ._auth import Credentials, secure_client
+from ._client_core import DEAD_AFTER, PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
 from ._errors import ClosedError, SluiceError, TimeoutError
 from ._messages import Cancel, Ok, Ping
 from ._meta import BatchMeta
@@ -30,8 +31,8 @@ class _Pending:
 class Client(ClientCore):
     """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done."""
 
-    def __init__(self, address: str, use_shm: bool | None = None):
-        super().__init__(address, use_shm)
+    def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
+        super().__init__(address, use_shm, credentials)
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
         self._ids = itertools.count(1)
@@ -48,6 +49,9 @@ class Client(ClientCore):
         if sock is None:
             sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(DEAD_AFTER * 1000))  # no connection (refused, down): never block
+            if self.credentials is not None:
+                secure_client(sock, self.credentials)
             sock.connect(address)
         return sock
 
@@ -61,9 +65,16 @@ class Client(ClientCore):
         ids = []
         for call in calls:
             rid = next(self._ids)
-            self._sock(call.target).send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
+            self._send(call.target, self.codec.encode(rid, call.msg, call.data))
             ids.append(rid)
         return _Pending(flow, calls, ids, sent=time.monotonic())
+
+    def _send(self, target: int, frames: list[Any], flags: int = 0) -> None:
+        try:
+            self._sock(target).send_multipart(frames, flags, copy=False)
+        except zmq.Again:
+            if not flags:
+                raise self.unreachable(target) from None
 
     def _finish(self, pending: _Pending) -> Any:
         while pending.calls is not None:
@@ -88,7 +99,7 @@ class Client(ClientCore):
                     continue
                 try:
                     cancel_id = next(self._ids)
-                    self._sock(call.target).send_multipart(self.codec.encode(cancel_id, Cancel(rid)))
+                    self._send(call.target, self.codec.encode(cancel_id, Cancel(rid)))
                     self._recv(Call(call.target, Cancel(rid)), cancel_id, time.monotonic())
                     reply, _ = self._stash.pop(rid, (None, None))
                     undo = self.undo(reply)
@@ -115,7 +126,7 @@ class Client(ClientCore):
             if self.probe(call.target, since, now):
                 ping_id = next(self._ids)
                 self._pings.add(ping_id)
-                sock.send_multipart(self.codec.encode(ping_id, Ping()))
+                self._send(call.target, self.codec.encode(ping_id, Ping()), zmq.NOBLOCK)  # never waits
             left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
             if sock.poll(int(left * 1000) + 1):
                 got, msg, data = self.codec.decode(sock.recv_multipart(copy=False))

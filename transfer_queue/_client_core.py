@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from ._auth import Credentials, from_env
 from ._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, error_from_code
 from ._messages import (
     Ack,
@@ -128,8 +129,10 @@ class Grant:
 class ClientCore:
     """State and flows shared by both clients: cluster info, unit maps, grants."""
 
-    def __init__(self, address: str, use_shm: bool | None = None):
+    def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
         self.address = address
+        self.credentials = credentials if credentials is not None else from_env()
+        """CurveZMQ keys for a cluster bound beyond loopback (default: `SLUICE_CREDENTIALS`)."""
         self.codec = Codec(Reply)
         self.use_shm = use_shm
         self.config: ClusterConfig | None = None
@@ -148,6 +151,15 @@ class ClientCore:
         name = "the controller" if target == CONTROLLER else f"storage unit {target}"
         return f"{name} at {self.target_address(target)}"
 
+    def unreachable(self, target: int) -> ServiceError:
+        """The error for a send that found no connection to `target` for `DEAD_AFTER` seconds."""
+        self.dead.add(self.target_address(target))
+        return ServiceError(
+            f"{self.service_name(target)} took no message for {DEAD_AFTER:g} s: it is down, or it refused "
+            "this client's credentials (a cluster bound beyond loopback admits only clients given its "
+            "SLUICE_CREDENTIALS)"
+        )
+
     def heard(self, address: str, now: float) -> None:
         """A message came from `address`: it is alive."""
         self._heard[address] = now
@@ -163,7 +175,8 @@ class ClientCore:
             what = "restart the cluster" if target == CONTROLLER else "the controller retires it and counts its samples lost"
             raise ServiceError(
                 f"{self.service_name(target)} has not answered for {quiet:.1f} s, pings included: "
-                f"it died or hangs ({what})"
+                f"it died or hangs ({what}), or it refused this client's credentials (a cluster bound "
+                "beyond loopback admits only clients given its SLUICE_CREDENTIALS)"
             )
         if quiet >= PROBE_AFTER and now - self._pinged.get(address, float("-inf")) >= PROBE_AFTER:
             self._pinged[address] = now

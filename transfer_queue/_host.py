@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["host_id", "arena_path", "open_arena"]
+__all__ = ["host_id", "arena_path", "open_arena", "reachable"]
 
 
 def host_id() -> str:
@@ -40,3 +40,31 @@ def open_arena(cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> i
         os.close(fd)
         return None
     return fd
+
+
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def reachable(endpoint: str, toward: str | None = None) -> str:
+    """`endpoint` (`tcp://host:port`) as others can reach it: a wildcard host (0.0.0.0 binds
+    every interface but reaches none) becomes this machine's IP on the route to `toward`'s host
+    (or the default route), found without sending anything; else the IP of this machine's name."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host not in _WILDCARDS:
+        return endpoint
+    ip = ""
+    peer = toward.partition("://")[2].rpartition(":")[0] if toward else "192.0.2.1"  # TEST-NET-1: the default route
+    if peer not in _WILDCARDS:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((peer, 9))  # UDP connect: a routing lookup, no packet
+                ip = probe.getsockname()[0]
+        except OSError:
+            ip = ""
+    if not ip:
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            ip = "127.0.0.1"
+    return f"{scheme}://{ip}:{port}"
