@@ -26,7 +26,7 @@ import numpy as np
 
 from transfer_queue._host import arena_path
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "keep_freed_memory"]
+__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "keep_freed_memory", "give_back_freed_memory"]
 
 PAGE_BYTES = 64 << 10
 """Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
@@ -48,6 +48,18 @@ def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+
+
+def give_back_freed_memory(keep: int) -> None:
+    """Return freed heap memory to the system (glibc `malloc_trim`), keeping about `keep` bytes.
+
+    The trim threshold only trims the main heap's top; frames ZeroMQ's I/O thread allocated sit
+    in other malloc arenas (and between live blocks), so without this a burst of writes stays
+    resident long after it was stored."""
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(keep))
+    except (OSError, AttributeError):
+        pass
 
 
 _M_TRIM_THRESHOLD = -1

@@ -37,13 +37,14 @@ from transfer_queue._auth import Credentials
 from transfer_queue._service import Handled, Service
 from transfer_queue._wire import MAX_DATA_FRAMES, Codec
 
-from .arena import PAGE_BYTES, Arena, Chunk
+from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
 from .space import SpaceQueue, Ticket
 from .table import Table
 from .writes import Reservation, check_frames, field_sizes
 
 __all__ = ["StorageUnit"]
 
+_TRIM_EVERY = 1.0  # seconds between checks for freed frame memory to give back
 _EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
 
 
@@ -76,6 +77,7 @@ class StorageUnit(Service):
         self._expired: OrderedDict[int, float] = OrderedDict()
         self._next_token = 1
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._trimmer: asyncio.TimerHandle | None = None
         self._closed = False
         self.route(Write, self._on_write)
         self.route(CommitWrite, self._on_commit)
@@ -91,6 +93,7 @@ class StorageUnit(Service):
         """Pre-fault the arena in the background, serve until `stop()`, then close the arena."""
         self._loop = asyncio.get_running_loop()
         self.arena.start_prefault()
+        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self.served)
         try:
             await super().serve()
         finally:
@@ -101,12 +104,21 @@ class StorageUnit(Service):
         if self._closed:
             return
         self._closed = True
+        if self._trimmer is not None:
+            self._trimmer.cancel()
         for res in self.reservations.values():
             res.timer.cancel()
         self.reservations.clear()
         if not self.sock.closed:
             self.sock.close(linger=0)
         self.arena.close()
+
+    def _trim(self, served_before: int) -> None:
+        """Loop timer: after a second with traffic, give freed frame memory back to the system
+        (keeping 5% of capacity warm), so the unit's RSS stays within capacity + ~10%."""
+        if self.served != served_before:
+            give_back_freed_memory(self.arena.capacity // 20)
+        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self.served)
 
     # -- Write / CommitWrite -------------------------------------------------------------
 

@@ -127,4 +127,4 @@ def test_missing_ray_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ImportError, match=r'pip install "sluice-rl\[ray\]"'):
-        _ray_backend.start_ray_cluster(tq.ClusterConfig(), "x", 0, None)
+        _ray_backend.start_ray_cluster(tq.ClusterConfig(), "x", 0, None, "secret", None)
