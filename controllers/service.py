@@ -8,9 +8,9 @@ from the storage units; the controller only tells units which rows to free.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
-import hmac
 import math
 import secrets
 import time
@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
+from transfer_queue._auth import Credentials, secure_client
 from transfer_queue._messages import (
     Ack,
     AbortPut,
@@ -56,7 +57,6 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
-from transfer_queue._auth import Credentials, secure_client
 from transfer_queue._service import Service
 from transfer_queue._wire import MAX_BATCH, Codec
 
