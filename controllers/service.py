@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._auth import Credentials, secure_client
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
     Ack,
     AbortPut,
+    Export,
+    ExportReply,
     Acquire,
     Announce,
     BeginPut,
@@ -57,6 +59,7 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
+from transfer_queue._meta import BatchMeta
 from transfer_queue._service import Service
 from transfer_queue._wire import MAX_BATCH, Codec
 
@@ -152,6 +155,7 @@ class Controller(Service):
             Status: self.on_status,
             Announce: self.on_announce,
             Lookup: self.on_lookup,
+            Export: self.on_export,
         }.items():
             self.route(msg_type, handler)
 
@@ -508,6 +512,28 @@ class Controller(Service):
             return LookupReply(await asyncio.wait_for(fut, msg.timeout))
         except asyncio.TimeoutError:
             return LookupReply(None)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def on_export(self, msg: Export, data) -> ExportReply:
+        """What a checkpoint needs of a partition (see `ExportReply`)."""
+        part = self._existing(msg.partition)
+        rows = np.flatnonzero(part.alive[: part.n] & part.committed[: part.n])
+        names = list(part.schema)
+        key = np.zeros(len(rows), np.int64)
+        for bit, name in enumerate(names):
+            key |= part.ready[name][rows].astype(np.int64) << bit
+        batches = []
+        for value in np.unique(key).tolist():
+            picked = rows[key == value]
+            fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
+            batches.append(BatchMeta(
+                partition=part.name, indexes=part.gidx[picked].tolist(), policy_versions=part.v_first[picked].tolist(),
+                version_last=part.v_last[picked].tolist(), groups=part.group[picked].tolist(),
+                units=part.unit[picked].tolist(), fields=fields,
+            ))
+        consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
+        return ExportReply(batches, consumed, part.sealed)
 
     # -- status ------------------------------------------------------------------------
 

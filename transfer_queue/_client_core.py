@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -20,10 +21,13 @@ import torch
 from tensordict import TensorDict
 
 from ._auth import Credentials, from_env
+from ._checkpoint import Manifest, PartitionState, read_batch, read_manifest, write_batch, write_manifest
 from ._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, error_from_code
 from ._messages import (
     Ack,
     AbortPut,
+    Export,
+    ExportReply,
     Acquire,
     Announce,
     BeginPut,
@@ -64,6 +68,9 @@ from ._wire import Codec
 from ._host import host_id, open_arena
 
 __all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER", "PROBE_AFTER", "DEAD_AFTER"]
+
+_CHECKPOINT_ROWS = 1024
+"""Samples per checkpoint batch file (what one get_data reads on save and one put writes on restore)."""
 
 CONTROLLER = -1
 """`Call.target` of the controller; storage units are addressed by their unit id."""
@@ -530,6 +537,62 @@ class ClientCore:
     def _versions_after(self, after: int, timeout: float) -> Flow:
         reply = yield from self._one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + _GRACE)
         return reply.history
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    @flow
+    def save_checkpoint(self, path: str | os.PathLike) -> Flow:
+        """Write the cluster's samples and consumer progress to the directory `path`.
+
+        Saves the version, every partition's committed samples (all their ready fields) and, per
+        consumer task, which samples it consumed; leased samples count as not consumed, so they
+        are delivered again after a restore. Run it while producers and consumers pause: samples
+        put or acked meanwhile may or may not be in it. Restore with `tq.init(restore=path)`
+        (any number of storage units) or `restore_checkpoint`. Returns the number of samples."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        status = (yield from self._one(CONTROLLER, Status(), StatusReply)).status
+        manifest = Manifest(status["version"], {})
+        saved = 0
+        for p, name in enumerate(sorted(status["partitions"])):
+            export = yield from self._one(CONTROLLER, Export(name), ExportReply)
+            files = []
+            for meta in (m for m in export.batches if m.fields):
+                for start in range(0, len(meta), _CHECKPOINT_ROWS):  # bounded memory, one put each on restore
+                    part = meta.select(range(start, min(start + _CHECKPOINT_ROWS, len(meta))))
+                    data = yield from ClientCore.get_data(self, part)
+                    files.append(f"p{p}-b{len(files)}.bin")
+                    write_batch(directory / files[-1], part, data)
+                    saved += len(part)
+            manifest.partitions[name] = PartitionState(export.sealed, files, export.consumed)
+        write_manifest(directory, manifest)
+        return saved
+
+    @flow
+    def restore_checkpoint(self, path: str | os.PathLike) -> Flow:
+        """Put a checkpoint's samples into this (empty) cluster, with their policy versions and
+        groups, mark what each consumer task had consumed, seal what was sealed and set the
+        version. Samples get new indexes; a version span (partial rollout) keeps its first
+        version. Raises `SchemaError` if `path` holds no checkpoint. Returns the number of samples."""
+        directory = Path(path)
+        manifest = read_manifest(directory)
+        if manifest.version > 0:
+            yield from self._one(CONTROLLER, SetVersion(manifest.version), VersionReply)
+        restored = 0
+        for name, state in manifest.partitions.items():
+            new_index: dict[int, int] = {}
+            for file in state.batches:  # each sample is in one file, with all its ready fields
+                old, data = read_batch(directory / file)
+                meta = yield from ClientCore.put(self, data, name, policy_version=old.policy_versions, groups=old.groups)
+                new_index.update(zip(old.indexes, meta.indexes))
+                restored += len(meta)
+            for task, indexes in state.consumed.items():
+                mapped = [new_index[i] for i in indexes if i in new_index]
+                if mapped:
+                    yield from self._one(CONTROLLER, Ack(name, task, mapped), Ok)
+            if state.sealed:
+                yield from self._one(CONTROLLER, Seal(name), Ok)
+        return restored
 
     # -- status and small shared values --------------------------------------------------
 

@@ -187,6 +187,7 @@ def init(
     port: int = 0,
     backend: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
+    restore: str | os.PathLike | None = None,
 ) -> Cluster:
     """Start a controller and `num_storage_units` storage units as local processes.
 
@@ -198,6 +199,10 @@ def init(
     `backend="ray"` runs the same processes from Ray actors spread over the Ray cluster's nodes
     (it joins the running Ray session, or calls `ray.init(address=ray_address)`); pass
     `host="auto"` so each service binds and advertises its node's IP. See `_ray_backend`.
+
+    `restore` is a directory written by `client.save_checkpoint`: its samples, consumer progress
+    and version are put into the new cluster (with any number of storage units) before this
+    returns.
     """
     if staleness is None:
         staleness = StalenessConfig(consumer_batch_size, max_staleness)
@@ -228,7 +233,7 @@ def init(
     if backend == "ray":
         from ._ray_backend import start_ray_cluster
 
-        return start_ray_cluster(config, cluster_id, port, ray_address, secret, credentials)
+        return _restored(start_ray_cluster(config, cluster_id, port, ray_address, secret, credentials), restore)
     procs: list[subprocess.Popen] = []
     try:
         ctl = _spawn(_controller_command(config, cluster_id, port), secret, token)
@@ -245,7 +250,20 @@ def init(
     except BaseException:
         Cluster("", config, cluster_id, procs).shutdown()
         raise
-    return Cluster(address, config, cluster_id, procs, secret, credentials)
+    return _restored(Cluster(address, config, cluster_id, procs, secret, credentials), restore)
+
+
+def _restored(cluster: Cluster, checkpoint: str | os.PathLike | None) -> Cluster:
+    """`cluster`, with `checkpoint` restored into it (shut down again if that fails)."""
+    if checkpoint is None:
+        return cluster
+    try:
+        with cluster.connect() as client:
+            client.restore_checkpoint(checkpoint)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
 
 
 def connect(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> Client:

@@ -39,6 +39,7 @@ __all__ = [
     "Status",
     "Announce",
     "Lookup",
+    "Export",
     "ControllerRequest",
     # storage requests
     "Write",
@@ -59,6 +60,7 @@ __all__ = [
     "LookupReply",
     "WriteReply",
     "ReadReply",
+    "ExportReply",
     "Reply",
 ]
 
@@ -243,6 +245,12 @@ class Lookup(_Msg, tag="lookup"):
     timeout: float = 0.0
 
 
+class Export(_Msg, tag="export"):
+    """A partition's committed samples, for a checkpoint (answered with `ExportReply`)."""
+
+    partition: str
+
+
 ControllerRequest = Union[
     Cancel,
     Hello,
@@ -264,6 +272,7 @@ ControllerRequest = Union[
     Announce,
     Lookup,
     Ping,
+    Export,
 ]
 
 # -- storage requests --------------------------------------------------------------------
@@ -373,6 +382,15 @@ class ReadReply(_Msg, tag="read_reply"):
     runs: dict[str, list[tuple[int, int]]]
 
 
+class ExportReply(_Msg, tag="export_reply"):
+    """Live committed samples grouped by their ready fields (one `BatchMeta` per group); per
+    consumer task the indexes it consumed (leased ones are not consumed); sealed or not."""
+
+    batches: list[BatchMeta]
+    consumed: dict[str, list[int]]
+    sealed: bool
+
+
 Reply = Union[
     Ok,
     ErrorReply,
@@ -385,4 +403,5 @@ Reply = Union[
     LookupReply,
     WriteReply,
     ReadReply,
+    ExportReply,
 ]
