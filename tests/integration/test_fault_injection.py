@@ -142,7 +142,7 @@ def _check(figures: Counter) -> None:
     assert figures["acked_puts"] > 0 and figures["delivered"] > 0
     for key in ("lost_unaccounted", "duplicated_acks", "torn", "uncommitted_rows_left", "leaked_rows", "leaked_bytes", "hangs"):
         assert figures[key] == 0, (key, dict(figures))
-    assert figures["controller_death_reported_s"] < 10
+    assert figures["controller_death_reported_s"] < 15  # 5 s of silence, then the worker exits
 
 
 def test_chaos_short():
