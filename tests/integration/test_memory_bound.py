@@ -66,7 +66,7 @@ def test_flooded_unit_gives_its_frame_memory_back():
         print(f"\nunit RSS: base {base >> 20} MiB (with the {CAPACITY >> 20} MiB arena), peak {peak >> 20} MiB "
               f"(+{(peak - base) / CAPACITY:.0%} of capacity), after the flood {end >> 20} MiB "
               f"(+{(end - base) / CAPACITY:.0%}); {outcome}")
-        # kept afterwards: measured +6% to +37% of capacity (allocator fragmentation); the goal,
+        # kept afterwards: measured +6% to +38% of capacity (allocator fragmentation); the goal,
         # +10%, is not reached yet
         assert end - base <= CAPACITY // 2, (end - base) >> 20
         # at the peak: frames ZeroMQ has received but the unit has not stored yet (one per
