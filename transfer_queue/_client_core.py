@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import operator
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -619,23 +620,36 @@ class ClientCore:
 _INT64 = 1 << 63
 
 
+def _as_int(value: Any) -> int | None:
+    """`value` as an int if it is one (Python, numpy or a one-element torch integer), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _count(name: str, value: Any, low: int, high: int = _INT64 - 1) -> int:
-    """`value` as an int in low..high; `SchemaError` saying so otherwise (before anything is sent)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= int(value) <= high:
+    """`value` as an int in low..high; `SchemaError` saying so otherwise, before anything is sent."""
+    number = _as_int(value)
+    if number is None or not low <= number <= high:
         raise SchemaError(f"{name} must be an int in {low}..{high}, got {value!r}")
-    return int(value)
+    return number
 
 
 def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
-    if isinstance(policy_version, (int, np.integer)):
+    """(first, last) version per sample from one version, a (first, last) span or one per sample."""
+    if _as_int(policy_version) is not None:
         version = _count("policy_version", policy_version, 0)
         return [version] * n, [version] * n
-    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(isinstance(v, (int, np.integer)) for v in policy_version):
+    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(_as_int(v) is not None for v in policy_version):
         first, last = (_count("policy_version", v, 0) for v in policy_version)
         if last < first:
             raise SchemaError(f"a version span must be (first, last) with first <= last, got {policy_version}")
         return [first] * n, [last] * n
-    versions = [_count("policy_version", v, 0) for v in policy_version]
+    try:
+        versions = [_count("policy_version", v, 0) for v in policy_version]
+    except TypeError:  # not iterable (a float, a 0-dim float tensor...)
+        raise SchemaError(f"policy_version must be an int, a (first, last) span or one int per sample, got {policy_version!r}") from None
     if len(versions) != n:
         raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
     return versions, list(versions)
