@@ -1,11 +1,18 @@
-"""`python -m controllers --config JSON`: run a controller, print `SLUICE_CONTROLLER <address>`."""
+"""`python -m controllers --config JSON`: run a controller, print `SLUICE_CONTROLLER <address>`.
+
+Storage units register only with the cluster secret, read from `SLUICE_SECRET` (a random one
+when unset: then no unit can join, which is only right for tests of the controller alone).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import msgspec
 
+from transfer_queue._auth import from_env
+from transfer_queue._host import reachable
 from transfer_queue._messages import ClusterConfig
 from transfer_queue._service import run_service
 
@@ -22,12 +29,12 @@ def main() -> None:
     config = msgspec.json.decode(args.config, type=ClusterConfig)
 
     async def make() -> Controller:
-        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id)
+        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"), from_env())
         if config.metrics_port is not None:
             serve_prometheus(ctl, config.metrics_port, config.host)
         return ctl
 
-    run_service(make, lambda ctl: f"SLUICE_CONTROLLER {ctl.address}")
+    run_service(make, lambda ctl: f"SLUICE_CONTROLLER {reachable(ctl.address)}")
 
 
 if __name__ == "__main__":

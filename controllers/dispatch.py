@@ -135,17 +135,27 @@ class Dispatcher:
         return self._lease(part, task, req, rows)
 
     def _drained(self, part: Partition, task: TaskState, n_ready: int, bound: int | None) -> bool:
-        """Sealed, and every sample the task may still get is ready now: nothing more will come."""
+        """Sealed, and every committed sample the task may still get is ready now: nothing more
+        will come (a seal ends the puts still in flight, so uncommitted rows never count)."""
         if not part.sealed:
             return False
         w = part.window(task)
-        pending = part.alive[w] & ~task.consumed[w]
+        pending = part.alive[w] & part.committed[w] & ~task.consumed[w]
         if bound is not None:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
     def _give_up(self, req: GetMeta, part: Partition | None) -> BatchMeta:
+        """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
+        task writes later: waiting for those is legitimate, so this stays a timeout)."""
         have = "no such partition yet" if part is None else f"{part.n} samples in partition"
+        unknown = [] if part is None else [f for f in req.fields if f not in part.schema]
+        if unknown:
+            raise TimeoutError(
+                f"get_meta(task={req.task!r}, partition={req.partition!r}) waited {req.timeout:g}s for field(s) "
+                f"{unknown} that no put has brought yet (the partition has {sorted(part.schema)}): check the "
+                "names, or wait longer for the task that writes them"
+            )
         raise TimeoutError(
             f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}, "
             f"fields={req.fields}) found too few ready samples within {req.timeout:g}s ({have}); "
@@ -210,6 +220,17 @@ class Dispatcher:
             if len(src_rows):
                 state.cursor = min(state.cursor, int(src_rows.min()))
             self.wake(src_name)
+
+    def lose(self, part: Partition, rows: np.ndarray) -> None:
+        """Rows whose storage unit died: requeue the prompts that produced them, return their
+        admission budget (they must be generated again) and drop them; never served again."""
+        unconsumed = np.zeros(len(rows), bool) if part.tasks else np.ones(len(rows), bool)
+        for task in part.tasks.values():
+            unconsumed |= ~task.consumed[rows]
+        self._requeue_sources(part, rows[unconsumed])  # a consumed sample needs no new rollout
+        self.admission.forget(int(np.count_nonzero(part.granted[rows] & part.committed[rows])))
+        part.kill(rows)
+        self.wake(part.name)
 
     # -- ack / nack / leases -------------------------------------------------------------
 

@@ -50,6 +50,7 @@ def snapshot(ctl: "Controller") -> dict:
             str(k): {"address": u.address, "capacity": u.capacity, "bytes": ctl.unit_bytes.get(k, 0)}
             for k, u in sorted(ctl.units.items())
         },
+        "retired_units": {str(k): {"address": u.address} for k, u in sorted(ctl.retired.items())},
         "bytes": sum(ctl.unit_bytes.values()),
         "staleness": {
             "histogram": {str(k): v for k, v in sorted(stale.served_histogram.items())},
@@ -63,6 +64,12 @@ def snapshot(ctl: "Controller") -> dict:
             "samples_served": ctl.dispatch.served,
             "samples_acked": ctl.dispatch.acked,
             "open_leases": len(ctl.dispatch.leases),
+            "parked_get_meta": sum(len(q) for q in ctl.dispatch.waiters.values()),
+            "open_puts": len(ctl.open_puts),
+            "puts_expired": ctl.puts_expired,
+            "samples_lost": ctl.samples_lost,
+            "registrations_refused": ctl.registrations_refused,
+            "auth_refused": ctl.auth_refused,
             "requests_served": ctl.served,
             "requests_rejected": ctl.rejected,
         },

@@ -8,18 +8,26 @@ from the storage units; the controller only tells units which rows to free.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
+import math
+import secrets
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
-from transfer_queue._errors import SchemaError, SealedError
+from transfer_queue._auth import Credentials, secure_client
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
     Ack,
     AbortPut,
+    Export,
+    ExportReply,
     Acquire,
     Announce,
     BeginPut,
@@ -38,6 +46,7 @@ from transfer_queue._messages import (
     MetaReply,
     Nack,
     Ok,
+    Ping,
     PutPlan,
     RegisterUnit,
     Release,
@@ -50,8 +59,9 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
+from transfer_queue._meta import BatchMeta
 from transfer_queue._service import Service
-from transfer_queue._wire import Codec
+from transfer_queue._wire import MAX_BATCH, Codec
 
 from .dispatch import Dispatcher
 from .keys import KeyService
@@ -67,19 +77,47 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
+_UNIT_PING = 1.0
+"""Seconds between the controller's liveness pings to each storage unit."""
+_UNIT_DEAD_AFTER = 5.0
+"""Seconds of silence after which a storage unit is retired and its samples counted lost."""
+_PUT_GRACE = 5.0
+"""Seconds an open put may outlive 2 x its timeout (one wait for space, one shm reservation)."""
+_ENDED_KEPT = 4096  # ended puts remembered, so a late CommitPut learns why its rows are gone
+
+
+@dataclass
+class _OpenPut:
+    """New rows placed by `BeginPut` and not yet committed (or aborted)."""
+
+    partition: str
+    first: int
+    n: int
+    deadline: float
+    timer: asyncio.TimerHandle
 
 
 class Controller(Service):
     """Metadata, versions and scheduling for one Sluice cluster."""
 
-    def __init__(self, config: ClusterConfig, bind: str, cluster_id: str | None = None):
-        super().__init__(Codec(ControllerRequest), bind)
+    def __init__(
+        self, config: ClusterConfig, bind: str, cluster_id: str | None = None, secret: str | None = None,
+        credentials: Credentials | None = None,
+    ):
+        super().__init__(Codec(ControllerRequest), bind, credentials=credentials)
+        self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
+        self._secret = secret or secrets.token_hex(16)
+        self.registrations_refused = 0
         self.started = time.time()
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, UnitInfo] = {}
         self.unit_bytes: dict[int, int] = {}
+        self.unit_heard: dict[int, float] = {}  # unit id -> monotonic time of its last message
+        self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
+        self.samples_lost = 0
+        self._pinger: asyncio.TimerHandle | None = None
         self._unit_socks: dict[int, zmq.asyncio.Socket] = {}
         self._unit_codec = Codec(Reply)
         self._next_index = 0
@@ -95,6 +133,9 @@ class Controller(Service):
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         self.puts = 0
+        self.open_puts: dict[int, _OpenPut] = {}
+        self.puts_expired = 0
+        self._ended_puts: OrderedDict[int, SluiceError] = OrderedDict()
         self._request_ids = itertools.count(1)
         for msg_type, handler in {
             Hello: self.on_hello,
@@ -115,6 +156,7 @@ class Controller(Service):
             Status: self.on_status,
             Announce: self.on_announce,
             Lookup: self.on_lookup,
+            Export: self.on_export,
         }.items():
             self.route(msg_type, handler)
         self.keys = KeyService(self)
@@ -126,11 +168,27 @@ class Controller(Service):
         return HelloReply(self.cluster_id, self.config, units, self.clock.current)
 
     def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
+        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired.
+
+        Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
+        or replace a live one, and with it redirect clients' data."""
+        if not hmac.compare_digest(msg.secret.encode(), self._secret.encode()):
+            self.registrations_refused += 1
+            raise ProtocolError(
+                f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
+                "(start units with SLUICE_SECRET set to it)"
+            )
         unit = msg.unit
         self.units[unit.unit_id] = unit
+        self.retired.pop(unit.unit_id, None)
         self.unit_bytes.setdefault(unit.unit_id, 0)
+        self.unit_heard[unit.unit_id] = time.monotonic()
+        if self._pinger is None:
+            self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.credentials is not None:
+            secure_client(sock, self.credentials)
         sock.connect(unit.address)
         old = self._unit_socks.pop(unit.unit_id, None)
         if old is not None:
@@ -139,13 +197,53 @@ class Controller(Service):
         asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
         return Ok()
 
+    def _ping_units(self) -> None:
+        """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds."""
+        now = time.monotonic()
+        for unit_id in list(self.units):
+            if now - self.unit_heard.get(unit_id, now) > _UNIT_DEAD_AFTER:
+                self._retire_unit(unit_id)
+                continue
+            frames = self._unit_codec.encode(next(self._request_ids), Ping())
+            self._unit_socks[unit_id].send_multipart(frames)
+        self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
+
+    def _retire_unit(self, unit_id: int) -> None:
+        """A unit died: never place or serve its rows again. Puts in flight on it fail; its
+        samples are counted lost, and the prompts of those that have a source are requeued."""
+        unit = self.retired[unit_id] = self.units.pop(unit_id)
+        self.unit_bytes.pop(unit_id, None)
+        self.unit_heard.pop(unit_id, None)
+        sock = self._unit_socks.pop(unit_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        why = ServiceError(
+            f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
+            "none of its samples were stored: put again"
+        )
+        for first, put in list(self.open_puts.items()):
+            part = self.partitions.get(put.partition)
+            if part is not None and np.any(part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id):
+                self._end_put(first, why)
+        lost = 0
+        for part in self.partitions.values():
+            rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
+            if len(rows):
+                lost += len(rows)
+                self.dispatch.lose(part, rows)
+        self.samples_lost += lost
+        log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
+
     async def _drain_unit(self, unit_id: int, sock) -> None:
-        """Read (and log failures of) the units' answers to our Free requests."""
+        """Read the units' answers to our Free requests and pings (log refusals); each one
+        tells that the unit is alive."""
         while not sock.closed:
             try:
                 frames = await sock.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            if self._unit_socks.get(unit_id) is sock:
+                self.unit_heard[unit_id] = time.monotonic()
             try:
                 _, reply, _ = self._unit_codec.decode(frames)
             except Exception:  # noqa: BLE001
@@ -173,7 +271,8 @@ class Controller(Service):
         for unit_id in np.unique(part.unit[rows]).tolist():
             picked = rows[part.unit[rows] == unit_id]
             by_unit[unit_id] = part.gidx[picked].tolist()
-            self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - int(part.row_bytes[picked].sum()))
+            if unit_id in self.unit_bytes:  # not a retired unit
+                self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
         self._tell_units(part.name, by_unit)
 
     # -- puts --------------------------------------------------------------------------
@@ -181,12 +280,23 @@ class Controller(Service):
     def _partition(self, name: str) -> Partition:
         part = self.partitions.get(name)
         if part is None:
+            if not name:
+                raise SchemaError("a partition needs a non-empty name (e.g. 'train')")
             part = self.partitions[name] = Partition(name)
         return part
 
     def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
+        if msg.n > MAX_BATCH:
+            raise SchemaError(f"a put may hold at most {MAX_BATCH} samples, got {msg.n}; split it")
+        if msg.row_bytes < 0 or not math.isfinite(msg.timeout) or msg.timeout < 0:
+            raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
+        if msg.n * msg.row_bytes > self.config.storage_capacity:
+            raise CapacityError(
+                f"a put of {msg.n} samples x {msg.row_bytes} bytes exceeds the whole capacity of the "
+                f"cluster's storage, {self.config.storage_capacity} bytes; put smaller batches or raise storage_capacity"
+            )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
         part = self._partition(msg.partition)
@@ -211,12 +321,17 @@ class Controller(Service):
         part.append(first, msg.n, units, msg.row_bytes)
         for unit_id, count in zip(*np.unique(units, return_counts=True)):
             self.unit_bytes[int(unit_id)] += int(count) * msg.row_bytes
+        lifetime = 2 * msg.timeout + _PUT_GRACE
+        timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
+        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
     def on_commit_put(self, msg: CommitPut, data) -> Ok:
+        info = msg.rows
+        if info is not None:
+            self._close_put(msg)
         part = self._partition(msg.partition)
         rows = part.rows_of(msg.indexes)
-        info = msg.rows
         if info is not None:
             n = len(rows)
             for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
@@ -245,19 +360,68 @@ class Controller(Service):
         self.dispatch.wake(part.name)
         return Ok()
 
-    def on_abort_put(self, msg: AbortPut, data) -> Ok:
-        part = self.partitions.get(msg.partition)
+    def _close_put(self, msg: CommitPut) -> None:
+        """Take the open put that `msg` commits off the clock; raise why it ended if it did."""
+        first = msg.indexes[0] if msg.indexes else -1
+        put = self.open_puts.get(first)
+        if put is None or put.partition != msg.partition or put.n != len(msg.indexes) or msg.indexes[-1] != first + put.n - 1:
+            ended = self._ended_puts.get(first)
+            if ended is not None:
+                raise type(ended)(str(ended))
+            raise SchemaError(f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples")
+        put.timer.cancel()
+        del self.open_puts[first]
+
+    def _end_put(self, first: int, why: SluiceError) -> None:
+        """Drop an open put: free its rows (never committed ones only) and remember why."""
+        put = self.open_puts.pop(first, None)
+        if put is None:
+            return
+        put.timer.cancel()
+        self._ended_puts[first] = why
+        while len(self._ended_puts) > _ENDED_KEPT:
+            self._ended_puts.popitem(last=False)
+        part = self.partitions.get(put.partition)
         if part is not None:
-            self._free_rows(part, part.rows_of(msg.indexes, alive=False))
+            rows = part.rows_of(range(first, first + put.n), alive=False)
+            self._free_rows(part, rows[~part.committed[rows]])
+            self.dispatch.wake(part.name)
+
+    def _expire_put(self, first: int) -> None:
+        put = self.open_puts.get(first)
+        if put is None:
+            return
+        self.puts_expired += 1
+        self._end_put(first, TimeoutError(
+            f"the put of {put.n} samples into partition {put.partition!r} was not committed within "
+            f"{put.deadline:g} s (its producer stalled or died); its rows were freed: put again"
+        ))
+
+    def on_abort_put(self, msg: AbortPut, data) -> Ok:
+        """Free rows of a put that failed; committed rows are never touched (clear them instead)."""
+        part = self.partitions.get(msg.partition)
+        if part is None or not msg.indexes:
+            return Ok()
+        first = msg.indexes[0]
+        if first in self.open_puts:
+            self._end_put(first, SchemaError(f"the put starting at index {first} was aborted by its producer"))
+        else:
+            rows = part.rows_of(msg.indexes, alive=False)
+            self._free_rows(part, rows[~part.committed[rows]])
         return Ok()
 
     # -- consumers ---------------------------------------------------------------------
 
     async def on_get_meta(self, msg: GetMeta, data) -> MetaReply:
-        if msg.batch_size <= 0:
-            raise SchemaError(f"batch_size must be > 0, got {msg.batch_size}")
-        if not msg.fields:
-            raise SchemaError("get_meta needs at least one field")
+        if not 0 < msg.batch_size <= MAX_BATCH:
+            raise SchemaError(f"batch_size must be in 1..{MAX_BATCH}, got {msg.batch_size}")
+        if not msg.timeout >= 0 or (msg.lease_timeout is not None and not msg.lease_timeout > 0):
+            raise SchemaError(
+                f"get_meta needs timeout >= 0 and lease_timeout > 0 (or None for the cluster's), got "
+                f"{msg.timeout} and {msg.lease_timeout}"
+            )
+        if not msg.fields or not msg.partition or not msg.task:
+            raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
         return MetaReply(await self.dispatch.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
@@ -283,18 +447,27 @@ class Controller(Service):
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
+        for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
+            self._end_put(first, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight"))
         part = self.partitions.pop(msg.partition, None)
         if part is not None:
             live = np.flatnonzero(part.alive[: part.n])
             for unit_id in np.unique(part.unit[live]).tolist():
                 used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
-                self.unit_bytes[unit_id] = max(0, self.unit_bytes.get(unit_id, 0) - used)
+                if unit_id in self.unit_bytes:
+                    self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
             self.dispatch.forget_partition(msg.partition)
             self._tell_units(msg.partition, None)
         return Ok()
 
     def on_seal(self, msg: Seal, data) -> Ok:
+        """Seal: puts still in flight are refused (`SealedError` at their commit), so the samples
+        a stream sees are exactly those committed before the seal."""
         self._partition(msg.partition).sealed = True
+        for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
+            self._end_put(first, SealedError(
+                f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
+            ))
         self.dispatch.wake(msg.partition)
         return Ok()
 
@@ -311,6 +484,8 @@ class Controller(Service):
         return VersionReply(self.clock.current, history)
 
     async def on_acquire(self, msg: Acquire, data) -> GrantReply:
+        if msg.n > MAX_BATCH:
+            raise SchemaError(f"acquire may ask for at most {MAX_BATCH} slots at once, got {msg.n}")
         grant_id, version = await self.admission.acquire(msg.n, msg.timeout)
         return GrantReply(grant_id, msg.n, version)
 
@@ -339,6 +514,28 @@ class Controller(Service):
             return LookupReply(await asyncio.wait_for(fut, msg.timeout))
         except asyncio.TimeoutError:
             return LookupReply(None)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def on_export(self, msg: Export, data) -> ExportReply:
+        """What a checkpoint needs of a partition (see `ExportReply`)."""
+        part = self._existing(msg.partition)
+        rows = np.flatnonzero(part.alive[: part.n] & part.committed[: part.n])
+        names = list(part.schema)
+        key = np.zeros(len(rows), np.int64)
+        for bit, name in enumerate(names):
+            key |= part.ready[name][rows].astype(np.int64) << bit
+        batches = []
+        for value in np.unique(key).tolist():
+            picked = rows[key == value]
+            fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
+            batches.append(BatchMeta(
+                partition=part.name, indexes=part.gidx[picked].tolist(), policy_versions=part.v_first[picked].tolist(),
+                version_last=part.v_last[picked].tolist(), groups=part.group[picked].tolist(),
+                units=part.unit[picked].tolist(), fields=fields,
+            ))
+        consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
+        return ExportReply(batches, consumed, part.sealed)
 
     # -- status ------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@
 
 Binds `tcp://{host}:*` (a free port; loopback unless told otherwise), creates the arena
 `/dev/shm/sluice-{ID}-u{K}`, registers with the controller when one is given (and waits for its
-`Ok`), then prints exactly one line, `SLUICE_STORAGE {address}`, to stdout and serves until
+`Ok`; the cluster secret comes from the environment variable `SLUICE_SECRET`), then prints exactly one line, `SLUICE_STORAGE {address}`, to stdout and serves until
 SIGTERM or SIGINT. On the way out it unlinks the arena file.
 
 Exit status: 0 after a signal-initiated stop; 1 when the unit could not start (arena file
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Sequence
@@ -24,6 +25,7 @@ from typing import Sequence
 import zmq
 import zmq.asyncio
 
+from transfer_queue._auth import Credentials, from_env, secure_client
 from transfer_queue._errors import SluiceError
 from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitInfo
 from transfer_queue._service import Service, run_service
@@ -31,7 +33,7 @@ from transfer_queue._wire import Codec
 
 from .arena import PAGE_BYTES, keep_freed_memory
 from .service import StorageUnit
-from transfer_queue._host import host_id
+from transfer_queue._host import host_id, reachable
 from transfer_queue._sizes import parse_bytes
 
 ANNOUNCE = "SLUICE_STORAGE"
@@ -43,15 +45,18 @@ class StartupError(Exception):
 
 
 
-async def register(unit: StorageUnit, controller: str, timeout: float) -> None:
-    """Send `RegisterUnit` to the controller and wait for its `Ok`; `StartupError` otherwise."""
-    info = UnitInfo(unit.unit_id, unit.address, unit.arena.capacity, unit.arena.path, host_id())
+async def register(unit: StorageUnit, controller: str, timeout: float, secret: str, credentials: Credentials | None) -> None:
+    """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
+    `StartupError` otherwise."""
+    info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
     codec = Codec(Reply)
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if credentials is not None:
+        secure_client(sock, credentials)
     try:
         sock.connect(controller)
-        await sock.send_multipart(codec.encode(1, RegisterUnit(info)))
+        await sock.send_multipart(codec.encode(1, RegisterUnit(info, secret)))
         try:
             frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
         except asyncio.TimeoutError:
@@ -89,10 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the service loop takes over the signals, a SIGTERM unwinds (and unlinks the arena)
     # instead of killing the process outright.
     signal.signal(signal.SIGTERM, _interrupt)
-    keep_freed_memory()  # received Write frames land in warm memory
+    keep_freed_memory(args.capacity // 20)  # Write frames land in warm memory; at most 5% of capacity kept
 
     async def make() -> Service:
-        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes)
+        credentials = from_env()
+        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes, credentials)
         if args.controller is None:
             return unit
         loop = asyncio.get_running_loop()
@@ -101,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a stop while registering still cleans up
             loop.add_signal_handler(sig, me.cancel)
         try:
-            await register(unit, args.controller, args.register_timeout)
+            await register(unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""), credentials)
         except BaseException:
             unit.close()
             raise

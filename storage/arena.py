@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "shm_path", "keep_freed_memory"]
+from transfer_queue._host import arena_path
+
+__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "keep_freed_memory", "give_back_freed_memory"]
 
 PAGE_BYTES = 64 << 10
 """Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
@@ -48,13 +50,20 @@ def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
+def give_back_freed_memory(keep: int) -> None:
+    """Return freed heap memory to the system (glibc `malloc_trim`), keeping about `keep` bytes.
+
+    The trim threshold only trims the main heap's top; frames ZeroMQ's I/O thread allocated sit
+    in other malloc arenas (and between live blocks), so without this a burst of writes stays
+    resident long after it was stored."""
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(keep))
+    except (OSError, AttributeError):
+        pass
+
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-
-
-def shm_path(cluster_id: str, unit_id: int) -> str:
-    """Where unit `unit_id` of cluster `cluster_id` keeps its arena."""
-    return f"/dev/shm/sluice-{cluster_id}-u{unit_id}"
 
 
 class ExtentAllocator:
@@ -215,7 +224,7 @@ class Arena:
     @classmethod
     def create(cls, cluster_id: str, unit_id: int, capacity: int, page_bytes: int = PAGE_BYTES) -> "Arena":
         """The arena of unit `unit_id`; `FileExistsError` if another process holds that name."""
-        return cls(shm_path(cluster_id, unit_id), capacity, page_bytes)
+        return cls(arena_path(cluster_id, unit_id), capacity, page_bytes)
 
     # -- accounting ----------------------------------------------------------------------
 

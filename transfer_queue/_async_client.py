@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any, AsyncIterator, Sequence
 
 import zmq
 import zmq.asyncio
 
-from ._client_core import Call, ClientCore, Flow, wrap_flows
-from ._errors import ClosedError, ProtocolError, TimeoutError
-from ._messages import Cancel, Ok
+from ._auth import Credentials, secure_client
+from ._client_core import DEAD_AFTER, PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
+from ._errors import ClosedError, ProtocolError, SluiceError, TimeoutError
+from ._messages import Cancel, Ok, Ping
 from ._meta import BatchMeta
 
 __all__ = ["AsyncClient", "connect_async"]
@@ -25,8 +27,8 @@ __all__ = ["AsyncClient", "connect_async"]
 class AsyncClient(ClientCore):
     """Asyncio Sluice client; create with `await tq.connect_async(address)`."""
 
-    def __init__(self, address: str, use_shm: bool | None = None):
-        super().__init__(address, use_shm)
+    def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
+        super().__init__(address, use_shm, credentials)
         self._ctx = zmq.asyncio.Context.instance()
         self._socks: dict[str, zmq.asyncio.Socket] = {}
         self._readers: dict[str, asyncio.Task] = {}
@@ -42,16 +44,20 @@ class AsyncClient(ClientCore):
         if sock is None:
             sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(DEAD_AFTER * 1000))  # no connection (refused, down): never block
+            if self.credentials is not None:
+                secure_client(sock, self.credentials)
             sock.connect(address)
-            self._readers[address] = asyncio.ensure_future(self._read(sock))
+            self._readers[address] = asyncio.ensure_future(self._read(address, sock))
         return sock
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read(self, address: str, sock: zmq.asyncio.Socket) -> None:
         while True:
             try:
                 frames = await sock.recv_multipart(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self.heard(address, time.monotonic())
             try:
                 rid, msg, data = self.codec.decode(frames)
             except ProtocolError:
@@ -64,41 +70,74 @@ class AsyncClient(ClientCore):
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        sock = self._sock(call.target)
-        await sock.send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), call.wait)
-        except asyncio.TimeoutError:
+            await self._sock(call.target).send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
+        except zmq.Again:
             self._waiting.pop(rid, None)
-            raise TimeoutError(
-                f"{self.target_address(call.target)} did not answer {type(call.msg).__name__} within {call.wait:g}s; "
-                "is the cluster still running?"
-            ) from None
-        except asyncio.CancelledError:
-            asyncio.ensure_future(self._withdraw(call, rid, fut))
+            raise self.unreachable(call.target) from None
+        try:
+            return await self._wait(call, fut, time.monotonic())
+        except BaseException:
+            if not isinstance(call.msg, Cancel):
+                await self._withdraw(call, rid, fut)
+            self._waiting.pop(rid, None)
             raise
 
+    async def _wait(self, call: Call, fut: asyncio.Future, since: float) -> tuple[Any, list[Any]]:
+        """The reply, pinging the service while it stays silent (`ServiceError` once it is silent
+        for `DEAD_AFTER` s); `TimeoutError` after `call.wait` seconds."""
+        deadline = None if call.wait is None else since + call.wait
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(
+                    f"{self.service_name(call.target)} did not answer {type(call.msg).__name__} "
+                    f"within {call.wait:g}s; is the cluster still running?"
+                )
+            if self.probe(call.target, since, now):
+                ping_id = next(self._ids)  # its Ok finds no future and is dropped; hearing it is enough
+                try:
+                    await self._sock(call.target).send_multipart(self.codec.encode(ping_id, Ping()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # no connection: the silence tells
+            left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
+            done, _ = await asyncio.wait({fut}, timeout=left)
+            if done:
+                return fut.result()
+
     async def _withdraw(self, call: Call, rid: int, fut: asyncio.Future) -> None:
-        """Cancel `rid` at the service; give back what its reply holds if it was already sent."""
-        if self._closed:
+        """Cancel `rid` at the service (unless it was reported dead); give back what its reply
+        holds if it was already sent."""
+        if self._closed or (not fut.done() and self.target_address(call.target) in self.dead):
             return
-        await self._call(Call(call.target, Cancel(rid)))
-        self._waiting.pop(rid, None)
-        if fut.done():
-            undo = self.undo(fut.result()[0])
-            if undo is not None:
-                self.check((await self._call(Call(call.target, undo)))[0], Ok)
+        try:
+            await self._call(Call(call.target, Cancel(rid)))
+            if fut.done():
+                undo = self.undo(fut.result()[0])
+                if undo is not None:
+                    self.check((await self._call(Call(call.target, undo)))[0], Ok)
+        except SluiceError:  # that service is gone; its own timers free what it held
+            pass
 
     async def _run(self, flow: Flow) -> Any:
+        """Drive `flow`; a failed, timed-out or cancelled step is withdrawn at every service it
+        reached, then thrown into the flow so that its clean-up runs before the error propagates."""
         if self._closed:
             raise ClosedError("this client was closed; connect a new one")
-        replies = None
+        replies, error = None, None
         while True:
             try:
-                calls = next(flow) if replies is None else flow.send(replies)
+                calls = self.resume(flow, replies, error)
             except StopIteration as stop:
                 return stop.value
-            replies = list(await asyncio.gather(*(self._call(c) for c in calls)))
+            tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
+            try:
+                replies, error = list(await asyncio.gather(*tasks)), None
+            except BaseException as exc:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # each withdraws its call
+                replies, error = None, exc
 
     # -- iteration helpers -------------------------------------------------------------
 
@@ -189,8 +228,9 @@ def _async(fn):
 wrap_flows(AsyncClient, _async)
 
 
-async def connect_async(address: str, use_shm: bool | None = None) -> AsyncClient:
-    """Connect an `AsyncClient` to the cluster whose controller listens at `address`."""
-    client = AsyncClient(address, use_shm)
+async def connect_async(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> AsyncClient:
+    """Connect an `AsyncClient` to the cluster whose controller listens at `address` (with
+    `credentials`, default `SLUICE_CREDENTIALS`, when it is bound beyond loopback)."""
+    client = AsyncClient(address, use_shm, credentials)
     await client.hello()
     return client

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import mmap
+import operator
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -19,10 +21,14 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._errors import CapacityError, ProtocolError, SchemaError, error_from_code
+from ._auth import Credentials, from_env
+from ._checkpoint import Manifest, PartitionState, read_batch, read_manifest, write_batch, write_manifest
+from ._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, error_from_code
 from ._messages import (
     Ack,
     AbortPut,
+    Export,
+    ExportReply,
     Acquire,
     Announce,
     BeginPut,
@@ -60,15 +66,22 @@ from ._messages import (
 from ._meta import BatchMeta
 from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
 from ._wire import Codec
-from ._host import host_id
+from ._host import host_id, open_arena
 
-__all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER"]
+__all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER", "PROBE_AFTER", "DEAD_AFTER"]
+
+_CHECKPOINT_ROWS = 1024
+"""Samples per checkpoint batch file (what one get_data reads on save and one put writes on restore)."""
 
 CONTROLLER = -1
 """`Call.target` of the controller; storage units are addressed by their unit id."""
 
 _GRACE = 10.0
 """Seconds a client waits for a reply beyond the request's own timeout."""
+PROBE_AFTER = 1.0
+"""Seconds of silence from a service the client awaits before it pings it (`Ping`)."""
+DEAD_AFTER = 5.0
+"""Seconds of silence (pings unanswered) after which the service is reported dead (`ServiceError`)."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +137,10 @@ class Grant:
 class ClientCore:
     """State and flows shared by both clients: cluster info, unit maps, grants."""
 
-    def __init__(self, address: str, use_shm: bool | None = None):
+    def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
         self.address = address
+        self.credentials = credentials if credentials is not None else from_env()
+        """CurveZMQ keys for a cluster bound beyond loopback (default: `SLUICE_CREDENTIALS`)."""
         self.codec = Codec(Reply)
         self.use_shm = use_shm
         self.config: ClusterConfig | None = None
@@ -134,8 +149,47 @@ class ClientCore:
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self._grants: list[Grant] = []
+        self._heard: dict[str, float] = {}  # address -> monotonic time of its last message
+        self._pinged: dict[str, float] = {}  # address -> when it was last pinged
+        self.dead: set[str] = set()  # addresses reported dead and silent since
 
     # -- driver plumbing ---------------------------------------------------------------
+
+    def service_name(self, target: int) -> str:
+        name = "the controller" if target == CONTROLLER else f"storage unit {target}"
+        return f"{name} at {self.target_address(target)}"
+
+    def unreachable(self, target: int) -> ServiceError:
+        """The error for a send that found no connection to `target` for `DEAD_AFTER` seconds."""
+        self.dead.add(self.target_address(target))
+        return ServiceError(
+            f"{self.service_name(target)} took no message for {DEAD_AFTER:g} s: it is down, or it refused "
+            "this client's credentials (a cluster bound beyond loopback admits only clients given its "
+            "SLUICE_CREDENTIALS)"
+        )
+
+    def heard(self, address: str, now: float) -> None:
+        """A message came from `address`: it is alive."""
+        self._heard[address] = now
+        self.dead.discard(address)
+
+    def probe(self, target: int, since: float, now: float) -> bool:
+        """Liveness of a service whose reply the client has awaited since `since`: True when it
+        should be pinged now; `ServiceError` naming it when it stayed silent for `DEAD_AFTER` s."""
+        address = self.target_address(target)
+        quiet = now - max(self._heard.get(address, 0.0), since)
+        if quiet > DEAD_AFTER:
+            self.dead.add(address)
+            what = "restart the cluster" if target == CONTROLLER else "the controller retires it and counts its samples lost"
+            raise ServiceError(
+                f"{self.service_name(target)} has not answered for {quiet:.1f} s, pings included: "
+                f"it died or hangs ({what}), or it refused this client's credentials (a cluster bound "
+                "beyond loopback admits only clients given its SLUICE_CREDENTIALS)"
+            )
+        if quiet >= PROBE_AFTER and now - self._pinged.get(address, float("-inf")) >= PROBE_AFTER:
+            self._pinged[address] = now
+            return True
+        return False
 
     def target_address(self, target: int) -> str:
         if target == CONTROLLER:
@@ -164,6 +218,15 @@ class ClientCore:
             return Release(reply.grant_id, reply.n)
         return None
 
+    @staticmethod
+    def resume(flow: Flow, replies: list | None = None, error: BaseException | None = None) -> list[Call]:
+        """The flow's next calls: start it, send it `replies`, or throw `error` into it (a driver
+        timeout or cancel) so that its own clean-up (e.g. `AbortPut`) runs. `StopIteration`
+        carries the flow's result; an error the flow does not handle propagates."""
+        if error is not None:
+            return flow.throw(error)
+        return next(flow) if replies is None else flow.send(replies)
+
     def _one(self, target: int, msg: msgspec.Struct, expected: type, wait: float | None = _GRACE):
         replies = yield [Call(target, msg, (), wait)]
         return self.check(replies[0][0], expected)
@@ -186,9 +249,8 @@ class ClientCore:
         for unit in self.units.values():
             if unit.unit_id in self._arenas or unit.host_id != me or not unit.shm_path:
                 continue
-            try:
-                fd = os.open(unit.shm_path, os.O_RDWR)
-            except OSError:
+            fd = open_arena(self.cluster_id, unit.unit_id, unit.shm_path, unit.capacity)
+            if fd is None:  # not this cluster's arena file: reach the unit over TCP instead
                 continue
             try:
                 mm = mmap.mmap(fd, unit.capacity)
@@ -237,18 +299,21 @@ class ClientCore:
             if len(meta) != cols.n:
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [])
+        rows = None if meta is not None else self._row_info(cols, policy_version, groups, grant, source)  # validates first
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout)
         plan = yield from self._one(CONTROLLER, begin, PutPlan)
         units = np.asarray(plan.units, np.int64)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout)
-        except BaseException:
-            if meta is None:
-                yield from self._one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+        except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
-        rows = None
-        if meta is None:
-            rows = self._row_info(cols, policy_version, groups, grant, source)
+        except BaseException:  # a failed write, a driver timeout, a cancel: free the rows now
+            if meta is None:
+                try:
+                    yield from self._one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+                except SluiceError:  # the controller's put deadline frees them anyway
+                    pass
+            raise
         yield from self._one(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), Ok)
         if meta is not None:
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
@@ -312,7 +377,7 @@ class ClientCore:
         if policy_version is None:
             policy_version = grant.version if grant else 0
         first, last = _versions(policy_version, n)
-        group_ids = list(range(n)) if groups is None else [int(g) for g in groups]
+        group_ids = list(range(n)) if groups is None else [_count("group id", g, -_INT64) for g in groups]
         if len(group_ids) != n:
             raise SchemaError(f"groups has {len(group_ids)} entries for {n} samples")
         grant_id = 0
@@ -335,7 +400,7 @@ class ClientCore:
         Returns a `Grant` with the policy version to generate with. Raises `TimeoutError` when
         the budget does not open within `timeout`.
         """
-        reply = yield from self._one(CONTROLLER, Acquire(n, timeout), GrantReply, timeout + _GRACE)
+        reply = yield from self._one(CONTROLLER, Acquire(_count("n", n, 1), timeout), GrantReply, timeout + _GRACE)
         grant = Grant(reply.grant_id, reply.n, reply.version, reply.n, self)
         self._grants.append(grant)
         return grant
@@ -382,7 +447,7 @@ class ClientCore:
         `dp_size=` for `seqlen_balanced`).
         """
         msg = GetMeta(
-            partition, task, list(fields), batch_size, sampler, dict(sampler_options),
+            partition, task, list(fields), _count("batch_size", batch_size, 1), sampler, dict(sampler_options),
             max_staleness, timeout, allow_partial, lease_timeout,
         )
         reply = yield from self._one(CONTROLLER, msg, MetaReply, timeout + _GRACE)
@@ -453,7 +518,7 @@ class ClientCore:
     @flow
     def set_version(self, version: int) -> Flow:
         """Record the trainer's new weight version (monotone; `VersionError` going backwards)."""
-        reply = yield from self._one(CONTROLLER, SetVersion(version), VersionReply)
+        reply = yield from self._one(CONTROLLER, SetVersion(_count("version", version, 0)), VersionReply)
         return reply.version
 
     @flow
@@ -465,13 +530,70 @@ class ClientCore:
     @flow
     def wait_version(self, version: int, timeout: float = 30.0) -> Flow:
         """Block until the version is at least `version`; returns the current version."""
-        reply = yield from self._one(CONTROLLER, WaitVersion(version - 1, timeout), VersionReply, timeout + _GRACE)
+        after = _count("version", version, 0) - 1
+        reply = yield from self._one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + _GRACE)
         return reply.version
 
     @flow
     def _versions_after(self, after: int, timeout: float) -> Flow:
         reply = yield from self._one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + _GRACE)
         return reply.history
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    @flow
+    def save_checkpoint(self, path: str | os.PathLike) -> Flow:
+        """Write the cluster's samples and consumer progress to the directory `path`.
+
+        Saves the version, every partition's committed samples (all their ready fields) and, per
+        consumer task, which samples it consumed; leased samples count as not consumed, so they
+        are delivered again after a restore. Run it while producers and consumers pause: samples
+        put or acked meanwhile may or may not be in it. Restore with `tq.init(restore=path)`
+        (any number of storage units) or `restore_checkpoint`. Returns the number of samples."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        status = (yield from self._one(CONTROLLER, Status(), StatusReply)).status
+        manifest = Manifest(status["version"], {})
+        saved = 0
+        for p, name in enumerate(sorted(status["partitions"])):
+            export = yield from self._one(CONTROLLER, Export(name), ExportReply)
+            files = []
+            for meta in (m for m in export.batches if m.fields):
+                for start in range(0, len(meta), _CHECKPOINT_ROWS):  # bounded memory, one put each on restore
+                    part = meta.select(range(start, min(start + _CHECKPOINT_ROWS, len(meta))))
+                    data = yield from ClientCore.get_data(self, part)
+                    files.append(f"p{p}-b{len(files)}.bin")
+                    write_batch(directory / files[-1], part, data)
+                    saved += len(part)
+            manifest.partitions[name] = PartitionState(export.sealed, files, export.consumed)
+        write_manifest(directory, manifest)
+        return saved
+
+    @flow
+    def restore_checkpoint(self, path: str | os.PathLike) -> Flow:
+        """Put a checkpoint's samples into this (empty) cluster, with their policy versions and
+        groups, mark what each consumer task had consumed, seal what was sealed and set the
+        version. Samples get new indexes; a version span (partial rollout) keeps its first
+        version. Raises `SchemaError` if `path` holds no checkpoint. Returns the number of samples."""
+        directory = Path(path)
+        manifest = read_manifest(directory)
+        if manifest.version > 0:
+            yield from self._one(CONTROLLER, SetVersion(manifest.version), VersionReply)
+        restored = 0
+        for name, state in manifest.partitions.items():
+            new_index: dict[int, int] = {}
+            for file in state.batches:  # each sample is in one file, with all its ready fields
+                old, data = read_batch(directory / file)
+                meta = yield from ClientCore.put(self, data, name, policy_version=old.policy_versions, groups=old.groups)
+                new_index.update(zip(old.indexes, meta.indexes))
+                restored += len(meta)
+            for task, indexes in state.consumed.items():
+                mapped = [new_index[i] for i in indexes if i in new_index]
+                if mapped:
+                    yield from self._one(CONTROLLER, Ack(name, task, mapped), Ok)
+            if state.sealed:
+                yield from self._one(CONTROLLER, Seal(name), Ok)
+        return restored
 
     # -- status and small shared values --------------------------------------------------
 
@@ -484,6 +606,8 @@ class ClientCore:
     @flow
     def announce(self, key: str, value: bytes) -> Flow:
         """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`."""
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise SchemaError(f"announce takes bytes, got {type(value).__name__}; encode it (e.g. str.encode())")
         yield from self._one(CONTROLLER, Announce(key, bytes(value)), Ok)
 
     @flow
@@ -493,15 +617,39 @@ class ClientCore:
         return reply.value
 
 
+_INT64 = 1 << 63
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` as an int if it is one (Python, numpy or a one-element torch integer), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _count(name: str, value: Any, low: int, high: int = _INT64 - 1) -> int:
+    """`value` as an int in low..high; `SchemaError` saying so otherwise, before anything is sent."""
+    number = _as_int(value)
+    if number is None or not low <= number <= high:
+        raise SchemaError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return number
+
+
 def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
-    if isinstance(policy_version, (int, np.integer)):
-        return [int(policy_version)] * n, [int(policy_version)] * n
-    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(isinstance(v, (int, np.integer)) for v in policy_version):
-        first, last = int(policy_version[0]), int(policy_version[1])
+    """(first, last) version per sample from one version, a (first, last) span or one per sample."""
+    if _as_int(policy_version) is not None:
+        version = _count("policy_version", policy_version, 0)
+        return [version] * n, [version] * n
+    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(_as_int(v) is not None for v in policy_version):
+        first, last = (_count("policy_version", v, 0) for v in policy_version)
         if last < first:
             raise SchemaError(f"a version span must be (first, last) with first <= last, got {policy_version}")
         return [first] * n, [last] * n
-    versions = [int(v) for v in policy_version]
+    try:
+        versions = [_count("policy_version", v, 0) for v in policy_version]
+    except TypeError:  # not iterable (a float, a 0-dim float tensor...)
+        raise SchemaError(f"policy_version must be an int, a (first, last) span or one int per sample, got {policy_version!r}") from None
     if len(versions) != n:
         raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
     return versions, list(versions)

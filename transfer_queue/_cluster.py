@@ -9,6 +9,7 @@ import atexit
 import ctypes
 import glob
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from ._auth import CREDENTIALS_ENV, Credentials, is_loopback
 from ._errors import ServiceError, SchemaError
 from ._messages import ClusterConfig
 from ._sizes import parse_bytes
@@ -28,7 +30,10 @@ from ._staleness import StalenessConfig
 if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) needs no torch
     from ._client import Client
 
-__all__ = ["Cluster", "init", "connect", "parse_bytes"]
+__all__ = ["Cluster", "init", "connect", "parse_bytes", "SECRET_ENV"]
+
+SECRET_ENV = "SLUICE_SECRET"
+"""Environment variable that hands the cluster secret to service processes (never argv: `ps` shows it)."""
 
 _START_TIMEOUT = 60.0
 _ROOT = str(Path(__file__).resolve().parent.parent)
@@ -55,18 +60,31 @@ def _die_with_parent() -> None:
 class Cluster:
     """A running set of Sluice services. `address` is the controller's ZeroMQ endpoint."""
 
-    def __init__(self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen]):
+    def __init__(
+        self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen], secret: str = "",
+        credentials: Credentials | None = None,
+    ):
         self.address = address
         self.config = config
         self.cluster_id = cluster_id
+        self.secret = secret
+        """What a storage unit must show to register (set `SLUICE_SECRET` to it for a unit you restart)."""
+        self.credentials = credentials
+        """The services' CurveZMQ keys when bound beyond loopback (else None); give workers
+        `client_credentials`."""
         self._procs = procs
         atexit.register(self.shutdown)
 
+    @property
+    def client_credentials(self) -> Credentials | None:
+        """What workers need to connect (set `SLUICE_CREDENTIALS` to its `token()`), or None on loopback."""
+        return None if self.credentials is None else self.credentials.for_clients()
+
     def connect(self, use_shm: bool | None = None) -> Client:
-        """A new blocking client of this cluster."""
+        """A new blocking client of this cluster (with its client credentials, if it has any)."""
         from ._client import Client
 
-        return Client(self.address, use_shm)
+        return Client(self.address, use_shm, self.client_credentials)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every service and remove its shared memory; safe to call twice."""
@@ -123,8 +141,13 @@ def _storage_command(unit_id: int, capacity: int, cluster_id: str, controller: s
             "--cluster-id", cluster_id, "--controller", controller, "--host", host]
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
+def _spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:
+    """Start `python args...` with the cluster secret and credentials (a token) in its environment."""
     env = dict(os.environ)
+    env[SECRET_ENV] = secret
+    env.pop(CREDENTIALS_ENV, None)
+    if credentials:
+        env[CREDENTIALS_ENV] = credentials
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH", "")]))
     return subprocess.Popen(
         [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
@@ -164,6 +187,7 @@ def init(
     port: int = 0,
     backend: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
+    restore: str | os.PathLike | None = None,
 ) -> Cluster:
     """Start a controller and `num_storage_units` storage units as local processes.
 
@@ -175,6 +199,10 @@ def init(
     `backend="ray"` runs the same processes from Ray actors spread over the Ray cluster's nodes
     (it joins the running Ray session, or calls `ray.init(address=ray_address)`); pass
     `host="auto"` so each service binds and advertises its node's IP. See `_ray_backend`.
+
+    `restore` is a directory written by `client.save_checkpoint`: its samples, consumer progress
+    and version are put into the new cluster (with any number of storage units) before this
+    returns.
     """
     if staleness is None:
         staleness = StalenessConfig(consumer_batch_size, max_staleness)
@@ -199,18 +227,21 @@ def init(
         host=host,
     )
     cluster_id = uuid.uuid4().hex[:12]
+    secret = secrets.token_hex(16)
+    credentials = None if is_loopback(host) else Credentials.generate()
+    token = "" if credentials is None else credentials.token()
     if backend == "ray":
         from ._ray_backend import start_ray_cluster
 
-        return start_ray_cluster(config, cluster_id, port, ray_address)
+        return _restored(start_ray_cluster(config, cluster_id, port, ray_address, secret, credentials), restore)
     procs: list[subprocess.Popen] = []
     try:
-        ctl = _spawn(_controller_command(config, cluster_id, port))
+        ctl = _spawn(_controller_command(config, cluster_id, port), secret, token)
         procs.append(ctl)
         address = _address_of(ctl, "SLUICE_CONTROLLER")
         per_unit = config.storage_capacity // num_storage_units
         units = [
-            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host))
+            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host), secret, token)
             for unit_id in range(num_storage_units)
         ]
         procs.extend(units)
@@ -219,15 +250,31 @@ def init(
     except BaseException:
         Cluster("", config, cluster_id, procs).shutdown()
         raise
-    return Cluster(address, config, cluster_id, procs)
+    return _restored(Cluster(address, config, cluster_id, procs, secret, credentials), restore)
 
 
-def connect(address: str, use_shm: bool | None = None) -> Client:
+def _restored(cluster: Cluster, checkpoint: str | os.PathLike | None) -> Cluster:
+    """`cluster`, with `checkpoint` restored into it (shut down again if that fails)."""
+    if checkpoint is None:
+        return cluster
+    try:
+        with cluster.connect() as client:
+            client.restore_checkpoint(checkpoint)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def connect(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> Client:
     """A blocking client of the cluster whose controller listens at `address`.
+
+    A cluster bound beyond loopback admits only clients with its `credentials` (default: the
+    `SLUICE_CREDENTIALS` environment variable, which `sluice serve` tells you to set).
 
     `use_shm=None` reads and writes co-located storage units through their shared-memory
     arenas (one memcpy) and the others over TCP; False forces TCP frames everywhere.
     """
     from ._client import Client
 
-    return Client(address, use_shm)
+    return Client(address, use_shm, credentials)

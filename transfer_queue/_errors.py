@@ -13,7 +13,8 @@ whole family at once::
      ├── StaleError          a sample or version breaks the staleness rules
      ├── VersionError        `set_version` tried to go backwards
      ├── WeightSyncError     a weight transfer failed; the previous version stays in place
-     ├── ServiceError        a service failed while serving the request (a bug: report it)
+     ├── ServiceError        a service died or stopped answering (the message names it), or
+ │                       failed while serving the request (a bug: report it)
      └── ClosedError         the client or cluster was already closed (your code closed it)
 
 Services reply with an `ErrorReply(code, message)`; the client turns `code` back into the class
@@ -96,7 +97,8 @@ class WeightSyncError(SluiceError):
 
 
 class ServiceError(SluiceError):
-    """The service hit an unexpected error while serving this request (a bug in Sluice)."""
+    """A service died or hangs (external circumstances: the message names the service and says
+    what became of your request), or it hit an unexpected error serving it (a bug in Sluice)."""
 
     code = "service"
 

@@ -19,6 +19,7 @@ __all__ = [
     "UnitInfo",
     "RowInfo",
     "Cancel",
+    "Ping",
     # controller requests
     "Hello",
     "RegisterUnit",
@@ -43,6 +44,7 @@ __all__ = [
     "KvList",
     "KvKeys",
     "KvClear",
+    "Export",
     "ControllerRequest",
     # storage requests
     "Write",
@@ -66,6 +68,7 @@ __all__ = [
     "KvKeysReply",
     "WriteReply",
     "ReadReply",
+    "ExportReply",
     "Reply",
 ]
 
@@ -131,6 +134,10 @@ class Cancel(_Msg, tag="cancel"):
     request_id: int
 
 
+class Ping(_Msg, tag="ping"):
+    """Are you alive? Any service answers `Ok` at once (clients probe a silent peer with it)."""
+
+
 # -- controller requests -----------------------------------------------------------------
 
 
@@ -139,7 +146,10 @@ class Hello(_Msg, tag="hello"):
 
 
 class RegisterUnit(_Msg, tag="register_unit"):
+    """Join the cluster (or come back after a restart); refused without the cluster's secret."""
+
     unit: UnitInfo
+    secret: str = ""
 
 
 class BeginPut(_Msg, tag="begin_put"):
@@ -150,6 +160,8 @@ class BeginPut(_Msg, tag="begin_put"):
     n: int
     row_bytes: int
     indexes: list[int] = []
+    timeout: float = 30.0
+    """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
@@ -282,6 +294,10 @@ class KvClear(_Msg, tag="kv_clear"):
 
     partition: str
     keys: list[str]
+class Export(_Msg, tag="export"):
+    """A partition's committed samples, for a checkpoint (answered with `ExportReply`)."""
+
+    partition: str
 
 
 ControllerRequest = Union[
@@ -309,6 +325,8 @@ ControllerRequest = Union[
     KvList,
     KvKeys,
     KvClear,
+    Ping,
+    Export,
 ]
 
 # -- storage requests --------------------------------------------------------------------
@@ -354,7 +372,7 @@ class UnitStatus(_Msg, tag="unit_status"):
     pass
 
 
-StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus]
+StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
 
@@ -435,6 +453,15 @@ class ReadReply(_Msg, tag="read_reply"):
     runs: dict[str, list[tuple[int, int]]]
 
 
+class ExportReply(_Msg, tag="export_reply"):
+    """Live committed samples grouped by their ready fields (one `BatchMeta` per group); per
+    consumer task the indexes it consumed (leased ones are not consumed); sealed or not."""
+
+    batches: list[BatchMeta]
+    consumed: dict[str, list[int]]
+    sealed: bool
+
+
 Reply = Union[
     Ok,
     ErrorReply,
@@ -450,4 +477,5 @@ Reply = Union[
     KvMetaReply,
     KvListReply,
     KvKeysReply,
+    ExportReply,
 ]

@@ -94,6 +94,8 @@ class BatchMeta(msgspec.Struct):
 
     def chunk(self, n: int) -> list["BatchMeta"]:
         """Split into `n` contiguous parts (e.g. one per data-parallel rank); they share the lease."""
+        if not isinstance(n, int) or n < 1:
+            raise SchemaError(f"chunk needs a number of parts >= 1, got {n!r}")
         size = len(self)
         bounds = [size * i // n for i in range(n + 1)]
         return [self.select(range(bounds[i], bounds[i + 1])) for i in range(n)]

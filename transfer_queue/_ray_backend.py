@@ -48,6 +48,7 @@ from ._cluster import (
     _stop_processes,
     _storage_command,
 )
+from ._auth import Credentials
 from ._errors import ServiceError
 from ._messages import ClusterConfig
 
@@ -87,22 +88,25 @@ class ServiceActor:
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
 
-    def start_controller(self, config_json: str, cluster_id: str, port: int) -> str:
+    def start_controller(self, config_json: str, cluster_id: str, port: int, secret: str, credentials: str) -> str:
         """Start the controller with `config_json` (a `ClusterConfig`); return its address."""
         config = msgspec.json.decode(config_json, type=ClusterConfig)
         config = msgspec.structs.replace(config, host=_node_host(config.host))
-        return self._start(_controller_command(config, cluster_id, port), "SLUICE_CONTROLLER")
+        return self._start(_controller_command(config, cluster_id, port), "SLUICE_CONTROLLER", secret, credentials)
 
-    def start_storage(self, unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> str:
+    def start_storage(
+        self, unit_id: int, capacity: int, cluster_id: str, controller: str, host: str, secret: str, credentials: str
+    ) -> str:
         """Start storage unit `unit_id`, registered with `controller`; return its address."""
         return self._start(
-            _storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE"
+            _storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE", secret,
+            credentials,
         )
 
-    def _start(self, args: list[str], tag: str) -> str:
+    def _start(self, args: list[str], tag: str, secret: str, credentials: str) -> str:
         if self._proc is not None:
             raise ServiceError("this actor already runs a service; start one actor per service")
-        self._proc = _spawn(args)
+        self._proc = _spawn(args, secret, credentials)
         return _address_of(self._proc, tag)
 
     def where(self) -> dict[str, Any]:
@@ -150,9 +154,10 @@ class RayCluster(Cluster):
     """
 
     def __init__(
-        self, address: str, config: ClusterConfig, cluster_id: str, actors: list[Any], owns_ray: bool
+        self, address: str, config: ClusterConfig, cluster_id: str, actors: list[Any], owns_ray: bool, secret: str = "",
+        credentials: Credentials | None = None,
     ) -> None:
-        super().__init__(address, config, cluster_id, [])
+        super().__init__(address, config, cluster_id, [], secret, credentials)
         self._actors = actors
         self._owns_ray = owns_ray
         self.services: list[dict[str, Any]] = []
@@ -232,7 +237,9 @@ def _round_robin(ray: ModuleType, n: int) -> list[Any]:
     return [NodeAffinitySchedulingStrategy(nodes[k % len(nodes)], soft=False) for k in range(n)]
 
 
-def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_address: str | None) -> RayCluster:
+def start_ray_cluster(
+    config: ClusterConfig, cluster_id: str, port: int, ray_address: str | None, secret: str, credentials: Credentials | None
+) -> RayCluster:
     """Start the controller, then the storage units, each from its own Ray actor.
 
     Joins the Ray session this process already has; otherwise calls `ray.init(address=ray_address)`
@@ -244,11 +251,12 @@ def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_add
         ray.init(address=ray_address)
     actor_class = _actor_class()
     actors: list[Any] = []
-    cluster = RayCluster("", config, cluster_id, actors, owns_ray)
+    cluster = RayCluster("", config, cluster_id, actors, owns_ray, secret, credentials)
+    token = "" if credentials is None else credentials.token()
     try:
         controller = actor_class.options(name=f"sluice-{cluster_id}-controller").remote()
         actors.append(controller)
-        ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port)
+        ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port, secret, token)
         cluster.address = _gather(ray, [ref], _START_TIMEOUT + _CALL_GRACE)[0]
         per_unit = config.storage_capacity // config.num_storage_units
         units = [
@@ -256,7 +264,7 @@ def start_ray_cluster(config: ClusterConfig, cluster_id: str, port: int, ray_add
             for k, strategy in enumerate(_round_robin(ray, config.num_storage_units))
         ]
         actors.extend(units)
-        refs = [u.start_storage.remote(k, per_unit, cluster_id, cluster.address, config.host)
+        refs = [u.start_storage.remote(k, per_unit, cluster_id, cluster.address, config.host, secret, token)
                 for k, u in enumerate(units)]
         addresses = [cluster.address, *_gather(ray, refs, _START_TIMEOUT + _CALL_GRACE)]
         places = _gather(ray, [a.where.remote() for a in actors], _CALL_GRACE)

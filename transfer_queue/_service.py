@@ -24,8 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ._errors import ProtocolError, SluiceError, error_code
-from ._messages import Cancel, ErrorReply, Ok, Reply
+from ._auth import Credentials, is_loopback, secure_server
+from ._errors import ProtocolError, SchemaError, SluiceError, error_code
+from ._messages import Cancel, ErrorReply, Ok, Ping, Reply
 from ._wire import Codec, pack_prefix
 
 __all__ = ["Service", "Handled", "run_service"]
@@ -37,9 +38,19 @@ Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled]]
 
 
 class Service:
-    """A ROUTER socket bound to `bind`, dispatching decoded requests to typed handlers."""
+    """A ROUTER socket bound to `bind`, dispatching decoded requests to typed handlers.
 
-    def __init__(self, codec: Codec, bind: str, max_frame_bytes: int = -1):
+    With `credentials` it is a CurveZMQ server admitting only the cluster's clients (refused
+    handshakes counted in `auth_refused`). Binding beyond loopback without them raises
+    `SchemaError`: nothing is ever served unauthenticated to other machines.
+    """
+
+    def __init__(self, codec: Codec, bind: str, max_frame_bytes: int = -1, credentials: Credentials | None = None):
+        if credentials is None and not is_loopback(bind):
+            raise SchemaError(
+                f"refusing to serve on {bind} without CurveZMQ credentials: beyond loopback anyone could "
+                "connect; tq.init / `sluice serve` generate them (SLUICE_CREDENTIALS), or bind 127.0.0.1"
+            )
         self.codec = codec
         self.handlers: dict[type, Handler] = {}
         self.ctx = zmq.asyncio.Context.instance()
@@ -48,6 +59,8 @@ class Service:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if max_frame_bytes > 0:
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.auth_refused = 0
+        self._guard = None if credentials is None else secure_server(self.sock, credentials, self._refuse)
         self.sock.bind(bind)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._plain = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
@@ -58,6 +71,9 @@ class Service:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._serving: asyncio.Task | None = None
+
+    def _refuse(self) -> None:
+        self.auth_refused += 1
 
     def route(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
@@ -81,6 +97,10 @@ class Service:
             loop.remove_reader(fd)
             for task in list(self._tasks.values()):
                 task.cancel()
+            if self._guard is not None:
+                auth, monitor = self._guard
+                monitor.cancel()
+                auth.stop()
             self.sock.close(linger=0)
 
     def _drain(self, budget: int = 64) -> None:
@@ -121,6 +141,9 @@ class Service:
             request_id, msg, data = self.codec.decode(body)
             if isinstance(msg, Cancel):
                 self._cancel(identity, msg.request_id)
+                self._reply(identity, request_id, Ok())
+                return
+            if isinstance(msg, Ping):
                 self._reply(identity, request_id, Ok())
                 return
             handler = self.handlers.get(type(msg))

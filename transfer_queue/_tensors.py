@@ -97,10 +97,22 @@ class Columns:
             if not isinstance(tensor, torch.Tensor) or is_non_tensor(tensor):
                 self.columns[name] = _object_column(name, tensor, self.n)
                 continue
+            if tensor.is_nested and tensor.layout != torch.jagged:
+                raise SchemaError(
+                    f"field {name!r} is a nested tensor of layout {tensor.layout}; only jagged ones are "
+                    "supported: build it with torch.nested.nested_tensor(..., layout=torch.jagged)"
+                )
+            if tensor.dim() == 0:
+                raise SchemaError(f"field {name!r} is a 0-dim tensor; a field needs a batch dimension of {self.n} samples")
             try:
                 spec = field_spec_of(tensor)
             except (KeyError, ValueError) as exc:
                 raise SchemaError(f"field {name!r}: unsupported tensor ({tensor.dtype}, nested={tensor.is_nested}): {exc}") from exc
+            if spec.inner_numel == 0:
+                raise SchemaError(
+                    f"field {name!r} has per-sample shape {list(tensor.shape[1:])}, which holds no elements; "
+                    "drop the field or give it at least one element per sample"
+                )
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             if tensor.is_nested:
@@ -171,6 +183,9 @@ def is_non_tensor(value: Any) -> bool:
 
 
 def _rows(value: Any) -> int:
+    """Samples in a field's value; 0 for a 0-dim tensor (no batch dimension), refused later."""
+    if isinstance(value, torch.Tensor):  # nested ones too, which have no `shape`
+        return int(value.size(0)) if value.dim() > 0 else 0
     return int(value.shape[0]) if hasattr(value, "shape") and len(value.shape) else len(value)
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_BODY_BYTES",
     "MAX_DATA_FRAMES",
+    "MAX_BATCH",
     "Codec",
     "pack_prefix",
     "unpack_prefix",
@@ -33,6 +34,9 @@ PROTOCOL_VERSION = 1
 MAX_BODY_BYTES = 64 << 20
 """Largest metadata body accepted; tensors never count against it."""
 MAX_DATA_FRAMES = 4096
+MAX_BATCH = 1 << 20
+"""Most samples one request may name (put, get_meta, acquire): services check sizes against it
+before allocating anything, so a small message can never make them allocate gigabytes."""
 
 _MAGIC = b"SLC"
 _PREFIX = struct.Struct("<3sBQ")
@@ -82,7 +86,7 @@ class Codec:
             raise ProtocolError(f"message body of {len(body)} bytes exceeds the limit of {self.max_body}")
         try:
             msg = self._decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"undecodable message: {exc}") from exc
         return request_id, msg, list(frames[2:])
 

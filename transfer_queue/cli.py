@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import zmq
 
+from ._auth import from_env, secure_client
 from ._errors import ProtocolError, SchemaError, SluiceError, TimeoutError, error_from_code
 from ._messages import ErrorReply, Reply, Status, StatusReply
 from ._wire import Codec
@@ -87,6 +88,13 @@ def serve(args: argparse.Namespace) -> int:
             f"Watch it with `sluice status {cluster.address} --watch 1`; Ctrl-C stops it.",
             flush=True,
         )
+        if cluster.client_credentials is not None:
+            print(
+                "Bound beyond loopback: workers must present this cluster's CurveZMQ keys. Hand them this "
+                "line (a secret: over a private channel, e.g. your job scheduler's secret store):\n"
+                f"export SLUICE_CREDENTIALS={cluster.client_credentials.token()}",
+                flush=True,
+            )
         while not stop.wait(1.0):
             if not cluster.alive:
                 print("sluice serve: a service process died; stopping the others", file=sys.stderr, flush=True)
@@ -140,12 +148,22 @@ class _StatusReader:
         self._ids = itertools.count(1)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        credentials = from_env()
+        if credentials is not None:  # a cluster bound beyond loopback
+            secure_client(self._sock, credentials)
         self._sock.connect(address)
 
     def status(self) -> dict:
         """The controller's status dict; `TimeoutError` if it does not answer within `timeout`."""
         rid = next(self._ids)
-        self._sock.send_multipart(self._codec.encode(rid, Status()))
+        try:
+            self._sock.send_multipart(self._codec.encode(rid, Status()))
+        except zmq.Again:
+            raise TimeoutError(
+                f"no connection to {self.address} within {self.timeout:g}s (down, or it refused these "
+                "credentials: set SLUICE_CREDENTIALS for a cluster bound beyond loopback)"
+            ) from None
         deadline = time.monotonic() + self.timeout
         while (left := deadline - time.monotonic()) > 0 and self._sock.poll(int(left * 1000) + 1):
             got, reply, _ = self._codec.decode(self._sock.recv_multipart())

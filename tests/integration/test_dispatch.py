@@ -14,6 +14,8 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 
+from ..waiting import eventually
+
 
 def _td(n: int, start: int = 0, **extra) -> TensorDict:
     return TensorDict({"x": torch.arange(start, start + n), **extra}, batch_size=[n])
@@ -40,7 +42,7 @@ def test_a_put_completes_a_waiting_get_meta_at_once_without_blocking_others(clus
 
     thread = threading.Thread(target=wait)
     thread.start()
-    time.sleep(0.3)
+    eventually(lambda: other.status()["counters"]["parked_get_meta"] == 1, 10, "get_meta parked")
     # the parked request delays nobody: other requests are answered meanwhile
     started = time.monotonic()
     other.status()

@@ -17,6 +17,8 @@ import transfer_queue as tq
 from transfer_queue._messages import Reply
 from transfer_queue._wire import Codec, pack_prefix
 
+from .faults import eventually, unit_status
+
 
 def _td(n: int, **fields) -> TensorDict:
     return TensorDict(fields or {"x": torch.zeros(n, 4)}, batch_size=[n])
@@ -71,7 +73,8 @@ def test_full_storage_pushes_back_then_recovers():
         thread = threading.Thread(target=lambda: done.setdefault("meta", client2.put(big(), timeout=20)))
         client2 = cluster.connect()
         thread.start()
-        time.sleep(0.3)
+        unit = client.units[0].address
+        eventually(lambda: unit_status(unit)["pending_writes"] == 1, 10, "the put waits for space")
         assert thread.is_alive()
         client.clear(meta)
         thread.join(20)

@@ -93,7 +93,7 @@ def test_host_auto_advertises_the_node_ip(ray_session):
     node_ip = ray.util.get_node_ip_address()
     with tq.init(backend="ray", num_storage_units=2, storage_capacity="32MiB", host="auto") as cluster:
         assert all(s["address"].startswith(f"tcp://{node_ip}:") for s in cluster.services)
-        with tq.connect(cluster.address, use_shm=False) as client:
+        with cluster.connect(use_shm=False) as client:  # beyond loopback: with the cluster's credentials
             client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]))
             meta = client.get_meta(["x"], 4, task="t", timeout=10)
             assert sorted(client.get_data(meta)["x"].tolist()) == [0, 1, 2, 3]
@@ -127,4 +127,4 @@ def test_missing_ray_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ImportError, match=r'pip install "sluice-rl\[ray\]"'):
-        _ray_backend.start_ray_cluster(tq.ClusterConfig(), "x", 0, None)
+        _ray_backend.start_ray_cluster(tq.ClusterConfig(), "x", 0, None, "secret", None)

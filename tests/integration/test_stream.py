@@ -64,7 +64,8 @@ async def test_async_stream_prefetches_and_drains(cluster):
 async def test_async_client_serves_concurrent_coroutines(cluster):
     client = await tq.connect_async(cluster.address)
     waiter = asyncio.ensure_future(client.get_meta(["x"], 4, task="t", timeout=10))
-    await asyncio.sleep(0.1)
+    while (await client.status())["counters"]["parked_get_meta"] < 1:
+        pass  # each status() is a round trip to the controller: this waits for the request to park
     assert not waiter.done()
     await client.put(_td(0, 4))  # same client, while its other request is parked
     meta = await asyncio.wait_for(waiter, 5)
@@ -73,9 +74,11 @@ async def test_async_client_serves_concurrent_coroutines(cluster):
     assert batch["x"].tolist() == [0, 1, 2, 3]
     # a cancelled, parked get_meta is withdrawn: it takes nothing when samples arrive later
     pending = asyncio.ensure_future(client.get_meta(["x"], 8, task="u", timeout=10, lease_timeout=60))
-    await asyncio.sleep(0.2)
+    while (await client.status())["counters"]["parked_get_meta"] < 1:
+        pass
     pending.cancel()
-    await asyncio.sleep(0.2)
+    while (await client.status())["counters"]["parked_get_meta"] > 0:
+        pass  # the cancel is withdrawn at the controller
     await client.put(_td(4, 4))
     again = await client.get_meta(["x"], 8, task="u", timeout=5)
     assert sorted((await client.get_data(again))["x"].tolist()) == list(range(8))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
 
+from ..waiting import eventually
 from ._util import rows
 
 
@@ -76,7 +76,7 @@ def test_requeue_drops_the_stale_sample_and_offers_its_prompt_to_rollout_again(m
             target=lambda: again.setdefault("meta", rollout.get_meta(["prompt"], 4, task="rollout", partition="prompts", timeout=30))
         )
         waiter.start()
-        time.sleep(0.3)
+        eventually(lambda: trainer.status()["counters"]["parked_get_meta"] == 1, 10, "rollout parked")
         trainer.set_version(2)  # the responses are now 2 versions old (> η = 1)
         meta = trainer.get_meta(["response"], 4, task="train", partition="train", timeout=0.3, allow_partial=True)
         assert len(meta) == 0

@@ -19,7 +19,7 @@ def test_versions_reach_the_controller_only_when_complete():
         proc.start()
         try:
             out.get(timeout=60)
-            groups = [Subscribers(1, None, transport, address=cluster.address, first_id=i) for i, transport in enumerate(["shm", "tcp"])]
+            groups = [Subscribers(1, None, transport, address=cluster.address, first_id=i, timeout=5.0) for i, transport in enumerate(["shm", "tcp"])]
             start = client.version
             commands.put(("publish", start + 1))
             assert client.wait_version(start + 1, timeout=30) == start + 1
@@ -33,7 +33,7 @@ def test_versions_reach_the_controller_only_when_complete():
             kill(proc)
             assert client.version == start + 1
             for group in groups:
-                group.wait_errors()
+                group.wait_errors(timeout=60)
                 for summary in group.finish().values():
                     check(summary, start + 1)
         finally:

@@ -122,16 +122,16 @@ class UcxTransport(Transport):
             ep = self._peers.get(job.endpoint)
             if ep is None or ep.closed:
                 host, port = job.endpoint.rsplit(":", 1)
-                ep = self._peers[job.endpoint] = await ucxx.create_endpoint(host, int(port))
+                ep = self._peers[job.endpoint] = await _bounded(ucxx.create_endpoint(host, int(port)), job)
             body = encode_request(request)
-            await ep.send(np.array([len(body)], dtype=np.uint64))
-            await ep.send(np.frombuffer(body, dtype=np.uint8))
+            await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
+            await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
             head = np.empty(STATUS.size, dtype=np.uint8)
-            await ep.recv(head)
+            await _bounded(ep.recv(head), job)
             failed, length = STATUS.unpack(head.tobytes())
             if failed:
                 text = np.empty(length, dtype=np.uint8)
-                await ep.recv(text)
+                await _bounded(ep.recv(text), job)
                 raise_status(text.tobytes())
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
             buf = into.numpy()
@@ -139,7 +139,7 @@ class UcxTransport(Transport):
                 position = offset
                 for lo, hi in read_chunks(read):
                     n = int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) * read.itemsize
-                    await ep.recv(buf[position : position + n])
+                    await _bounded(ep.recv(buf[position : position + n]), job)
                     position += n
                 job.progress(offset + read.nbytes)
             return into
@@ -172,3 +172,12 @@ class UcxTransport(Transport):
         self._thread.join(timeout=5)
         self._loop.close()
         self._loop = None
+
+
+async def _bounded(step: Coroutine, job: Job) -> Any:
+    """One UCX step (connect, send, receive), bounded by the job's timeout: a publisher killed
+    mid-transfer does not always fail a pending UCX operation, which would then wait forever."""
+    try:
+        return await asyncio.wait_for(step, job.timeout)
+    except asyncio.TimeoutError:
+        raise WeightSyncError(f"no progress with {job.endpoint} for {job.timeout:g} s (the publisher died or hangs)") from None

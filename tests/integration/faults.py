@@ -1,0 +1,79 @@
+"""Helpers for fault tests: wait on observable state, ask units for their status, run a
+producer that stops (or is killed) in the middle of a put."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import zmq
+
+from transfer_queue._messages import Reply, UnitStatus
+from transfer_queue._wire import Codec
+
+from ..waiting import eventually
+
+__all__ = ["ROOT", "eventually", "unit_status", "rss_bytes", "stalled_producer"]
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def unit_status(address: str, timeout: float = 10.0) -> dict:
+    """A storage unit's own `status()` over a fresh socket."""
+    codec = Codec(Reply)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(codec.encode(1, UnitStatus()))
+        assert sock.poll(int(timeout * 1000)), f"unit {address} did not answer UnitStatus"
+        return codec.decode(sock.recv_multipart())[1].status
+    finally:
+        sock.close()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+STALLED_PRODUCER = r"""
+import sys, time
+import torch
+from tensordict import TensorDict
+import transfer_queue as tq
+from transfer_queue._messages import CommitPut
+
+client = tq.connect(sys.argv[1], use_shm=sys.argv[2] == "shm")
+flow = client.put.__wrapped__(client, TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)
+replies = None
+while True:  # drive the put up to (not including) its CommitPut: the data sits on the units
+    calls = client.resume(flow, replies)
+    if isinstance(calls[0].msg, CommitPut):
+        break
+    ids = []
+    for call in calls:
+        ids.append(rid := next(client._ids))
+        client._sock(call.target).send_multipart(client.codec.encode(rid, call.msg, call.data))
+    replies = [client._recv(call, rid, time.monotonic()) for call, rid in zip(calls, ids)]
+print("WRITTEN", flush=True)
+sys.stdin.read()
+"""
+
+
+def stalled_producer(address: str, via: str) -> subprocess.Popen:
+    """A producer process whose put is written to the units but never committed; it prints
+    `WRITTEN` and then waits for the test to kill it."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLED_PRODUCER, address, via],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+    line = proc.stdout.readline()
+    assert line.strip() == "WRITTEN", f"the producer did not get its put written: {line!r}"
+    return proc

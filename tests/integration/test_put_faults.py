@@ -1,0 +1,105 @@
+"""Puts are atomic and self-cleaning: a producer that dies, times out or is cancelled mid-put
+leaves no rows and no bytes behind, never holds a sealed stream open, and a tiny message can
+never make the controller allocate a huge table."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import torch
+import zmq
+from tensordict import TensorDict
+
+import transfer_queue as tq
+from transfer_queue._messages import BeginPut, CommitPut, Reply, RowInfo
+from transfer_queue._meta import FieldSpec
+from transfer_queue._wire import Codec
+
+from .faults import eventually, rss_bytes, stalled_producer, unit_status
+
+
+def _td(n: int, width: int = 4) -> TensorDict:
+    return TensorDict({"x": torch.ones(n, width)}, batch_size=[n])
+
+
+@pytest.mark.parametrize("via", ["frames", "shm"])
+def test_killed_producer_mid_put_leaves_nothing(cluster, client, via):
+    """SIGKILL after the data reached the units, before CommitPut: the put's deadline
+    (2 x its 1 s timeout + 5 s) frees its rows on the controller and its bytes on the units."""
+    proc = stalled_producer(cluster.address, via)
+    part = client.status()["partitions"]["train"]
+    assert part["samples"] == 16 and part["committed"] == 0
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    eventually(lambda: client.status()["partitions"]["train"]["samples"] == 0, 20, "expiry of the dead put")
+    status = client.status()
+    assert status["bytes"] == 0 and status["counters"]["puts_expired"] == 1
+    for unit in client.units.values():
+        eventually(lambda: unit_status(unit.address)["used"] == 0, 10, f"unit {unit.unit_id} freed")
+        assert unit_status(unit.address)["reservations"] == 0
+
+
+async def test_cancelled_put_is_aborted_at_once():
+    """An asyncio put cancelled while its write waits for space is withdrawn from the unit and
+    aborted at the controller before the cancel propagates: nothing of it is left."""
+    with tq.init(num_storage_units=1, storage_capacity="8MiB") as cluster:
+        client = await tq.connect_async(cluster.address)
+        big = lambda: TensorDict({"x": torch.zeros(16, 65536)}, batch_size=[16])  # 4 MiB
+        await client.put(big())
+        await client.put(big())
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.put(big(), timeout=30), 1.0)
+        status = await client.status()
+        assert status["partitions"]["train"]["samples"] == 32
+        assert status["bytes"] == 32 * 65536 * 4
+        unit = unit_status(client.units[0].address)
+        assert unit["pending_writes"] == 0 and unit["pending_bytes"] == 0
+        await client.close()
+
+
+def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
+    """A put begun but not committed when the partition is sealed: the stream over the committed
+    samples ends at once, and the late commit is refused with `SealedError`."""
+    client.put(_td(4))
+    # a producer begins a put of 3 samples and has not committed it yet
+    codec = Codec(Reply)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    sock.send_multipart(codec.encode(1, BeginPut("train", {"x": FieldSpec("float32", (4,))}, 3, 16)))
+    assert sock.poll(10000)
+    plan = codec.decode(sock.recv_multipart())[1]
+    assert client.status()["partitions"]["train"]["samples"] == 7
+    client.seal("train")
+    got = [len(meta) for _, meta in client.stream(["x"], 2, task="t", timeout=10)]
+    assert sum(got) == 4
+    sock.send_multipart(codec.encode(2, CommitPut("train", plan.indexes, {"x": FieldSpec("float32", (4,))}, RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3))))
+    assert sock.poll(10000)
+    reply = codec.decode(sock.recv_multipart())[1]
+    sock.close()
+    assert reply.code == "sealed", reply
+    assert client.status()["partitions"]["train"]["samples"] == 4
+
+
+def test_tiny_message_cannot_make_the_controller_allocate(cluster):
+    """An 87-byte BeginPut(n=2e7) is refused before anything is allocated."""
+    pid = cluster._procs[0].pid
+    before = rss_bytes(pid)
+    codec = Codec(Reply)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.address)
+    frames = codec.encode(1, BeginPut("train", {"x": FieldSpec("uint8", (1,))}, 20_000_000, 1))
+    assert sum(len(f) for f in frames) < 128
+    sock.send_multipart(frames)
+    assert sock.poll(10000)
+    raw = sock.recv_multipart()
+    reply = codec.decode(raw)[1]
+    sock.close()
+    assert reply.code == "schema" and "at most" in reply.message, reply
+    assert sum(len(f) for f in raw) < 1000
+    assert rss_bytes(pid) - before < 20 << 20
+    with tq.connect(cluster.address) as client:
+        assert "train" not in client.status()["partitions"] or client.status()["partitions"]["train"]["samples"] == 0

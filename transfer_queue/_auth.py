@@ -1,0 +1,122 @@
+"""CurveZMQ credentials of a cluster, for every service that listens beyond loopback.
+
+A cluster bound to loopback is reachable only from its own machine and runs without them. A
+cluster bound to any other address must have them: its services are CurveZMQ servers (traffic
+encrypted, peers authenticated), and a ZAP handler admits only clients that hold the cluster's
+client key pair. `tq.init` generates the credentials when `host` is not loopback and hands them
+to its services through the environment (`SLUICE_CREDENTIALS`, never argv); clients get the
+client half (`Credentials.for_clients`, what `sluice serve` prints). Handshakes refused for any
+reason (no CURVE, wrong keys) are counted by the service (`auth_refused`).
+
+The unit registration secret (`SLUICE_SECRET`) is separate: holding client credentials lets a
+worker put and get, not join the cluster as a storage unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import struct
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+__all__ = ["CREDENTIALS_ENV", "Credentials", "from_env", "is_loopback", "secure_client", "secure_server"]
+
+CREDENTIALS_ENV = "SLUICE_CREDENTIALS"
+
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+class Credentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Z85 CurveZMQ keys: the services' pair and the pair every client of the cluster uses."""
+
+    server_public: str
+    client_public: str
+    client_secret: str
+    server_secret: str = ""
+    """Only services hold it; `for_clients()` drops it."""
+
+    @classmethod
+    def generate(cls) -> "Credentials":
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public.decode(), client_public.decode(), client_secret.decode(), server_secret.decode())
+
+    def for_clients(self) -> "Credentials":
+        """What a worker needs to connect (not to serve)."""
+        return msgspec.structs.replace(self, server_secret="")
+
+    def token(self) -> str:
+        """One printable string (for `SLUICE_CREDENTIALS`)."""
+        return base64.urlsafe_b64encode(msgspec.json.encode(self)).decode()
+
+    @classmethod
+    def from_token(cls, token: str) -> "Credentials":
+        """Parse `token()`; `ValueError` for anything else."""
+        try:
+            return msgspec.json.decode(base64.urlsafe_b64decode(token.encode()), type=cls)
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"{CREDENTIALS_ENV} does not hold Sluice credentials: {exc}") from None
+
+
+def from_env() -> Credentials | None:
+    """The credentials in `SLUICE_CREDENTIALS`, or None when it is unset."""
+    token = os.environ.get(CREDENTIALS_ENV)
+    return Credentials.from_token(token) if token else None
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a `tcp://host:port` endpoint (or a bare host) is reachable from this machine only."""
+    host = endpoint.partition("://")[2].rpartition(":")[0] if "://" in endpoint else endpoint
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def secure_client(sock: zmq.Socket, creds: Credentials) -> None:
+    """Make `sock` a CurveZMQ client of the cluster (before it connects)."""
+    sock.curve_serverkey = creds.server_public.encode()
+    sock.curve_publickey = creds.client_public.encode()
+    sock.curve_secretkey = creds.client_secret.encode()
+
+
+class _Keys:
+    """ZAP credentials provider: admits exactly the cluster's client key."""
+
+    def __init__(self, client_public: str):
+        self.client_public = client_public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.client_public
+
+
+def secure_server(sock: zmq.Socket, creds: Credentials, refused: Callable[[], None]) -> Any:
+    """Make `sock` a CurveZMQ server admitting only the cluster's clients (before it binds);
+    `refused()` runs (in the event loop) for every failed handshake. Returns what must be kept
+    alive and stopped with the socket (the ZAP thread and the monitor task)."""
+    if not creds.server_secret:
+        raise ValueError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(zmq.Context.shadow(sock.context.underlying))
+    auth.start()
+    auth.configure_curve_callback("sluice", _Keys(creds.client_public))
+    sock.zap_domain = b"sluice"
+    sock.curve_server = True
+    sock.curve_publickey = creds.server_public.encode()
+    sock.curve_secretkey = creds.server_secret.encode()
+    monitor = sock.get_monitor_socket(_REFUSALS)
+    task = asyncio.ensure_future(_count_refusals(monitor, refused))
+    return auth, task
+
+
+async def _count_refusals(monitor: Any, refused: Callable[[], None]) -> None:
+    while True:
+        try:
+            frames = await monitor.recv_multipart()
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        (event,) = struct.unpack("=H", frames[0][:2])
+        if event & _REFUSALS:
+            refused()
