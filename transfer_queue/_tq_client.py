@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from ._async_client import AsyncClient
+from ._auth import Credentials
 from ._client import Client
 from ._client_core import CONTROLLER, ClientCore
 from ._errors import SchemaError
@@ -76,9 +77,11 @@ class TransferQueueClient:
     typed errors (`SchemaError` is a `ValueError`, as TransferQueue raises for bad keys).
     """
 
-    def __init__(self, address: str, client_id: str = ""):
+    def __init__(self, address: str, client_id: str = "", credentials: Credentials | None = None):
         self.address = address
         self.client_id = client_id
+        self.credentials = credentials
+        """The cluster's client keys when it listens beyond loopback (see `tq.connect`)."""
         self._threads = threading.local()
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
         self._all_sync: list[Client] = []
@@ -89,7 +92,7 @@ class TransferQueueClient:
     def _client(self) -> Client:
         client = getattr(self._threads, "client", None)
         if client is None:
-            client = self._threads.client = Client(self.address)
+            client = self._threads.client = Client(self.address, credentials=self.credentials)
             with self._lock:
                 self._all_sync.append(client)
         return client
@@ -98,7 +101,7 @@ class TransferQueueClient:
         loop = asyncio.get_running_loop()
         client = self._loops.get(loop)
         if client is None:
-            client = self._loops[loop] = AsyncClient(self.address)
+            client = self._loops[loop] = AsyncClient(self.address, credentials=self.credentials)
             await client.hello()
         return client
 

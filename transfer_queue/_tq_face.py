@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ._auth import Credentials
 from ._errors import ClosedError, SchemaError
 
 if TYPE_CHECKING:
@@ -127,10 +128,11 @@ def _tq_init(conf: Mapping | None) -> Any:
     if kwargs.get("metrics_port") is not None:
         host = cluster.address.rsplit(":", 1)[0].split("//", 1)[1]
         merged["metrics"]["endpoint"] = f"{host}:{kwargs['metrics_port']}"
-    face = _Face(cluster.address, merged, TransferQueueClient(cluster.address, f"TransferQueueClient_{os.getpid()}"), cluster)
+    creds = cluster.client_credentials
+    face = _Face(cluster.address, merged, TransferQueueClient(cluster.address, f"TransferQueueClient_{os.getpid()}", creds), cluster)
     try:
         if under_ray:
-            face.registry = _register_with_ray(cluster.address, merged)
+            face.registry = _register_with_ray(cluster.address, merged, creds)
             if face.registry is None:  # another process registered first: use its cluster
                 face.client.close()
                 cluster.shutdown()
@@ -203,16 +205,17 @@ def _ray_connected() -> bool:
 
 
 class _Registry:
-    """A named Ray actor holding the cluster's address and config (strings only)."""
+    """A named Ray actor holding the cluster's address, config and client credentials (strings
+    only: the credentials as their token, "" for a loopback cluster)."""
 
-    def __init__(self, address: str, conf_json: str):
-        self.address, self.conf_json = address, conf_json
+    def __init__(self, address: str, conf_json: str, credentials: str):
+        self.address, self.conf_json, self.credentials = address, conf_json, credentials
 
-    def get(self) -> tuple[str, str]:
-        return self.address, self.conf_json
+    def get(self) -> tuple[str, str, str]:
+        return self.address, self.conf_json, self.credentials
 
 
-def _register_with_ray(address: str, conf: dict[str, Any]) -> Any:
+def _register_with_ray(address: str, conf: dict[str, Any], credentials: Credentials | None) -> Any:
     """The named registry actor for `address`; None if another process holds the name already."""
     import ray
 
@@ -220,7 +223,9 @@ def _register_with_ray(address: str, conf: dict[str, Any]) -> Any:
 
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(_Registry)
     try:
-        handle = actor.options(name=RAY_NAME, namespace=RAY_NAMESPACE).remote(address, json.dumps(conf))
+        handle = actor.options(name=RAY_NAME, namespace=RAY_NAMESPACE).remote(
+            address, json.dumps(conf), credentials.token() if credentials else ""
+        )
     except ValueError:  # "The name ... is already taken"
         return None
     ray.get(handle.get.remote())
@@ -232,8 +237,8 @@ def _find() -> _Face | None:
     if _FACE is not None:
         return _FACE
     found = None
-    if os.environ.get(ENV_ADDRESS):
-        found = os.environ[ENV_ADDRESS], json.loads(os.environ.get(ENV_CONF) or "{}")
+    if os.environ.get(ENV_ADDRESS):  # a local cluster: loopback, no credentials needed
+        found = os.environ[ENV_ADDRESS], json.loads(os.environ.get(ENV_CONF) or "{}"), ""
     elif _ray_connected():
         import ray
 
@@ -241,13 +246,15 @@ def _find() -> _Face | None:
             handle = ray.get_actor(RAY_NAME, namespace=RAY_NAMESPACE)
         except ValueError:
             return None
-        address, conf_json = ray.get(handle.get.remote())
-        found = address, json.loads(conf_json)
+        address, conf_json, token = ray.get(handle.get.remote())
+        found = address, json.loads(conf_json), token
     if found is None:
         return None
     from ._tq_client import TransferQueueClient
 
-    return _Face(found[0], found[1], TransferQueueClient(found[0], f"TransferQueueClient_{os.getpid()}"))
+    address, conf, token = found
+    creds = Credentials.from_token(token) if token else None
+    return _Face(address, conf, TransferQueueClient(address, f"TransferQueueClient_{os.getpid()}", creds))
 
 
 # -- config ------------------------------------------------------------------------------
