@@ -78,6 +78,8 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
+    """The rollout workers: engine, how many, and the shape of their generation batches."""
+
     engine: str = "torch"
     """Generation engine: `torch` (tiny transformer, KV cache), `hf` (transformers), `vllm`."""
     workers: int = 1
@@ -92,6 +94,8 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
+    """The trainer: run length, mini-batch size (verl's unit), optimizer and loss."""
+
     total_steps: int = 200
     ppo_mini_batch_size: int = 32
     """Prompts per mini-batch (verl's unit before multiplying by the group size)."""
@@ -118,6 +122,8 @@ class ClusterSettings:
 
 @dataclass
 class RecipeConfig:
+    """One run: the staleness bound, verl's async knobs, and each part's settings."""
+
     name: str = "run"
     mode: str = "async"
     """`async`: trainer and rollout workers as processes around a cluster; `colocated`: one
