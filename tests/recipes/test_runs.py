@@ -82,6 +82,17 @@ def test_every_config_runs_through_the_experiment_runner(tmp_path):
     assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
 
 
+def test_a_transformers_policy_trains_through_the_same_processes(tmp_path):
+    """The `hf` engine behind the same interface: a locally built Qwen2, its weights published by
+    the trainer and swapped into the worker's model in place, the run's invariants intact."""
+    overrides = ["rollout.engine=hf", "model.family=qwen2", "trainer.total_steps=3", *SMALL]
+    run = subprocess.run([sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(tmp_path), *overrides],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    totals = check_run(tmp_path / "fully_async", load(["fully_async"], overrides))
+    assert totals["final_version"] == 3
+
+
 def test_partial_rollout_swaps_weights_mid_generation_and_records_the_span():
     """A new version arrives while a batch generates: it stops at the token boundary, applies
     the version, resumes under it, and the samples carry (first, last) version spans."""
