@@ -52,12 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if final_versions != [totals["final_version"]]:
         problems.append(f"rollout workers ended on versions {final_versions}, not the last published {totals['final_version']}")
     print(f"\n{cfg.name}: {totals['samples']} samples in {totals['wall_s']:.1f} s, trainer and rollout overlapping")
-    print(f"reward {start:.2f} -> {end:.2f}")
     print(f"samples/s {totals['samples_per_s']:.0f}; worst staleness consumed {worst} (bound η = {cfg.max_staleness}); "
           f"{sum(s['spanned'] for s in steps)} samples spanned a weight update (partial rollout)")
     print(f"weights: {totals['final_version']} versions published, workers ended on {final_versions}")
-    print(f"plot: {png}")
     print(f"steps: {run_dir / 'steps.jsonl'}; totals: {json.dumps({k: totals[k] for k in ('produced', 'consumed', 'dropped', 'left')})}")
+    print(f"reward {start:.2f} -> {end:.2f}")
+    print(f"plot: {png}")
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 1 if problems else 0
