@@ -108,7 +108,7 @@ def _unit_proc(cluster: tq.Cluster, unit_id: int) -> subprocess.Popen:
 
 
 def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, client):
-    prompts = client.put(_td(8), partition="prompts")
+    client.put(_td(8), partition="prompts")
     taken = client.get_meta(["x"], 8, task="rollout", partition="prompts", timeout=10)
     client.ack(taken)
     responses = client.put(_td(8), partition="train", source=taken)
