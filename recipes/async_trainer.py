@@ -110,25 +110,10 @@ class AsyncTrainer:
             self.client.wait_version(self.version, timeout=self.cfg.trainer.batch_timeout)
             sync_s = time.perf_counter() - t_sync
         now = time.perf_counter()
-        elapsed = now - start
-        samples = samples_before + len(rollouts)
-        return StepRecord(
-            step=step,
-            time_s=round(elapsed, 4),
-            samples=samples,
-            reward_mean=round(float(rollouts.rewards.mean()), 5),
-            samples_per_s=round(samples / elapsed, 3),
-            tokens_per_s=round(float(rollouts.lengths.sum()) / (now - t0), 1),
-            trainer_idle=round(waited / (now - t0), 4),
-            rollout_idle=self._rollout_idle(),
-            version=self.version,
-            staleness={str(k): v for k, v in sorted(staleness.items())},
-            weight_sync_s=round(sync_s, 5),
-            spanned=sum(1 for first, last in spans if last > first),
-            loss=round(stats["loss"], 5),
-            clip_frac=round(stats["clip_frac"], 4),
-            behaviour_weight=round(stats["behaviour_weight"], 4),
-            response_len=round(float(rollouts.lengths.float().mean()), 3),
+        return StepRecord.of(
+            step, rollouts, stats, elapsed=now - start, step_s=now - t0, samples=samples_before + len(rollouts),
+            trainer_idle=waited / (now - t0), rollout_idle=self._rollout_idle(), version=self.version,
+            staleness=staleness, spans=spans, weight_sync_s=sync_s,
         )
 
     def _batch(self, metas: list[tq.BatchMeta], batches: list[Any]) -> tuple[RolloutBatch, list[tuple[int, int]]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -47,28 +46,15 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
             stats = learner.step(batch)
             now = time.perf_counter()
             samples += len(batch)
-            log.write(StepRecord(
-                step=step,
-                time_s=round(now - start, 4),
-                samples=samples,
-                reward_mean=round(float(batch.rewards.mean()), 5),
-                samples_per_s=round(samples / (now - start), 3),
-                tokens_per_s=round(float(batch.lengths.sum()) / (now - t0), 1),
-                trainer_idle=round((t1 - t0) / (now - t0), 4),
-                rollout_idle=round((now - t1) / (now - t0), 4),
-                version=step,
-                staleness={"0": len(batch)},
-                weight_sync_s=0.0,
-                spanned=0,
-                loss=round(stats["loss"], 5),
-                clip_frac=round(stats["clip_frac"], 4),
-                behaviour_weight=round(stats["behaviour_weight"], 4),
-                response_len=round(float(batch.lengths.float().mean()), 3),
+            log.write(StepRecord.of(
+                step, batch, stats, elapsed=now - start, step_s=now - t0, samples=samples,
+                trainer_idle=(t1 - t0) / (now - t0), rollout_idle=(now - t1) / (now - t0),
+                version=step, staleness={0: len(batch)},
             ))
         wall = time.perf_counter() - start
         return log.finish({
             "name": cfg.name, "wall_s": round(wall, 3), "samples": samples, "samples_per_s": round(samples / wall, 3),
             "final_version": cfg.trainer.total_steps, "consumed": samples, "duplicates": 0, "produced": samples,
-            "dropped": 0, "left": 0, "max_staleness": 0, "served_staleness": dict(Counter({"0": samples})),
+            "dropped": 0, "left": 0, "max_staleness": 0, "served_staleness": {"0": samples},
             "rollout": [],
         })

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
+
+from .learner import RolloutBatch
 
 __all__ = ["RunLog", "StepRecord"]
 
@@ -30,6 +32,48 @@ class StepRecord:
     clip_frac: float
     behaviour_weight: float
     response_len: float
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        batch: RolloutBatch,
+        stats: Mapping[str, float],
+        *,
+        elapsed: float,
+        step_s: float,
+        samples: int,
+        trainer_idle: float,
+        rollout_idle: float | None,
+        version: int,
+        staleness: Mapping[int, int],
+        spans: Sequence[tuple[int, int]] = (),
+        weight_sync_s: float = 0.0,
+    ) -> "StepRecord":
+        """The record of one trainer step on `batch`: the timings given, the rest derived.
+
+        `elapsed` is the run's wall time so far, `step_s` this step's; `samples` the total
+        consumed; `staleness` counts the batch's samples by versions behind; `spans` is each
+        sample's (first, last) policy version.
+        """
+        return cls(
+            step=step,
+            time_s=round(elapsed, 4),
+            samples=samples,
+            reward_mean=round(float(batch.rewards.mean()), 5),
+            samples_per_s=round(samples / elapsed, 3),
+            tokens_per_s=round(float(batch.lengths.sum()) / step_s, 1),
+            trainer_idle=round(trainer_idle, 4),
+            rollout_idle=None if rollout_idle is None else round(rollout_idle, 4),
+            version=version,
+            staleness={str(k): v for k, v in sorted(staleness.items())},
+            weight_sync_s=round(weight_sync_s, 5),
+            spanned=sum(1 for first, last in spans if last > first),
+            loss=round(stats["loss"], 5),
+            clip_frac=round(stats["clip_frac"], 4),
+            behaviour_weight=round(stats["behaviour_weight"], 4),
+            response_len=round(float(batch.lengths.float().mean()), 3),
+        )
 
 
 class RunLog:
