@@ -215,7 +215,6 @@ class Arena:
         os.close(fd)
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
         self.view: memoryview = memoryview(self.array)
-        self._tensor: Any = None
         self._stop = threading.Event()
         self._prefault: threading.Thread | None = None
         self.prefaulted = 0
@@ -236,15 +235,6 @@ class Arena:
     @property
     def used(self) -> int:
         return self.allocator.used
-
-    @property
-    def tensor(self) -> Any:
-        """The whole mapping as a torch uint8 tensor (created on first use)."""
-        if self._tensor is None:
-            import torch
-
-            self._tensor = torch.from_numpy(self.array)
-        return self._tensor
 
     def alloc(self, nbytes: int) -> int | None:
         return self.allocator.alloc(nbytes)
@@ -315,7 +305,6 @@ class Arena:
             self._prefault.join()
         if self._mmap is not None:
             mm, self._mmap = self._mmap, None
-            self._tensor = None
             try:
                 self.view.release()
                 del self.array
