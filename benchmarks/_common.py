@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts: timing, statistics, tables, JSON records, and the
 physical limits (raw loopback TCP socket, memcpy) that every figure is compared with.
 
-The development machines are shared and noisy (DESIGN section 7), so a benchmark measures its
+The development machines are shared and noisy (docs/architecture.md, section 3), so a benchmark measures its
 limits in the same run as its figures and reports ratios against them.
 """
 

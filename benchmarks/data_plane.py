@@ -246,7 +246,7 @@ def first_batch(client: tq.Client, producer: Producer, micro: int, trials: int, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)  # copies run single-threaded (DESIGN section 7)
+    torch.set_num_threads(1)  # copies run single-threaded (docs/architecture.md, section 3)
     limits = physical_limits(256 << 20, 3)
     print(f"physical limits: loopback TCP {limits['tcp_gbps']:.2f} GB/s, memcpy {limits['memcpy_gbps']:.2f} GB/s "
           f"(medians of {len(limits['tcp_runs'])} / {len(limits['memcpy_runs'])})\n", flush=True)

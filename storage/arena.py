@@ -3,7 +3,7 @@
 A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`, of `capacity`
 bytes, mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
 memory is accounted exactly against `capacity` (the unit pushes back instead of growing), the
-pages stay warm after the first use (first-touch faults cost ~10x a warm copy, DESIGN section 7),
+pages stay warm after the first use (first-touch faults cost ~10x a warm copy, docs/architecture.md, section 3),
 and a co-located client can map the same file and copy straight in or out.
 
 `ExtentAllocator` is the pure bookkeeping (first-fit over 64 KiB pages, coalescing free list);
@@ -39,7 +39,7 @@ def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
 
     ZeroMQ receives every data frame into a new malloc'd block. By default glibc serves blocks
     that large with fresh mappings, or trims them off its heap once freed, so each Write frame
-    lands in pages that fault in on first touch (~10x a warm copy, DESIGN section 7). With a fixed
+    lands in pages that fault in on first touch (~10x a warm copy, docs/architecture.md, section 3). With a fixed
     mmap threshold of 32 MiB (glibc's maximum) and a high trim threshold, those blocks come from
     the heap and stay warm. Process-wide; returns False where the C library has no `mallopt`.
     """

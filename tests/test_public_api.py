@@ -1,4 +1,4 @@
-"""The public contract: names are fixed (DESIGN section 3) and every public callable is documented."""
+"""The public contract: names are fixed (README, "The API"; checks outside the repo call them) and every public callable is documented."""
 
 from __future__ import annotations
 

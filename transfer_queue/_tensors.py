@@ -220,7 +220,7 @@ def keep_freed_memory(trim_bytes: int = 256 << 20) -> None:
 
     ZeroMQ receives every data frame into a new malloc'd block; by default glibc maps blocks that
     large afresh or trims them off its heap once freed, so every frame of a `get_data` over TCP
-    lands in pages that fault in on first touch (~10x a warm copy, DESIGN section 7). A fixed
+    lands in pages that fault in on first touch (~10x a warm copy, docs/architecture.md, section 3). A fixed
     mmap threshold of 32 MiB (glibc's maximum) and a trim threshold of `trim_bytes` keep them
     warm; the process then holds up to `trim_bytes` of freed heap. Set `SLUICE_MALLOC_TUNING=0`
     to leave the allocator alone. Does nothing where the C library has no `mallopt`.
@@ -242,8 +242,8 @@ def keep_freed_memory(trim_bytes: int = 256 << 20) -> None:
 class BufferPool:
     """Reuses the memory of output tensors that their users have dropped.
 
-    A fresh tensor's pages fault in on first touch, which costs ~10x a warm copy (DESIGN
-    section 7), and the allocator hands big blocks back to the OS when they are freed, so every
+    A fresh tensor's pages fault in on first touch, which costs ~10x a warm copy (docs/architecture.md,
+    section 3), and the allocator hands big blocks back to the OS when they are freed, so every
     batch would pay that again. The pool keeps the storages of large outputs (`min_bytes` and up,
     at most `max_bytes` in all, least recently used forgotten first) and hands one out again once
     no tensor uses it any more (its storage use count is back to the pool's own). A tensor made

@@ -33,7 +33,7 @@ def _consume(address: str, task: str, batch_size: int, delay: float, seed: int, 
     out.put((task, seen))
 
 
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # 5 spawned processes an example
 @given(
     batches=st.lists(st.lists(st.integers(1, 13), min_size=1, max_size=5), min_size=2, max_size=2),
     consumer_batch=st.integers(1, 9),
