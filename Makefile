@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all experiments bench bench-staleness bench-weights clean vllm-test
+.PHONY: venv demo test test-all lint experiments bench bench-staleness bench-weights clean vllm-test
 
 venv: $(STAMP)
 
@@ -27,6 +27,14 @@ experiments: venv
 	$(BIN)/python -m recipes.experiments sync one_step_off fully_async fully_async_no_partial \
 		fully_async_eta0 fully_async_eta1 fully_async_eta4 fully_async_eta8 eta8_ppo eta8_decoupled \
 		verl_threshold_01 verl_threshold_03 verl_threshold_05 --out results/experiments/staleness
+
+# The checks that keep the house in order: lint and format (ruff), the import rules of
+# docs/architecture.md (import-linter), types of the public faces (mypy).
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test-all: venv
 	$(BIN)/python -m pytest -q -m ""
