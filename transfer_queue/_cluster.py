@@ -210,15 +210,10 @@ def init(
         raise SchemaError(f"unknown backend {backend!r}; use 'local' (processes on this machine) or 'ray'")
     if host == "auto" and backend != "ray":
         raise SchemaError("host='auto' (each node's IP) needs backend='ray'; the local backend binds an explicit host")
-    if num_storage_units <= 0:
-        raise SchemaError(f"num_storage_units must be > 0, got {num_storage_units}")
     config = ClusterConfig(
+        **msgspec.structs.asdict(staleness),
         num_storage_units=num_storage_units,
         storage_capacity=parse_bytes(storage_capacity),
-        max_staleness=staleness.max_staleness,
-        consumer_batch_size=staleness.consumer_batch_size,
-        budget_staleness=staleness.budget_staleness,
-        partial_rollout=staleness.partial_rollout,
         lease_timeout=lease_timeout,
         grant_timeout=grant_timeout,
         stale_policy=stale_policy,
