@@ -12,7 +12,7 @@ import os
 import msgspec
 
 from transfer_queue._auth import from_env
-from transfer_queue._host import reachable
+from transfer_queue.host import reachable
 from transfer_queue._messages import ClusterConfig
 from transfer_queue._service import run_service
 

@@ -88,10 +88,6 @@ class Scheduler:
         parked = sum(len(queue) for queue in self.waiters.values())
         return SchedulerStatus(self.served, self.acked, len(self.leases), parked)
 
-    def status(self) -> SchedulerStatus:
-        parked = sum(len(queue) for queue in self.waiters.values())
-        return SchedulerStatus(self.served, self.acked, len(self.leases), parked)
-
     # -- get_meta ----------------------------------------------------------------------
 
     async def get_meta(self, req: GetMeta) -> BatchMeta:

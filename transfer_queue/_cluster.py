@@ -23,6 +23,7 @@ import msgspec
 
 from ._auth import CREDENTIALS_ENV, Credentials, is_loopback
 from ._errors import ServiceError, SchemaError
+from .host import shm_prefix
 from ._messages import ClusterConfig
 from ._sizes import parse_bytes
 from ._staleness import StalenessConfig
@@ -122,7 +123,7 @@ def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
 
 def _remove_shm(cluster_id: str) -> None:
     """Unlink this machine's leftover shared-memory files of `cluster_id` (units killed mid-way)."""
-    for path in glob.glob(f"/dev/shm/sluice-{cluster_id}-*"):
+    for path in glob.glob(shm_prefix(cluster_id) + "*"):
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -53,7 +53,7 @@ from .protocol import (
     RpcClient,
     Verify,
 )
-from transfer_queue._host import host_id
+from transfer_queue.host import host_id
 
 from .publisher import directory_key
 from .staging import SlotTable

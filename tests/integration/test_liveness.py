@@ -203,7 +203,7 @@ def test_unit_registration_needs_the_cluster_secret(cluster, client, tmp_path):
 
 def test_client_maps_only_its_clusters_arena_files(cluster, tmp_path):
     """A unit advertising any other shm path is reached over TCP, never mapped."""
-    from transfer_queue._host import open_arena
+    from transfer_queue.host import open_arena
 
     with tq.connect(cluster.address) as client:
         unit = client.units[0]
