@@ -55,7 +55,7 @@ from .protocol import (
 )
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
-from .transports.base import gather, read_chunks
+from .transports.stream import gather, read_chunks
 from transfer_queue.host import host_id
 
 __all__ = ["WeightPublisher", "directory_key"]

@@ -1,0 +1,119 @@
+"""The transport interface and the registry.
+
+A transport moves the staged bytes of one publisher rank to a subscriber. Publisher side:
+`serve(source)` starts whatever serves the rank's slots and returns the endpoint subscribers
+are told; `send(slot, release)` is called when a version starts staging in `slot` (push
+transports broadcast it as it fills, pull transports have nothing to do). Subscriber side:
+`receive(job)` brings one rank's bytes in and returns the tensor the job's reads resolve
+against. `close()` ends both sides. `mode` says what `receive` returns, and so which receiver
+strategy a subscriber runs (`weight_sync.receivers`):
+
+- "map"   the publisher's slot itself, mapped (shm): reads index it by their slot offset and
+          are copied straight into the subscriber's tensors at apply time.
+- "image" a copy of the whole slot in the subscriber's buffer (torch broadcast).
+- "reads" the job's reads back to back in the subscriber's buffer, as planned (tcp, ucx).
+
+What the byte-stream transports (tcp, ucx) share beyond this lives in `stream`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator, Literal
+
+import torch
+
+from ..plan import Read
+from ..protocol import Granted, Pull, RelayPull
+
+__all__ = ["Transport", "Mode", "Job", "Source", "register", "get", "names"]
+
+Mode = Literal["map", "image", "reads"]
+
+
+@dataclass
+class Job:
+    """What a subscriber asks of a transport for one publisher rank and one version."""
+
+    rank: int
+    version: int
+    """The version wanted; "image" transports set it to the (maybe newer) one that arrived."""
+    manifest: int
+    """Id of the rank's manifest for `version` (set by "image" transports, like `version`)."""
+    endpoint: str
+    """The rank's endpoint for this transport."""
+    grant: Granted | None
+    """The lease on the rank's slot (pull and map transports); `grant.source` names a relay."""
+    reads: list[Read]
+    offsets: list[int]
+    """Byte offset of each read in the buffer ("reads" transports)."""
+    digest: int
+    """Identifies `reads` (relays serve only an identical plan)."""
+    into: Callable[[int], torch.Tensor]
+    """Returns the subscriber's uint8 buffer for this many bytes ("reads", "image")."""
+    progress: Callable[[int], None]
+    """Called with the number of bytes of the buffer received so far (relays forward them)."""
+    timeout: float
+
+
+class Source(ABC):
+    """What a stream server reads from: a publisher's slots or a relay's receive buffer."""
+
+    @abstractmethod
+    def open(self, request: Pull | RelayPull) -> tuple[Iterator[memoryview], Callable[[bool], None]]:
+        """(the request's bytes as views, in `stream.read_chunks` order, each valid until the next is
+        taken; `done(ok)`, to call when the stream ended, completely or not). Raises
+        `WeightSyncError` if the request cannot be served."""
+
+
+class Transport(ABC):
+    """One way of moving staged bytes; subclasses register themselves by `name`."""
+
+    name: ClassVar[str]
+    mode: ClassVar[Mode]
+    fanout: int | None = None
+    """Direct children per node of a relay tree; None: this transport does not relay."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when this transport can run here (its libraries import)."""
+        return True
+
+    def serve(self, source: Source) -> str:
+        """Publisher side: start serving `source`; returns the endpoint for subscribers."""
+        return ""
+
+    def send(self, slot, release: Callable[[], None]) -> None:  # noqa: ANN001 - a staging.Slot
+        """Publisher side: a version started staging in `slot`, pinned for this transport
+        until it calls `release()` (pull transports have nothing to push: they release at once)."""
+        release()
+
+    @abstractmethod
+    def receive(self, job: Job) -> torch.Tensor:
+        """Subscriber side: bring `job`'s bytes in; raises `WeightSyncError` on failure."""
+
+    def close(self) -> None:
+        """Stop serving, drop connections and mappings."""
+
+
+_REGISTRY: dict[str, type[Transport]] = {}
+
+
+def register(cls: type[Transport]) -> type[Transport]:
+    """Class decorator: make `cls` available under `cls.name`; refuses duplicates."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"a transport named {cls.name!r} is already registered ({_REGISTRY[cls.name].__qualname__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get(name: str) -> type[Transport]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
