@@ -15,7 +15,7 @@ The face is `WeightPublisher` (trainer side) and `WeightSubscriber` (rollout sid
               byte-stream protocol tcp and ucx share (`stream`)
 - `publisher`, `subscriber`  the two sides, built from the above; the subscriber's calls to
               the publisher ranks are `ranks`, its receiver strategy per transport mode
-              (mapped, reads, image) is `receivers`
+              is `receivers` (mapped) or `background` (reads, image)
 """
 
 from __future__ import annotations

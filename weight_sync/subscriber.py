@@ -7,8 +7,8 @@ chose, so the model never holds a mix of versions.
 The subscriber finds the publisher ranks (through the controller, or a given endpoint), picks
 the first transport every rank serves, and from then on leaves the work to two parts: the
 per-rank calls (`ranks.PublisherRanks`) and the receiver strategy for the transport's mode
-(`receivers`: copy straight from mapped slots at apply time, or receive in a thread ahead of
-it). A transfer that fails is discarded with `WeightSyncError` (raised by the next
+(`receivers`: copy straight from mapped slots at apply time; `background`: receive in a
+thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (raised by the next
 `poll`/`wait`); the tensors keep the version they had.
 """
 
@@ -29,13 +29,17 @@ from .mapping import NameMapping, TPShard
 from .protocol import Latest, RankInfo, RpcClient
 from .publisher import directory_key
 from .ranks import PublisherRanks
-from .receivers import Receiver, Targets, receiver_for
+from .background import ImageReceiver, ReadsReceiver
+from .receivers import MappedReceiver, ReceiveSettings, Receiver, Targets
 from .transports import AUTO_ORDER, Transport, resolve
 
 __all__ = ["WeightSubscriber"]
 
 _RETRY_SECONDS = 0.2
 """Pause before looking for the publishers again when they are not all there yet."""
+
+_RECEIVERS: dict[str, type[Receiver]] = {r.mode: r for r in (MappedReceiver, ReadsReceiver, ImageReceiver)}
+"""The receiver strategy for each transport mode (`transports.base.Mode`)."""
 
 
 class WeightSubscriber:
@@ -87,7 +91,7 @@ class WeightSubscriber:
         self.mapping = mapping or NameMapping()
         self.validate = validate
         self.timeout = timeout
-        self._settings = {"validate": validate, "relay": relay, "pipelined": pipelined, "buffers": buffers}
+        self._settings = ReceiveSettings(validate, relay, pipelined, buffers)
         self._offered = resolve(transport)
         self._client = tq.connect(address) if address is not None else None
         self._publisher = publisher
@@ -201,7 +205,7 @@ class WeightSubscriber:
             return False
         transport = self._choose(offer.ranks)
         self._ranks = PublisherRanks(offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout)
-        self._receiver = receiver_for(transport.mode)(self._ranks, self._held, endpoint, **self._settings)
+        self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, self._settings)
         return True
 
     def _choose(self, ranks: list[RankInfo]) -> Transport:
