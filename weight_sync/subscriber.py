@@ -26,8 +26,7 @@ from transfer_queue import TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 
 from .mapping import NameMapping, TPShard
-from .protocol import Latest, RankInfo, RpcClient
-from .publisher import directory_key
+from .protocol import Latest, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
 from .background import ImageReceiver, ReadsReceiver
 from .receivers import MappedReceiver, ReceiveSettings, Receiver, Targets
