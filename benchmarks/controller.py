@@ -132,7 +132,7 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
                 got += len(meta)
             rates.append(total / (time.perf_counter() - t0))
             assert got == total
-        for lease in ctl.dispatch.leases.values():
+        for lease in ctl.scheduler.leases.values():
             lease.timer.cancel()
         ctl.sock.close(linger=0)
         return {"put_samples_per_s": put_rate, "samples_per_s": median(rates), "runs": rates,

@@ -257,8 +257,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client = tq.connect(cluster.address, use_shm=use_shm)
             assert bool(client._arenas) == (use_shm is None), "shm path wanted but the arenas are not mapped"
             producer = Producer(cluster.address, use_shm, args.put_batches)
-            pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster._procs[0].pid,
-                    **{f"unit{i}": p.pid for i, p in enumerate(cluster._procs[1:])}}
+            pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster.services[0]["pid"],
+                    **{f"unit{i}": s["pid"] for i, s in enumerate(cluster.services[1:])}}
             try:
                 time.sleep(args.settle)  # the units pre-fault their arenas in the background
                 # warm-up, not recorded: maps the arenas' pages into both clients, fills the pools

@@ -12,7 +12,7 @@ import os
 import msgspec
 
 from transfer_queue._auth import from_env
-from transfer_queue._host import reachable
+from transfer_queue.host import reachable
 from transfer_queue._messages import ClusterConfig
 from transfer_queue._service import run_service
 
@@ -31,7 +31,7 @@ def main() -> None:
     async def make() -> Controller:
         ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"), from_env())
         if config.metrics_port is not None:
-            serve_prometheus(ctl, config.metrics_port, config.host)
+            serve_prometheus(ctl.status, config.metrics_port, config.host)
         return ctl
 
     run_service(make, lambda ctl: f"SLUICE_CONTROLLER {reachable(ctl.address)}")

@@ -194,5 +194,5 @@ class KeyService:
         if found:
             part = index.part
             self.ctl._free_rows(part, part.rows_of(found, alive=False))
-            self.ctl.dispatch.wake(part.name)
+            self.ctl.scheduler.wake(part.name)
         return Ok()

@@ -1,7 +1,7 @@
 """The controller service: one handler per request type over the sample tables.
 
 It owns the partitions (`table.Partition`), the version clock, admission control and the
-dispatcher. It never touches tensor bytes: producers and consumers move those straight to and
+scheduler. It never touches tensor bytes: producers and consumers move those straight to and
 from the storage units; the controller only tells units which rows to free.
 """
 
@@ -18,6 +18,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -63,12 +64,12 @@ from transfer_queue._meta import BatchMeta
 from transfer_queue._service import Service
 from transfer_queue._wire import MAX_BATCH, Codec
 
-from .dispatch import Dispatcher
+from .admission import Admission
 from .keys import KeyService
-from .metrics import snapshot
 from .placement import place_rows
 from .samplers import SamplerRegistry
-from .staleness import Admission
+from .scheduling import Scheduler
+from .status import ClusterStatus, Counters, RetiredUnitStatus, UnitStatus
 from .table import Partition
 from .versions import VersionClock
 
@@ -122,14 +123,13 @@ class Controller(Service):
         self._unit_codec = Codec(Reply)
         self._next_index = 0
         self.clock = VersionClock()
-        budget = config.max_staleness if config.budget_staleness is None else config.budget_staleness
         self.admission = Admission(
-            budget, config.consumer_batch_size, config.grant_timeout, lambda: self.clock.current
+            config.admission_staleness, config.consumer_batch_size, config.grant_timeout, lambda: self.clock.current
         )
         samplers = SamplerRegistry()
         for path in config.samplers:
             samplers.load(path)
-        self.dispatch = Dispatcher(config, self.partitions, self.clock, self.admission, samplers, self._free_rows)
+        self.scheduler = Scheduler(config, self.partitions, self.clock, self.admission, samplers, self._free_rows)
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         self.puts = 0
@@ -230,7 +230,7 @@ class Controller(Service):
             rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
             if len(rows):
                 lost += len(rows)
-                self.dispatch.lose(part, rows)
+                self.scheduler.lose(part, rows)
         self.samples_lost += lost
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
@@ -357,7 +357,7 @@ class Controller(Service):
                 self.admission.used(info.grant_id, n)
             self.puts += n
         part.mark_ready(rows, list(msg.fields))
-        self.dispatch.wake(part.name)
+        self.scheduler.wake(part.name)
         return Ok()
 
     def _close_put(self, msg: CommitPut) -> None:
@@ -385,7 +385,7 @@ class Controller(Service):
         if part is not None:
             rows = part.rows_of(range(first, first + put.n), alive=False)
             self._free_rows(part, rows[~part.committed[rows]])
-            self.dispatch.wake(part.name)
+            self.scheduler.wake(part.name)
 
     def _expire_put(self, first: int) -> None:
         put = self.open_puts.get(first)
@@ -422,16 +422,16 @@ class Controller(Service):
             )
         if not msg.fields or not msg.partition or not msg.task:
             raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
-        return MetaReply(await self.dispatch.get_meta(msg))
+        return MetaReply(await self.scheduler.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
         part = self._existing(msg.partition)
-        self.dispatch.ack(part, msg.task, msg.indexes)
+        self.scheduler.ack(part, msg.task, msg.indexes)
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
         part = self._existing(msg.partition)
-        self.dispatch.nack(part, msg.task, msg.indexes)
+        self.scheduler.nack(part, msg.task, msg.indexes)
         return Ok()
 
     def _existing(self, name: str) -> Partition:
@@ -443,7 +443,7 @@ class Controller(Service):
     def on_clear(self, msg: Clear, data) -> Ok:
         part = self._existing(msg.partition)
         self._free_rows(part, part.rows_of(msg.indexes, alive=False))
-        self.dispatch.wake(part.name)
+        self.scheduler.wake(part.name)
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
@@ -456,7 +456,7 @@ class Controller(Service):
                 used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
                 if unit_id in self.unit_bytes:
                     self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
-            self.dispatch.forget_partition(msg.partition)
+            self.scheduler.forget_partition(msg.partition)
             self._tell_units(msg.partition, None)
         return Ok()
 
@@ -468,7 +468,7 @@ class Controller(Service):
             self._end_put(first, SealedError(
                 f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
             ))
-        self.dispatch.wake(msg.partition)
+        self.scheduler.wake(msg.partition)
         return Ok()
 
     # -- versions and admission --------------------------------------------------------
@@ -476,7 +476,7 @@ class Controller(Service):
     def on_set_version(self, msg: SetVersion, data) -> VersionReply:
         if self.clock.set(msg.version):
             self.admission.pump()
-            self.dispatch.wake_all()
+            self.scheduler.wake_all()
         return VersionReply(self.clock.current)
 
     async def on_wait_version(self, msg: WaitVersion, data) -> VersionReply:
@@ -539,5 +539,38 @@ class Controller(Service):
 
     # -- status ------------------------------------------------------------------------
 
+    def status(self) -> ClusterStatus:
+        """The cluster as `status()` reports it; each part reports its own share."""
+        scheduler = self.scheduler.status()
+        return ClusterStatus(
+            cluster_id=self.cluster_id,
+            uptime_s=round(time.time() - self.started, 3),
+            version=self.clock.current,
+            max_staleness=self.config.max_staleness,
+            stale_policy=self.config.stale_policy,
+            partitions={name: part.status() for name, part in self.partitions.items()},
+            units={
+                str(k): UnitStatus(u.address, u.capacity, self.unit_bytes.get(k, 0)) for k, u in sorted(self.units.items())
+            },
+            retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.retired.items())},
+            bytes=sum(self.unit_bytes.values()),
+            staleness=self.scheduler.stale.status(),
+            admission=self.admission.status(),
+            counters=Counters(
+                samples_put=self.puts,
+                samples_served=scheduler.served,
+                samples_acked=scheduler.acked,
+                open_leases=scheduler.open_leases,
+                parked_get_meta=scheduler.parked,
+                open_puts=len(self.open_puts),
+                puts_expired=self.puts_expired,
+                samples_lost=self.samples_lost,
+                registrations_refused=self.registrations_refused,
+                auth_refused=self.auth_refused,
+                requests_served=self.served,
+                requests_rejected=self.rejected,
+            ),
+        )
+
     def on_status(self, msg: Status, data) -> StatusReply:
-        return StatusReply(snapshot(self))
+        return StatusReply(msgspec.to_builtins(self.status()))

@@ -15,6 +15,8 @@ import numpy as np
 from transfer_queue._errors import SchemaError
 from transfer_queue._meta import FieldSpec
 
+from .status import FieldStatus, PartitionStatus, TaskStatus
+
 __all__ = ["Partition", "TaskState"]
 
 _INITIAL_ROWS = 1024
@@ -139,6 +141,32 @@ class Partition:
     def mark_ready(self, rows: np.ndarray, fields: list[str]) -> None:
         for name in fields:
             self.ready[name][rows] = True
+
+    # -- status ------------------------------------------------------------------------
+
+    def status(self) -> PartitionStatus:
+        """Counts over the live samples: committed, ready per field, bytes, per-task progress."""
+        n = self.n
+        alive = self.alive[:n]
+        committed = alive & self.committed[:n]
+        tasks = {}
+        for name, task in self.tasks.items():
+            consumed = task.consumed[:n] & alive
+            leased = (task.lease[:n] != 0) & alive & ~consumed
+            tasks[name] = TaskStatus(
+                consumed=int(np.count_nonzero(consumed)),
+                leased=int(np.count_nonzero(leased)),
+                pending=int(np.count_nonzero(committed & ~consumed & ~leased)),
+            )
+        return PartitionStatus(
+            samples=int(np.count_nonzero(alive)),
+            committed=int(np.count_nonzero(committed)),
+            sealed=self.sealed,
+            fields={f: FieldStatus(s.dtype, list(s.shape)) for f, s in self.schema.items()},
+            ready={f: int(np.count_nonzero(r[:n] & alive)) for f, r in self.ready.items()},
+            bytes=int(self.row_bytes[:n][alive].sum()),
+            tasks=tasks,
+        )
 
     # -- tasks -------------------------------------------------------------------------
 

@@ -150,11 +150,13 @@ class RecipeConfig:
     def staleness(self) -> tq.StalenessConfig:
         """The cluster's staleness settings for this run."""
         at = self.async_training
-        return tq.StalenessConfig(
-            consumer_batch_size=self.samples_per_step * at.trigger_parameter_sync_step,
-            max_staleness=self.max_staleness,
-            budget_staleness=at.staleness_threshold,
+        return tq.StalenessConfig.from_verl(
+            self.trainer.ppo_mini_batch_size * self.rollout.group_size,
+            require_batches=at.require_batches,
+            trigger_parameter_sync_step=at.trigger_parameter_sync_step,
+            staleness_threshold=at.staleness_threshold,
             partial_rollout=at.partial_rollout,
+            max_staleness=self.max_staleness,
         )
 
 

@@ -31,9 +31,9 @@ from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitIn
 from transfer_queue._service import Service, run_service
 from transfer_queue._wire import Codec
 
-from .arena import PAGE_BYTES, keep_freed_memory
+from .arena import PAGE_BYTES
 from .service import StorageUnit
-from transfer_queue._host import host_id, reachable
+from transfer_queue.host import host_id, keep_freed_memory, reachable
 from transfer_queue._sizes import parse_bytes
 
 ANNOUNCE = "SLUICE_STORAGE"

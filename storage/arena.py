@@ -24,30 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from transfer_queue._host import arena_path
+from transfer_queue.host import arena_path, map_file
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "keep_freed_memory", "give_back_freed_memory"]
+__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "give_back_freed_memory"]
 
 PAGE_BYTES = 64 << 10
 """Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
 PREFAULT_STEP = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we skip pre-faulting
-
-
-def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
-    """Make glibc keep freed blocks of up to 32 MiB for reuse instead of returning them.
-
-    ZeroMQ receives every data frame into a new malloc'd block. By default glibc serves blocks
-    that large with fresh mappings, or trims them off its heap once freed, so each Write frame
-    lands in pages that fault in on first touch (~10x a warm copy, docs/architecture.md, section 3). With a fixed
-    mmap threshold of 32 MiB (glibc's maximum) and a high trim threshold, those blocks come from
-    the heap and stay warm. Process-wide; returns False where the C library has no `mallopt`.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
 def give_back_freed_memory(keep: int) -> None:
@@ -60,10 +44,6 @@ def give_back_freed_memory(keep: int) -> None:
         ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(keep))
     except (OSError, AttributeError):
         pass
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
 
 
 class ExtentAllocator:
@@ -207,7 +187,7 @@ class Arena:
                     f"cannot reserve {capacity} bytes in {os.path.dirname(path)}: {exc.strerror}; "
                     "lower storage_capacity or enlarge /dev/shm"
                 ) from exc
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+            self._mmap: mmap.mmap | None = map_file(fd, capacity)
         except BaseException:
             os.close(fd)
             _unlink(path)

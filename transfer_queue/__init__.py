@@ -1,8 +1,9 @@
 """Sluice's public face: start or reach a cluster, put and stream samples, control staleness.
 
-Layout: `_cluster` starts the services (controller, storage units) as local processes;
-`_client_core` holds every client operation as a socket-free flow, driven by `_client`
-(blocking) and `_async_client` (asyncio); `_messages` and `_wire` are the wire protocol
+Layout: `_cluster` starts the services (controller, storage units) through a backend: local
+processes (`_launch`) or Ray actors (`_ray_backend`); `host` (public, torch-free) names and maps
+shared-memory files for every part; `_client_core` holds every client operation as a
+socket-free flow, driven by `_client` (blocking) and `_async_client` (asyncio); `_messages` and `_wire` are the wire protocol
 (msgspec messages, raw tensor frames); `_tensors` slices and assembles batches; `_meta` is
 `BatchMeta`; `_staleness` the staleness settings; `_errors` the exception tree; `_service` the
 asyncio loop the services share; `_objects` carries non-tensor fields as msgpack.

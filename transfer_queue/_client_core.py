@@ -64,9 +64,9 @@ from ._messages import (
     WriteReply,
 )
 from ._meta import BatchMeta
-from ._tensors import Assembler, BufferPool, Columns, keep_freed_memory
+from ._tensors import Assembler, BufferPool, Columns
 from ._wire import Codec
-from ._host import host_id, open_arena
+from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
 
 __all__ = ["Call", "ClientCore", "Grant", "flow", "CONTROLLER", "PROBE_AFTER", "DEAD_AFTER"]
 
@@ -253,7 +253,7 @@ class ClientCore:
             if fd is None:  # not this cluster's arena file: reach the unit over TCP instead
                 continue
             try:
-                mm = mmap.mmap(fd, unit.capacity)
+                mm = map_file(fd, unit.capacity)
             finally:
                 os.close(fd)
             self._arenas[unit.unit_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
@@ -261,10 +261,7 @@ class ClientCore:
     def close_arenas(self) -> None:
         for mm, view in self._arenas.values():
             del view
-            try:
-                mm.close()
-            except BufferError:  # a tensor still views it; the mapping goes with that tensor
-                pass
+            unmap(mm)  # a tensor may still view it; the mapping then goes with that tensor
         self._arenas.clear()
         self._pool.clear()
 
@@ -474,7 +471,7 @@ class ClientCore:
         for unit_id in targets:
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
-                keep_freed_memory()  # the frames ZeroMQ receives then land in warm memory
+                keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
         replies = yield calls
         for unit_id, (reply, frames) in zip(targets, replies):

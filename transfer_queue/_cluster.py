@@ -1,28 +1,23 @@
-"""Starting a cluster: the embedded default runs the controller and each storage unit as a local
-process (`python -m controllers`, `python -m storage`); nothing is imported across services.
-`backend="ray"` (`_ray_backend`) starts the same command lines, built here, inside Ray actors.
+"""Starting a cluster: `init` builds the cluster's config and hands it to a backend, the embedded
+default (`_launch.LocalProcesses`: the controller and each storage unit a local process,
+`python -m controllers`, `python -m storage`) or `backend="ray"` (`_ray_backend.RayActors`: the
+same command lines inside Ray actors). `Cluster` holds that backend; nothing is imported across
+services.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import glob
 import os
 import secrets
-import select
-import signal
-import subprocess
-import sys
-import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ._auth import CREDENTIALS_ENV, Credentials, is_loopback
-from ._errors import ServiceError, SchemaError
+from ._auth import Credentials, is_loopback
+from ._errors import SchemaError
+from ._launch import SECRET_ENV, Backend, LocalProcesses, remove_shm
 from ._messages import ClusterConfig
 from ._sizes import parse_bytes
 from ._staleness import StalenessConfig
@@ -32,48 +27,31 @@ if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) 
 
 __all__ = ["Cluster", "init", "connect", "parse_bytes", "SECRET_ENV"]
 
-SECRET_ENV = "SLUICE_SECRET"
-"""Environment variable that hands the cluster secret to service processes (never argv: `ps` shows it)."""
-
-_START_TIMEOUT = 60.0
-_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def _find_prctl() -> Any:
-    """libc's `prctl`, or None where there is no glibc."""
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _find_prctl()
-"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
-
-
-def _die_with_parent() -> None:
-    """Child processes end when the process that started them dies (Linux prctl)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
 
 class Cluster:
     """A running set of Sluice services. `address` is the controller's ZeroMQ endpoint."""
 
     def __init__(
-        self, address: str, config: ClusterConfig, cluster_id: str, procs: list[subprocess.Popen], secret: str = "",
+        self, address: str, config: ClusterConfig, cluster_id: str, backend: Backend, secret: str = "",
         credentials: Credentials | None = None,
     ):
         self.address = address
         self.config = config
         self.cluster_id = cluster_id
+        self.backend = backend
+        """What runs the services: `LocalProcesses` (embedded) or `RayActors` (`backend="ray"`)."""
         self.secret = secret
         """What a storage unit must show to register (set `SLUICE_SECRET` to it for a unit you restart)."""
         self.credentials = credentials
         """The services' CurveZMQ keys when bound beyond loopback (else None); give workers
         `client_credentials`."""
-        self._procs = procs
         atexit.register(self.shutdown)
+
+    @property
+    def services(self) -> list[dict[str, Any]]:
+        """Where each service runs: `{"service", "address", "pid"}` (Ray adds `node_id`,
+        `node_ip`), the controller first, then `storage-0`, `storage-1`, ..."""
+        return self.backend.services
 
     @property
     def client_credentials(self) -> Credentials | None:
@@ -87,88 +65,21 @@ class Cluster:
         return Client(self.address, use_shm, self.client_credentials)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every service and remove its shared memory; safe to call twice."""
-        procs, self._procs = self._procs, []
-        _stop_processes(procs, timeout)
-        _remove_shm(self.cluster_id)
+        """Stop every service and remove this machine's shared memory of the cluster; safe to call twice."""
+        self.backend.stop(timeout)
+        remove_shm(self.cluster_id)
         atexit.unregister(self.shutdown)
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+        """Whether every service is still running."""
+        return self.backend.alive()
 
     def __enter__(self) -> "Cluster":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM every service, wait up to `timeout` in all, then SIGKILL the ones still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def _remove_shm(cluster_id: str) -> None:
-    """Unlink this machine's leftover shared-memory files of `cluster_id` (units killed mid-way)."""
-    for path in glob.glob(f"/dev/shm/sluice-{cluster_id}-*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def _controller_command(config: ClusterConfig, cluster_id: str, port: int) -> list[str]:
-    """Arguments of `python` that run the controller; every backend starts it this way."""
-    return ["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
-            "--cluster-id", cluster_id, "--port", str(port)]
-
-
-def _storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> list[str]:
-    """Arguments of `python` that run storage unit `unit_id`, registering with `controller`."""
-    return ["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity),
-            "--cluster-id", cluster_id, "--controller", controller, "--host", host]
-
-
-def _spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:
-    """Start `python args...` with the cluster secret and credentials (a token) in its environment."""
-    env = dict(os.environ)
-    env[SECRET_ENV] = secret
-    env.pop(CREDENTIALS_ENV, None)
-    if credentials:
-        env[CREDENTIALS_ENV] = credentials
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH", "")]))
-    return subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
-    )
-
-
-def _address_of(proc: subprocess.Popen, tag: str) -> str:
-    """Wait for the `TAG address` line a service prints once it serves."""
-    deadline = time.monotonic() + _START_TIMEOUT
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if line.startswith(tag + " "):
-                return line.split(None, 1)[1].strip()
-            if not line:
-                break
-        elif proc.poll() is not None:
-            break
-    proc.kill()
-    raise ServiceError(f"`{' '.join(proc.args[1:4])} ...` did not start (exit code {proc.poll()}); see its stderr")
 
 
 def init(
@@ -210,15 +121,10 @@ def init(
         raise SchemaError(f"unknown backend {backend!r}; use 'local' (processes on this machine) or 'ray'")
     if host == "auto" and backend != "ray":
         raise SchemaError("host='auto' (each node's IP) needs backend='ray'; the local backend binds an explicit host")
-    if num_storage_units <= 0:
-        raise SchemaError(f"num_storage_units must be > 0, got {num_storage_units}")
     config = ClusterConfig(
+        **msgspec.structs.asdict(staleness),
         num_storage_units=num_storage_units,
         storage_capacity=parse_bytes(storage_capacity),
-        max_staleness=staleness.max_staleness,
-        consumer_batch_size=staleness.consumer_batch_size,
-        budget_staleness=staleness.budget_staleness,
-        partial_rollout=staleness.partial_rollout,
         lease_timeout=lease_timeout,
         grant_timeout=grant_timeout,
         stale_policy=stale_policy,
@@ -229,28 +135,18 @@ def init(
     cluster_id = uuid.uuid4().hex[:12]
     secret = secrets.token_hex(16)
     credentials = None if is_loopback(host) else Credentials.generate()
-    token = "" if credentials is None else credentials.token()
     if backend == "ray":
-        from ._ray_backend import start_ray_cluster
+        from ._ray_backend import RayActors
 
-        return _restored(start_ray_cluster(config, cluster_id, port, ray_address, secret, credentials), restore)
-    procs: list[subprocess.Popen] = []
+        runner: Backend = RayActors(ray_address)
+    else:
+        runner = LocalProcesses()
     try:
-        ctl = _spawn(_controller_command(config, cluster_id, port), secret, token)
-        procs.append(ctl)
-        address = _address_of(ctl, "SLUICE_CONTROLLER")
-        per_unit = config.storage_capacity // num_storage_units
-        units = [
-            _spawn(_storage_command(unit_id, per_unit, cluster_id, address, host), secret, token)
-            for unit_id in range(num_storage_units)
-        ]
-        procs.extend(units)
-        for unit in units:
-            _address_of(unit, "SLUICE_STORAGE")
+        address = runner.start(config, cluster_id, port, secret, "" if credentials is None else credentials.token())
     except BaseException:
-        Cluster("", config, cluster_id, procs).shutdown()
+        remove_shm(cluster_id)  # what units stopped mid-start left behind
         raise
-    return _restored(Cluster(address, config, cluster_id, procs, secret, credentials), restore)
+    return _restored(Cluster(address, config, cluster_id, runner, secret, credentials), restore)
 
 
 def _restored(cluster: Cluster, checkpoint: str | os.PathLike | None) -> Cluster:

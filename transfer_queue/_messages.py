@@ -8,11 +8,12 @@ evolve without breaking older peers of the same protocol version.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
 from ._meta import BatchMeta, FieldSpec
+from ._staleness import StalenessConfig
 
 __all__ = [
     "ClusterConfig",
@@ -75,25 +76,20 @@ __all__ = [
 StalePolicy = Literal["drop", "keep", "requeue"]
 
 
-class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Settings shared by the controller and every client of a cluster."""
+class ClusterConfig(StalenessConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Settings shared by the controller and every client of a cluster: the staleness settings
+    it extends, plus storage, timeouts and serving. Bounds are `msgspec.Meta` on the fields
+    (checked when built and when decoded; `SchemaError` when built)."""
 
-    num_storage_units: int = 2
-    storage_capacity: int = 2 << 30
+    num_storage_units: Annotated[int, msgspec.Meta(gt=0)] = 2
+    storage_capacity: Annotated[int, msgspec.Meta(gt=0)] = 2 << 30
     """Total bytes across all units (each unit holds an equal share)."""
-    max_staleness: int | None = None
-    """η: the most versions a consumed sample may lag the trainer; None = unbounded."""
-    consumer_batch_size: int = 64
-    """Samples the trainer consumes per version step (AReaL's batch size for admission)."""
-    budget_staleness: float | None = None
-    """η of the admission budget when it differs from max_staleness (verl's fractional threshold)."""
-    partial_rollout: bool = False
-    lease_timeout: float = 300.0
-    grant_timeout: float = 600.0
+    lease_timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    grant_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     stale_policy: StalePolicy = "drop"
     samplers: tuple[str, ...] = ()
     """Extra samplers as "module:Class" import paths, loaded by the controller."""
-    metrics_port: int | None = None
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     host: str = "127.0.0.1"
 
 

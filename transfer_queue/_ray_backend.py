@@ -1,8 +1,8 @@
 """`tq.init(backend="ray")`: the same services, started from Ray actors spread over a Ray cluster.
 
-Each service (the controller, every storage unit) gets one `ServiceActor`. The actor runs on
-some node and starts there the very process the embedded backend starts locally (the command
-lines and the launch helpers live in `_cluster`), reads its `SLUICE_* address` line and hands
+`RayActors` is the `Backend` a `Cluster` holds then. Each service (the controller, every storage
+unit) gets one `ServiceActor`. The actor runs on some node and starts there the very process the
+embedded backend starts locally (the command lines and the launch helpers live in `_launch`), reads its `SLUICE_* address` line and hands
 the address back. From then on Ray is out of the data path: clients on any node talk to the
 services over Sluice's own ZeroMQ wire protocol, exactly as with the embedded backend. Only
 strings and ints cross Ray's actor calls; nothing of Sluice's is pickled onto its sockets.
@@ -37,25 +37,24 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ._cluster import (
-    _ROOT,
-    _START_TIMEOUT,
-    Cluster,
-    _address_of,
-    _controller_command,
-    _remove_shm,
-    _spawn,
-    _stop_processes,
-    _storage_command,
-)
-from ._auth import Credentials
 from ._errors import ServiceError
+from ._launch import (
+    ROOT,
+    START_TIMEOUT,
+    Backend,
+    address_of,
+    controller_command,
+    remove_shm,
+    spawn,
+    stop_processes,
+    storage_command,
+)
 from ._messages import ClusterConfig
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["RayCluster", "ServiceActor", "start_ray_cluster"]
+__all__ = ["RayActors", "ServiceActor"]
 
 _CALL_GRACE = 30.0
 """Seconds added to a service's own start/stop limit for Ray to place the actor and answer."""
@@ -92,22 +91,22 @@ class ServiceActor:
         """Start the controller with `config_json` (a `ClusterConfig`); return its address."""
         config = msgspec.json.decode(config_json, type=ClusterConfig)
         config = msgspec.structs.replace(config, host=_node_host(config.host))
-        return self._start(_controller_command(config, cluster_id, port), "SLUICE_CONTROLLER", secret, credentials)
+        return self._start(controller_command(config, cluster_id, port), "SLUICE_CONTROLLER", secret, credentials)
 
     def start_storage(
         self, unit_id: int, capacity: int, cluster_id: str, controller: str, host: str, secret: str, credentials: str
     ) -> str:
         """Start storage unit `unit_id`, registered with `controller`; return its address."""
         return self._start(
-            _storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE", secret,
+            storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE", secret,
             credentials,
         )
 
     def _start(self, args: list[str], tag: str, secret: str, credentials: str) -> str:
         if self._proc is not None:
             raise ServiceError("this actor already runs a service; start one actor per service")
-        self._proc = _spawn(args, secret, credentials)
-        return _address_of(self._proc, tag)
+        self._proc = spawn(args, secret, credentials)
+        return address_of(self._proc, tag)
 
     def where(self) -> dict[str, Any]:
         """`{"node_id": str, "node_ip": str, "pid": int}`: where the service runs (pid 0 once stopped)."""
@@ -123,11 +122,11 @@ class ServiceActor:
         """SIGTERM the service, SIGKILL it after `timeout` seconds; safe to call twice."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            _stop_processes([proc], timeout)
+            stop_processes([proc], timeout)
 
     def sweep(self, cluster_id: str) -> None:
         """Remove `cluster_id`'s leftover shared-memory files on this node."""
-        _remove_shm(cluster_id)
+        remove_shm(cluster_id)
 
 
 def _runtime_env() -> dict[str, Any] | None:
@@ -137,7 +136,7 @@ def _runtime_env() -> dict[str, Any] | None:
     try:
         importlib.metadata.distribution("sluice-rl")
     except importlib.metadata.PackageNotFoundError:
-        return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}}
+        return {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}}
     return None
 
 
@@ -145,54 +144,6 @@ def _runtime_env() -> dict[str, Any] | None:
 def _actor_class() -> Any:
     """`ServiceActor` as a Ray actor class, made once per process (Ray exports each class once)."""
     return _ray().remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(ServiceActor)
-
-
-class RayCluster(Cluster):
-    """A cluster whose services run under Ray actors; `address` is the controller's endpoint.
-
-    `services` lists where each service landed: `{"service", "address", "node_id", "node_ip", "pid"}`.
-    """
-
-    def __init__(
-        self, address: str, config: ClusterConfig, cluster_id: str, actors: list[Any], owns_ray: bool, secret: str = "",
-        credentials: Credentials | None = None,
-    ) -> None:
-        super().__init__(address, config, cluster_id, [], secret, credentials)
-        self._actors = actors
-        self._owns_ray = owns_ray
-        self.services: list[dict[str, Any]] = []
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every service, sweep its nodes' shared memory, kill the actors; safe to call twice.
-
-        Calls `ray.shutdown()` only when `init` started Ray itself.
-        """
-        actors, self._actors = self._actors, []
-        ray = _ray()
-        if actors and ray.is_initialized():
-            stopped = _answered(ray, [a.stop.remote(timeout) for a in actors], timeout + _CALL_GRACE)
-            refs = [a.sweep.remote(self.cluster_id) for a, ok in zip(actors, stopped) if ok]
-            nodes = [s["node_id"] for s in self.services]
-            orphans = {n for n, ok in zip(nodes, stopped) if not ok} - {n for n, ok in zip(nodes, stopped) if ok}
-            refs += [_node_task(ray, _remove_shm, n).remote(self.cluster_id) for n in orphans]
-            _answered(ray, refs, _CALL_GRACE)
-            for actor in actors:
-                ray.kill(actor)
-        super().shutdown(timeout)  # this node's leftover shared memory, the atexit hook
-        if self._owns_ray and ray.is_initialized():
-            self._owns_ray = False
-            ray.shutdown()
-
-    @property
-    def alive(self) -> bool:
-        """Whether every service process is still running (asks each actor)."""
-        ray = _ray()
-        if not self._actors or not ray.is_initialized():
-            return False
-        try:
-            return all(_gather(ray, [a.alive.remote() for a in self._actors], _CALL_GRACE))
-        except ServiceError:
-            return False
 
 
 def _gather(ray: ModuleType, refs: list[Any], timeout: float) -> list[Any]:
@@ -237,40 +188,77 @@ def _round_robin(ray: ModuleType, n: int) -> list[Any]:
     return [NodeAffinitySchedulingStrategy(nodes[k % len(nodes)], soft=False) for k in range(n)]
 
 
-def start_ray_cluster(
-    config: ClusterConfig, cluster_id: str, port: int, ray_address: str | None, secret: str, credentials: Credentials | None
-) -> RayCluster:
-    """Start the controller, then the storage units, each from its own Ray actor.
+class RayActors(Backend):
+    """Services run by Ray actors: the controller's where Ray's default policy puts it, storage
+    units round-robin over the nodes alive at start. `services` entries add `node_id` and `node_ip`."""
 
-    Joins the Ray session this process already has; otherwise calls `ray.init(address=ray_address)`
-    (None: a new local Ray, or the one `RAY_ADDRESS` names) and shuts it down again with the cluster.
-    """
-    ray = _ray()
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(address=ray_address)
-    actor_class = _actor_class()
-    actors: list[Any] = []
-    cluster = RayCluster("", config, cluster_id, actors, owns_ray, secret, credentials)
-    token = "" if credentials is None else credentials.token()
-    try:
-        controller = actor_class.options(name=f"sluice-{cluster_id}-controller").remote()
-        actors.append(controller)
-        ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port, secret, token)
-        cluster.address = _gather(ray, [ref], _START_TIMEOUT + _CALL_GRACE)[0]
-        per_unit = config.storage_capacity // config.num_storage_units
-        units = [
-            actor_class.options(name=f"sluice-{cluster_id}-unit-{k}", scheduling_strategy=strategy).remote()
-            for k, strategy in enumerate(_round_robin(ray, config.num_storage_units))
-        ]
-        actors.extend(units)
-        refs = [u.start_storage.remote(k, per_unit, cluster_id, cluster.address, config.host, secret, token)
-                for k, u in enumerate(units)]
-        addresses = [cluster.address, *_gather(ray, refs, _START_TIMEOUT + _CALL_GRACE)]
-        places = _gather(ray, [a.where.remote() for a in actors], _CALL_GRACE)
-    except BaseException:
-        cluster.shutdown()
-        raise
-    names = ["controller", *(f"storage-{k}" for k in range(config.num_storage_units))]
-    cluster.services = [{"service": n, "address": a, **p} for n, a, p in zip(names, addresses, places)]
-    return cluster
+    def __init__(self, ray_address: str | None = None) -> None:
+        self.ray_address = ray_address
+        self.actors: list[Any] = []
+        self.services = []
+        self.cluster_id = ""
+        self._owns_ray = False
+
+    def start(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> str:
+        """Start the controller, then the storage units, each from its own Ray actor.
+
+        Joins the Ray session this process already has; otherwise calls `ray.init(address=ray_address)`
+        (None: a new local Ray, or the one `RAY_ADDRESS` names) and shuts it down again in `stop`.
+        """
+        ray = _ray()
+        self.cluster_id = cluster_id
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=self.ray_address)
+        actor_class = _actor_class()
+        try:
+            controller = actor_class.options(name=f"sluice-{cluster_id}-controller").remote()
+            self.actors.append(controller)
+            ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port, secret, credentials)
+            address = _gather(ray, [ref], START_TIMEOUT + _CALL_GRACE)[0]
+            per_unit = config.storage_capacity // config.num_storage_units
+            units = [
+                actor_class.options(name=f"sluice-{cluster_id}-unit-{k}", scheduling_strategy=strategy).remote()
+                for k, strategy in enumerate(_round_robin(ray, config.num_storage_units))
+            ]
+            self.actors.extend(units)
+            refs = [u.start_storage.remote(k, per_unit, cluster_id, address, config.host, secret, credentials)
+                    for k, u in enumerate(units)]
+            addresses = [address, *_gather(ray, refs, START_TIMEOUT + _CALL_GRACE)]
+            places = _gather(ray, [a.where.remote() for a in self.actors], _CALL_GRACE)
+        except BaseException:
+            self.stop(10.0)
+            raise
+        names = ["controller", *(f"storage-{k}" for k in range(config.num_storage_units))]
+        self.services = [{"service": n, "address": a, **p} for n, a, p in zip(names, addresses, places)]
+        return address
+
+    def alive(self) -> bool:
+        """Whether every service process is still running (asks each actor)."""
+        ray = _ray()
+        if not self.actors or not ray.is_initialized():
+            return False
+        try:
+            return all(_gather(ray, [a.alive.remote() for a in self.actors], _CALL_GRACE))
+        except ServiceError:
+            return False
+
+    def stop(self, timeout: float) -> None:
+        """Stop every service, sweep its nodes' shared memory, kill the actors; safe to call twice.
+
+        Calls `ray.shutdown()` only when `start` started Ray itself.
+        """
+        actors, self.actors = self.actors, []
+        ray = _ray()
+        if actors and ray.is_initialized():
+            stopped = _answered(ray, [a.stop.remote(timeout) for a in actors], timeout + _CALL_GRACE)
+            refs = [a.sweep.remote(self.cluster_id) for a, ok in zip(actors, stopped) if ok]
+            nodes = [s["node_id"] for s in self.services]
+            orphans = {n for n, ok in zip(nodes, stopped) if not ok} - {n for n, ok in zip(nodes, stopped) if ok}
+            refs += [_node_task(ray, remove_shm, n).remote(self.cluster_id) for n in orphans]
+            _answered(ray, refs, _CALL_GRACE)
+            for actor in actors:
+                ray.kill(actor)
+        if self._owns_ray and ray.is_initialized():
+            self._owns_ray = False
+            ray.shutdown()

@@ -20,37 +20,71 @@ pass `max_staleness` as well.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+import operator
+from typing import Annotated
+
+import msgspec
 
 from ._errors import SchemaError
 
-__all__ = ["StalenessConfig"]
+__all__ = ["StalenessConfig", "Checked", "admission_limit"]
 
 
-@dataclass(frozen=True)
-class StalenessConfig:
+def admission_limit(staleness: float, version: int, consumer_batch_size: int) -> int:
+    """AReaL's cap on samples accepted plus running under `version`:
+    `(staleness + version + 1) * consumer_batch_size`, floored (verl's threshold is fractional).
+
+    The controller's admission control and `StalenessConfig.max_samples_per_version` (at
+    version 0) both count with it."""
+    return math.floor((staleness + version + 1) * consumer_batch_size + 1e-9)
+
+
+_BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="), ("lt", operator.lt, "<"))
+
+
+@functools.cache
+def _constraints(cls: type) -> list[tuple[str, str, object, float]]:
+    """(field, op, comparison, bound) for every numeric `msgspec.Meta` bound on `cls`'s fields."""
+    out = []
+    for field in msgspec.inspect.type_info(cls).fields:
+        kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        for kind in kinds:
+            if isinstance(kind, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+                out += [(field.name, text, op, getattr(kind, name)) for name, op, text in _BOUNDS
+                        if getattr(kind, name) is not None]
+    return out
+
+
+class Checked(msgspec.Struct, frozen=True):
+    """A settings struct whose `msgspec.Meta` bounds hold when built in Python, not only when
+    decoded: the bounds are declared once, on the fields, and checked at both doors.
+
+    Raises `SchemaError` naming the field and its bound."""
+
+    def __post_init__(self) -> None:
+        for name, text, op, bound in _constraints(type(self)):
+            value = getattr(self, name)
+            if value is not None and not op(value, bound):
+                raise SchemaError(f"{name} must be {text} {bound}, got {value}")
+
+
+class StalenessConfig(Checked, frozen=True):
     """How far rollout may run ahead of training, and how stale a consumed sample may be."""
 
-    consumer_batch_size: int = 64
+    consumer_batch_size: Annotated[int, msgspec.Meta(gt=0)] = 64
     """Samples the trainer consumes per weight version."""
-    max_staleness: int | None = None
+    max_staleness: Annotated[int, msgspec.Meta(ge=0)] | None = None
     """η: the most versions a consumed sample may lag the trainer (None: unbounded)."""
-    budget_staleness: float | None = None
+    budget_staleness: Annotated[float, msgspec.Meta(ge=0)] | None = None
     """η of the admission budget; may be fractional (verl's threshold). Default: max_staleness."""
     partial_rollout: bool = False
     """Rollout workers interrupt generation on a new version and resume under the new weights."""
 
-    def __post_init__(self) -> None:
-        if self.consumer_batch_size <= 0:
-            raise SchemaError(f"consumer_batch_size must be > 0, got {self.consumer_batch_size}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise SchemaError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        if self.budget_staleness is not None and self.budget_staleness < 0:
-            raise SchemaError(f"budget_staleness must be >= 0 or None, got {self.budget_staleness}")
-
     @property
     def admission_staleness(self) -> float | None:
+        """η of the admission budget: `budget_staleness`, else `max_staleness`."""
         return self.max_staleness if self.budget_staleness is None else self.budget_staleness
 
     @property
@@ -58,7 +92,7 @@ class StalenessConfig:
         """Samples that may be produced per version step, leftovers included (verl's
         `max_required_samples`); None when production is unbounded."""
         eta = self.admission_staleness
-        return None if eta is None else math.floor((1 + eta) * self.consumer_batch_size + 1e-9)
+        return None if eta is None else admission_limit(eta, 0, self.consumer_batch_size)
 
     @classmethod
     def from_verl(
@@ -67,14 +101,19 @@ class StalenessConfig:
         *,
         require_batches: int = 1,
         trigger_parameter_sync_step: int = 1,
-        staleness_threshold: float = 0.0,
+        staleness_threshold: float | None = 0.0,
         partial_rollout: bool = False,
         max_staleness: int | None = None,
     ) -> "StalenessConfig":
         """The same production budget as verl's fully-async trainer with these settings.
 
         `ppo_mini_batch_size` counts samples (prompts x responses per prompt), as verl's
-        rollouter does after normalisation.
+        rollouter does after normalisation. `staleness_threshold=None` bounds admission by
+        `max_staleness` instead. The recipes' schema (`recipes/config.py`) and verl's own
+        config (`recipes/verl/knobs.py`) both map onto Sluice through here.
+
+        Raises:
+            SchemaError: a count is not positive, or the threshold or bound is negative.
         """
         for name, value in (("ppo_mini_batch_size", ppo_mini_batch_size), ("require_batches", require_batches),
                             ("trigger_parameter_sync_step", trigger_parameter_sync_step)):

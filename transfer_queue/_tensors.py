@@ -7,9 +7,7 @@ a buffer is a byte view of a tensor that already exists.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -26,7 +24,7 @@ from ._objects import decode_values, encode_values
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 __all__ = [
-    "Columns", "as_bytes", "Assembler", "BufferPool", "keep_freed_memory", "torch_dtype", "dtype_name", "field_spec_of",
+    "Columns", "as_bytes", "Assembler", "BufferPool", "torch_dtype", "dtype_name", "field_spec_of",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE if name not in OBJECT_DTYPES}
@@ -212,33 +210,6 @@ def _object_column(name: str, value: Any, n: int) -> "_Column":
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-_malloc_tuned = False
-
-
-def keep_freed_memory(trim_bytes: int = 256 << 20) -> None:
-    """Once per process: make glibc keep freed blocks of up to 32 MiB for reuse.
-
-    ZeroMQ receives every data frame into a new malloc'd block; by default glibc maps blocks that
-    large afresh or trims them off its heap once freed, so every frame of a `get_data` over TCP
-    lands in pages that fault in on first touch (~10x a warm copy, docs/architecture.md, section 3). A fixed
-    mmap threshold of 32 MiB (glibc's maximum) and a trim threshold of `trim_bytes` keep them
-    warm; the process then holds up to `trim_bytes` of freed heap. Set `SLUICE_MALLOC_TUNING=0`
-    to leave the allocator alone. Does nothing where the C library has no `mallopt`.
-    """
-    global _malloc_tuned
-    if _malloc_tuned:
-        return
-    _malloc_tuned = True
-    if os.environ.get("SLUICE_MALLOC_TUNING", "1") == "0":
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    mallopt(-1, trim_bytes)  # M_TRIM_THRESHOLD
-
-
 class BufferPool:
     """Reuses the memory of output tensors that their users have dropped.
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ._auth import Credentials
 from ._errors import ClosedError, SchemaError
+from ._staleness import StalenessConfig
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -278,7 +279,7 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_STALENESS_KEYS = ("consumer_batch_size", "max_staleness", "budget_staleness", "partial_rollout")
+_STALENESS_KEYS = StalenessConfig.__struct_fields__
 """`sluice:` keys that make up a `StalenessConfig` (YAML cannot hold the object itself)."""
 
 
@@ -300,8 +301,6 @@ def _sluice_kwargs(conf: dict[str, Any]) -> dict[str, Any]:
         raise SchemaError(f"unknown key(s) {unknown} under transfer_queue.sluice; Sluice's init takes {sorted(allowed)}")
     kwargs = {k: v for k, v in extra.items() if k not in _STALENESS_KEYS}
     if any(k in extra for k in _STALENESS_KEYS):
-        from ._staleness import StalenessConfig
-
         kwargs["staleness"] = StalenessConfig(**{k: extra[k] for k in _STALENESS_KEYS if k in extra})
     kwargs.setdefault("num_storage_units", int(conf["backend"]["SimpleStorage"].get("num_data_storage_units") or 2))
     metrics = conf.get("metrics") or {}

@@ -11,8 +11,11 @@ The face is `WeightPublisher` (trainer side) and `WeightSubscriber` (rollout sid
 - `plan`      the reshard plan: intersections of what ranks hold and what a subscriber needs
 - `staging`   pre-faulted shared segments and the slots (with leases) that hold versions
 - `protocol`  control-plane messages and the ZeroMQ request/reply loop
-- `transports/`  shm, tcp, ucx, torch: one small interface, a registry
-- `publisher`, `subscriber`  the two sides, built from the above
+- `transports/`  shm, tcp, ucx, torch: one small interface and a registry (`base`), the
+              byte-stream protocol tcp and ucx share (`stream`)
+- `publisher`, `subscriber`  the two sides, built from the above; the subscriber's calls to
+              the publisher ranks are `ranks`, its receiver strategy per transport mode
+              is `receivers` (mapped) or `background` (reads, image)
 """
 
 from __future__ import annotations

@@ -61,9 +61,15 @@ __all__ = [
     "RpcClient",
     "RpcServer",
     "Request",
+    "directory_key",
 ]
 
 log = logging.getLogger("sluice.weight_sync")
+
+
+def directory_key(name: str) -> str:
+    """The controller key under which channel `name`'s coordinator announces its `RankInfo`."""
+    return f"weight_sync/{name}"
 
 
 class RankInfo(msgspec.Struct, frozen=True):

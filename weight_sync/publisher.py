@@ -52,23 +52,19 @@ from .protocol import (
     SlotInfo,
     Staged,
     Verify,
+    directory_key,
 )
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
-from .transports.base import gather, read_chunks
-from transfer_queue._host import host_id
+from .transports.stream import gather, read_chunks
+from transfer_queue.host import host_id
 
-__all__ = ["WeightPublisher", "directory_key"]
+__all__ = ["WeightPublisher"]
 
 log = logging.getLogger("sluice.weight_sync")
 
 _KEPT_MANIFESTS = 8
 
-
-
-def directory_key(name: str) -> str:
-    """The controller key under which channel `name`'s coordinator announces itself."""
-    return f"weight_sync/{name}"
 
 
 Sharding = TPShard | FlatShard | Mapping[str, Layout] | None

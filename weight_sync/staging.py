@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from transfer_queue._errors import TimeoutError, WeightSyncError
+from transfer_queue.host import map_file, unmap
 
 __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
 
@@ -38,7 +39,7 @@ class Segment:
         if shared:
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
             os.ftruncate(self.fd, length)
-            self._mm = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self._mm = map_file(self.fd, length, populate=True)
         else:
             self._mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._mm.madvise(mmap.MADV_HUGEPAGE)
@@ -56,10 +57,7 @@ class Segment:
         if not hasattr(self, "tensor"):
             return  # closed already
         del self.tensor
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # unmapped when the last view is collected
+        unmap(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -71,11 +69,7 @@ def map_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
 
     Raises `OSError` if the segment cannot be opened (not co-located, or its owner is gone).
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    mm = map_file(path, size, writable=False, populate=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
         view = torch.frombuffer(mm, dtype=torch.uint8)[:size]

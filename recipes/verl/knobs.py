@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
+
 import transfer_queue as tq
 
 __all__ = ["staleness_from_verl", "sluice_settings", "apply"]
@@ -60,22 +62,16 @@ def staleness_from_verl(config: Any) -> tuple[tq.StalenessConfig, str]:
     )
     if strategy == "wait" and max_staleness is not None:
         budget = staleness.budget_staleness
-        staleness = tq.StalenessConfig(staleness.consumer_batch_size, max_staleness,
-                                       min(budget, max_staleness) if budget is not None else max_staleness,
-                                       staleness.partial_rollout)
+        staleness = msgspec.structs.replace(
+            staleness, budget_staleness=min(budget, max_staleness) if budget is not None else max_staleness
+        )
     return staleness, "keep" if strategy == "wait" else "drop"
 
 
 def sluice_settings(config: Any) -> dict[str, Any]:
     """Sluice `init` keywords for verl's knobs: staleness, consumer batch size, stale policy."""
     staleness, policy = staleness_from_verl(config)
-    return {
-        "consumer_batch_size": staleness.consumer_batch_size,
-        "max_staleness": staleness.max_staleness,
-        "budget_staleness": staleness.budget_staleness,
-        "partial_rollout": staleness.partial_rollout,
-        "stale_policy": policy,
-    }
+    return {**msgspec.structs.asdict(staleness), "stale_policy": policy}
 
 
 def apply(config: Any) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def test_garbage_and_pickle_are_rejected_and_never_executed(cluster, client, tmp
 
 def test_shutdown_leaves_no_process_and_no_shared_memory():
     cluster = tq.init(num_storage_units=2, storage_capacity="16MiB")
-    procs = list(cluster._procs)
+    procs = list(cluster.backend.procs)
     assert glob.glob(f"/dev/shm/sluice-{cluster.cluster_id}-*")
     with cluster.connect() as client:
         client.put(_td(4))

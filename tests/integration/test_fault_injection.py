@@ -83,7 +83,7 @@ def chaos(seconds: float, seed: int, kill_unit: bool) -> dict:
         while time.monotonic() - started < seconds:
             time.sleep(rng.uniform(0.1, 0.8))  # the injector's random clock, not a synchronization
             if kill_unit and not unit_killed and time.monotonic() - started > seconds / 2:
-                cluster._procs[2].send_signal(signal.SIGKILL)
+                cluster.backend.procs[2].send_signal(signal.SIGKILL)
                 unit_killed = True
                 figures["units_killed"] += 1
                 continue
@@ -129,7 +129,7 @@ def chaos(seconds: float, seed: int, kill_unit: bool) -> dict:
         # the controller dies under a blocked consumer: it must hear a ServiceError, not hang
         blocked = Worker(lines, "consumer", cluster.address, "empty")
         eventually(lambda: client.status()["counters"]["parked_get_meta"] >= 1, 30, "consumer parked")
-        cluster._procs[0].send_signal(signal.SIGKILL)
+        cluster.backend.procs[0].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         figures["hangs"] += not blocked.finished(30)
         figures["controller_death_reported_s"] = round(time.monotonic() - killed_at, 1)

@@ -69,7 +69,7 @@ def test_dead_controller_is_reported_from_every_call():
             eventually(lambda: probe.status()["admission"]["waiting"] >= 1, 10, "acquire parked")
         kill_time.append(time.monotonic())
         killed.set()
-        cluster._procs[0].send_signal(signal.SIGKILL)
+        cluster.backend.procs[0].send_signal(signal.SIGKILL)
         for t in threads:
             t.join(30)
         assert not any(t.is_alive() for t in threads), "a call still hangs on the dead controller"
@@ -92,7 +92,7 @@ async def test_dead_controller_is_reported_to_async_calls():
         versions = client.versions()
         nxt = asyncio.ensure_future(versions.__anext__())
         await client.status()
-        cluster._procs[0].send_signal(signal.SIGKILL)
+        cluster.backend.procs[0].send_signal(signal.SIGKILL)
         started = time.monotonic()
         for fut in (task, nxt):
             with pytest.raises(tq.ServiceError, match="controller"):
@@ -104,7 +104,7 @@ async def test_dead_controller_is_reported_to_async_calls():
 
 
 def _unit_proc(cluster: tq.Cluster, unit_id: int) -> subprocess.Popen:
-    return cluster._procs[1 + unit_id]
+    return cluster.backend.procs[1 + unit_id]
 
 
 def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, client):
@@ -203,7 +203,7 @@ def test_unit_registration_needs_the_cluster_secret(cluster, client, tmp_path):
 
 def test_client_maps_only_its_clusters_arena_files(cluster, tmp_path):
     """A unit advertising any other shm path is reached over TCP, never mapped."""
-    from transfer_queue._host import open_arena
+    from transfer_queue.host import open_arena
 
     with tq.connect(cluster.address) as client:
         unit = client.units[0]

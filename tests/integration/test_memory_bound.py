@@ -28,7 +28,7 @@ def _status_kib(pid: int, key: str) -> int:
 
 def test_flooded_unit_gives_its_frame_memory_back():
     with tq.init(num_storage_units=1, storage_capacity=CAPACITY) as cluster, cluster.connect() as client:
-        pid = cluster._procs[1].pid
+        pid = cluster.backend.procs[1].pid
         eventually(lambda: unit_status(client.units[0].address)["prefaulted"], 60, "arena pre-faulted")
         base = _status_kib(pid, "VmRSS")  # interpreter + libraries + the whole (touched) arena
         stop = threading.Event()

@@ -85,7 +85,7 @@ def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
 
 def test_tiny_message_cannot_make_the_controller_allocate(cluster):
     """An 87-byte BeginPut(n=2e7) is refused before anything is allocated."""
-    pid = cluster._procs[0].pid
+    pid = cluster.backend.procs[0].pid
     before = rss_bytes(pid)
     codec = Codec(Reply)
     sock = zmq.Context.instance().socket(zmq.DEALER)

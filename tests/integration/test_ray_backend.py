@@ -102,7 +102,7 @@ def test_host_auto_advertises_the_node_ip(ray_session):
 
 def test_dead_actors_take_their_services_along_and_shutdown_still_cleans(ray_session, monkeypatch):
     cluster = tq.init(backend="ray", num_storage_units=2, storage_capacity="32MiB")
-    for actor in cluster._actors:
+    for actor in cluster.backend.actors:
         ray.kill(actor)
     deadline = time.monotonic() + 10
     while any(_running(s["pid"]) for s in cluster.services) and time.monotonic() < deadline:
@@ -110,7 +110,7 @@ def test_dead_actors_take_their_services_along_and_shutdown_still_cleans(ray_ses
     assert not any(_running(s["pid"]) for s in cluster.services)
     # Killed units cannot unlink their arenas; with no actor left on the node, shutdown sweeps it
     # with a task pinned there (the driver's own sweep is switched off to show that).
-    monkeypatch.setattr(_cluster, "_remove_shm", lambda cluster_id: None)
+    monkeypatch.setattr(_cluster, "remove_shm", lambda cluster_id: None)
     cluster.shutdown()
     _assert_gone(cluster)
 
@@ -127,4 +127,4 @@ def test_missing_ray_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ImportError, match=r'pip install "sluice-rl\[ray\]"'):
-        _ray_backend.start_ray_cluster(tq.ClusterConfig(), "x", 0, None, "secret", None)
+        _ray_backend.RayActors().start(tq.ClusterConfig(), "x", 0, "secret", "")

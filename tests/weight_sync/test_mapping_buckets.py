@@ -16,7 +16,7 @@ from weight_sync import LLAMA, Layout, NameMapping, TPShard
 from weight_sync.buckets import ALIGN, layout_buckets, pack
 from weight_sync.plan import Read, build_plan
 from weight_sync.transports import Transport, names, register, resolve
-from weight_sync.transports.base import read_chunks
+from weight_sync.transports.stream import read_chunks
 
 from .workers import local_targets, weights
 
@@ -134,14 +134,14 @@ def test_read_chunks_concatenate_to_the_box(shape, data):
     lo = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
     hi = tuple(data.draw(st.integers(l + 1, n)) for l, n in zip(lo, shape))
     read = Read(0, shape, lo, hi, 4)
-    import weight_sync.transports.base as base
+    import weight_sync.transports.stream as stream
 
-    limit = base.GATHER_BYTES
-    base.GATHER_BYTES = data.draw(st.integers(4, 64))
+    limit = stream.GATHER_BYTES
+    stream.GATHER_BYTES = data.draw(st.integers(4, 64))
     try:
         chunks = read_chunks(read)
     finally:
-        base.GATHER_BYTES = limit
+        stream.GATHER_BYTES = limit
     flat = torch.arange(torch.Size(shape).numel()).view(shape)
     box = flat[tuple(slice(a, b) for a, b in zip(lo, hi))].reshape(-1)
     got = torch.cat([flat[tuple(slice(a, b) for a, b in zip(clo, chi))].reshape(-1) for clo, chi in chunks])

@@ -15,6 +15,8 @@ import torch
 
 from transfer_queue._errors import WeightSyncError
 
+from transfer_queue.host import unmap
+
 from ..staging import map_segment
 from .base import Job, Transport, register
 
@@ -55,10 +57,7 @@ class ShmTransport(Transport):
         if held is not None:
             _, mm, view = held
             del view, held
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes with it
+            unmap(mm)  # a view may still be alive somewhere; the mapping then goes with it
 
     def close(self) -> None:
         for key in list(self._maps):

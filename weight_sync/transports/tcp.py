@@ -19,18 +19,8 @@ import torch
 from transfer_queue._errors import SluiceError, WeightSyncError
 
 from ..protocol import Pull, RelayPull
-from .base import (
-    STATUS,
-    Job,
-    Source,
-    Transport,
-    as_bytes,
-    decode_request,
-    encode_request,
-    raise_status,
-    register,
-    status_header,
-)
+from .base import Job, Source, Transport, register
+from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, status_header
 
 __all__ = ["TcpTransport"]
 

@@ -24,7 +24,8 @@ import torch
 from transfer_queue._errors import SluiceError, WeightSyncError
 
 from ..protocol import Pull, RelayPull
-from .base import STATUS, Job, Source, Transport, decode_request, encode_request, raise_status, read_chunks, register, status_header
+from .base import Job, Source, Transport, register
+from .stream import STATUS, decode_request, encode_request, raise_status, read_chunks, status_header
 
 __all__ = ["UcxTransport"]
 

@@ -1,4 +1,4 @@
-"""Admission control for producers (AReaL's rule) and the staleness counters.
+"""Admission control for producers: AReaL's generation-slot budget.
 
 A producer asks for generation slots before it generates. Slots are granted only while
 
@@ -14,39 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from transfer_queue._errors import SchemaError, TimeoutError
+from transfer_queue._staleness import admission_limit
 
-__all__ = ["Admission", "StaleCounters"]
+from .status import AdmissionStatus
+
+__all__ = ["Admission"]
 
 
 @dataclass
 class _Grant:
     remaining: int
     expiry: asyncio.TimerHandle | None = None
-
-
-@dataclass
-class StaleCounters:
-    """What happened to samples that were too stale when a consumer asked for them."""
-
-    dropped: int = 0
-    kept: int = 0
-    requeued: int = 0
-    served_histogram: dict[int, int] = field(default_factory=dict)
-
-    def served(self, staleness: np.ndarray) -> None:
-        """Count served samples by staleness (one `np.unique` per batch, not a loop per sample)."""
-        values, counts = np.unique(staleness, return_counts=True)
-        for s, c in zip(values.tolist(), counts.tolist()):
-            self.served_histogram[s] = self.served_histogram.get(s, 0) + c
 
 
 class Admission:
@@ -70,13 +54,13 @@ class Admission:
         """Slots that may be granted now."""
         if self.max_staleness is None:
             return float("inf")
-        return math.floor((self.max_staleness + self.version_of() + 1) * self.batch_size + 1e-9) - self.accepted - self.running
+        return admission_limit(self.max_staleness, self.version_of(), self.batch_size) - self.accepted - self.running
 
     async def acquire(self, n: int, timeout: float) -> tuple[int, int]:
         """(grant id, version) once `n` slots fit the budget; FIFO among waiting producers."""
         if n <= 0:
             raise SchemaError(f"acquire needs n > 0, got {n}")
-        most = None if self.max_staleness is None else math.floor((self.max_staleness + 1) * self.batch_size + 1e-9)
+        most = None if self.max_staleness is None else admission_limit(self.max_staleness, 0, self.batch_size)
         if most is not None and n > most:
             raise SchemaError(f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} slots")
         if not self._queue and n <= self.budget():
@@ -171,14 +155,14 @@ class Admission:
         self._close(grant_id)
         self.pump()
 
-    def stats(self) -> dict:
-        return {
-            "accepted": self.accepted,
-            "running": self.running,
-            "budget": None if self.max_staleness is None else self.budget(),
-            "open_grants": len(self._grants),
-            "waiting": len(self._queue),
-            "waits": self.waits,
-            "wait_seconds": round(self.wait_seconds, 6),
-            "expired_grants": self.expired,
-        }
+    def status(self) -> AdmissionStatus:
+        return AdmissionStatus(
+            accepted=self.accepted,
+            running=self.running,
+            budget=None if self.max_staleness is None else int(self.budget()),
+            open_grants=len(self._grants),
+            waiting=len(self._queue),
+            waits=self.waits,
+            wait_seconds=round(self.wait_seconds, 6),
+            expired_grants=self.expired,
+        )

@@ -1,4 +1,5 @@
-"""Serving `get_meta`: find ready samples, apply the staleness bound, sample, lease, or park.
+"""Scheduling consumers: find ready samples for `get_meta`, apply the staleness bound and its
+policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
 whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
@@ -20,12 +21,33 @@ from transfer_queue._errors import TimeoutError
 from transfer_queue._meta import BatchMeta
 from transfer_queue._messages import ClusterConfig, GetMeta
 
+from .admission import Admission
 from .samplers import SampleView, SamplerRegistry
-from .staleness import Admission, StaleCounters
+from .status import SchedulerStatus, StalenessStatus
 from .table import Partition, TaskState
 from .versions import VersionClock
 
-__all__ = ["Dispatcher"]
+__all__ = ["Scheduler", "StaleCounters"]
+
+
+@dataclass
+class StaleCounters:
+    """Staleness of the samples served, and what happened to those too stale to serve."""
+
+    dropped: int = 0
+    kept: int = 0
+    requeued: int = 0
+    served_histogram: dict[int, int] = field(default_factory=dict)
+
+    def served(self, staleness: np.ndarray) -> None:
+        """Count served samples by staleness (one `np.unique` per batch, not a loop per sample)."""
+        values, counts = np.unique(staleness, return_counts=True)
+        for s, c in zip(values.tolist(), counts.tolist()):
+            self.served_histogram[s] = self.served_histogram.get(s, 0) + c
+
+    def status(self) -> StalenessStatus:
+        histogram = {str(k): v for k, v in sorted(self.served_histogram.items())}
+        return StalenessStatus(histogram, self.dropped, self.kept, self.requeued)
 
 
 @dataclass
@@ -45,8 +67,8 @@ class _Lease:
 
 
 @dataclass
-class Dispatcher:
-    """Consumer-side scheduling over the controller's partitions."""
+class Scheduler:
+    """Consumer-side scheduling over the controller's partitions: parked requests and leases."""
 
     config: ClusterConfig
     partitions: dict[str, Partition]
@@ -61,6 +83,10 @@ class Dispatcher:
     served: int = 0
     acked: int = 0
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def status(self) -> SchedulerStatus:
+        parked = sum(len(queue) for queue in self.waiters.values())
+        return SchedulerStatus(self.served, self.acked, len(self.leases), parked)
 
     # -- get_meta ----------------------------------------------------------------------
 

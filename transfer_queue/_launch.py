@@ -1,0 +1,183 @@
+"""Running services as processes: the command lines every backend starts, spawning one with the
+cluster's secret in its environment, reading the address it announces, stopping it, and
+sweeping a cluster's shared memory. `Backend` is what a `Cluster` holds to run its services;
+`LocalProcesses`, the embedded default, runs them as children of this process (`RayActors`
+in `_ray_backend` runs the same command lines from Ray actors).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ._auth import CREDENTIALS_ENV
+from ._errors import ServiceError
+from ._messages import ClusterConfig
+from .host import shm_prefix
+
+__all__ = [
+    "Backend", "LocalProcesses", "SECRET_ENV", "START_TIMEOUT", "ROOT", "controller_command", "storage_command",
+    "spawn", "address_of", "stop_processes", "remove_shm",
+]
+
+SECRET_ENV = "SLUICE_SECRET"
+"""Environment variable that hands the cluster secret to service processes (never argv: `ps` shows it)."""
+
+START_TIMEOUT = 60.0
+"""Seconds a service may take to announce its address."""
+ROOT = str(Path(__file__).resolve().parent.parent)
+"""The checkout that holds `transfer_queue`, `controllers` and `storage` (put on the services' path)."""
+
+
+class Backend(ABC):
+    """Where a cluster's services run: started once, asked whether they live, stopped once."""
+
+    services: list[dict[str, Any]]
+    """Where each service landed: `{"service", "address", "pid", ...}`, the controller first."""
+
+    @abstractmethod
+    def start(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> str:
+        """Start the controller, then `config.num_storage_units` storage units registered with it;
+        return the controller's address. Stops what it started before raising.
+
+        Raises:
+            ServiceError: a service did not start.
+        """
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """Whether every service is still running."""
+
+    @abstractmethod
+    def stop(self, timeout: float) -> None:
+        """Stop every service (SIGTERM, SIGKILL after `timeout` seconds); safe to call twice."""
+
+
+class LocalProcesses(Backend):
+    """The embedded backend: every service a child process of this one, ended with it."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.services = []
+
+    def start(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> str:
+        try:
+            ctl = spawn(controller_command(config, cluster_id, port), secret, credentials)
+            self.procs.append(ctl)
+            address = address_of(ctl, "SLUICE_CONTROLLER")
+            per_unit = config.storage_capacity // config.num_storage_units
+            units = [
+                spawn(storage_command(unit_id, per_unit, cluster_id, address, config.host), secret, credentials)
+                for unit_id in range(config.num_storage_units)
+            ]
+            self.procs.extend(units)
+            addresses = [address, *(address_of(unit, "SLUICE_STORAGE") for unit in units)]
+        except BaseException:
+            self.stop(10.0)
+            raise
+        names = ["controller", *(f"storage-{k}" for k in range(config.num_storage_units))]
+        self.services = [{"service": n, "address": a, "pid": p.pid} for n, a, p in zip(names, addresses, self.procs)]
+        return address
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def stop(self, timeout: float) -> None:
+        procs, self.procs = self.procs, []
+        stop_processes(procs, timeout)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every service, wait up to `timeout` in all, then SIGKILL the ones still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def remove_shm(cluster_id: str) -> None:
+    """Unlink this machine's leftover shared-memory files of `cluster_id` (units killed mid-way)."""
+    for path in glob.glob(shm_prefix(cluster_id) + "*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def controller_command(config: ClusterConfig, cluster_id: str, port: int) -> list[str]:
+    """Arguments of `python` that run the controller; every backend starts it this way."""
+    return ["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
+            "--cluster-id", cluster_id, "--port", str(port)]
+
+
+def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> list[str]:
+    """Arguments of `python` that run storage unit `unit_id`, registering with `controller`."""
+    return ["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity),
+            "--cluster-id", cluster_id, "--controller", controller, "--host", host]
+
+
+def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:
+    """Start `python args...` with the cluster secret and credentials (a token) in its environment."""
+    env = dict(os.environ)
+    env[SECRET_ENV] = secret
+    env.pop(CREDENTIALS_ENV, None)
+    if credentials:
+        env[CREDENTIALS_ENV] = credentials
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
+    )
+
+
+def address_of(proc: subprocess.Popen, tag: str) -> str:
+    """Wait for the `TAG address` line a service prints once it serves."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith(tag + " "):
+                return line.split(None, 1)[1].strip()
+            if not line:
+                break
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    raise ServiceError(f"`{' '.join(proc.args[1:4])} ...` did not start (exit code {proc.poll()}); see its stderr")
+
+
+def _find_prctl() -> Any:
+    """libc's `prctl`, or None where there is no glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
+
+
+def _die_with_parent() -> None:
+    """Child processes end when the process that started them dies (Linux prctl)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

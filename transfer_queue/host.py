@@ -1,0 +1,143 @@
+"""This host: its identity, its shared-memory files and its allocator. A public module, small
+and free of torch, so every part may use it: the client and the storage units (arena files),
+the launcher (sweeping a cluster's files), the weight channel (staging segments).
+
+- `host_id()`: processes that report the same id can map each other's shared memory;
+- `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
+- `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
+- `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
+- `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
+- `reachable`: an endpoint as other hosts can dial it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import socket
+
+__all__ = [
+    "host_id", "shm_prefix", "arena_path", "open_arena", "map_file", "unmap", "keep_freed_memory", "reachable",
+]
+
+SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """Hostname plus boot id: processes reporting the same id can map each other's /dev/shm files."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+def shm_prefix(cluster_id: str) -> str:
+    """What every shared-memory file of cluster `cluster_id` is named with (glob it with `*`)."""
+    return f"{SHM_DIR}/sluice-{cluster_id}-"
+
+
+def arena_path(cluster_id: str, unit_id: int) -> str:
+    """Where unit `unit_id` of cluster `cluster_id` keeps its arena (the only path a client maps)."""
+    return f"{shm_prefix(cluster_id)}u{unit_id}"
+
+
+def open_arena(cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> int | None:
+    """A read-write descriptor of a unit's arena, or None unless the path a unit advertised is
+    exactly its cluster's arena file: no other name, no symlink, owned by this user and big
+    enough. A client never maps (and writes into) any other file a peer names."""
+    expected = arena_path(cluster_id, unit_id)
+    if shm_path != expected:
+        return None
+    try:
+        fd = os.open(expected, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_size < capacity:
+        os.close(fd)
+        return None
+    return fd
+
+
+def map_file(file: str | int, size: int, *, writable: bool = True, populate: bool = False) -> mmap.mmap:
+    """A shared mapping of the first `size` bytes of `file` (a path, opened and closed here, or
+    a descriptor, which stays the caller's). `populate` fills the page tables at once (no fault
+    per page on first touch), worth it for memory that is read right away.
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+    """
+    fd = os.open(file, os.O_RDWR if writable else os.O_RDONLY) if isinstance(file, str) else file
+    try:
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
+    finally:
+        if isinstance(file, str):
+            os.close(fd)
+
+
+def unmap(mm: mmap.mmap) -> None:
+    """Unmap now, or, while a view of it is still alive somewhere, when the last one goes."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+_malloc_tuned = False
+
+
+def keep_freed_memory(trim_bytes: int) -> bool:
+    """Once per process: make glibc keep freed blocks of up to 32 MiB for reuse.
+
+    ZeroMQ receives every data frame into a new malloc'd block; by default glibc maps blocks that
+    large afresh or trims them off its heap once freed, so every frame lands in pages that fault
+    in on first touch (~10x a warm copy, docs/architecture.md section 3). A fixed mmap threshold
+    of 32 MiB (glibc's maximum) and a trim threshold of `trim_bytes` keep them warm; the process
+    then holds up to `trim_bytes` of freed heap. Set `SLUICE_MALLOC_TUNING=0` to leave the
+    allocator alone. Returns whether the allocator was tuned (False without glibc's `mallopt`,
+    or when it was asked before in this process).
+    """
+    global _malloc_tuned
+    if _malloc_tuned or os.environ.get("SLUICE_MALLOC_TUNING", "1") == "0":
+        return False
+    _malloc_tuned = True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_WILDCARDS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def reachable(endpoint: str, toward: str | None = None) -> str:
+    """`endpoint` (`tcp://host:port`) as others can reach it: a wildcard host (0.0.0.0 binds
+    every interface but reaches none) becomes this machine's IP on the route to `toward`'s host
+    (or the default route), found without sending anything; else the IP of this machine's name."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host not in _WILDCARDS:
+        return endpoint
+    ip = ""
+    peer = toward.partition("://")[2].rpartition(":")[0] if toward else "192.0.2.1"  # TEST-NET-1: the default route
+    if peer not in _WILDCARDS:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((peer, 9))  # UDP connect: a routing lookup, no packet
+                ip = probe.getsockname()[0]
+        except OSError:
+            ip = ""
+    if not ip:
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            ip = "127.0.0.1"
+    return f"{scheme}://{ip}:{port}"

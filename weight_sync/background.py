@@ -1,0 +1,314 @@
+"""Receivers that work ahead of the caller: a thread brings each new version into the
+subscriber's own pre-faulted buffers while the worker keeps generating, and `poll` applies a
+version once all of it is in (in the caller's thread, like every apply).
+
+- `ReadsReceiver` ("reads": tcp, ucx) pulls each rank's planned reads back to back; with tcp
+  the subscriber also relays what it received to the subscribers the publisher points at it
+  (`RelaySource`), falling back to the rank itself when its own relay fails.
+- `ImageReceiver` ("image": torch) is broadcast rank 0's whole slot.
+
+A transfer that fails is discarded and its `WeightSyncError` raised by the next `poll`; the
+tensors keep the version they had.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from transfer_queue import SluiceError, TimeoutError, WeightSyncError
+
+from .layout import numel
+from .plan import Copy, Plan
+from .protocol import Checksums, Confirm, Granted, Latest, Offer, Pull, RelayPull, RpcClient
+from .ranks import PublisherRanks
+from .receivers import ReceiveSettings, Receiver, Targets
+from .staging import Slot, SlotTable
+from .transports import Job, Source
+from .transports.stream import read_chunks
+
+__all__ = ["BackgroundReceiver", "ReadsReceiver", "ImageReceiver", "RelaySource"]
+
+log = logging.getLogger("sluice.weight_sync")
+
+_RETRY_SECONDS = 0.2
+"""Pause after a failed transfer before trying the newest version again."""
+
+
+@dataclass
+class _Received:
+    """A version whole in the receive buffer, waiting to be applied."""
+
+    version: int
+    plan: Plan
+    buffer: torch.Tensor
+    """What the copies read from: the version's image (image) or its reads back to back (reads)."""
+    lease: int
+    """The subscriber's own lease that keeps the buffer from being reused before apply."""
+    checksums: dict[int, Checksums]
+
+
+class BackgroundReceiver(Receiver):
+    """Receives in a thread into pre-faulted buffers; `poll` applies what is whole."""
+
+    buffers: ClassVar[int] = 1
+    """Receive buffers unless the subscriber asks for another number."""
+
+    def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
+        super().__init__(ranks, targets, coordinator, settings)
+        self.table = SlotTable(settings.buffers or self.buffers, shared=False, lease_timeout=1e9)
+        self.cond = threading.Condition()
+        self.closed = False
+        self.holding: tuple[int, Plan] | None = None
+        """(version, plan) of what the receive buffer holds or is filling (relays serve it)."""
+        self._received: _Received | None = None
+        self._error: WeightSyncError | None = None
+        self._fetched = -1
+        """The newest version the thread brought in (applied or not)."""
+        self._coordinator: RpcClient | None = None
+        if settings.relay and ranks.transport.fanout is not None:
+            ranks.relay_endpoint = ranks.transport.serve(RelaySource(self))
+        self._thread = threading.Thread(target=self._loop, args=(coordinator,), name="sluice-ws-receiver", daemon=True)
+        self._thread.start()
+
+    # -- the receiver thread ----------------------------------------------------------------
+
+    @abstractmethod
+    def _receive(self) -> None:
+        """Bring the next version in, if there is one (called in a loop by the thread)."""
+
+    @abstractmethod
+    def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
+        """Where each planned copy reads from in a received version."""
+
+    def _loop(self, coordinator: str) -> None:
+        self._coordinator = RpcClient(coordinator, timeout=self.timeout)  # sockets stay with one thread
+        while not self.closed:
+            try:
+                self._receive()
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the transfer is discarded
+                if not isinstance(exc, SluiceError):
+                    log.exception("weight transfer failed")
+                with self.cond:
+                    if self.closed:
+                        return
+                    self._error = exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"weight transfer failed: {exc!r}")
+                    self.cond.notify_all()
+                    self.cond.wait(_RETRY_SECONDS)
+
+    def _await_free_buffer(self) -> bool:
+        """With one buffer, wait until the version in it was applied; False once closed."""
+        with self.cond:
+            while len(self.table.slots) == 1 and self._received is not None and self._received.version > self.targets.version:
+                if self.closed:
+                    return False
+                self.cond.wait(1.0)
+            return not self.closed
+
+    def _ready(self, version: int, plan: Plan, slot: Slot, filled: int, buffer: torch.Tensor,
+               checksums: dict[int, Checksums]) -> None:
+        """Mark `version` whole in `slot`; it stays pinned until applied or superseded."""
+        self._fetched = version
+        self.table.advance(slot, filled, complete=True)
+        lease, _ = self.table.lease(version)
+        with self.cond:
+            old, self._received = self._received, _Received(version, plan, buffer, lease, checksums)
+            self._error = None
+            self.cond.notify_all()
+        if old is not None:
+            self.table.release(old.lease)
+
+    # -- the caller's thread ------------------------------------------------------------------
+
+    def poll(self, timeout: float) -> int | None:
+        applied = self._apply_received()
+        if applied is None and timeout > 0:
+            with self.cond:  # nothing new yet: wait for the thread's next news
+                received = self._received
+                if (received is None or received.version <= self.targets.version) and self._error is None:
+                    self.cond.wait(min(timeout, 1.0))
+        return applied
+
+    def _apply_received(self) -> int | None:
+        with self.cond:
+            received, error = self._received, self._error
+            self._error = None
+        held = self.targets.version
+        if error is not None and (received is None or received.version <= held):
+            raise error
+        if received is None or received.version <= held:
+            return None
+        got = self.table.lease(received.version)
+        if got is None:
+            return None
+        lease, _ = got
+        try:
+            self.targets.apply(received.version, received.plan, self._source(received), received.checksums)
+        except WeightSyncError:
+            with self.cond:  # checksums disagree: discard this copy, wait for the next version
+                if self._received is received:
+                    self._received = None
+            raise
+        finally:
+            self.table.release(lease)
+            with self.cond:
+                if self._received is None or self.targets.version >= received.version:
+                    self.table.release(received.lease)  # applied or discarded: the buffer may be reused
+                    self.cond.notify_all()
+        return received.version
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.ranks.transport.close()  # unblocks a thread waiting on a socket
+        self._thread.join(timeout=self._join_timeout())
+        if self._coordinator is not None:
+            self._coordinator.close()
+        self.table.close()
+
+    def _join_timeout(self) -> float:
+        return self.timeout
+
+
+class ReadsReceiver(BackgroundReceiver):
+    """"reads" transports: pull each rank's planned reads back to back into one buffer."""
+
+    mode = "reads"
+
+    def _receive(self) -> None:
+        if not self._await_free_buffer():
+            return
+        after = max(self._fetched, self.targets.version)
+        try:
+            offer: Offer = self._coordinator.call(Latest(after, not self.settings.pipelined, 1.0), timeout=1.0 + self.timeout)
+        except TimeoutError:
+            return
+        if offer.version <= after:
+            return
+        version = offer.version
+        grants = self.ranks.lease_all(version)
+        slot = None
+        try:
+            plan = self.ranks.plan(tuple(g.manifest for g in grants))
+            slot = self.table.claim(version, plan.nbytes, self.timeout)
+            with self.cond:
+                self.holding = (version, plan)
+                self.cond.notify_all()
+            sources = [self._pull(r, version, g, plan, slot) if plan.reads(r) else "" for r, g in enumerate(grants)]
+            if not offer.complete:
+                self._coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
+            checksums = self._checksums(plan, grants)
+        except BaseException:
+            if slot is not None:
+                self.table.fail(slot)
+            raise
+        finally:
+            self.ranks.release(grants)
+        self.last_sources = sources
+        self._ready(version, plan, slot, plan.nbytes, slot.segment.tensor, checksums)
+
+    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot) -> str:
+        """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank.
+        Returns where they came from ("" for the rank itself)."""
+        transport = self.ranks.transport
+        try:
+            transport.receive(self.ranks.job(rank, version, grant, plan, slot, self.table))
+            return grant.source
+        except WeightSyncError as exc:
+            if not grant.source:
+                raise
+            log.info("relay %s failed (%s); pulling from rank %d directly", grant.source, exc, rank)
+            direct = self.ranks.lease(rank, version, direct=True)
+            try:
+                transport.receive(self.ranks.job(rank, version, direct, plan, slot, self.table))
+            finally:
+                self.ranks.release_one(rank, direct)
+            return ""
+
+    def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
+        buffer = received.buffer
+        return lambda c: buffer[c.recv : c.recv + c.read.nbytes].view(c.dtype).view(c.read.box_shape)
+
+
+class ImageReceiver(BackgroundReceiver):
+    """"image" transports: rank 0's whole slot is broadcast into a buffer of ours; keeps two
+    buffers by default, so it can go on receiving while a version waits to be applied."""
+
+    mode = "image"
+    buffers = 2
+
+    def _receive(self) -> None:
+        if not self._await_free_buffer():
+            return
+        slot = None
+
+        def into(nbytes: int) -> torch.Tensor:
+            nonlocal slot
+            slot = self.table.claim(job.version, nbytes, self.timeout)
+            return slot.segment.tensor
+
+        job = Job(0, max(self._fetched, self.targets.version) + 1, 0, self.ranks.info[0].data[self.ranks.transport.name],
+                  None, [], [], 0, into, lambda n: None, self.timeout)
+        try:
+            image = self.ranks.transport.receive(job)
+            plan = self.ranks.plan((job.manifest,))
+            self._coordinator.call(Confirm(job.version, self.timeout), timeout=self.timeout * 2)
+            checksums = {}
+            if self.settings.validate:
+                grants = self.ranks.lease_all(job.version)
+                try:
+                    checksums = self.ranks.verify(plan, grants)
+                finally:
+                    self.ranks.release(grants)
+        except BaseException:
+            if slot is not None:
+                self.table.fail(slot)
+            raise
+        self._ready(job.version, plan, slot, slot.size, image, checksums)
+
+    def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
+        image = received.buffer
+        return lambda c: c.read.view(image, c.dtype)
+
+    def _join_timeout(self) -> float:
+        return 1.0  # a broadcast cannot be interrupted; the thread is a daemon
+
+
+class RelaySource(Source):
+    """Serves `RelayPull`s from a subscriber's receive buffer, as its bytes arrive."""
+
+    def __init__(self, receiver: BackgroundReceiver):
+        self.receiver = receiver
+
+    def open(self, request: Pull | RelayPull):  # noqa: ANN201
+        rx = self.receiver
+        if not isinstance(request, RelayPull) or request.plan != rx.ranks.signature:
+            raise WeightSyncError("this relay serves only subscribers with the same plan")
+        with rx.cond:  # the downstream may ask before this relay has started on the version
+            rx.cond.wait_for(lambda: rx.closed or (rx.holding is not None and rx.holding[0] >= request.version), rx.timeout)
+            holding = rx.holding
+        if holding is None or holding[0] != request.version:
+            raise WeightSyncError(f"this relay does not hold version {request.version}")
+        got = rx.table.lease(request.version)
+        if got is None:
+            raise WeightSyncError(f"this relay moved past version {request.version}")
+        lease, slot = got
+        copies = [c for c in holding[1].copies if c.rank == request.rank]
+
+        def views():  # noqa: ANN202
+            buffer = slot.segment.tensor
+            for c in copies:
+                slot.wait_filled(c.recv + c.read.nbytes, request.version, rx.timeout)
+                position = c.recv
+                for lo, hi in read_chunks(c.read):
+                    n = c.read.itemsize * numel(lo, hi)
+                    yield memoryview(buffer[position : position + n].numpy()).cast("B")
+                    position += n
+
+        return views(), lambda ok: rx.table.release(lease)

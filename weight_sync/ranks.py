@@ -1,0 +1,147 @@
+"""A subscriber's calls to the publisher ranks, whatever the transport.
+
+One control client per rank; each rank's manifests fetched once and each set of manifests
+planned once; leases on one version across every rank (none left held if one fails);
+checksums for validation; and the `Job` a transport is handed for one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from transfer_queue import SluiceError
+
+from .mapping import NameMapping, TPShard
+from .plan import Plan, build_plan
+from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Verify
+from .staging import Slot, SlotTable
+from .transports import Job, Transport
+
+__all__ = ["PublisherRanks"]
+
+
+class PublisherRanks:
+    """The publisher ranks of one channel as one subscriber talks to them, from one thread at a
+    time (the caller's for "map" transports, the receiver thread's for the others)."""
+
+    def __init__(
+        self,
+        ranks: list[RankInfo],
+        transport: Transport,
+        targets: Mapping[str, torch.Tensor],
+        shard: TPShard,
+        mapping: NameMapping,
+        signature: int,
+        timeout: float,
+    ):
+        self.info = ranks
+        self.transport = transport
+        self.signature = signature
+        """Identifies what this subscriber needs: equal signatures mean equal plans (relays)."""
+        self.relay_endpoint = ""
+        """Where this subscriber re-serves what it received (set once it relays)."""
+        self.timeout = timeout
+        self._targets = targets
+        self._shard = shard
+        self._mapping = mapping
+        self._clients: dict[int, RpcClient] = {}
+        self._manifests: dict[int, object] = {}
+        self._plans: dict[tuple[int, ...], Plan] = {}
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    def call(self, rank: int, msg: object, timeout: float | None = None) -> object:
+        """Send `msg` to rank `rank`'s control server and return its reply.
+
+        Raises:
+            WeightSyncError: the rank is gone or did not answer in time.
+            SluiceError: the rank refused (the error it named).
+        """
+        client = self._clients.get(rank)
+        if client is None:
+            client = self._clients[rank] = RpcClient(self.info[rank].control, timeout=self.timeout)
+        return client.call(msg, timeout=timeout)
+
+    def plan(self, ids: tuple[int, ...]) -> Plan:
+        """The plan for the ranks' manifests `ids` (fetched once per id, planned once per set)."""
+        plan = self._plans.get(ids)
+        if plan is None:
+            for rank, mid in enumerate(ids):
+                if mid not in self._manifests:
+                    self._manifests[mid] = self.call(rank, Describe(mid)).manifest
+            manifests = [self._manifests[mid] for mid in ids]
+            shapes = {e.name: e.layout.shape for m in manifests for e in m.entries}
+            bindings = self._mapping.bind(shapes, self._targets, self._shard)
+            plan = self._plans[ids] = build_plan(manifests, bindings, first=self._shard.rank)
+        return plan
+
+    def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
+        """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`
+        asks for the rank itself, not a relay (and offers nothing: its relay just failed)."""
+        relay = "" if direct else self.relay_endpoint
+        lease = Lease(version, self.transport.name, self.signature, relay, direct=direct, timeout=self.timeout)
+        return self.call(rank, lease, timeout=self.timeout + 5)
+
+    def lease_all(self, version: int) -> list[Granted]:
+        """Leases on `version` from every rank; none are left held if one fails."""
+        grants: list[Granted] = []
+        try:
+            for rank in range(len(self.info)):
+                grants.append(self.lease(rank, version))
+        except SluiceError:
+            self.release(grants)
+            raise
+        return grants
+
+    def release(self, grants: list[Granted]) -> None:
+        """Release `grants` (one per rank, in rank order)."""
+        for rank, grant in enumerate(grants):
+            self.release_one(rank, grant)
+
+    def release_one(self, rank: int, grant: Granted) -> None:
+        try:
+            self.call(rank, Release(grant.lease))
+        except SluiceError:
+            pass  # the rank is gone; so is its lease
+
+    def verify(self, plan: Plan, grants: list[Granted]) -> dict[int, Checksums]:
+        """The ranks' checksums of what `plan` reads from each (validation mode)."""
+        return {
+            r: self.call(r, Verify(g.lease, plan.reads(r)), timeout=self.timeout * 4)
+            for r, g in enumerate(grants) if plan.reads(r)
+        }
+
+    def job(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot | None = None,
+            table: SlotTable | None = None) -> Job:
+        """What the transport needs to bring in rank `rank`'s reads of `plan`, into `slot` of
+        `table` (receive buffers) or, with no slot, straight from the rank's memory ("map")."""
+        start = plan.regions[rank][0]
+        copies = [c for c in plan.copies if c.rank == rank]
+
+        def into(nbytes: int) -> torch.Tensor:
+            return slot.segment.tensor[start : start + nbytes]
+
+        def progress(nbytes: int) -> None:
+            table.advance(slot, start + nbytes)
+
+        return Job(
+            rank=rank,
+            version=version,
+            manifest=grant.manifest,
+            endpoint=self.info[rank].data[self.transport.name],
+            grant=grant,
+            reads=[c.read for c in copies],
+            offsets=[c.recv - start for c in copies],
+            digest=self.signature,
+            into=into,
+            progress=progress if slot is not None else (lambda n: None),
+            timeout=self.timeout,
+        )
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

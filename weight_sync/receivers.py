@@ -1,0 +1,137 @@
+"""How a subscriber brings versions in: one receiver strategy per transport mode, chosen once.
+
+- `MappedReceiver` ("map": shm, here): nothing moves ahead of time. `poll` leases the newest
+  complete version on every rank, copies the planned reads straight out of the mapped slots
+  into the tensors, and releases the leases.
+- `ReadsReceiver` ("reads": tcp, ucx) and `ImageReceiver` ("image": torch), in `background`: a
+  thread pulls (or is broadcast) each new version into the subscriber's own pre-faulted buffer
+  while the worker keeps generating; `poll` applies a version once all of it is in.
+
+Every receiver writes through `Targets.apply`, only ever a whole version.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from transfer_queue import WeightSyncError
+
+from .checksum import compare
+from .plan import Copy, Plan
+from .protocol import Checksums, Granted, Latest, Offer, RpcClient
+from .ranks import PublisherRanks
+
+__all__ = ["Targets", "ReceiveSettings", "Receiver", "MappedReceiver"]
+
+
+class Targets:
+    """The subscriber's tensors and the version they hold."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.version = -1
+        """The version the tensors hold (-1: none applied yet)."""
+        self.apply_seconds = 0.0
+        """How long the last apply (the copy into the tensors) took."""
+
+    def apply(self, version: int, plan: Plan, source: Callable[[Copy], torch.Tensor], checksums: dict[int, Checksums]) -> None:
+        """Copy every planned read into the tensors, then check checksums if validating.
+
+        A source tensor the publisher found changed since staging stops the apply before any
+        copy; a slice that differs after the copy is reported by name. Either way the version
+        is not marked applied (a background receiver drops it and waits for the next one).
+
+        Raises:
+            WeightSyncError: the checksums disagree.
+        """
+        corrupt = sorted({name for c in checksums.values() for name in c.corrupt})
+        if corrupt:
+            raise WeightSyncError(f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}")
+        start = time.perf_counter()
+        with torch.no_grad():
+            for copy in plan.copies:
+                copy.dst.copy_(source(copy))
+        self.apply_seconds = time.perf_counter() - start
+        if checksums:
+            compare(plan, checksums)
+        self.version = version
+
+
+@dataclass(frozen=True)
+class ReceiveSettings:
+    """How a subscriber asked to receive (see `WeightSubscriber`'s arguments)."""
+
+    validate: bool = False
+    """Compare checksums of every applied slice with the publisher's snapshot."""
+    relay: bool = True
+    """Re-serve received bytes to other subscribers (transports that relay)."""
+    pipelined: bool = True
+    """Pull a version while it is still being staged."""
+    buffers: int | None = None
+    """Receive buffers of background receivers (None: the receiver's default)."""
+
+
+class Receiver(ABC):
+    """Brings versions of the channel whose coordinator (rank 0) is at `coordinator` into `targets`."""
+
+    mode: ClassVar[str]
+
+    def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
+        self.ranks = ranks
+        self.targets = targets
+        self.settings = settings
+        self.timeout = ranks.timeout
+        self.last_sources: list[str] = []
+        """Per publisher rank, where the last received version came from: "" for the rank
+        itself, else the endpoint of the subscriber that relayed it."""
+
+    @abstractmethod
+    def poll(self, timeout: float) -> int | None:
+        """Apply the newest whole version newer than the targets', waiting up to `timeout` for
+        one; returns the version applied, or None.
+
+        Raises:
+            WeightSyncError: a transfer failed (the tensors keep their version).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop receiving; the tensors keep the version they hold."""
+
+    def _checksums(self, plan: Plan, grants: list[Granted]) -> dict[int, Checksums]:
+        return self.ranks.verify(plan, grants) if self.settings.validate else {}
+
+
+class MappedReceiver(Receiver):
+    """"map" transports: each `poll` copies straight from the publishers' mapped slots."""
+
+    mode = "map"
+
+    def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
+        super().__init__(ranks, targets, coordinator, settings)
+        self._coordinator = RpcClient(coordinator, timeout=self.timeout)
+
+    def poll(self, timeout: float) -> int | None:
+        held = self.targets.version
+        offer: Offer = self._coordinator.call(Latest(held, True, timeout), timeout=timeout + self.timeout)
+        if offer.version <= held:
+            return None
+        grants = self.ranks.lease_all(offer.version)
+        try:
+            plan = self.ranks.plan(tuple(g.manifest for g in grants))
+            slots = {rank: self.ranks.transport.receive(self.ranks.job(rank, offer.version, grant, plan))
+                     for rank, grant in enumerate(grants)}
+            checksums = self._checksums(plan, grants)
+            self.targets.apply(offer.version, plan, lambda c: c.read.view(slots[c.rank], c.dtype), checksums)
+        finally:
+            self.ranks.release(grants)
+        return offer.version
+
+    def close(self) -> None:
+        self.ranks.transport.close()
+        self._coordinator.close()

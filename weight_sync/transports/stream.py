@@ -1,0 +1,120 @@
+"""The byte-stream protocol the tcp and ucx transports share.
+
+A request (`Pull` for a publisher, `RelayPull` for a relaying subscriber), a status header,
+then every read's box as contiguous bytes, in `read_chunks` pieces (message boundaries for
+transports that keep them). A `base.Source` turns a request into those views, waiting for bytes
+that are still being staged; `gather` builds a strided box's bytes on the sending side.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import msgspec
+import torch
+
+from transfer_queue._errors import WeightSyncError, error_code, error_from_code
+
+from ..layout import Box
+from ..plan import Read
+from ..protocol import DATA_DECODER, DATA_ENCODER, Pull, RelayPull
+
+__all__ = [
+    "GATHER_BYTES",
+    "read_chunks",
+    "gather",
+    "as_bytes",
+    "encode_request",
+    "decode_request",
+    "STATUS",
+    "status_header",
+    "raise_status",
+]
+
+GATHER_BYTES = 16 << 20
+"""Most bytes of a strided box gathered at once on the sending side (bounds its scratch)."""
+
+
+def _contiguous(shape: tuple[int, ...], lo: tuple[int, ...], hi: tuple[int, ...]) -> bool:
+    """True when box [lo, hi) of a row-major `shape` is one contiguous run."""
+    for d in range(len(shape)):
+        if hi[d] - lo[d] != shape[d]:  # dims after d must be full, dims before d single
+            return all(hi[k] - lo[k] == 1 for k in range(d)) and all(hi[k] - lo[k] == shape[k] for k in range(d + 1, len(shape)))
+    return True
+
+
+def read_chunks(read: Read) -> list[Box]:
+    """Sub-boxes of `read`'s box whose bytes, concatenated, are the box's bytes (row-major):
+    a contiguous box is one chunk; a strided one is cut along its outer dims into chunks of at
+    most `GATHER_BYTES` (or single rows of its innermost dim)."""
+    out: list[Box] = []
+
+    def cut(lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+        nbytes = math.prod(h - l for l, h in zip(lo, hi)) * read.itemsize
+        if nbytes <= GATHER_BYTES or _contiguous(read.shape, lo, hi) or len(lo) == 1:
+            out.append((lo, hi))
+            return
+        d = next(k for k in range(len(lo)) if hi[k] - lo[k] > 1)
+        row = nbytes // (hi[d] - lo[d])
+        step = max(1, GATHER_BYTES // row)
+        for start in range(lo[d], hi[d], step):
+            sub_lo = lo[:d] + (start,) + lo[d + 1 :]
+            sub_hi = hi[:d] + (min(start + step, hi[d]),) + hi[d + 1 :]
+            if row <= GATHER_BYTES:
+                out.append((sub_lo, sub_hi))
+            else:
+                cut(sub_lo, sub_hi)
+
+    cut(read.lo, read.hi)
+    return out
+
+
+def gather(slot: torch.Tensor, read: Read, box: Box, scratch: list[torch.Tensor]) -> memoryview:
+    """The bytes of `box` (piece coordinates) of `read`'s piece in `slot`, as one buffer:
+    a view of the slot when the box is contiguous there, else gathered into a scratch buffer
+    of `GATHER_BYTES` (allocated into `scratch` on first need, then reused)."""
+    lo, hi = box
+    piece = slot[read.offset : read.end].view(*read.shape, read.itemsize)
+    part = piece[tuple(slice(l, h) for l, h in zip(lo, hi))]
+    if not part.is_contiguous():
+        if not scratch:
+            scratch.append(torch.empty(GATHER_BYTES, dtype=torch.uint8))
+        part = scratch[0][: part.numel()].view(part.shape).copy_(part)
+    return memoryview(part.numpy()).cast("B")
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous uint8 tensor (for `recv_into`-style receives)."""
+    return memoryview(tensor.numpy()).cast("B")
+
+
+STATUS = struct.Struct("<BI")
+"""Reply header: 0 and 0 for "bytes follow", else 1 and the length of an error message."""
+
+
+def encode_request(request: Pull | RelayPull) -> bytes:
+    """The request's body (transports frame it: tcp prefixes its length, ucx sends it alone)."""
+    return DATA_ENCODER.encode(request)
+
+
+def decode_request(body: bytes) -> Pull | RelayPull:
+    try:
+        return DATA_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WeightSyncError(f"undecodable stream request: {exc}") from exc
+
+
+def status_header(exc: BaseException | None) -> bytes:
+    """The header that starts a reply: success, or `exc` as "code: message"."""
+    if exc is None:
+        return STATUS.pack(0, 0)
+    text = f"{error_code(exc)}:{exc}".encode()
+    return STATUS.pack(1, len(text)) + text
+
+
+def raise_status(text: bytes) -> None:
+    """Raise the error a stream server reported."""
+    code, _, message = text.decode(errors="replace").partition(":")
+    err = error_from_code(code, message)
+    raise err if isinstance(err, WeightSyncError) else WeightSyncError(f"stream refused: {message}") from err
