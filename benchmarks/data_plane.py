@@ -76,7 +76,7 @@ def producer_main(address: str, use_shm: bool | None, conn) -> None:
             batches[n] = make_batch(n, seed=n)
         return batches[n]
 
-    conn.send(("ready", bool(client._arenas)))
+    conn.send(("ready", bool(client.mapped_units)))
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         use_shm = PATHS[path]
         with tq.init(num_storage_units=args.units, storage_capacity=args.capacity) as cluster:
             client = tq.connect(cluster.address, use_shm=use_shm)
-            assert bool(client._arenas) == (use_shm is None), "shm path wanted but the arenas are not mapped"
+            assert bool(client.mapped_units) == (use_shm is None), "shm path wanted but the arenas are not mapped"
             producer = Producer(cluster.address, use_shm, args.put_batches)
             pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster._procs[0].pid,
                     **{f"unit{i}": p.pid for i, p in enumerate(cluster._procs[1:])}}

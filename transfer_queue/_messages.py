@@ -2,7 +2,8 @@
 
 Controller and storage units each decode exactly one union (`ControllerRequest`,
 `StorageRequest`) and answer with a `Reply`. Tensor bytes never appear here: they travel as
-separate raw frames after the message (see `_wire`). New fields get defaults so messages can
+separate raw frames after the message (see `rpc`, which also defines the messages every
+service shares: `Cancel`, `Ping`, `Ok`, `ErrorReply`). New fields get defaults so messages can
 evolve without breaking older peers of the same protocol version.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from ._meta import BatchMeta, FieldSpec
+from .rpc import Cancel, ErrorReply, Message, Ok, Ping
 
 __all__ = [
     "ClusterConfig",
@@ -122,20 +124,7 @@ class RowInfo(msgspec.Struct, frozen=True):
     """False: put with no policy version and no grant (e.g. prompts); such rows are never stale."""
 
 
-class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
-    pass
-
-
-class Cancel(_Msg, tag="cancel"):
-    """Withdraw this peer's parked request `request_id` (any service); answered with `Ok`.
-
-    If the request was already answered, that answer arrives before this one's `Ok`."""
-
-    request_id: int
-
-
-class Ping(_Msg, tag="ping"):
-    """Are you alive? Any service answers `Ok` at once (clients probe a silent peer with it)."""
+_Msg = Message
 
 
 # -- controller requests -----------------------------------------------------------------
@@ -375,15 +364,6 @@ class UnitStatus(_Msg, tag="unit_status"):
 StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
-
-
-class Ok(_Msg, tag="ok"):
-    pass
-
-
-class ErrorReply(_Msg, tag="error"):
-    code: str
-    message: str
 
 
 class HelloReply(_Msg, tag="hello_reply"):

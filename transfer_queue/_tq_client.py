@@ -146,13 +146,13 @@ class TransferQueueClient:
     def kv_retrieve_keys(self, core: ClientCore, global_indexes: list[int] | int, partition_id: str) -> Flow:
         """The keys of `global_indexes` in `partition_id`."""
         indexes = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        reply = yield from core._one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
+        reply = yield from core.one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
         return reply.keys
 
     @_face_flow
     def kv_list(self, core: ClientCore, partition_id: str | None = None) -> Flow:
         """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
-        reply = yield from core._one(CONTROLLER, KvList(partition_id), KvListReply)
+        reply = yield from core.one(CONTROLLER, KvList(partition_id), KvListReply)
         return reply.partitions
 
     @_face_flow
@@ -171,7 +171,7 @@ class TransferQueueClient:
         merged = [dict(t) for t in resolved.tags]
         if tags is not None:
             _check_tags(keys, tags)
-            yield from core._one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
+            yield from core.one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
             for mine, new in zip(merged, tags):
                 mine.update(new)
         return KVBatchMeta(list(keys), merged, partition_id, meta.field_names, {})
@@ -191,7 +191,7 @@ class TransferQueueClient:
     @_face_flow
     def kv_clear(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
         """Delete `keys` and their samples (unknown keys are ignored)."""
-        yield from core._one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
+        yield from core.one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
 
     @_face_flow
     def kv_resolve(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
@@ -211,7 +211,7 @@ def _check_tags(keys: list[str], tags: list[dict]) -> None:
 
 
 def _resolve(core: ClientCore, keys: list[str], partition: str, create: bool) -> Flow:
-    return (yield from core._one(CONTROLLER, KvResolve(partition, list(keys), create), KvMetaReply))
+    return (yield from core.one(CONTROLLER, KvResolve(partition, list(keys), create), KvMetaReply))
 
 
 def _twins(cls: type) -> type:
@@ -222,11 +222,11 @@ def _twins(cls: type) -> type:
 
         def blocking(self, *args, _fn=fn, **kwargs):
             client = self._client()
-            return client._run(_fn(self, client, *args, **kwargs))
+            return client._run(_fn(self, client._core, *args, **kwargs))
 
         async def coroutine(self, *args, _fn=fn, **kwargs):
             client = await self._async_client()
-            return await client._run(_fn(self, client, *args, **kwargs))
+            return await client._run(_fn(self, client._core, *args, **kwargs))
 
         setattr(cls, name, functools.wraps(fn)(blocking))
         setattr(cls, f"async_{name}", functools.wraps(fn)(coroutine))

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from transfer_queue._errors import ProtocolError, SluiceError, TimeoutError, WeightSyncError, error_code, error_from_code
-from transfer_queue._wire import Codec
+from transfer_queue.rpc import Codec
 
 from .manifest import Manifest
 from .plan import Read

@@ -10,13 +10,12 @@ import time
 
 import pytest
 import torch
-import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._messages import Reply
-from transfer_queue._wire import Codec, pack_prefix
+from transfer_queue.rpc import pack_prefix
 
+from ..peers import peer, raw
 from .faults import eventually, unit_status
 
 
@@ -91,10 +90,7 @@ def test_garbage_and_pickle_are_rejected_and_never_executed(cluster, client, tmp
             return (os.system, (f"touch {marker}",))
 
     address = cluster.address if target == "controller" else client.units[0].address
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    codec = Codec(Reply)
+    channel = peer(address)
     payloads = [
         [b"\x00garbage"],
         [pack_prefix(1), pickle.dumps(Exploit())],
@@ -103,11 +99,9 @@ def test_garbage_and_pickle_are_rejected_and_never_executed(cluster, client, tmp
         [b"XYZ\x01" + bytes(8), b"{}"],
     ]
     for frames in payloads:
-        sock.send_multipart(frames)
-        assert sock.poll(5000), "the service answers malformed input"
-        _, reply, _ = codec.decode(sock.recv_multipart())
+        _, reply, _ = raw(channel, frames)
         assert reply.code == "protocol", reply
-    sock.close()
+    channel.close()
     assert not marker.exists()
     # still serving
     client.put(_td(2))

@@ -49,7 +49,7 @@ def test_every_dtype_dense_and_ragged(shared_cluster, use_shm):
     data["scalar"] = torch.arange(8, dtype=torch.float32)
     td = TensorDict(data, batch_size=[8])
     with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
-        assert bool(client._arenas) == use_shm
+        assert bool(client.mapped_units) == use_shm
         meta = client.put(td, partition=part)
         assert len(meta) == 8 and set(meta.fields) == set(data)
         assert len(set(meta.units)) == 2, "a batch is spread over both units"
