@@ -143,7 +143,7 @@ class WeightSubscriber:
         self._host = host
         self._buffers = buffers
         self._offered = [t for t in resolve(transport)]
-        self._client = tq.connect(address) if address is not None else None
+        self._client = tq.ControlClient(address) if address is not None else None
         self._publisher = publisher
         self._coordinator: RpcClient | None = None  # used by the thread that applies (map) or receives
         self._ranks: list[RankInfo] = []
