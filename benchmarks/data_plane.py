@@ -11,6 +11,7 @@ micro-batches of 64 and 256.
   partition while this process consumes with `Client.stream` (and `AsyncClient.stream`),
   clearing each micro-batch once acked. Rate = N x 81,920 B / (last micro-batch in hand -
   first put started), clocks compared with `time.time()` across the two processes.
+- put latency: one put of 64 new samples at a time (then cleared), median and p90.
 - time to first micro-batch: the consumer waits in `get_meta`; the producer's put of 64 samples
   then completes the micro-batch. Measured from that put's return (in the producer) to the
   consumer holding its meta, and its data (negative: the consumer had it before the put returned).
@@ -242,6 +243,19 @@ def first_batch(client: tq.Client, producer: Producer, micro: int, trials: int, 
     return {"to_meta_s": to_meta[1:], "to_data_s": to_data[1:]}
 
 
+def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
+    """Seconds one put of `n` new samples takes (each cleared after), one at a time."""
+    partition = part_name(f"lat-p{n}")
+    td = make_batch(n, seed=n)
+    times = []
+    for _ in range(trials + 1):  # the first warms up
+        t0 = time.perf_counter()
+        meta = client.put(td, partition=partition)
+        times.append(time.perf_counter() - t0)
+        client.clear(meta)
+    return {"put_s": times[1:], "n": n}
+
+
 # -- the run ------------------------------------------------------------------------------
 
 
@@ -250,7 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limits = physical_limits(256 << 20, 3)
     print(f"physical limits: loopback TCP {limits['tcp_gbps']:.2f} GB/s, memcpy {limits['memcpy_gbps']:.2f} GB/s "
           f"(medians of {len(limits['tcp_runs'])} / {len(limits['memcpy_runs'])})\n", flush=True)
-    record: dict[str, Any] = {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "limits": limits, "rows": [], "ttfb": [], "get_meta": []}
+    record: dict[str, Any] = {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "limits": limits, "rows": [], "ttfb": [], "get_meta": [],
+                              "put_latency": []}
     for path in args.paths:
         use_shm = PATHS[path]
         with tq.init(num_storage_units=args.units, storage_capacity=args.capacity) as cluster:
@@ -281,6 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for micro in args.micro_batches:
                     ttfb = first_batch(client, producer, micro, args.trials)
                     record["ttfb"].append({"path": path, "micro": micro, **ttfb})
+                record["put_latency"].append({"path": path, **put_latency(client, args.trials * 4)})
             finally:
                 producer.stop()
                 client.close()
@@ -374,6 +390,9 @@ def report(record: dict[str, Any]) -> None:
             record["get_meta"].append(rec)
             rows.append([path, micro, rec["p50_ms"], rec["p99_ms"], rec["n"]])
     print_table("get_meta round trip of a ready batch (ms)", ["path", "micro", "p50", "p99", "calls"], rows)
+    rows = [[r["path"], r["n"], median(r["put_s"]) * 1e3, percentile(r["put_s"], 90) * 1e3, len(r["put_s"])]
+            for r in record["put_latency"]]
+    print_table("Latency of one put of new samples, one at a time (ms)", ["path", "samples", "p50", "p90", "puts"], rows)
     targets(record)
 
 

@@ -276,15 +276,6 @@ class Controller(Service):
             raise SchemaError("a put needs at least one field")
         part = self._partition(msg.partition)
         part.check_schema(msg.fields)
-        if msg.indexes:
-            if len(msg.indexes) != msg.n:
-                raise SchemaError(f"{len(msg.indexes)} indexes for a batch of {msg.n}")
-            rows = part.rows_of(msg.indexes)
-            part.add_fields(msg.fields)
-            part.row_bytes[rows] += msg.row_bytes
-            for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
-                self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
-            return PutPlan(list(msg.indexes), part.unit[rows].tolist())
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not self.units:
@@ -305,8 +296,10 @@ class Controller(Service):
         info = msg.rows
         if info is not None:
             self._close_put(msg)
-        part = self._partition(msg.partition)
-        rows = part.rows_of(msg.indexes)
+            part = self._partition(msg.partition)
+            rows = part.rows_of(msg.indexes)
+        else:
+            part, rows = self._new_columns(msg)
         if info is not None:
             n = len(rows)
             for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
@@ -334,6 +327,21 @@ class Controller(Service):
         part.mark_ready(rows, list(msg.fields))
         self.dispatch.wake(part.name)
         return Ok()
+
+    def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
+        """Check and account for new columns of existing rows (a put with `meta=`)."""
+        if not msg.fields:
+            raise SchemaError("a put needs at least one field")
+        if not msg.indexes or len(msg.indexes) > MAX_BATCH or msg.row_bytes < 0:
+            raise SchemaError(f"a put of new columns needs 1..{MAX_BATCH} indexes and row_bytes >= 0")
+        part = self._existing(msg.partition)
+        rows = part.rows_of(msg.indexes)
+        part.check_schema(msg.fields)
+        part.add_fields(msg.fields)
+        part.row_bytes[rows] += msg.row_bytes
+        for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
+            self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
+        return part, rows
 
     def _close_put(self, msg: CommitPut) -> None:
         """Take the open put that `msg` commits off the clock; raise why it ended if it did."""

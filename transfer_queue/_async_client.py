@@ -331,27 +331,31 @@ class AsyncClient(AsyncDriver):
     ) -> AsyncIterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` until the sealed partition is drained, fetching the next
         micro-batch (metadata and data: the same fetch flow as `Client.stream`) while you work
-        on the current one. Taking the next batch acks the previous; leaving early nacks what is
-        in hand.
+        on the current one. Taking the next batch acks the previous (sent then, its answer
+        collected with the next batch); leaving early nacks what is in hand.
 
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
         """
         wait = 1e9 if timeout is None else timeout
         fetch = lambda: asyncio.ensure_future(self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options)))  # noqa: E731
-        nxt = fetch()
+        nxt, acking = fetch(), None
         meta = None
         try:
             while True:
                 batch, meta = await nxt
+                if acking is not None:
+                    acking, done = None, acking
+                    await done
                 if not len(meta):
                     meta = None
                     return
                 nxt = fetch()
                 yield batch, meta
-                await self.ack(meta)
-                meta = None
+                acking, meta = asyncio.ensure_future(self.ack(meta)), None
         finally:
+            if acking is not None:
+                await acking
             if not nxt.done():
                 nxt.cancel()  # withdrawn at the services, the lease it may hold given back
                 await asyncio.gather(nxt, return_exceptions=True)

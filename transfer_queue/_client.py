@@ -181,30 +181,36 @@ class Client(SyncDriver):
     ) -> Iterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
 
-        Taking the next batch acks the previous one. While you work on a batch, the request for
-        the next is already waiting at the controller (the same fetch flow as `AsyncClient`'s,
-        which also reads its data meanwhile). Leaving the loop early nacks the batch in hand
-        (ack it yourself first if you finished it). `timeout=None` waits indefinitely.
+        Taking the next batch acks the previous one (the ack is sent then; its answer is
+        collected with the next batch, costing no round trip of its own). While you work on a
+        batch, the request for the next is already waiting at the controller (the same fetch
+        flow as `AsyncClient`'s, which also reads its data meanwhile). Leaving the loop early
+        nacks the batch in hand (ack it yourself first if you finished it). `timeout=None`
+        waits indefinitely.
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
         """
         wait = 1e9 if timeout is None else timeout
         fetch = lambda: self._start(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))  # noqa: E731
-        pending = fetch()
+        pending, acking = fetch(), None
         meta = None
         try:
             while True:
                 batch, meta = self._finish(pending)
                 pending = None
+                if acking is not None:
+                    acking, done = None, acking
+                    self._finish(done)
                 if not len(meta):
                     meta = None
                     return
                 pending = fetch()
                 yield batch, meta
-                self.ack(meta)
-                meta = None
+                acking, meta = self._start(self._core.ack(meta)), None
         finally:
+            if acking is not None:
+                self._finish(acking)
             if pending is not None:
                 self._abandon(pending)
             if meta is not None:

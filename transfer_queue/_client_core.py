@@ -171,24 +171,24 @@ class ClientCore(ControlCore):
             if len(meta) != cols.n:
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
-        rows = None if meta is not None else self._row_info(cols, policy_version, groups, grant, source)  # validates first
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout)
-        plan = yield from self.one(CONTROLLER, begin, PutPlan)
+            # new columns of rows already placed: written straight to their units, checked at commit
+            yield from self._write(partition, cols, list(meta.indexes), np.asarray(meta.units, np.int64), timeout)
+            yield from self.one(CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok)
+            return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
+        rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
+        plan = yield from self.one(CONTROLLER, BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout), PutPlan)
         units = np.asarray(plan.units, np.int64)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
         except BaseException:  # a failed write, a driver timeout, a cancel: free the rows now
-            if meta is None:
-                try:
-                    yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
-                except SluiceError:  # the controller's put deadline frees them anyway
-                    pass
+            try:
+                yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+            except SluiceError:  # the controller's put deadline frees them anyway
+                pass
             raise
         yield from self.one(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), Ok)
-        if meta is not None:
-            return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         return BatchMeta(
             partition=partition,
             indexes=plan.indexes,

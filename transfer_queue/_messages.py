@@ -142,24 +142,27 @@ class RegisterUnit(_Msg, tag="register_unit"):
 
 
 class BeginPut(_Msg, tag="begin_put"):
-    """Validate the schema and place rows: new rows when `indexes` is empty, else new columns."""
+    """Validate the schema and place `n` new rows (new columns of existing rows need none: their
+    `CommitPut` checks and accounts for them)."""
 
     partition: str
     fields: dict[str, FieldSpec]
     n: int
     row_bytes: int
-    indexes: list[int] = []
     timeout: float = 30.0
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
-    """The units hold the data: mark `fields` ready for `indexes` (and register new rows)."""
+    """The units hold the data: mark `fields` ready for `indexes`. With `rows`, it registers the
+    new rows of an open put; without, the fields are new columns of existing rows (checked
+    against the schema here, `row_bytes` more per row)."""
 
     partition: str
     indexes: list[int]
     fields: dict[str, FieldSpec]
     rows: RowInfo | None = None
+    row_bytes: int = 0
 
 
 class AbortPut(_Msg, tag="abort_put"):

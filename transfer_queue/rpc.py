@@ -176,11 +176,13 @@ def unpack_prefix(frame: bytes | memoryview) -> int:
 
 
 class Codec:
-    """Encoder and decoder for one closed union of message types (what this side receives)."""
+    """Encoder and decoder for one closed union of message types (what this side receives);
+    used by one thread (`encode_now` reuses one buffer)."""
 
     def __init__(self, union: Any, max_body: int = MAX_BODY_BYTES, max_frames: int = MAX_DATA_FRAMES):
         self._decoder = msgspec.msgpack.Decoder(union)
         self._encoder = msgspec.msgpack.Encoder()
+        self._body = bytearray(256)
         self.max_body = max_body
         self.max_frames = max_frames
 
@@ -194,6 +196,22 @@ class Codec:
             body = self._encoder.encode(msg)
         except (msgspec.EncodeError, TypeError, OverflowError, ValueError) as exc:
             raise SchemaError(f"{type(msg).__name__} cannot be sent: {exc}") from exc
+        return [pack_prefix(request_id), body, *data]
+
+    def encode_now(self, request_id: int, msg: msgspec.Struct, data: Sequence[Any] = ()) -> list[Any]:
+        """`encode` into a body buffer this codec reuses (`encode_into`: no allocation per
+        message). Send the frames before this codec encodes anything else: blocking and
+        non-blocking sends do (ZeroMQ copies a body under `zmq.COPY_THRESHOLD` on send; a larger
+        one is copied here), a pending asyncio send may not: use `encode` there.
+
+        Raises:
+            SchemaError: as `encode`.
+        """
+        try:
+            self._encoder.encode_into(msg, self._body)
+        except (msgspec.EncodeError, TypeError, OverflowError, ValueError) as exc:
+            raise SchemaError(f"{type(msg).__name__} cannot be sent: {exc}") from exc
+        body = self._body if len(self._body) < zmq.COPY_THRESHOLD else bytes(self._body)
         return [pack_prefix(request_id), body, *data]
 
     def decode(self, frames: Sequence[Any]) -> tuple[int, Any, list[Any]]:
@@ -274,7 +292,6 @@ class Service:
         self._draining = False
         self.rejected = 0
         self.served = 0
-        self._encoder = msgspec.msgpack.Encoder()
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._serving: asyncio.Task | None = None
 
@@ -390,7 +407,7 @@ class Service:
     def _reply(self, identity: Any, request_id: int, result: Handled) -> None:
         msg, data = result if isinstance(result, tuple) else (result, [])
         self.served += 1
-        frames = [identity, pack_prefix(request_id), self._encoder.encode(msg), *data]
+        frames = [identity, *self.codec.encode_now(request_id, msg, data)]
         try:
             # ROUTER (not mandatory) never blocks: it drops a reply to a peer that is gone or full
             self._plain.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -468,7 +485,6 @@ class ThreadService:
         _refuse_unauthenticated(bind, credentials)
         self._codec = codec
         self._handler = handler
-        self._encoder = msgspec.msgpack.Encoder()
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
@@ -505,7 +521,7 @@ class ThreadService:
 
     def _send(self, identity: bytes, rid: int, msg: Message) -> None:
         try:
-            self._sock.send_multipart([identity, pack_prefix(rid), self._encoder.encode(msg)], copy=False)
+            self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
         except zmq.ZMQError:
             log.debug("reply to a vanished peer dropped")
 
@@ -673,7 +689,7 @@ class Channel(_Peer):
             SluiceError: (`lost`) no connection to the peer within `connect_timeout`.
         """
         rid = next(self._ids)
-        frames = self.codec.encode(rid, msg, data)
+        frames = self.codec.encode_now(rid, msg, data)
         if self._monitor is not None:
             while self._monitor.poll(0):
                 self._monitor.recv_multipart()  # disconnects before this request are history
@@ -748,7 +764,7 @@ class Channel(_Peer):
         rid = next(self._ids)
         self._pings.add(rid)
         try:
-            self.sock.send_multipart(self.codec.encode(rid, Ping()), zmq.NOBLOCK)
+            self.sock.send_multipart(self.codec.encode_now(rid, Ping()), zmq.NOBLOCK)
         except zmq.Again:
             pass  # no connection: the silence tells
 
@@ -825,7 +841,7 @@ class AsyncChannel(_Peer):
         """Send a request whose reply nobody awaits (it goes to `on_reply`), without blocking;
         False when the peer takes no message now (not connected, or its queue is full)."""
         try:
-            self._plain.send_multipart(self.codec.encode(next(self._ids), msg), zmq.NOBLOCK)
+            self._plain.send_multipart(self.codec.encode_now(next(self._ids), msg), zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

@@ -191,9 +191,6 @@ DataRequest = Union[Pull, RelayPull]
 DATA_DECODER = msgspec.msgpack.Decoder(DataRequest)
 DATA_ENCODER = msgspec.msgpack.Encoder()
 
-REQUEST_CODEC = Codec(Request)
-REPLY_CODEC = Codec(Reply)
-
 
 def serve(handler: Callable[[Any, Pending], None], bind: str, credentials: Credentials | None) -> ThreadService:
     """This rank's control server: `handler(msg, pending)` runs in its thread (see
@@ -202,7 +199,7 @@ def serve(handler: Callable[[Any, Pending], None], bind: str, credentials: Crede
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
     """
-    return ThreadService(REQUEST_CODEC, handler, bind, credentials, name="sluice-ws-rpc")
+    return ThreadService(Codec(Request), handler, bind, credentials, name="sluice-ws-rpc")
 
 
 class RpcClient(Channel):
@@ -214,7 +211,7 @@ class RpcClient(Channel):
 
     def __init__(self, endpoint: str, timeout: float = 10.0, connect_timeout: float = 2.0, credentials: Credentials | None = None):
         super().__init__(
-            endpoint, REPLY_CODEC, name=f"the publisher at {endpoint}",
+            endpoint, Codec(Reply), name=f"the publisher at {endpoint}",
             credentials=credentials if credentials is not None else credentials_from_env(), timeout=timeout,
             connect_timeout=connect_timeout, lost=WeightSyncError, late=WeightSyncError, watch_disconnect=True,
         )

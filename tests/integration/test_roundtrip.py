@@ -89,6 +89,19 @@ def test_new_columns_for_the_same_rows(client):
     assert torch.equal(batch["logp"], batch["prompt"].float().sum(-1))
 
 
+def test_new_columns_that_contradict_the_schema_are_refused_at_commit(client):
+    """A put with `meta=` goes straight to the units (no BeginPut); the commit checks its fields
+    against the partition's schema, so a wrong dtype changes nothing readable."""
+    client.put(TensorDict({"a": torch.ones(4, 2), "logp": torch.zeros(4)}, batch_size=[4]))
+    got = client.get_meta(["a"], 4, task="ref", timeout=5)
+    with pytest.raises(tq.SchemaError, match="logp"):
+        client.put(TensorDict({"logp": torch.zeros(4, dtype=torch.int64)}, batch_size=[4]), meta=got)
+    fresh = client.put(TensorDict({"b": torch.full((4,), 3.0)}, batch_size=[4]), meta=got)
+    assert sorted(fresh.fields) == ["a", "b"]
+    assert client.get_data(fresh, fields=["b"])["b"].tolist() == [3.0] * 4
+    assert client.status()["partitions"]["train"]["samples"] == 4
+
+
 def test_get_data_of_a_subset_of_fields(client):
     client.put(TensorDict({"a": torch.ones(4, 2), "b": torch.zeros(4)}, batch_size=[4]))
     meta = client.get_meta(["a", "b"], 4, task="t", timeout=5)
