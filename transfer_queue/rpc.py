@@ -218,7 +218,8 @@ class Codec:
         """(request id, message, data frames) from frames without any routing identity.
 
         Raises:
-            ProtocolError: anything malformed, oversized, of another version or type.
+            ProtocolError: anything malformed, oversized, of another version or type; once the
+                prefix was read it carries the `request_id`, so the error reply reaches its caller.
         """
         if len(frames) < 2:
             raise ProtocolError(f"a message needs a prefix and a body, got {len(frames)} frame(s)")
@@ -226,12 +227,16 @@ class Codec:
             raise ProtocolError(f"{len(frames) - 2} data frames exceed the limit of {self.max_frames}")
         request_id = unpack_prefix(_buffer(frames[0]))
         body = _buffer(frames[1])
-        if len(body) > self.max_body:
-            raise ProtocolError(f"message body of {len(body)} bytes exceeds the limit of {self.max_body}")
         try:
-            msg = self._decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-            raise ProtocolError(f"undecodable message: {exc}") from exc
+            if len(body) > self.max_body:
+                raise ProtocolError(f"message body of {len(body)} bytes exceeds the limit of {self.max_body}")
+            try:
+                msg = self._decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                raise ProtocolError(f"undecodable message: {exc}") from exc
+        except ProtocolError as exc:
+            exc.request_id = request_id
+            raise
         return request_id, msg, list(frames[2:])
 
 
@@ -382,7 +387,7 @@ class Service:
             result = handler(msg, data)
         except ProtocolError as exc:
             self.rejected += 1
-            self._reply(identity, request_id, error_reply(exc))
+            self._reply(identity, getattr(exc, "request_id", request_id), error_reply(exc))
             return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply(identity, request_id, error_reply(exc))
@@ -561,7 +566,7 @@ class ThreadService:
         try:
             rid, msg, _ = self._codec.decode(frames[1:])
         except ProtocolError as exc:
-            self._send(identity, rid, error_reply(exc))
+            self._send(identity, getattr(exc, "request_id", rid), error_reply(exc))
             return
         if isinstance(msg, Cancel):
             withdrawn = self._open.pop((identity, msg.request_id), None)

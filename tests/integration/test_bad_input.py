@@ -84,7 +84,8 @@ def test_invalid_utf8_is_a_counted_protocol_error(cluster, client):
     body = msgspec.msgpack.encode({"op": "lookup", "key": "k"}).replace(b"\xa1k", b"\xa1\xff")
     before = client.status()["counters"]["requests_rejected"]
     for i in range(20):
-        _, reply, _ = raw(channel, [pack_prefix(i), body])
+        rid, reply, _ = raw(channel, [pack_prefix(i), body])
         assert reply.code == "protocol" and "undecodable" in reply.message, reply
+        assert rid == i  # answered under its own id: the caller's wait ends with this error
     channel.close()
     assert client.status()["counters"]["requests_rejected"] == before + 20
