@@ -48,7 +48,7 @@ async def register(unit: StorageUnit, controller: str, timeout: float, secret: s
     info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
     channel = AsyncChannel(
         controller, Codec(Reply), name=f"controller {controller}", credentials=credentials, timeout=timeout,
-        connect_timeout=timeout,
+        connect_timeout=timeout, dead_after=timeout,
     )
     try:
         await channel.call(RegisterUnit(info, secret))

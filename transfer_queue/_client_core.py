@@ -155,17 +155,8 @@ class ClientCore(ControlCore):
         source: BatchMeta | None = None,
         timeout: float = 30.0,
     ) -> Flow:
-        """Store a batch. New samples by default; with `meta=`, new columns for those samples.
-
-        `policy_version` is the version that generated the samples: one int, a (first, last)
-        span for a partial rollout resumed under newer weights, or one int per sample (default:
-        the grant's version; with neither, the samples carry no version, e.g. prompts: they read
-        as version 0 and are never too stale). `groups` are GRPO group ids (default: one group per
-        sample). `source` is the prompt batch the samples came from (needed by the `requeue`
-        stale policy). Raises `CapacityError` if storage stays full for `timeout` seconds,
-        `SchemaError` for data that contradicts the partition's fields, `SealedError` after
-        `seal`. On any error nothing of the batch becomes visible.
-        """
+        """The flow of `Client.put`: new rows (`BeginPut`, the units' writes, `CommitPut`), or
+        new columns of `meta`'s rows (the writes, `CommitPut`); a failed new-rows put is aborted."""
         cols = Columns(data)
         if meta is not None:
             if len(meta) != cols.n:
@@ -266,11 +257,7 @@ class ClientCore(ControlCore):
         return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src, versioned=versioned)
 
     def acquire(self, n: int, timeout: float = 30.0) -> Flow:
-        """Wait (without polling) for `n` generation slots inside the staleness budget.
-
-        Returns a `Grant` with the policy version to generate with. Raises `TimeoutError` when
-        the budget does not open within `timeout`.
-        """
+        """The flow of `Client.acquire`."""
         reply = yield from self.one(CONTROLLER, Acquire(count("n", n, 1), timeout), GrantReply, timeout + GRACE)
         grant = Grant(reply.grant_id, reply.n, reply.version, reply.n)
         self.grants.append(grant)
@@ -300,16 +287,7 @@ class ClientCore(ControlCore):
         lease_timeout: float | None = None,
         **sampler_options: int | float | str,
     ) -> Flow:
-        """Lease `batch_size` samples whose `fields` are ready and that `task` has not consumed.
-
-        Waits up to `timeout` seconds; raises `TimeoutError` if too few are ready then (with
-        `allow_partial=True`, returns what is ready, possibly nothing). A sealed, drained
-        partition returns the remainder at once (an empty batch when nothing is left). Samples
-        staler than `max_staleness` (default: the cluster's) are never served. The lease lasts
-        `lease_timeout` seconds (default: the cluster's); unacked samples then return to the
-        pool. Extra keyword arguments go to the sampler (`group_size=` for `grpo_group`,
-        `dp_size=` for `seqlen_balanced`).
-        """
+        """The flow of `Client.get_meta`."""
         msg = GetMeta(
             partition, task, list(fields), count("batch_size", batch_size, 1), sampler, dict(sampler_options),
             max_staleness, timeout, allow_partial, lease_timeout,
@@ -318,11 +296,7 @@ class ClientCore(ControlCore):
         return reply.meta
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Flow:
-        """Read the batch's fields from every unit holding it, in parallel; rows in meta order.
-
-        Uniform fields come back dense, ragged ones as jagged nested tensors. Asking for a
-        field the batch lacks raises `SchemaError`.
-        """
+        """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
@@ -393,13 +367,7 @@ class ClientCore(ControlCore):
     # -- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike) -> Flow:
-        """Write the cluster's samples and consumer progress to the directory `path`.
-
-        Saves the version, every partition's committed samples (all their ready fields) and, per
-        consumer task, which samples it consumed; leased samples count as not consumed, so they
-        are delivered again after a restore. Run it while producers and consumers pause: samples
-        put or acked meanwhile may or may not be in it. Restore with `tq.init(restore=path)`
-        (any number of storage units) or `restore_checkpoint`. Returns the number of samples."""
+        """The flow of `Client.save_checkpoint`."""
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)
         status = (yield from self.one(CONTROLLER, Status(), StatusReply)).status
@@ -420,10 +388,7 @@ class ClientCore(ControlCore):
         return saved
 
     def restore_checkpoint(self, path: str | os.PathLike) -> Flow:
-        """Put a checkpoint's samples into this (empty) cluster, with their policy versions and
-        groups, mark what each consumer task had consumed, seal what was sealed and set the
-        version. Samples get new indexes; a version span (partial rollout) keeps its first
-        version. Raises `SchemaError` if `path` holds no checkpoint. Returns the number of samples."""
+        """The flow of `Client.restore_checkpoint`."""
         directory = Path(path)
         manifest = read_manifest(directory)
         if manifest.version > 0:
