@@ -11,7 +11,8 @@ micro-batches of 64 and 256.
   partition while this process consumes with `Client.stream` (and `AsyncClient.stream`),
   clearing each micro-batch once acked. Rate = N x 81,920 B / (last micro-batch in hand -
   first put started), clocks compared with `time.time()` across the two processes.
-- put latency: one put of 64 new samples at a time (then cleared), median and p90.
+- put latency: one put of 64 new samples at a time (then cleared), and one put of a new
+  column for 64 existing samples (`put(td, meta=meta)`), median and p90.
 - time to first micro-batch: the consumer waits in `get_meta`; the producer's put of 64 samples
   then completes the micro-batch. Measured from that put's return (in the producer) to the
   consumer holding its meta, and its data (negative: the consumer had it before the put returned).
@@ -244,16 +245,24 @@ def first_batch(client: tq.Client, producer: Producer, micro: int, trials: int, 
 
 
 def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
-    """Seconds one put of `n` new samples takes (each cleared after), one at a time."""
+    """Seconds one put of `n` new samples takes (each cleared after), one at a time; and one put
+    of a new 1 KiB-per-sample column for `n` existing samples (`put(td, meta=meta)`)."""
     partition = part_name(f"lat-p{n}")
     td = make_batch(n, seed=n)
-    times = []
+    rows, columns = [], []
     for _ in range(trials + 1):  # the first warms up
         t0 = time.perf_counter()
         meta = client.put(td, partition=partition)
-        times.append(time.perf_counter() - t0)
+        rows.append(time.perf_counter() - t0)
         client.clear(meta)
-    return {"put_s": times[1:], "n": n}
+    meta = client.put(td, partition=partition)
+    for i in range(trials + 1):
+        column = TensorDict({f"col{i}": torch.zeros(n, 256)}, batch_size=[n])
+        t0 = time.perf_counter()
+        client.put(column, meta=meta)
+        columns.append(time.perf_counter() - t0)
+    client.clear(meta)
+    return {"put_s": rows[1:], "put_columns_s": columns[1:], "n": n}
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -390,9 +399,9 @@ def report(record: dict[str, Any]) -> None:
             record["get_meta"].append(rec)
             rows.append([path, micro, rec["p50_ms"], rec["p99_ms"], rec["n"]])
     print_table("get_meta round trip of a ready batch (ms)", ["path", "micro", "p50", "p99", "calls"], rows)
-    rows = [[r["path"], r["n"], median(r["put_s"]) * 1e3, percentile(r["put_s"], 90) * 1e3, len(r["put_s"])]
-            for r in record["put_latency"]]
-    print_table("Latency of one put of new samples, one at a time (ms)", ["path", "samples", "p50", "p90", "puts"], rows)
+    rows = [[r["path"], what, r["n"], median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
+            for r in record["put_latency"] for what, key in (("new samples", "put_s"), ("new column", "put_columns_s"))]
+    print_table("Latency of one put, one at a time (ms)", ["path", "put of", "samples", "p50", "p90", "puts"], rows)
     targets(record)
 
 

@@ -339,13 +339,14 @@ class AsyncClient(AsyncDriver):
         """
         wait = 1e9 if timeout is None else timeout
         fetch = lambda: asyncio.ensure_future(self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options)))  # noqa: E731
-        nxt, acking = fetch(), None
+        nxt = fetch()
+        acking: asyncio.Future | None = None
         meta = None
         try:
             while True:
                 batch, meta = await nxt
                 if acking is not None:
-                    acking, done = None, acking
+                    done, acking = acking, None
                     await done
                 if not len(meta):
                     meta = None

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._control import SyncDriver, _follow
+from ._control import SyncDriver, _follow, _InFlight
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
 from .rpc import Credentials
@@ -193,19 +193,21 @@ class Client(SyncDriver):
         """
         wait = 1e9 if timeout is None else timeout
         fetch = lambda: self._start(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))  # noqa: E731
-        pending, acking = fetch(), None
+        nxt = fetch()
+        pending: _InFlight | None = nxt  # in flight until finished: abandoned if the loop is left
+        acking: _InFlight | None = None
         meta = None
         try:
             while True:
-                batch, meta = self._finish(pending)
+                batch, meta = self._finish(nxt)
                 pending = None
                 if acking is not None:
-                    acking, done = None, acking
+                    done, acking = acking, None
                     self._finish(done)
                 if not len(meta):
                     meta = None
                     return
-                pending = fetch()
+                nxt = pending = fetch()
                 yield batch, meta
                 acking, meta = self._start(self._core.ack(meta)), None
         finally:

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Sequence
 
-import msgspec
 import zmq
 
 from ._errors import ClosedError, SchemaError, ServiceError, SluiceError
@@ -37,7 +36,7 @@ from ._messages import (
     VersionReply,
     WaitVersion,
 )
-from .rpc import GRACE, Channel, Codec, Credentials, Ok, check, credentials_from_env
+from .rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
 
 __all__ = ["CONTROLLER", "Call", "Flow", "ControlCore", "SyncDriver", "ControlClient", "foreign_error"]
 
@@ -50,7 +49,7 @@ class Call:
     """One request of a flow: `msg` (and raw `data` frames) to `target`, awaited `wait` s."""
 
     target: int
-    msg: msgspec.Struct
+    msg: Message
     data: Sequence[Any] = ()
     wait: float | None = GRACE
     """Seconds to wait for the reply (None: as long as the service is alive)."""
@@ -101,7 +100,7 @@ class ControlCore:
         return {"name": f"{name} at {self.target_address(target)}", "hint": hint, "credentials": self.credentials}
 
     @staticmethod
-    def undo(reply: Any) -> msgspec.Struct | None:
+    def undo(reply: Any) -> Message | None:
         """The request that gives back what an abandoned reply holds (a lease, a grant)."""
         if isinstance(reply, MetaReply) and len(reply.meta):
             meta = reply.meta
@@ -110,7 +109,7 @@ class ControlCore:
             return Release(reply.grant_id, reply.n)
         return None
 
-    def one(self, target: int, msg: msgspec.Struct, expected: type, wait: float | None = None) -> Flow:
+    def one(self, target: int, msg: Message, expected: type, wait: float | None = None) -> Flow:
         """The flow of one request: its reply, checked (`rpc.check`)."""
         replies = yield [Call(target, msg, (), self.timeout if wait is None else wait)]
         return check(replies[0][0], expected)

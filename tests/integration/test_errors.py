@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import zmq
 import torch
 from tensordict import TensorDict
 
@@ -124,5 +125,32 @@ def test_shutdown_leaves_no_process_and_no_shared_memory():
 def test_closed_client_says_so(cluster):
     client = tq.connect(cluster.address)
     client.close()
-    with pytest.raises(tq.ClosedError):
+    with pytest.raises(tq.ClosedError, match="closed"):
         client.status()
+    with pytest.raises(tq.ClosedError):
+        client.put(_td(2))
+    control = tq.ControlClient(cluster.address)
+    assert control.version == 0
+    control.close()
+    with pytest.raises(tq.ClosedError):
+        control.status()
+
+
+async def test_closed_async_client_says_so(cluster):
+    client = await tq.connect_async(cluster.address)
+    await client.close()
+    assert client.closed
+    with pytest.raises(tq.ClosedError):
+        await client.get_meta(["x"], 1, task="t", timeout=0.1)
+
+
+def test_foreign_errors_become_sluice_errors(cluster, client):
+    """ZeroMQ's errors and builtin ValueError/TypeError raised inside a call surface as `tq.*`
+    errors (the original chained as `__cause__`)."""
+    with pytest.raises(tq.ServiceError) as info:
+        tq.connect("tcp://127.0.0.1:notaport")
+    assert isinstance(info.value.__cause__, zmq.ZMQError)
+    meta = client.put(_td(2))
+    with pytest.raises(tq.SchemaError) as info:
+        client.get_data(meta, fields=5)  # not a sequence of names
+    assert isinstance(info.value.__cause__, TypeError)

@@ -237,7 +237,7 @@ class AsyncChannel(_Peer):
         )
         self._waiting: dict[int, asyncio.Future] = {}
         self._on_reply = on_reply
-        self._plain = zmq.Socket.shadow(self.sock.underlying)  # the same socket, for sends that never wait
+        self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, for sends that never wait
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:

@@ -57,7 +57,7 @@ class Service:
             self._guard = auth, asyncio.ensure_future(self._count_refusals(monitor))
         self.sock.bind(bind)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._plain = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
+        self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
         self._drain_pending = False
         self._draining = False
         self.rejected = 0
@@ -84,7 +84,7 @@ class Service:
         """Serve until `stop()` (or until the task running this is cancelled)."""
         self._serving = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        fd = self.sock.getsockopt(zmq.FD)
+        fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         loop.add_reader(fd, self._drain)
         try:
             self._drain()  # requests that came before the reader was registered
@@ -152,7 +152,7 @@ class Service:
             result = handler(msg, data)
         except ProtocolError as exc:
             self.rejected += 1
-            self._reply(identity, getattr(exc, "request_id", request_id), error_reply(exc))
+            self._reply(identity, exc.request_id or request_id, error_reply(exc))
             return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply(identity, request_id, error_reply(exc))

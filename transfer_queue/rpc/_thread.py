@@ -65,12 +65,15 @@ class ThreadService:
         refuse_unauthenticated(bind, credentials)
         self._codec = codec
         self._handler = handler
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
-        self._auth, self._monitor = secure_server(self._sock, credentials) if credentials is not None else (None, None)
+        self._auth: Any = None
+        self._monitor: zmq.Socket | None = None
+        if credentials is not None:
+            self._auth, self._monitor = secure_server(self._sock, credentials)
         self._sock.bind(bind)
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._calls: deque[Callable[[], None]] = deque()
@@ -113,9 +116,9 @@ class ThreadService:
             poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._closed:
-                timeout = None
+                timeout: int | None = None
                 if self._parked:
-                    timeout = max(0.0, (self._parked[0][0] - time.monotonic()) * 1000)
+                    timeout = int(max(0.0, (self._parked[0][0] - time.monotonic()) * 1000))
                 ready = dict(poller.poll(timeout))
                 try:
                     os.read(self._wake_r, 4096)
@@ -129,7 +132,7 @@ class ThreadService:
                     self._serve(self._sock.recv_multipart(copy=False))
                 self._expire()
         finally:
-            if self._auth is not None:
+            if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
                 self._auth.stop()
@@ -141,7 +144,7 @@ class ThreadService:
         try:
             rid, msg, _ = self._codec.decode(frames[1:])
         except ProtocolError as exc:
-            self._send(identity, getattr(exc, "request_id", rid), error_reply(exc))
+            self._send(identity, exc.request_id or rid, error_reply(exc))
             return
         if isinstance(msg, Cancel):
             withdrawn = self._open.pop((identity, msg.request_id), None)
