@@ -4,8 +4,9 @@ Layout: `rpc` (public) is the request/reply kernel every Sluice process uses: me
 framing and limits, error replies, the asyncio and thread service loops, blocking and asyncio
 channels. `_cluster` starts the services (controller, storage units) as local processes;
 `_control` (torch-free) and `_client_core` hold every client operation as a socket-free flow,
-driven by `_client` (blocking `Client`), `_async_client` (`AsyncClient`) and `_control`'s
-`ControlClient` (controller-only calls, no torch); `_messages` are the wire messages;
+`_drivers` drives flows over blocking or asyncio channels, under the faces `_client`
+(`Client`), `_async_client` (`AsyncClient`) and `_control`'s `ControlClient` (controller-only
+calls, no torch); `_messages` are the wire messages;
 `_tensors` slices and assembles batches; `_meta` is `BatchMeta`; `_staleness` the staleness
 settings; `_errors` the exception tree; `_objects` carries non-tensor fields as msgpack.
 

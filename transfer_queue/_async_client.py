@@ -10,113 +10,22 @@ import os
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import torch
-import zmq
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._control import Call, Flow, _State, foreign_error
-from ._errors import ClosedError, SluiceError
+from ._drivers import AsyncDriver
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
-from .rpc import AsyncChannel, Credentials, Ok
+from .rpc import Credentials
 
 __all__ = ["AsyncClient", "connect_async"]
-
-
-class AsyncDriver:
-    """Drives flows over one `rpc.AsyncChannel` per service (the asyncio twin of
-    `_control.SyncDriver`): a failed, timed-out or cancelled step is withdrawn at every service
-    it reached, then thrown into the flow so that its clean-up runs before the error propagates."""
-
-    def __init__(self, core: ClientCore):
-        self._core = core
-        self._channels: dict[str, AsyncChannel] = {}
-        self._state = _State.OPEN
-
-    @property
-    def address(self) -> str:
-        """The controller's endpoint."""
-        return self._core.address
-
-    @property
-    def closed(self) -> bool:
-        return self._state is _State.CLOSED
-
-    def _channel(self, target: int) -> AsyncChannel:
-        address = self._core.target_address(target)
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = AsyncChannel(address, self._core.codec, **self._core.channel_options(target))
-        return channel
-
-    async def _call(self, call: Call) -> tuple[Any, list[Any]]:
-        channel = self._channel(call.target)
-        rid = await channel.send(call.msg, call.data)
-        try:
-            return await channel.reply(rid, call.wait, what=type(call.msg).__name__)
-        except BaseException:
-            await self._withdraw(channel, call, rid)
-            raise
-
-    async def _withdraw(self, channel: AsyncChannel, call: Call, rid: int) -> None:
-        """Cancel `rid` at the service (unless it was reported dead); give back what its reply
-        holds if it was already sent."""
-        if self._state is _State.CLOSED or channel.dead:
-            channel.forget(rid)
-            return
-        try:
-            got = await channel.cancel(rid)
-            undo = None if got is None else self._core.undo(got[0])
-            if undo is not None:
-                await self._run(self._core.one(call.target, undo, Ok))
-        except SluiceError:  # that service is gone; its own timers free what it held
-            channel.forget(rid)
-
-    async def _run(self, flow: Flow) -> Any:
-        try:
-            return await self._drive(flow)
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            mapped = foreign_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
-
-    async def _drive(self, flow: Flow) -> Any:
-        if self._state is _State.CLOSED:
-            flow.close()
-            raise ClosedError("this client was closed; connect a new one")
-        replies: list | None = None
-        error: BaseException | None = None
-        while True:
-            try:
-                if error is not None:
-                    calls = flow.throw(error)
-                else:
-                    calls = next(flow) if replies is None else flow.send(replies)
-            except StopIteration as stop:
-                return stop.value
-            tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
-            try:
-                replies, error = list(await asyncio.gather(*tasks)), None
-            except BaseException as exc:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)  # each withdraws its call
-                replies, error = None, exc
-
-    async def close(self) -> None:
-        """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
-        if self._state is _State.CLOSED:
-            return
-        self._state = _State.CLOSED
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
 
 
 class AsyncClient(AsyncDriver):
     """Asyncio Sluice client; create with `await tq.connect_async(address)` (or construct it and
     `await client.hello()`). Errors as `Client`'s."""
+
+    _core: ClientCore
 
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
         super().__init__(ClientCore(address, use_shm, credentials))

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._control import SyncDriver, _follow, _InFlight
+from ._drivers import SyncDriver, _InFlight, follow
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
 from .rpc import Credentials
@@ -27,9 +27,10 @@ class Client(SyncDriver):
     sent; the calls below list what else they raise.
     """
 
+    _core: ClientCore
+
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
-        self._core: ClientCore = ClientCore(address, use_shm, credentials)
-        super().__init__(self._core)
+        super().__init__(ClientCore(address, use_shm, credentials))
         try:
             self._run(self._core.hello())
         except BaseException:
@@ -252,7 +253,7 @@ class Client(SyncDriver):
         Raises:
             TimeoutError: (from the iterator) no new version within `timeout` seconds.
         """
-        return _follow(self, self.get_version() if after is None else after, timeout)
+        return follow(self, self.get_version() if after is None else after, timeout)
 
     # -- checkpoints, status, small shared values ----------------------------------------
 

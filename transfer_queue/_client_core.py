@@ -17,7 +17,8 @@ import torch
 from tensordict import TensorDict
 
 from ._checkpoint import Manifest, PartitionState, read_batch, read_manifest, write_batch, write_manifest
-from ._control import CONTROLLER, Call, ControlCore, Flow, INT64, as_int, count
+from ._control import INT64, ControlCore, as_int, count
+from ._drivers import CONTROLLER, Call, Flow
 from ._errors import CapacityError, SchemaError, SluiceError
 from ._messages import (
     Ack,

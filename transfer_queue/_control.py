@@ -1,24 +1,20 @@
-"""What every client shares, without torch: flows, the blocking flow driver, and `ControlClient`.
+"""What every client shares, without torch: what a flow is, the controller-only flows, and
+`ControlClient`.
 
 A client operation is a *flow*: a generator that yields a list of `Call`s (sent in parallel)
 and receives their decoded replies, until it returns the result. The flows are written once
-(`ControlCore` here, `ClientCore` adds the data plane); `SyncDriver` drives them over blocking
-`rpc.Channel`s and `_async_client.AsyncDriver` over `rpc.AsyncChannel`s. Neither runs a hidden
-event loop or thread. `ControlClient` is the controller-only face (status, versions, announce
+(`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them over blocking
+or asyncio channels. Neither driver runs a hidden event loop or thread. `ControlClient` is the controller-only face (status, versions, announce
 and lookup) for processes that have no business loading torch: the CLI, the weight channel.
 """
 
 from __future__ import annotations
 
-import enum
 import operator
-import time
-from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Sequence
+from typing import Any, Iterator
 
-import zmq
 
-from ._errors import ClosedError, SchemaError, ServiceError, SluiceError
+from ._errors import SchemaError
 from ._messages import (
     Announce,
     GrantReply,
@@ -36,38 +32,10 @@ from ._messages import (
     VersionReply,
     WaitVersion,
 )
+from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
 from .rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
 
-__all__ = ["CONTROLLER", "Call", "Flow", "ControlCore", "SyncDriver", "ControlClient", "foreign_error"]
-
-CONTROLLER = -1
-"""`Call.target` of the controller; storage units are addressed by their unit id."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """One request of a flow: `msg` (and raw `data` frames) to `target`, awaited `wait` s."""
-
-    target: int
-    msg: Message
-    data: Sequence[Any] = ()
-    wait: float | None = GRACE
-    """Seconds to wait for the reply (None: as long as the service is alive)."""
-
-
-Flow = Generator[list[Call], list[tuple[Any, list[Any]]], Any]
-
-
-def foreign_error(exc: BaseException) -> BaseException:
-    """`exc` as the `tq.*` error a caller expects: ZeroMQ failures are `ServiceError`, a builtin
-    `ValueError`/`TypeError` from bad input is `SchemaError`; anything else as it is."""
-    if isinstance(exc, SluiceError):
-        return exc
-    if isinstance(exc, zmq.ZMQError):
-        return ServiceError(f"ZeroMQ failed: {exc}; is the cluster still running?")
-    if isinstance(exc, (ValueError, TypeError)):
-        return SchemaError(f"{type(exc).__name__}: {exc}")
-    return exc
+__all__ = ["ControlCore", "ControlClient"]
 
 
 class ControlCore:
@@ -143,120 +111,6 @@ class ControlCore:
         return (yield from self.one(CONTROLLER, Lookup(key, timeout), LookupReply, timeout + GRACE)).value
 
 
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class _InFlight:
-    """A flow whose current calls are on the wire: (channel, request id) per call."""
-
-    __slots__ = ("flow", "calls", "sent", "result", "since")
-
-    def __init__(self, flow: Flow, calls: list[Call] | None, sent: list[tuple[Channel, int]], result: Any = None, since: float = 0.0):
-        self.flow, self.calls, self.sent, self.result, self.since = flow, calls, sent, result, since
-
-
-class SyncDriver:
-    """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
-    `ControlClient`. A failed, timed-out or interrupted step is withdrawn at every service it
-    reached (`Cancel`, and what a reply granted meanwhile is given back), then thrown into the
-    flow so that its own clean-up runs before the error propagates."""
-
-    def __init__(self, core: ControlCore):
-        self._core = core
-        self._channels: dict[str, Channel] = {}
-        self._state = _State.OPEN
-
-    @property
-    def address(self) -> str:
-        """The controller's endpoint."""
-        return self._core.address
-
-    @property
-    def closed(self) -> bool:
-        return self._state is _State.CLOSED
-
-    def _channel(self, target: int) -> Channel:
-        address = self._core.target_address(target)
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = self._core.channel(target)
-        return channel
-
-    def _run(self, flow: Flow) -> Any:
-        try:
-            return self._finish(self._start(flow))
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            mapped = foreign_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
-
-    def _start(self, flow: Flow, replies: list | None = None, error: BaseException | None = None) -> _InFlight:
-        if self._state is _State.CLOSED:
-            flow.close()
-            raise ClosedError("this client was closed; connect a new one")
-        try:
-            if error is not None:
-                calls = flow.throw(error)
-            else:
-                calls = next(flow) if replies is None else flow.send(replies)
-        except StopIteration as stop:
-            return _InFlight(flow, None, [], stop.value)
-        since = time.monotonic()
-        sent = []
-        try:
-            for call in calls:
-                channel = self._channel(call.target)
-                sent.append((channel, channel.send(call.msg, call.data)))
-        except BaseException as exc:
-            self._abandon(_InFlight(flow, calls[: len(sent)], sent), close=False)
-            return self._start(flow, error=exc)
-        return _InFlight(flow, calls, sent, since=since)
-
-    def _finish(self, inflight: _InFlight) -> Any:
-        while inflight.calls is not None:
-            try:
-                replies = [
-                    channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
-                    for call, (channel, rid) in zip(inflight.calls, inflight.sent)
-                ]
-            except BaseException as exc:  # a timeout, a dead service, Ctrl-C: let the flow clean up
-                self._abandon(inflight, close=False)
-                inflight = self._start(inflight.flow, error=exc)
-                continue
-            inflight = self._start(inflight.flow, replies)
-        return inflight.result
-
-    def _abandon(self, inflight: _InFlight, close: bool = True) -> None:
-        """Withdraw calls still in flight (skipping services reported dead); give back anything
-        they were granted meanwhile; with `close`, end the flow too."""
-        if inflight.calls is not None and self._state is _State.OPEN:
-            for call, (channel, rid) in zip(inflight.calls, inflight.sent):
-                if channel.dead:
-                    channel.forget(rid)
-                    continue
-                try:
-                    got = channel.cancel(rid)
-                    undo = None if got is None else self._core.undo(got[0])
-                    if undo is not None:
-                        self._run(self._core.one(call.target, undo, Ok))
-                except SluiceError:  # that service is gone; its own timers free what it held
-                    channel.forget(rid)
-        if close:
-            inflight.flow.close()
-
-    def close(self) -> None:
-        """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
-        if self._state is _State.CLOSED:
-            return
-        self._state = _State.CLOSED
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-
-
 class ControlClient(SyncDriver):
     """A blocking client for the controller-only calls, without torch: status, versions,
     announce/lookup, seal. Use it as a context manager or `close()` it.
@@ -322,7 +176,7 @@ class ControlClient(SyncDriver):
         Raises:
             TimeoutError: (from the iterator) no new version within `timeout` seconds.
         """
-        return _follow(self, self.get_version() if after is None else after, timeout)
+        return follow(self, self.get_version() if after is None else after, timeout)
 
     def announce(self, key: str, value: bytes) -> None:
         """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
@@ -339,14 +193,6 @@ class ControlClient(SyncDriver):
     def seal(self, partition: str = "train") -> None:
         """No more samples will come to `partition`; streams end once it is drained."""
         self._run(self._core.seal(partition))
-
-
-def _follow(driver: SyncDriver, after: int, timeout: float) -> Iterator[int]:
-    """The blocking `versions` iterator, for `ControlClient` and `Client`."""
-    while True:
-        for version in driver._run(driver._core.versions_after(after, timeout)):
-            yield version
-            after = version
 
 
 # -- argument checks shared by the flows ---------------------------------------------------
