@@ -11,6 +11,8 @@ micro-batches of 64 and 256.
   partition while this process consumes with `Client.stream` (and `AsyncClient.stream`),
   clearing each micro-batch once acked. Rate = N x 81,920 B / (last micro-batch in hand -
   first put started), clocks compared with `time.time()` across the two processes.
+- put latency: one put of 64 new samples at a time (then cleared), and one put of a new
+  column for 64 existing samples (`put(td, meta=meta)`), median and p90.
 - time to first micro-batch: the consumer waits in `get_meta`; the producer's put of 64 samples
   then completes the micro-batch. Measured from that put's return (in the producer) to the
   consumer holding its meta, and its data (negative: the consumer had it before the put returned).
@@ -76,7 +78,7 @@ def producer_main(address: str, use_shm: bool | None, conn) -> None:
             batches[n] = make_batch(n, seed=n)
         return batches[n]
 
-    conn.send(("ready", bool(client._arenas)))
+    conn.send(("ready", bool(client.mapped_units)))
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
@@ -242,6 +244,27 @@ def first_batch(client: tq.Client, producer: Producer, micro: int, trials: int, 
     return {"to_meta_s": to_meta[1:], "to_data_s": to_data[1:]}
 
 
+def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
+    """Seconds one put of `n` new samples takes (each cleared after), one at a time; and one put
+    of a new 1 KiB-per-sample column for `n` existing samples (`put(td, meta=meta)`)."""
+    partition = part_name(f"lat-p{n}")
+    td = make_batch(n, seed=n)
+    rows, columns = [], []
+    for _ in range(trials + 1):  # the first warms up
+        t0 = time.perf_counter()
+        meta = client.put(td, partition=partition)
+        rows.append(time.perf_counter() - t0)
+        client.clear(meta)
+    meta = client.put(td, partition=partition)
+    for i in range(trials + 1):
+        column = TensorDict({f"col{i}": torch.zeros(n, 256)}, batch_size=[n])
+        t0 = time.perf_counter()
+        client.put(column, meta=meta)
+        columns.append(time.perf_counter() - t0)
+    client.clear(meta)
+    return {"put_s": rows[1:], "put_columns_s": columns[1:], "n": n}
+
+
 # -- the run ------------------------------------------------------------------------------
 
 
@@ -250,12 +273,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limits = physical_limits(256 << 20, 3)
     print(f"physical limits: loopback TCP {limits['tcp_gbps']:.2f} GB/s, memcpy {limits['memcpy_gbps']:.2f} GB/s "
           f"(medians of {len(limits['tcp_runs'])} / {len(limits['memcpy_runs'])})\n", flush=True)
-    record: dict[str, Any] = {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "limits": limits, "rows": [], "ttfb": [], "get_meta": []}
+    record: dict[str, Any] = {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "limits": limits, "rows": [], "ttfb": [], "get_meta": [],
+                              "put_latency": []}
     for path in args.paths:
         use_shm = PATHS[path]
         with tq.init(num_storage_units=args.units, storage_capacity=args.capacity) as cluster:
             client = tq.connect(cluster.address, use_shm=use_shm)
-            assert bool(client._arenas) == (use_shm is None), "shm path wanted but the arenas are not mapped"
+            assert bool(client.mapped_units) == (use_shm is None), "shm path wanted but the arenas are not mapped"
             producer = Producer(cluster.address, use_shm, args.put_batches)
             pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster.services[0]["pid"],
                     **{f"unit{i}": s["pid"] for i, s in enumerate(cluster.services[1:])}}
@@ -281,6 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for micro in args.micro_batches:
                     ttfb = first_batch(client, producer, micro, args.trials)
                     record["ttfb"].append({"path": path, "micro": micro, **ttfb})
+                record["put_latency"].append({"path": path, **put_latency(client, args.trials * 4)})
             finally:
                 producer.stop()
                 client.close()
@@ -374,6 +399,9 @@ def report(record: dict[str, Any]) -> None:
             record["get_meta"].append(rec)
             rows.append([path, micro, rec["p50_ms"], rec["p99_ms"], rec["n"]])
     print_table("get_meta round trip of a ready batch (ms)", ["path", "micro", "p50", "p99", "calls"], rows)
+    rows = [[r["path"], what, r["n"], median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
+            for r in record["put_latency"] for what, key in (("new samples", "put_s"), ("new column", "put_columns_s"))]
+    print_table("Latency of one put, one at a time (ms)", ["path", "put of", "samples", "p50", "p90", "puts"], rows)
     targets(record)
 
 

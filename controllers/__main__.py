@@ -14,7 +14,7 @@ import msgspec
 from transfer_queue._auth import from_env
 from transfer_queue.host import reachable
 from transfer_queue._messages import ClusterConfig
-from transfer_queue._service import run_service
+from transfer_queue.rpc import run_service
 
 from .metrics import serve_prometheus
 from .service import Controller

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import math
 import secrets
@@ -20,9 +19,6 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-import zmq
-
-from transfer_queue._auth import Credentials, secure_client
 from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
     Ack,
@@ -61,8 +57,7 @@ from transfer_queue._messages import (
     WaitVersion,
 )
 from transfer_queue._meta import BatchMeta
-from transfer_queue._service import Service
-from transfer_queue._wire import MAX_BATCH, Codec
+from transfer_queue.rpc import MAX_BATCH, AsyncChannel, Codec, Credentials, Service
 
 from .admission import Admission
 from .keys import KeyService
@@ -119,7 +114,7 @@ class Controller(Service):
         self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
         self.samples_lost = 0
         self._pinger: asyncio.TimerHandle | None = None
-        self._unit_socks: dict[int, zmq.asyncio.Socket] = {}
+        self._unit_channels: dict[int, AsyncChannel] = {}
         self._unit_codec = Codec(Reply)
         self._next_index = 0
         self.clock = VersionClock()
@@ -136,7 +131,6 @@ class Controller(Service):
         self.open_puts: dict[int, _OpenPut] = {}
         self.puts_expired = 0
         self._ended_puts: OrderedDict[int, SluiceError] = OrderedDict()
-        self._request_ids = itertools.count(1)
         for msg_type, handler in {
             Hello: self.on_hello,
             RegisterUnit: self.on_register_unit,
@@ -185,16 +179,13 @@ class Controller(Service):
         self.unit_heard[unit.unit_id] = time.monotonic()
         if self._pinger is None:
             self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.credentials is not None:
-            secure_client(sock, self.credentials)
-        sock.connect(unit.address)
-        old = self._unit_socks.pop(unit.unit_id, None)
+        old = self._unit_channels.pop(unit.unit_id, None)
         if old is not None:
-            old.close(linger=0)
-        self._unit_socks[unit.unit_id] = sock
-        asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
+            old.close()
+        self._unit_channels[unit.unit_id] = AsyncChannel(
+            unit.address, self._unit_codec, name=f"storage unit {unit.unit_id} at {unit.address}",
+            credentials=self.credentials, on_reply=lambda reply, uid=unit.unit_id: self._unit_replied(uid, reply),
+        )
         return Ok()
 
     def _ping_units(self) -> None:
@@ -204,8 +195,7 @@ class Controller(Service):
             if now - self.unit_heard.get(unit_id, now) > _UNIT_DEAD_AFTER:
                 self._retire_unit(unit_id)
                 continue
-            frames = self._unit_codec.encode(next(self._request_ids), Ping())
-            self._unit_socks[unit_id].send_multipart(frames)
+            self._unit_channels[unit_id].post(Ping())
         self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
 
     def _retire_unit(self, unit_id: int) -> None:
@@ -214,9 +204,9 @@ class Controller(Service):
         unit = self.retired[unit_id] = self.units.pop(unit_id)
         self.unit_bytes.pop(unit_id, None)
         self.unit_heard.pop(unit_id, None)
-        sock = self._unit_socks.pop(unit_id, None)
-        if sock is not None:
-            sock.close(linger=0)
+        channel = self._unit_channels.pop(unit_id, None)
+        if channel is not None:
+            channel.close()
         why = ServiceError(
             f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
             "none of its samples were stored: put again"
@@ -234,33 +224,18 @@ class Controller(Service):
         self.samples_lost += lost
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
-    async def _drain_unit(self, unit_id: int, sock) -> None:
-        """Read the units' answers to our Free requests and pings (log refusals); each one
-        tells that the unit is alive."""
-        while not sock.closed:
-            try:
-                frames = await sock.recv_multipart()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            if self._unit_socks.get(unit_id) is sock:
-                self.unit_heard[unit_id] = time.monotonic()
-            try:
-                _, reply, _ = self._unit_codec.decode(frames)
-            except Exception:  # noqa: BLE001
-                log.warning("unit %d sent an undecodable reply", unit_id)
-                continue
-            if not isinstance(reply, Ok):
-                log.warning("unit %d refused a free: %s", unit_id, reply)
+    def _unit_replied(self, unit_id: int, reply: object) -> None:
+        """A unit answered a ping or a `Free`: it is alive (a refused free is logged)."""
+        self.unit_heard[unit_id] = time.monotonic()
+        if not isinstance(reply, Ok):
+            log.warning("unit %d refused a free: %s", unit_id, reply)
 
     def _tell_units(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
-        targets = self._unit_socks if rows_by_unit is None else rows_by_unit
+        targets = self._unit_channels if rows_by_unit is None else rows_by_unit
         for unit_id in targets:
-            sock = self._unit_socks.get(unit_id)
-            if sock is None:
-                continue
-            indexes = None if rows_by_unit is None else rows_by_unit[unit_id]
-            frames = self._unit_codec.encode(next(self._request_ids), Free(partition, indexes))
-            sock.send_multipart(frames)
+            channel = self._unit_channels.get(unit_id)
+            if channel is not None:
+                channel.post(Free(partition, None if rows_by_unit is None else rows_by_unit[unit_id]))
 
     def _free_rows(self, part: Partition, rows: np.ndarray) -> None:
         rows = rows[part.alive[rows]]
@@ -301,15 +276,6 @@ class Controller(Service):
             raise SchemaError("a put needs at least one field")
         part = self._partition(msg.partition)
         part.check_schema(msg.fields)
-        if msg.indexes:
-            if len(msg.indexes) != msg.n:
-                raise SchemaError(f"{len(msg.indexes)} indexes for a batch of {msg.n}")
-            rows = part.rows_of(msg.indexes)
-            part.add_fields(msg.fields)
-            part.row_bytes[rows] += msg.row_bytes
-            for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
-                self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
-            return PutPlan(list(msg.indexes), part.unit[rows].tolist())
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not self.units:
@@ -330,8 +296,10 @@ class Controller(Service):
         info = msg.rows
         if info is not None:
             self._close_put(msg)
-        part = self._partition(msg.partition)
-        rows = part.rows_of(msg.indexes)
+            part = self._partition(msg.partition)
+            rows = part.rows_of(msg.indexes)
+        else:
+            part, rows = self._new_columns(msg)
         if info is not None:
             n = len(rows)
             for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
@@ -359,6 +327,21 @@ class Controller(Service):
         part.mark_ready(rows, list(msg.fields))
         self.scheduler.wake(part.name)
         return Ok()
+
+    def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
+        """Check and account for new columns of existing rows (a put with `meta=`)."""
+        if not msg.fields:
+            raise SchemaError("a put needs at least one field")
+        if not msg.indexes or len(msg.indexes) > MAX_BATCH or msg.row_bytes < 0:
+            raise SchemaError(f"a put of new columns needs 1..{MAX_BATCH} indexes and row_bytes >= 0")
+        part = self._existing(msg.partition)
+        rows = part.rows_of(msg.indexes)
+        part.check_schema(msg.fields)
+        part.add_fields(msg.fields)
+        part.row_bytes[rows] += msg.row_bytes
+        for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
+            self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
+        return part, rows
 
     def _close_put(self, msg: CommitPut) -> None:
         """Take the open put that `msg` commits off the clock; raise why it ended if it did."""

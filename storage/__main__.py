@@ -23,13 +23,10 @@ import sys
 from typing import Sequence
 
 import zmq
-import zmq.asyncio
 
-from transfer_queue._auth import Credentials, from_env, secure_client
-from transfer_queue._errors import SluiceError
-from transfer_queue._messages import ErrorReply, Ok, RegisterUnit, Reply, UnitInfo
-from transfer_queue._service import Service, run_service
-from transfer_queue._wire import Codec
+from transfer_queue._errors import ServiceError, SluiceError, TimeoutError
+from transfer_queue._messages import RegisterUnit, Reply, UnitInfo
+from transfer_queue.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
 
 from .arena import PAGE_BYTES
 from .service import StorageUnit
@@ -49,28 +46,18 @@ async def register(unit: StorageUnit, controller: str, timeout: float, secret: s
     """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
     `StartupError` otherwise."""
     info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
-    codec = Codec(Reply)
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if credentials is not None:
-        secure_client(sock, credentials)
+    channel = AsyncChannel(
+        controller, Codec(Reply), name=f"controller {controller}", credentials=credentials, timeout=timeout,
+        connect_timeout=timeout, dead_after=timeout,
+    )
     try:
-        sock.connect(controller)
-        await sock.send_multipart(codec.encode(1, RegisterUnit(info, secret)))
-        try:
-            frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
-        except asyncio.TimeoutError:
-            raise StartupError(f"controller {controller} did not answer the registration within {timeout} s") from None
-        try:
-            _, reply, _ = codec.decode(frames)
-        except SluiceError as exc:
-            raise StartupError(f"controller {controller} answered the registration with garbage: {exc}") from exc
+        await channel.call(RegisterUnit(info, secret))
+    except (ServiceError, TimeoutError) as exc:  # unreachable, silent or late
+        raise StartupError(f"controller {controller} did not answer the registration within {timeout} s ({exc})") from exc
+    except SluiceError as exc:
+        raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {exc.code}: {exc}") from exc
     finally:
-        sock.close(linger=0)
-    if isinstance(reply, ErrorReply):
-        raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {reply.code}: {reply.message}")
-    if not isinstance(reply, Ok):
-        raise StartupError(f"controller {controller} answered the registration with {type(reply).__name__}, not Ok")
+        channel.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_memory(args.capacity // 20)  # Write frames land in warm memory; at most 5% of capacity kept
 
     async def make() -> Service:
-        credentials = from_env()
+        credentials = credentials_from_env()
         unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes, credentials)
         if args.controller is None:
             return unit

@@ -33,9 +33,7 @@ from transfer_queue._messages import (
     Write,
     WriteReply,
 )
-from transfer_queue._auth import Credentials
-from transfer_queue._service import Handled, Service
-from transfer_queue._wire import MAX_DATA_FRAMES, Codec
+from transfer_queue.rpc import MAX_DATA_FRAMES, Codec, Credentials, Handled, Service
 
 from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
 from .space import SpaceQueue, Ticket

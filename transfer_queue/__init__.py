@@ -1,12 +1,15 @@
 """Sluice's public face: start or reach a cluster, put and stream samples, control staleness.
 
-Layout: `_cluster` starts the services (controller, storage units) through a backend: local
+Layout: `rpc` (public) is the request/reply kernel every Sluice process uses: message base,
+framing and limits, error replies, the asyncio and thread service loops, blocking and asyncio
+channels. `_cluster` starts the services (controller, storage units) through a backend: local
 processes (`_launch`) or Ray actors (`_ray_backend`); `host` (public, torch-free) names and maps
-shared-memory files for every part; `_client_core` holds every client operation as a
-socket-free flow, driven by `_client` (blocking) and `_async_client` (asyncio); `_messages` and `_wire` are the wire protocol
-(msgspec messages, raw tensor frames); `_tensors` slices and assembles batches; `_meta` is
-`BatchMeta`; `_staleness` the staleness settings; `_errors` the exception tree; `_service` the
-asyncio loop the services share; `_objects` carries non-tensor fields as msgpack.
+shared-memory files for every part. `_control` (torch-free) and `_client_core` hold every client
+operation as a socket-free flow, `_drivers` drives flows over blocking or asyncio channels, under
+the faces `_client` (`Client`), `_async_client` (`AsyncClient`) and `_control`'s `ControlClient`
+(controller-only calls, no torch); `_messages` are the wire messages; `_tensors` slices and
+assembles batches; `_meta` is `BatchMeta`; `_staleness` the staleness settings; `_errors` the
+exception tree; `_objects` carries non-tensor fields as msgpack.
 
 TransferQueue 0.1.11's API lives beside Sluice's (so verl runs unchanged): `_tq_face` holds its
 module functions (`init(conf)`, `kv_*` and their `async_` twins, `get_client`, `close`, ...) and
@@ -45,6 +48,7 @@ _LAZY = {
     "parse_bytes": "_cluster",
     "Client": "_client",
     "AsyncClient": "_async_client",
+    "ControlClient": "_control",
     "connect_async": "_async_client",
     "Grant": "_client_core",
     "ClusterConfig": "_messages",
@@ -75,6 +79,7 @@ if TYPE_CHECKING:
     from ._async_client import AsyncClient, connect_async
     from ._client import Client
     from ._client_core import Grant
+    from ._control import ControlClient
     from ._cluster import Cluster, connect, parse_bytes
     from ._kv_meta import KVBatchMeta
     from ._messages import ClusterConfig
@@ -107,6 +112,7 @@ __all__ = [
     "Cluster",
     "Client",
     "AsyncClient",
+    "ControlClient",
     "Grant",
     "BatchMeta",
     "FieldSpec",

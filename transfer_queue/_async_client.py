@@ -1,145 +1,232 @@
-"""The asyncio client: drives the same `ClientCore` flows with `zmq.asyncio` sockets.
-
-Each socket has one reader task that resolves the future of the request whose id a reply
-carries, so any number of coroutines may share one client. A cancelled call is withdrawn at
-the service (`Cancel`), and a lease or grant it won meanwhile is given back.
-"""
+"""The asyncio client: every operation written out, each driving the same `ClientCore` flow as
+`Client` does, over `rpc.AsyncChannel`s. Any number of coroutines may share one client; a
+cancelled call is withdrawn at the service (`Cancel`), and a lease or grant it won meanwhile
+is given back."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
-from typing import Any, AsyncIterator, Sequence
+import os
+from typing import Any, AsyncIterator, Mapping, Sequence
 
-import zmq
-import zmq.asyncio
+import torch
+from tensordict import TensorDict
 
-from ._auth import Credentials, secure_client
-from ._client_core import DEAD_AFTER, PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
-from ._errors import ClosedError, ProtocolError, SluiceError, TimeoutError
-from ._messages import Cancel, Ok, Ping
+from ._client_core import ClientCore, Grant
+from ._drivers import AsyncDriver
+from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
+from .rpc import Credentials
 
 __all__ = ["AsyncClient", "connect_async"]
 
 
-class AsyncClient(ClientCore):
-    """Asyncio Sluice client; create with `await tq.connect_async(address)`."""
+class AsyncClient(AsyncDriver):
+    """Asyncio Sluice client; create with `await tq.connect_async(address)` (or construct it and
+    `await client.hello()`). Errors as `Client`'s."""
+
+    _core: ClientCore
 
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
-        super().__init__(address, use_shm, credentials)
-        self._ctx = zmq.asyncio.Context.instance()
-        self._socks: dict[str, zmq.asyncio.Socket] = {}
-        self._readers: dict[str, asyncio.Task] = {}
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
-        self._closed = False
+        super().__init__(ClientCore(address, use_shm, credentials))
 
-    # -- driver ------------------------------------------------------------------------
+    async def hello(self) -> None:
+        """Fetch the cluster's configuration and storage units (`connect_async` does it)."""
+        await self._run(self._core.hello())
 
-    def _sock(self, target: int) -> zmq.asyncio.Socket:
-        address = self.target_address(target)
-        sock = self._socks.get(address)
-        if sock is None:
-            sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, int(DEAD_AFTER * 1000))  # no connection (refused, down): never block
-            if self.credentials is not None:
-                secure_client(sock, self.credentials)
-            sock.connect(address)
-            self._readers[address] = asyncio.ensure_future(self._read(address, sock))
-        return sock
+    # -- the cluster -------------------------------------------------------------------
 
-    async def _read(self, address: str, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                frames = await sock.recv_multipart(copy=False)
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            self.heard(address, time.monotonic())
-            try:
-                rid, msg, data = self.codec.decode(frames)
-            except ProtocolError:
-                continue
-            fut = self._waiting.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result((msg, data))
+    @property
+    def config(self) -> ClusterConfig:
+        """The cluster's settings (staleness bound, lease timeout, capacity...)."""
+        assert self._core.config is not None
+        return self._core.config
 
-    async def _call(self, call: Call) -> tuple[Any, list[Any]]:
-        rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        try:
-            await self._sock(call.target).send_multipart(self.codec.encode(rid, call.msg, call.data), copy=False)
-        except zmq.Again:
-            self._waiting.pop(rid, None)
-            raise self.unreachable(call.target) from None
-        try:
-            return await self._wait(call, fut, time.monotonic())
-        except BaseException:
-            if not isinstance(call.msg, Cancel):
-                await self._withdraw(call, rid, fut)
-            self._waiting.pop(rid, None)
-            raise
+    @property
+    def cluster_id(self) -> str:
+        return self._core.cluster_id
 
-    async def _wait(self, call: Call, fut: asyncio.Future, since: float) -> tuple[Any, list[Any]]:
-        """The reply, pinging the service while it stays silent (`ServiceError` once it is silent
-        for `DEAD_AFTER` s); `TimeoutError` after `call.wait` seconds."""
-        deadline = None if call.wait is None else since + call.wait
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(
-                    f"{self.service_name(call.target)} did not answer {type(call.msg).__name__} "
-                    f"within {call.wait:g}s; is the cluster still running?"
-                )
-            if self.probe(call.target, since, now):
-                ping_id = next(self._ids)  # its Ok finds no future and is dropped; hearing it is enough
-                try:
-                    await self._sock(call.target).send_multipart(self.codec.encode(ping_id, Ping()), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # no connection: the silence tells
-            left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
-            done, _ = await asyncio.wait({fut}, timeout=left)
-            if done:
-                return fut.result()
+    @property
+    def units(self) -> dict[int, UnitInfo]:
+        """The storage units, by unit id."""
+        return self._core.units
 
-    async def _withdraw(self, call: Call, rid: int, fut: asyncio.Future) -> None:
-        """Cancel `rid` at the service (unless it was reported dead); give back what its reply
-        holds if it was already sent."""
-        if self._closed or (not fut.done() and self.target_address(call.target) in self.dead):
-            return
-        try:
-            await self._call(Call(call.target, Cancel(rid)))
-            if fut.done():
-                undo = self.undo(fut.result()[0])
-                if undo is not None:
-                    self.check((await self._call(Call(call.target, undo)))[0], Ok)
-        except SluiceError:  # that service is gone; its own timers free what it held
-            pass
+    @property
+    def mapped_units(self) -> set[int]:
+        """Units whose shared-memory arena this client maps (co-located: data moves by memcpy)."""
+        return set(self._core._arenas)
 
-    async def _run(self, flow: Flow) -> Any:
-        """Drive `flow`; a failed, timed-out or cancelled step is withdrawn at every service it
-        reached, then thrown into the flow so that its clean-up runs before the error propagates."""
-        if self._closed:
-            raise ClosedError("this client was closed; connect a new one")
-        replies, error = None, None
-        while True:
-            try:
-                calls = self.resume(flow, replies, error)
-            except StopIteration as stop:
-                return stop.value
-            tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
-            try:
-                replies, error = list(await asyncio.gather(*tasks)), None
-            except BaseException as exc:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)  # each withdraws its call
-                replies, error = None, exc
+    # -- producers ---------------------------------------------------------------------
 
-    # -- iteration helpers -------------------------------------------------------------
+    async def put(
+        self,
+        data: TensorDict | Mapping[str, torch.Tensor],
+        partition: str = "train",
+        *,
+        meta: BatchMeta | None = None,
+        policy_version: int | tuple[int, int] | Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+        grant: Grant | None = None,
+        source: BatchMeta | None = None,
+        timeout: float = 30.0,
+    ) -> BatchMeta:
+        """Store a batch: new samples by default; with `meta=`, new columns for those samples.
+
+        `policy_version` is the version that generated the samples: one int, a (first, last)
+        span for a partial rollout resumed under newer weights, or one int per sample (default:
+        the grant's version; with neither, the samples carry no version, e.g. prompts: they
+        read as version 0 and are never too stale). `groups` are GRPO group ids (default: one
+        group per sample). `source` is the prompt batch the samples came from (needed by the
+        `requeue` stale policy). On any error nothing of the batch becomes visible.
+
+        Raises:
+            CapacityError: storage stayed full for `timeout` seconds.
+            SchemaError: the data contradicts the partition's fields, or an argument is invalid.
+            SealedError: the partition was sealed.
+        """
+        return await self._run(self._core.put(
+            data, partition, meta=meta, policy_version=policy_version, groups=groups, grant=grant,
+            source=source, timeout=timeout,
+        ))
+
+    async def acquire(self, n: int, timeout: float = 30.0) -> Grant:
+        """Wait (without polling) for `n` generation slots inside the staleness budget; the
+        `Grant` says which policy version to generate with.
+
+        Raises:
+            TimeoutError: the budget did not open within `timeout` seconds.
+        """
+        grant = await self._run(self._core.acquire(n, timeout))
+        grant._client = self
+        return grant
+
+    async def release(self, grant: Grant) -> None:
+        """Return a grant's unused slots."""
+        await self._run(self._core.release(grant))
+
+    async def seal(self, partition: str = "train") -> None:
+        """No more samples will come to `partition`; streams end once it is drained."""
+        await self._run(self._core.seal(partition))
+
+    # -- consumers ---------------------------------------------------------------------
+
+    async def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str = "train",
+        *,
+        sampler: str = "fifo",
+        max_staleness: int | None = None,
+        timeout: float = 30.0,
+        allow_partial: bool = False,
+        lease_timeout: float | None = None,
+        **sampler_options: int | float | str,
+    ) -> BatchMeta:
+        """Lease `batch_size` samples whose `fields` are ready and that `task` has not consumed.
+
+        A sealed, drained partition returns the remainder at once (an empty batch when nothing
+        is left). Samples staler than `max_staleness` (default: the cluster's) are never served.
+        The lease lasts `lease_timeout` seconds (default: the cluster's); unacked samples then
+        return to the pool. Extra keyword arguments go to the sampler (`group_size=` for
+        `grpo_group`, `dp_size=` for `seqlen_balanced`).
+
+        Raises:
+            TimeoutError: fewer than `batch_size` were ready within `timeout` seconds (with
+                `allow_partial=True`, what is ready is returned instead, possibly nothing).
+            SchemaError: an unknown sampler or field, or an invalid argument.
+        """
+        return await self._run(self._core.get_meta(
+            fields, batch_size, task, partition, sampler=sampler, max_staleness=max_staleness,
+            timeout=timeout, allow_partial=allow_partial, lease_timeout=lease_timeout, **sampler_options,
+        ))
+
+    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+        """Read the batch's fields (default: all) from every unit holding it, in parallel; rows
+        in meta order. Uniform fields come back dense, ragged ones as jagged nested tensors.
+
+        Raises:
+            SchemaError: a field the batch lacks was asked for.
+        """
+        return await self._run(self._core.get_data(meta, fields))
+
+    async def ack(self, meta: BatchMeta) -> None:
+        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        await self._run(self._core.ack(meta))
+
+    async def nack(self, meta: BatchMeta) -> None:
+        """Give the batch back unconsumed: its samples are ready for the task again."""
+        await self._run(self._core.nack(meta))
+
+    async def clear(self, meta: BatchMeta) -> None:
+        """Delete the batch's samples from the controller and the storage units."""
+        await self._run(self._core.clear(meta))
+
+    async def clear_partition(self, partition: str = "train") -> None:
+        """Delete every sample of `partition` (the name may then be reused, unsealed)."""
+        await self._run(self._core.clear_partition(partition))
+
+    # -- versions ----------------------------------------------------------------------
+
+    async def set_version(self, version: int) -> int:
+        """Record the trainer's new weight version; returns it.
+
+        Raises:
+            VersionError: `version` is below the current one (versions are monotone).
+        """
+        return await self._run(self._core.set_version(version))
+
+    async def get_version(self) -> int:
+        """The trainer's current weight version."""
+        return await self._run(self._core.get_version())
+
+    async def wait_version(self, version: int, timeout: float = 30.0) -> int:
+        """Block until the version is at least `version`; returns the current version.
+
+        Raises:
+            TimeoutError: it did not get there within `timeout` seconds.
+        """
+        return await self._run(self._core.wait_version(version, timeout))
+
+    # -- checkpoints, status, small shared values ----------------------------------------
+
+    async def save_checkpoint(self, path: str | os.PathLike) -> int:
+        """Write the cluster's samples and consumer progress to the directory `path`; returns the
+        number of samples.
+
+        Saves the version, every partition's committed samples (all their ready fields) and,
+        per consumer task, which samples it consumed; leased samples count as not consumed, so
+        they are delivered again after a restore. Run it while producers and consumers pause.
+        Restore with `tq.init(restore=path)` or `restore_checkpoint`.
+        """
+        return await self._run(self._core.save_checkpoint(path))
+
+    async def restore_checkpoint(self, path: str | os.PathLike) -> int:
+        """Put a checkpoint's samples into this (empty) cluster with their versions and groups,
+        mark what each task had consumed, seal what was sealed, set the version; returns the
+        number of samples (they get new indexes).
+
+        Raises:
+            SchemaError: `path` holds no checkpoint.
+        """
+        return await self._run(self._core.restore_checkpoint(path))
+
+    async def status(self) -> dict:
+        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes."""
+        return await self._run(self._core.status())
+
+    async def announce(self, key: str, value: bytes) -> None:
+        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
+
+        Raises:
+            SchemaError: `value` is not bytes, or too large.
+        """
+        await self._run(self._core.announce(key, value))
+
+    async def lookup(self, key: str, timeout: float = 0.0) -> bytes | None:
+        """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
+        return await self._run(self._core.lookup(key, timeout))
 
     async def stream(
         self,
@@ -150,37 +237,38 @@ class AsyncClient(ClientCore):
         *,
         timeout: float | None = None,
         **get_meta_options: Any,
-    ) -> AsyncIterator[tuple[Any, BatchMeta]]:
-        """Yield `(batch, meta)` until the sealed partition is drained, prefetching the next
-        micro-batch (metadata and data) while you work on the current one. Taking the next
-        batch acks the previous; leaving early nacks what is in hand."""
+    ) -> AsyncIterator[tuple[TensorDict, BatchMeta]]:
+        """Yield `(batch, meta)` until the sealed partition is drained, fetching the next
+        micro-batch (metadata and data: the same fetch flow as `Client.stream`) while you work
+        on the current one. Taking the next batch acks the previous (sent then, its answer
+        collected with the next batch); leaving early nacks what is in hand.
+
+        Raises:
+            TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
+        """
         wait = 1e9 if timeout is None else timeout
-
-        async def fetch() -> tuple[Any, BatchMeta]:
-            meta = await self.get_meta(fields, batch_size, task, partition, timeout=wait, **get_meta_options)
-            if not len(meta):
-                return None, meta
-            try:
-                return await self.get_data(meta), meta
-            except BaseException:
-                await self.nack(meta)
-                raise
-
-        nxt = asyncio.ensure_future(fetch())
+        fetch = lambda: asyncio.ensure_future(self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options)))  # noqa: E731
+        nxt = fetch()
+        acking: asyncio.Future | None = None
         meta = None
         try:
             while True:
                 batch, meta = await nxt
+                if acking is not None:
+                    done, acking = acking, None
+                    await done
                 if not len(meta):
                     meta = None
                     return
-                nxt = asyncio.ensure_future(fetch())
+                nxt = fetch()
                 yield batch, meta
-                await self.ack(meta)
-                meta = None
+                acking, meta = asyncio.ensure_future(self.ack(meta)), None
         finally:
+            if acking is not None:
+                await acking
             if not nxt.done():
-                nxt.cancel()
+                nxt.cancel()  # withdrawn at the services, the lease it may hold given back
+                await asyncio.gather(nxt, return_exceptions=True)
             elif not nxt.cancelled() and nxt.exception() is None and len(nxt.result()[1]) and nxt.result()[1] is not meta:
                 await self.nack(nxt.result()[1])
             if meta is not None:
@@ -189,48 +277,43 @@ class AsyncClient(ClientCore):
     async def versions(self, timeout: float = 1e9, after: int | None = None) -> AsyncIterator[int]:
         """Every version the trainer sets after `after`, in order, none skipped. The default is
         the version when iteration starts (an async generator runs nothing before its first
-        step): pass `after` to miss nothing set in between."""
+        step): pass `after` to miss nothing set in between.
+
+        Raises:
+            TimeoutError: no new version within `timeout` seconds.
+        """
         if after is None:
             after = await self.get_version()
         while True:
-            for version in await self._versions_after(after, timeout):
+            for version in await self._run(self._core.versions_after(after, timeout)):
                 yield version
                 after = version
 
     # -- lifecycle ---------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close sockets and unmap arenas; the client cannot be used afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for task in self._readers.values():
-            task.cancel()
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._socks.clear()
-        self.close_arenas()
+        """Close sockets and unmap arenas; the client cannot be used afterwards (`ClosedError`)."""
+        await super().close()
+        self._core.close_arenas()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _async(fn):
-    async def method(self, *args, **kwargs):
-        return await self._run(fn(self, *args, **kwargs))
-
-    return method
-
-
-wrap_flows(AsyncClient, _async)
 
 
 async def connect_async(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> AsyncClient:
     """Connect an `AsyncClient` to the cluster whose controller listens at `address` (with
-    `credentials`, default `SLUICE_CREDENTIALS`, when it is bound beyond loopback)."""
+    `credentials`, default `SLUICE_CREDENTIALS`, when it is bound beyond loopback).
+
+    Raises:
+        ServiceError: the controller is down, silent, or refused these credentials.
+    """
     client = AsyncClient(address, use_shm, credentials)
-    await client.hello()
+    try:
+        await client.hello()
+    except BaseException:
+        await client.close()
+        raise
     return client

@@ -14,11 +14,9 @@ worker put and get, not join the cluster as a storage unit.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
-import struct
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -91,10 +89,11 @@ class _Keys:
         return key == self.client_public
 
 
-def secure_server(sock: zmq.Socket, creds: Credentials, refused: Callable[[], None]) -> Any:
-    """Make `sock` a CurveZMQ server admitting only the cluster's clients (before it binds);
-    `refused()` runs (in the event loop) for every failed handshake. Returns what must be kept
-    alive and stopped with the socket (the ZAP thread and the monitor task)."""
+def secure_server(sock: zmq.Socket, creds: Credentials) -> tuple[Any, zmq.Socket]:
+    """Make `sock` a CurveZMQ server admitting only the cluster's clients (before it binds).
+
+    Returns the ZAP thread (stop it with the socket) and a monitor socket that receives one
+    event per refused handshake (of `sock`'s kind: asyncio or blocking)."""
     if not creds.server_secret:
         raise ValueError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
     from zmq.auth.thread import ThreadAuthenticator
@@ -106,17 +105,4 @@ def secure_server(sock: zmq.Socket, creds: Credentials, refused: Callable[[], No
     sock.curve_server = True
     sock.curve_publickey = creds.server_public.encode()
     sock.curve_secretkey = creds.server_secret.encode()
-    monitor = sock.get_monitor_socket(_REFUSALS)
-    task = asyncio.ensure_future(_count_refusals(monitor, refused))
-    return auth, task
-
-
-async def _count_refusals(monitor: Any, refused: Callable[[], None]) -> None:
-    while True:
-        try:
-            frames = await monitor.recv_multipart()
-        except (zmq.ZMQError, asyncio.CancelledError):
-            return
-        (event,) = struct.unpack("=H", frames[0][:2])
-        if event & _REFUSALS:
-            refused()
+    return auth, sock.get_monitor_socket(_REFUSALS)

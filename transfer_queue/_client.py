@@ -1,143 +1,174 @@
-"""The blocking client: drives `ClientCore` flows with plain ZeroMQ DEALER sockets.
-
-One DEALER per service (controller, each storage unit), replies matched to requests by id, so a
-request may stay in flight (e.g. the next `get_meta` of a stream) while another completes.
-"""
+"""The blocking client: every operation written out, each driving one `ClientCore` flow over
+blocking `rpc.Channel`s (one DEALER per service; replies matched by id, so a request may stay
+in flight, e.g. the next batch of a stream, while another completes)."""
 
 from __future__ import annotations
 
-import itertools
-import time
-from typing import Any, Iterator, Sequence
+import os
+from typing import Any, Iterator, Mapping, Sequence
 
-import zmq
+import torch
+from tensordict import TensorDict
 
-from ._auth import Credentials, secure_client
-from ._client_core import DEAD_AFTER, PROBE_AFTER, Call, ClientCore, Flow, wrap_flows
-from ._errors import ClosedError, SluiceError, TimeoutError
-from ._messages import Cancel, Ok, Ping
+from ._client_core import ClientCore, Grant
+from ._drivers import SyncDriver, _InFlight, follow
+from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
+from .rpc import Credentials
 
 __all__ = ["Client"]
 
 
-class _Pending:
-    """A flow whose current calls are on the wire."""
+class Client(SyncDriver):
+    """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done.
 
-    def __init__(self, flow: Flow, calls: list[Call] | None, ids: list[int], result: Any = None, sent: float = 0.0):
-        self.flow, self.calls, self.ids, self.result, self.sent = flow, calls, ids, result, sent
+    Every call raises `ServiceError` when a service it needs died or stays silent (the message
+    names it), `ClosedError` after `close()`, and `SchemaError` for arguments that cannot be
+    sent; the calls below list what else they raise.
+    """
 
-
-class Client(ClientCore):
-    """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done."""
+    _core: ClientCore
 
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
-        super().__init__(address, use_shm, credentials)
-        self._ctx = zmq.Context.instance()
-        self._socks: dict[str, zmq.Socket] = {}
-        self._ids = itertools.count(1)
-        self._stash: dict[int, tuple[Any, list[Any]]] = {}
-        self._pings: set[int] = set()  # ids of liveness pings whose Ok is dropped on arrival
-        self._closed = False
-        self.hello()
-
-    # -- driver ------------------------------------------------------------------------
-
-    def _sock(self, target: int) -> zmq.Socket:
-        address = self.target_address(target)
-        sock = self._socks.get(address)
-        if sock is None:
-            sock = self._socks[address] = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, int(DEAD_AFTER * 1000))  # no connection (refused, down): never block
-            if self.credentials is not None:
-                secure_client(sock, self.credentials)
-            sock.connect(address)
-        return sock
-
-    def _start(self, flow: Flow, replies: list | None = None, error: BaseException | None = None) -> _Pending:
-        if self._closed:
-            raise ClosedError("this client was closed; connect a new one")
+        super().__init__(ClientCore(address, use_shm, credentials))
         try:
-            calls = self.resume(flow, replies, error)
-        except StopIteration as stop:
-            return _Pending(flow, None, [], stop.value)
-        ids = []
-        for call in calls:
-            rid = next(self._ids)
-            self._send(call.target, self.codec.encode(rid, call.msg, call.data))
-            ids.append(rid)
-        return _Pending(flow, calls, ids, sent=time.monotonic())
+            self._run(self._core.hello())
+        except BaseException:
+            self.close()
+            raise
 
-    def _send(self, target: int, frames: list[Any], flags: int = 0) -> None:
-        try:
-            self._sock(target).send_multipart(frames, flags, copy=False)
-        except zmq.Again:
-            if not flags:
-                raise self.unreachable(target) from None
+    # -- the cluster -------------------------------------------------------------------
 
-    def _finish(self, pending: _Pending) -> Any:
-        while pending.calls is not None:
-            try:
-                replies = [self._recv(call, rid, pending.sent) for call, rid in zip(pending.calls, pending.ids)]
-            except BaseException as exc:  # a timeout, a dead service, Ctrl-C: let the flow clean up
-                self._abandon(pending, close=False)
-                pending = self._start(pending.flow, error=exc)
-                continue
-            pending = self._start(pending.flow, replies)
-        return pending.result
+    @property
+    def config(self) -> ClusterConfig:
+        """The cluster's settings (staleness bound, lease timeout, capacity...)."""
+        assert self._core.config is not None
+        return self._core.config
 
-    def _run(self, flow: Flow) -> Any:
-        return self._finish(self._start(flow))
+    @property
+    def cluster_id(self) -> str:
+        return self._core.cluster_id
 
-    def _abandon(self, pending: _Pending, close: bool = True) -> None:
-        """Withdraw calls still in flight (skipping services reported dead); give back anything
-        they were granted meanwhile; with `close`, end the flow too."""
-        if pending.calls is not None and not self._closed:
-            for call, rid in zip(pending.calls, pending.ids):
-                if rid not in self._stash and self.target_address(call.target) in self.dead:
-                    continue
-                try:
-                    cancel_id = next(self._ids)
-                    self._send(call.target, self.codec.encode(cancel_id, Cancel(rid)))
-                    self._recv(Call(call.target, Cancel(rid)), cancel_id, time.monotonic())
-                    reply, _ = self._stash.pop(rid, (None, None))
-                    undo = self.undo(reply)
-                    if undo is not None:
-                        self._run(self._one(call.target, undo, Ok))
-                except SluiceError:  # that service is gone; its own timers free what it held
-                    self._stash.pop(rid, None)
-        if close:
-            pending.flow.close()
+    @property
+    def units(self) -> dict[int, UnitInfo]:
+        """The storage units, by unit id."""
+        return self._core.units
 
-    def _recv(self, call: Call, rid: int, since: float) -> tuple[Any, list[Any]]:
-        """The reply to `rid`, pinging the service when it stays silent (`ServiceError` once it
-        is silent for `DEAD_AFTER` s); `TimeoutError` after `call.wait` seconds."""
-        sock = self._sock(call.target)
-        address = self.target_address(call.target)
-        deadline = None if call.wait is None else since + call.wait
-        while rid not in self._stash:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(
-                    f"{self.service_name(call.target)} did not answer {type(call.msg).__name__} "
-                    f"within {call.wait:g}s; is the cluster still running?"
-                )
-            if self.probe(call.target, since, now):
-                ping_id = next(self._ids)
-                self._pings.add(ping_id)
-                self._send(call.target, self.codec.encode(ping_id, Ping()), zmq.NOBLOCK)  # never waits
-            left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
-            if sock.poll(int(left * 1000) + 1):
-                got, msg, data = self.codec.decode(sock.recv_multipart(copy=False))
-                self.heard(address, time.monotonic())
-                if got in self._pings:
-                    self._pings.discard(got)
-                else:
-                    self._stash[got] = (msg, data)
-        return self._stash.pop(rid)
+    @property
+    def mapped_units(self) -> set[int]:
+        """Units whose shared-memory arena this client maps (co-located: data moves by memcpy)."""
+        return set(self._core._arenas)
 
-    # -- iteration helpers -------------------------------------------------------------
+    # -- producers ---------------------------------------------------------------------
+
+    def put(
+        self,
+        data: TensorDict | Mapping[str, torch.Tensor],
+        partition: str = "train",
+        *,
+        meta: BatchMeta | None = None,
+        policy_version: int | tuple[int, int] | Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+        grant: Grant | None = None,
+        source: BatchMeta | None = None,
+        timeout: float = 30.0,
+    ) -> BatchMeta:
+        """Store a batch: new samples by default; with `meta=`, new columns for those samples.
+
+        `policy_version` is the version that generated the samples: one int, a (first, last)
+        span for a partial rollout resumed under newer weights, or one int per sample (default:
+        the grant's version; with neither, the samples carry no version, e.g. prompts: they
+        read as version 0 and are never too stale). `groups` are GRPO group ids (default: one
+        group per sample). `source` is the prompt batch the samples came from (needed by the
+        `requeue` stale policy). On any error nothing of the batch becomes visible.
+
+        Raises:
+            CapacityError: storage stayed full for `timeout` seconds.
+            SchemaError: the data contradicts the partition's fields, or an argument is invalid.
+            SealedError: the partition was sealed.
+        """
+        return self._run(self._core.put(
+            data, partition, meta=meta, policy_version=policy_version, groups=groups, grant=grant,
+            source=source, timeout=timeout,
+        ))
+
+    def acquire(self, n: int, timeout: float = 30.0) -> Grant:
+        """Wait (without polling) for `n` generation slots inside the staleness budget; the
+        `Grant` says which policy version to generate with.
+
+        Raises:
+            TimeoutError: the budget did not open within `timeout` seconds.
+        """
+        grant = self._run(self._core.acquire(n, timeout))
+        grant._client = self
+        return grant
+
+    def release(self, grant: Grant) -> None:
+        """Return a grant's unused slots."""
+        self._run(self._core.release(grant))
+
+    def seal(self, partition: str = "train") -> None:
+        """No more samples will come to `partition`; streams end once it is drained."""
+        self._run(self._core.seal(partition))
+
+    # -- consumers ---------------------------------------------------------------------
+
+    def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str = "train",
+        *,
+        sampler: str = "fifo",
+        max_staleness: int | None = None,
+        timeout: float = 30.0,
+        allow_partial: bool = False,
+        lease_timeout: float | None = None,
+        **sampler_options: int | float | str,
+    ) -> BatchMeta:
+        """Lease `batch_size` samples whose `fields` are ready and that `task` has not consumed.
+
+        A sealed, drained partition returns the remainder at once (an empty batch when nothing
+        is left). Samples staler than `max_staleness` (default: the cluster's) are never served.
+        The lease lasts `lease_timeout` seconds (default: the cluster's); unacked samples then
+        return to the pool. Extra keyword arguments go to the sampler (`group_size=` for
+        `grpo_group`, `dp_size=` for `seqlen_balanced`).
+
+        Raises:
+            TimeoutError: fewer than `batch_size` were ready within `timeout` seconds (with
+                `allow_partial=True`, what is ready is returned instead, possibly nothing).
+            SchemaError: an unknown sampler or field, or an invalid argument.
+        """
+        return self._run(self._core.get_meta(
+            fields, batch_size, task, partition, sampler=sampler, max_staleness=max_staleness,
+            timeout=timeout, allow_partial=allow_partial, lease_timeout=lease_timeout, **sampler_options,
+        ))
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+        """Read the batch's fields (default: all) from every unit holding it, in parallel; rows
+        in meta order. Uniform fields come back dense, ragged ones as jagged nested tensors.
+
+        Raises:
+            SchemaError: a field the batch lacks was asked for.
+        """
+        return self._run(self._core.get_data(meta, fields))
+
+    def ack(self, meta: BatchMeta) -> None:
+        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        self._run(self._core.ack(meta))
+
+    def nack(self, meta: BatchMeta) -> None:
+        """Give the batch back unconsumed: its samples are ready for the task again."""
+        self._run(self._core.nack(meta))
+
+    def clear(self, meta: BatchMeta) -> None:
+        """Delete the batch's samples from the controller and the storage units."""
+        self._run(self._core.clear(meta))
+
+    def clear_partition(self, partition: str = "train") -> None:
+        """Delete every sample of `partition` (the name may then be reused, unsealed)."""
+        self._run(self._core.clear_partition(partition))
 
     def stream(
         self,
@@ -148,78 +179,130 @@ class Client(ClientCore):
         *,
         timeout: float | None = None,
         **get_meta_options: Any,
-    ) -> Iterator[tuple[Any, BatchMeta]]:
+    ) -> Iterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
 
-        Taking the next batch acks the previous one. While you work on a batch, the request for
-        the next is already waiting at the controller. Leaving the loop early nacks the batch in
-        hand (ack it yourself first if you finished it). `timeout=None` waits indefinitely.
+        Taking the next batch acks the previous one (the ack is sent then; its answer is
+        collected with the next batch, costing no round trip of its own). While you work on a
+        batch, the request for the next is already waiting at the controller (the same fetch
+        flow as `AsyncClient`'s, which also reads its data meanwhile). Leaving the loop early
+        nacks the batch in hand (ack it yourself first if you finished it). `timeout=None`
+        waits indefinitely.
+
+        Raises:
+            TimeoutError: (from the iterator) no batch within `timeout` seconds.
         """
         wait = 1e9 if timeout is None else timeout
-
-        def request() -> _Pending:
-            return self._start(self.get_meta.__wrapped__(self, fields, batch_size, task, partition, timeout=wait, **get_meta_options))
-
-        pending = request()
+        fetch = lambda: self._start(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))  # noqa: E731
+        nxt = fetch()
+        pending: _InFlight | None = nxt  # in flight until finished: abandoned if the loop is left
+        acking: _InFlight | None = None
         meta = None
         try:
             while True:
-                meta = self._finish(pending)
+                batch, meta = self._finish(nxt)
                 pending = None
+                if acking is not None:
+                    done, acking = acking, None
+                    self._finish(done)
                 if not len(meta):
                     meta = None
                     return
-                pending = request()
-                batch = self.get_data(meta)
+                nxt = pending = fetch()
                 yield batch, meta
-                self.ack(meta)
-                meta = None
+                acking, meta = self._start(self._core.ack(meta)), None
         finally:
+            if acking is not None:
+                self._finish(acking)
             if pending is not None:
                 self._abandon(pending)
             if meta is not None:
                 self.nack(meta)
 
-    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
-        """Every version the trainer sets after `after` (default: the version at this call), in
-        order, none skipped. Each wait for the next one raises `TimeoutError` after `timeout`."""
-        start = self.get_version() if after is None else after
-        return self._follow_versions(start, timeout)
+    # -- versions ----------------------------------------------------------------------
 
-    def _follow_versions(self, after: int, timeout: float) -> Iterator[int]:
-        while True:
-            for version in self._versions_after(after, timeout):
-                yield version
-                after = version
+    def set_version(self, version: int) -> int:
+        """Record the trainer's new weight version; returns it.
+
+        Raises:
+            VersionError: `version` is below the current one (versions are monotone).
+        """
+        return self._run(self._core.set_version(version))
+
+    def get_version(self) -> int:
+        """The trainer's current weight version."""
+        return self._run(self._core.get_version())
 
     @property
     def version(self) -> int:
+        """The trainer's current weight version."""
         return self.get_version()
+
+    def wait_version(self, version: int, timeout: float = 30.0) -> int:
+        """Block until the version is at least `version`; returns the current version.
+
+        Raises:
+            TimeoutError: it did not get there within `timeout` seconds.
+        """
+        return self._run(self._core.wait_version(version, timeout))
+
+    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
+        """Every version the trainer sets after `after` (default: the version at this call), in
+        order, none skipped.
+
+        Raises:
+            TimeoutError: (from the iterator) no new version within `timeout` seconds.
+        """
+        return follow(self, self.get_version() if after is None else after, timeout)
+
+    # -- checkpoints, status, small shared values ----------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike) -> int:
+        """Write the cluster's samples and consumer progress to the directory `path`; returns the
+        number of samples.
+
+        Saves the version, every partition's committed samples (all their ready fields) and,
+        per consumer task, which samples it consumed; leased samples count as not consumed, so
+        they are delivered again after a restore. Run it while producers and consumers pause.
+        Restore with `tq.init(restore=path)` or `restore_checkpoint`.
+        """
+        return self._run(self._core.save_checkpoint(path))
+
+    def restore_checkpoint(self, path: str | os.PathLike) -> int:
+        """Put a checkpoint's samples into this (empty) cluster with their versions and groups,
+        mark what each task had consumed, seal what was sealed, set the version; returns the
+        number of samples (they get new indexes).
+
+        Raises:
+            SchemaError: `path` holds no checkpoint.
+        """
+        return self._run(self._core.restore_checkpoint(path))
+
+    def status(self) -> dict:
+        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes."""
+        return self._run(self._core.status())
+
+    def announce(self, key: str, value: bytes) -> None:
+        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
+
+        Raises:
+            SchemaError: `value` is not bytes, or too large.
+        """
+        self._run(self._core.announce(key, value))
+
+    def lookup(self, key: str, timeout: float = 0.0) -> bytes | None:
+        """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
+        return self._run(self._core.lookup(key, timeout))
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close sockets and unmap arenas; the client cannot be used afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._socks.clear()
-        self.close_arenas()
+        """Close sockets and unmap arenas; the client cannot be used afterwards (`ClosedError`)."""
+        super().close()
+        self._core.close_arenas()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _sync(fn):
-    def method(self, *args, **kwargs):
-        return self._run(fn(self, *args, **kwargs))
-
-    return method
-
-
-wrap_flows(Client, _sync)

@@ -70,6 +70,8 @@ class ProtocolError(SluiceError):
     """A message was malformed, oversized, of an unknown type or from another protocol version."""
 
     code = "protocol"
+    request_id: int = 0
+    """The id of the request it refuses, once its prefix could be read (0: unknown)."""
 
 
 class SealedError(SluiceError):

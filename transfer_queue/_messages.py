@@ -2,7 +2,8 @@
 
 Controller and storage units each decode exactly one union (`ControllerRequest`,
 `StorageRequest`) and answer with a `Reply`. Tensor bytes never appear here: they travel as
-separate raw frames after the message (see `_wire`). New fields get defaults so messages can
+separate raw frames after the message (see `rpc`, which also defines the messages every
+service shares: `Cancel`, `Ping`, `Ok`, `ErrorReply`). New fields get defaults so messages can
 evolve without breaking older peers of the same protocol version.
 """
 
@@ -14,6 +15,7 @@ import msgspec
 
 from ._meta import BatchMeta, FieldSpec
 from ._staleness import StalenessConfig
+from .rpc import Cancel, ErrorReply, Message, Ok, Ping
 
 __all__ = [
     "ClusterConfig",
@@ -118,20 +120,7 @@ class RowInfo(msgspec.Struct, frozen=True):
     """False: put with no policy version and no grant (e.g. prompts); such rows are never stale."""
 
 
-class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
-    pass
-
-
-class Cancel(_Msg, tag="cancel"):
-    """Withdraw this peer's parked request `request_id` (any service); answered with `Ok`.
-
-    If the request was already answered, that answer arrives before this one's `Ok`."""
-
-    request_id: int
-
-
-class Ping(_Msg, tag="ping"):
-    """Are you alive? Any service answers `Ok` at once (clients probe a silent peer with it)."""
+_Msg = Message
 
 
 # -- controller requests -----------------------------------------------------------------
@@ -149,24 +138,27 @@ class RegisterUnit(_Msg, tag="register_unit"):
 
 
 class BeginPut(_Msg, tag="begin_put"):
-    """Validate the schema and place rows: new rows when `indexes` is empty, else new columns."""
+    """Validate the schema and place `n` new rows (new columns of existing rows need none: their
+    `CommitPut` checks and accounts for them)."""
 
     partition: str
     fields: dict[str, FieldSpec]
     n: int
     row_bytes: int
-    indexes: list[int] = []
     timeout: float = 30.0
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
-    """The units hold the data: mark `fields` ready for `indexes` (and register new rows)."""
+    """The units hold the data: mark `fields` ready for `indexes`. With `rows`, it registers the
+    new rows of an open put; without, the fields are new columns of existing rows (checked
+    against the schema here, `row_bytes` more per row)."""
 
     partition: str
     indexes: list[int]
     fields: dict[str, FieldSpec]
     rows: RowInfo | None = None
+    row_bytes: int = 0
 
 
 class AbortPut(_Msg, tag="abort_put"):
@@ -371,15 +363,6 @@ class UnitStatus(_Msg, tag="unit_status"):
 StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
-
-
-class Ok(_Msg, tag="ok"):
-    pass
-
-
-class ErrorReply(_Msg, tag="error"):
-    code: str
-    message: str
 
 
 class HelloReply(_Msg, tag="hello_reply"):

@@ -1,8 +1,8 @@
 """`TransferQueueClient`: TransferQueue 0.1.11's client methods, on Sluice's own clients.
 
 Each operation is written once, as a flow over a `ClientCore` (as Sluice's clients are, see
-`_client_core`), and driven two ways: `name(...)` with this thread's blocking `Client`, and
-`async_name(...)` with an `AsyncClient` bound to the running event loop. verl awaits the same
+`_control`), and written out twice, typed: `name(...)` drives it with this thread's blocking
+`Client`, `async_name(...)` with an `AsyncClient` bound to the running event loop. verl awaits the same
 client from several loops (its agent loop's and its sync-to-async bridge's), so there is one
 `AsyncClient` per loop and one `Client` per thread; no hidden event loop or thread.
 
@@ -15,10 +15,9 @@ Non-tensor fields (`NonTensorStack`, `NonTensorData`) travel as msgpack (`_objec
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import weakref
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 import torch
@@ -27,7 +26,8 @@ from tensordict import TensorDict
 from ._async_client import AsyncClient
 from ._auth import Credentials
 from ._client import Client
-from ._client_core import CONTROLLER, ClientCore
+from ._client_core import ClientCore
+from ._drivers import CONTROLLER, Flow
 from ._errors import SchemaError
 from ._kv_meta import KVBatchMeta
 from ._messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
@@ -36,12 +36,6 @@ from ._tensors import is_non_tensor
 
 __all__ = ["TransferQueueClient"]
 
-Flow = Generator[Any, Any, Any]
-
-
-def _face_flow(fn: Callable[..., Flow]) -> Callable[..., Flow]:
-    fn.__tq_flow__ = True
-    return fn
 
 
 def as_rows(data: TensorDict) -> TensorDict:
@@ -105,6 +99,16 @@ class TransferQueueClient:
             await client.hello()
         return client
 
+    def _blocking(self, flow: Callable[..., Flow], *args: Any) -> Any:
+        """Run `flow(core, *args)` on this thread's blocking `Client`."""
+        client = self._client()
+        return client._run(flow(client._core, *args))
+
+    async def _awaiting(self, flow: Callable[..., Flow], *args: Any) -> Any:
+        """Run `flow(core, *args)` on the running loop's `AsyncClient`."""
+        client = await self._async_client()
+        return await client._run(flow(client._core, *args))
+
     def close(self) -> None:
         """Close this thread's and every other thread's blocking client (async ones close with their loops)."""
         with self._lock:
@@ -113,90 +117,184 @@ class TransferQueueClient:
             client.close()
         self._threads = threading.local()
 
-    # -- flows (each becomes `name` and `async_name`) --------------------------------------
+    # -- operations: `name` blocks, `async_name` awaits; both run the same flow below --------
 
-    @_face_flow
-    def get_data(self, core: ClientCore, metadata: BatchMeta) -> Flow:
+    def get_data(self, metadata: BatchMeta) -> TensorDict:
         """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
-        data = yield from ClientCore.get_data(core, metadata)
-        return as_dense(data)
+        return self._blocking(_get_data, metadata)
 
-    @_face_flow
-    def put(self, core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None,
-            partition_id: str | None = None) -> Flow:
+    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
+        """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
+        return await self._awaiting(_get_data, metadata)
+
+    def put(self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
         """Write `data`: new columns of `metadata`'s samples, or (no metadata) new samples of
-        `partition_id`. Returns the metadata with the written fields added."""
-        if metadata is None:
-            if partition_id is None:
-                raise ValueError("put needs metadata or a partition_id")
-            return (yield from ClientCore.put(core, as_rows(data), partition_id))
-        if not len(metadata):
-            return metadata
-        return (yield from ClientCore.put(core, as_rows(data), meta=metadata))
+        `partition_id`. Returns the metadata with the written fields added.
 
-    @_face_flow
-    def kv_retrieve_meta(self, core: ClientCore, keys: list[str] | str, partition_id: str,
-                         create: bool = False) -> Flow:
+        Raises:
+            SchemaError: neither `metadata` nor `partition_id`, or data contradicting the fields.
+        """
+        return self._blocking(_put, data, metadata, partition_id)
+
+    async def async_put(self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+        """Write `data` (see `put`)."""
+        return await self._awaiting(_put, data, metadata, partition_id)
+
+    def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
         """The `BatchMeta` of `keys` (their fields ready for every key); `create=True` adds the
-        keys the partition lacks. `SchemaError` names missing keys when not creating."""
-        reply = yield from _resolve(core, [keys] if isinstance(keys, str) else list(keys), partition_id, create)
-        return reply.meta
+        keys the partition lacks.
 
-    @_face_flow
-    def kv_retrieve_keys(self, core: ClientCore, global_indexes: list[int] | int, partition_id: str) -> Flow:
+        Raises:
+            SchemaError: keys are missing and `create` is False (the message names them).
+        """
+        return self._blocking(_kv_retrieve_meta, keys, partition_id, create)
+
+    async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
+        """The `BatchMeta` of `keys` (see `kv_retrieve_meta`)."""
+        return await self._awaiting(_kv_retrieve_meta, keys, partition_id, create)
+
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         """The keys of `global_indexes` in `partition_id`."""
-        indexes = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        reply = yield from core._one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
-        return reply.keys
+        return self._blocking(_kv_retrieve_keys, global_indexes, partition_id)
 
-    @_face_flow
-    def kv_list(self, core: ClientCore, partition_id: str | None = None) -> Flow:
+    async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        """The keys of `global_indexes` in `partition_id`."""
+        return await self._awaiting(_kv_retrieve_keys, global_indexes, partition_id)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
         """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
-        reply = yield from core._one(CONTROLLER, KvList(partition_id), KvListReply)
-        return reply.partitions
+        return self._blocking(_kv_list, partition_id)
 
-    @_face_flow
-    def clear_samples(self, core: ClientCore, metadata: BatchMeta) -> Flow:
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict]]:
+        """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
+        return await self._awaiting(_kv_list, partition_id)
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
         """Delete the batch's samples (and their keys)."""
-        yield from ClientCore.clear(core, metadata)
+        self._blocking(_clear_samples, metadata)
 
-    @_face_flow
-    def kv_batch_put(self, core: ClientCore, keys: list[str], partition_id: str,
-                     fields: TensorDict | None = None, tags: list[dict] | None = None) -> Flow:
-        """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`."""
-        resolved = yield from _resolve(core, keys, partition_id, True)
-        meta = resolved.meta
-        if fields is not None:
-            meta = yield from ClientCore.put(core, as_rows(fields), meta=meta)
-        merged = [dict(t) for t in resolved.tags]
-        if tags is not None:
-            _check_tags(keys, tags)
-            yield from core._one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
-            for mine, new in zip(merged, tags):
-                mine.update(new)
-        return KVBatchMeta(list(keys), merged, partition_id, meta.field_names, {})
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        """Delete the batch's samples (and their keys)."""
+        await self._awaiting(_clear_samples, metadata)
 
-    @_face_flow
-    def kv_batch_get(self, core: ClientCore, keys: list[str], partition_id: str,
-                     select_fields: Sequence[str] | None = None) -> Flow:
-        """The fields of `keys` as a TensorDict in key order; `SchemaError` (a `ValueError`) for
-        missing keys or for a field not ready for every key."""
-        reply = yield from _resolve(core, keys, partition_id, False)
-        meta = reply.meta
-        if select_fields is not None:
-            meta = meta.select_fields(list(select_fields))
-        data = yield from ClientCore.get_data(core, meta)
-        return as_dense(data)
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: TensorDict | None = None,
+                     tags: list[dict] | None = None) -> KVBatchMeta:
+        """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`.
 
-    @_face_flow
-    def kv_clear(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+        Raises:
+            SchemaError: tags msgpack cannot carry, or fields contradicting the partition's.
+        """
+        return self._blocking(_kv_batch_put, keys, partition_id, fields, tags)
+
+    async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: TensorDict | None = None,
+                                 tags: list[dict] | None = None) -> KVBatchMeta:
+        """Create missing keys, write `fields`, then merge `tags` (see `kv_batch_put`)."""
+        return await self._awaiting(_kv_batch_put, keys, partition_id, fields, tags)
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None) -> TensorDict:
+        """The fields of `keys` as a TensorDict in key order.
+
+        Raises:
+            SchemaError: (a `ValueError`) a key is missing, or a field is not ready for every key.
+        """
+        return self._blocking(_kv_batch_get, keys, partition_id, select_fields)
+
+    async def async_kv_batch_get(self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None) -> TensorDict:
+        """The fields of `keys` as a TensorDict in key order (see `kv_batch_get`)."""
+        return await self._awaiting(_kv_batch_get, keys, partition_id, select_fields)
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> None:
         """Delete `keys` and their samples (unknown keys are ignored)."""
-        yield from core._one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
+        self._blocking(_kv_clear, keys, partition_id)
 
-    @_face_flow
-    def kv_resolve(self, core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+    async def async_kv_clear(self, keys: list[str], partition_id: str) -> None:
+        """Delete `keys` and their samples (unknown keys are ignored)."""
+        await self._awaiting(_kv_clear, keys, partition_id)
+
+    def kv_resolve(self, keys: list[str], partition_id: str) -> KvMetaReply:
         """`KvMetaReply` of `keys`: their meta, tags, and the fields ready for only some of them."""
-        return (yield from _resolve(core, keys, partition_id, False))
+        return self._blocking(_kv_resolve, keys, partition_id)
+
+    async def async_kv_resolve(self, keys: list[str], partition_id: str) -> KvMetaReply:
+        """`KvMetaReply` of `keys` (see `kv_resolve`)."""
+        return await self._awaiting(_kv_resolve, keys, partition_id)
+
+
+# -- the flows, written once -----------------------------------------------------------------
+
+
+def _get_data(core: ClientCore, metadata: BatchMeta) -> Flow:
+    """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
+    data = yield from core.get_data(metadata)
+    return as_dense(data)
+
+def _put(core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None,
+        partition_id: str | None = None) -> Flow:
+    """Write `data`: new columns of `metadata`'s samples, or (no metadata) new samples of
+    `partition_id`. Returns the metadata with the written fields added."""
+    if metadata is None:
+        if partition_id is None:
+            raise ValueError("put needs metadata or a partition_id")
+        return (yield from core.put(as_rows(data), partition_id))
+    if not len(metadata):
+        return metadata
+    return (yield from core.put(as_rows(data), meta=metadata))
+
+def _kv_retrieve_meta(core: ClientCore, keys: list[str] | str, partition_id: str,
+                     create: bool = False) -> Flow:
+    """The `BatchMeta` of `keys` (their fields ready for every key); `create=True` adds the
+    keys the partition lacks. `SchemaError` names missing keys when not creating."""
+    reply = yield from _resolve(core, [keys] if isinstance(keys, str) else list(keys), partition_id, create)
+    return reply.meta
+
+def _kv_retrieve_keys(core: ClientCore, global_indexes: list[int] | int, partition_id: str) -> Flow:
+    """The keys of `global_indexes` in `partition_id`."""
+    indexes = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+    reply = yield from core.one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
+    return reply.keys
+
+def _kv_list(core: ClientCore, partition_id: str | None = None) -> Flow:
+    """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
+    reply = yield from core.one(CONTROLLER, KvList(partition_id), KvListReply)
+    return reply.partitions
+
+def _clear_samples(core: ClientCore, metadata: BatchMeta) -> Flow:
+    """Delete the batch's samples (and their keys)."""
+    yield from core.clear(metadata)
+
+def _kv_batch_put(core: ClientCore, keys: list[str], partition_id: str,
+                 fields: TensorDict | None = None, tags: list[dict] | None = None) -> Flow:
+    """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`."""
+    resolved = yield from _resolve(core, keys, partition_id, True)
+    meta = resolved.meta
+    if fields is not None:
+        meta = yield from core.put(as_rows(fields), meta=meta)
+    merged = [dict(t) for t in resolved.tags]
+    if tags is not None:
+        _check_tags(keys, tags)
+        yield from core.one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
+        for mine, new in zip(merged, tags):
+            mine.update(new)
+    return KVBatchMeta(list(keys), merged, partition_id, meta.field_names, {})
+
+def _kv_batch_get(core: ClientCore, keys: list[str], partition_id: str,
+                 select_fields: Sequence[str] | None = None) -> Flow:
+    """The fields of `keys` as a TensorDict in key order; `SchemaError` (a `ValueError`) for
+    missing keys or for a field not ready for every key."""
+    reply = yield from _resolve(core, keys, partition_id, False)
+    meta = reply.meta
+    if select_fields is not None:
+        meta = meta.select_fields(list(select_fields))
+    data = yield from core.get_data(meta)
+    return as_dense(data)
+
+def _kv_clear(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+    """Delete `keys` and their samples (unknown keys are ignored)."""
+    yield from core.one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
+
+def _kv_resolve(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
+    """`KvMetaReply` of `keys`: their meta, tags, and the fields ready for only some of them."""
+    return (yield from _resolve(core, keys, partition_id, False))
 
 
 def _check_tags(keys: list[str], tags: list[dict]) -> None:
@@ -211,27 +309,4 @@ def _check_tags(keys: list[str], tags: list[dict]) -> None:
 
 
 def _resolve(core: ClientCore, keys: list[str], partition: str, create: bool) -> Flow:
-    return (yield from core._one(CONTROLLER, KvResolve(partition, list(keys), create), KvMetaReply))
-
-
-def _twins(cls: type) -> type:
-    """Give each flow of `cls` a blocking method `name` and a coroutine method `async_name`."""
-    for name, fn in list(vars(cls).items()):
-        if not getattr(fn, "__tq_flow__", False):
-            continue
-
-        def blocking(self, *args, _fn=fn, **kwargs):
-            client = self._client()
-            return client._run(_fn(self, client, *args, **kwargs))
-
-        async def coroutine(self, *args, _fn=fn, **kwargs):
-            client = await self._async_client()
-            return await client._run(_fn(self, client, *args, **kwargs))
-
-        setattr(cls, name, functools.wraps(fn)(blocking))
-        setattr(cls, f"async_{name}", functools.wraps(fn)(coroutine))
-        getattr(cls, f"async_{name}").__name__ = f"async_{name}"
-    return cls
-
-
-_twins(TransferQueueClient)
+    return (yield from core.one(CONTROLLER, KvResolve(partition, list(keys), create), KvMetaReply))

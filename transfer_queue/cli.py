@@ -6,15 +6,14 @@
 `serve` prints `SLUICE_ADDRESS tcp://...` (for scripts) and a line for people, then holds the
 services until it is told to stop, and stops them cleanly. `status` renders what
 `client.status()` returns as tables; throughput is the difference of two snapshots over the
-refresh interval. It sends the one `Status` request itself rather than through `Client`, so it
-starts without loading torch (seconds on a busy machine). Sluice's typed errors end the
+refresh interval. It asks through `ControlClient`, which does not load torch (seconds on a
+busy machine). Sluice's typed errors end the
 command with a one-line message and exit status 1, not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import signal
@@ -24,12 +23,9 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-import zmq
 
-from ._auth import from_env, secure_client
-from ._errors import ProtocolError, SchemaError, SluiceError, TimeoutError, error_from_code
-from ._messages import ErrorReply, Reply, Status, StatusReply
-from ._wire import Codec
+from ._control import ControlClient
+from ._errors import SchemaError, SluiceError
 
 __all__ = ["main"]
 
@@ -128,7 +124,7 @@ def status(args: argparse.Namespace) -> int:
     """Print the cluster's status once, or every `--watch` seconds until Ctrl-C."""
     _probe(args.address)
     in_place = args.watch is not None and sys.stdout.isatty()
-    reader = _StatusReader(args.address, args.timeout)
+    reader = ControlClient(args.address, timeout=args.timeout)
     try:
         for text in _frames(reader, args.json, args.watch):
             print(_CLEAR + text if in_place else text, flush=True)
@@ -139,49 +135,7 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-class _StatusReader:
-    """Sends `Status` to a controller over one DEALER socket and waits for its `StatusReply`."""
-
-    def __init__(self, address: str, timeout: float):
-        self.address, self.timeout = address, timeout
-        self._codec = Codec(Reply)
-        self._ids = itertools.count(1)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-        credentials = from_env()
-        if credentials is not None:  # a cluster bound beyond loopback
-            secure_client(self._sock, credentials)
-        self._sock.connect(address)
-
-    def status(self) -> dict:
-        """The controller's status dict; `TimeoutError` if it does not answer within `timeout`."""
-        rid = next(self._ids)
-        try:
-            self._sock.send_multipart(self._codec.encode(rid, Status()))
-        except zmq.Again:
-            raise TimeoutError(
-                f"no connection to {self.address} within {self.timeout:g}s (down, or it refused these "
-                "credentials: set SLUICE_CREDENTIALS for a cluster bound beyond loopback)"
-            ) from None
-        deadline = time.monotonic() + self.timeout
-        while (left := deadline - time.monotonic()) > 0 and self._sock.poll(int(left * 1000) + 1):
-            got, reply, _ = self._codec.decode(self._sock.recv_multipart())
-            if got != rid:
-                continue  # the late answer to an earlier request that timed out
-            if isinstance(reply, ErrorReply):
-                raise error_from_code(reply.code, reply.message)
-            if not isinstance(reply, StatusReply):
-                raise ProtocolError(f"{self.address} answered Status with {type(reply).__name__}")
-            return reply.status
-        raise TimeoutError(f"{self.address} did not answer a status request within {self.timeout:g}s; "
-                           "is it a running Sluice controller?")
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
-
-def _frames(reader: _StatusReader, as_json: bool, watch: float | None) -> Iterator[str]:
+def _frames(reader: ControlClient, as_json: bool, watch: float | None) -> Iterator[str]:
     """Rendered snapshots: one, or one every `watch` seconds. Tables show rates, which need two
     snapshots, so their first frame comes `_FIRST_SAMPLE_GAP` seconds after the first snapshot."""
     before = None if as_json else reader.status()

@@ -5,13 +5,17 @@ It lives in rank 0's control-server thread (no locks): `handle` serves `Join`, `
 `Latest` and `Confirm`; the publisher calls `on_started` and `on_staged` for rank 0 itself.
 A version becomes complete when every rank reported it staged; it is recorded with `record`
 (the controller's `set_version`) before any subscriber is told, so the controller's version
-never runs ahead of what subscribers can fetch, nor behind what they apply.
+never runs ahead of what subscribers can fetch, nor behind what they apply. That record is a
+controller round trip (up to seconds): it runs on a worker thread of its own, in version
+order, and its outcome comes back to the server thread through `submit`, so leases, releases
+and `Latest` are answered meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import msgspec
@@ -27,7 +31,6 @@ from .protocol import (
     Pending,
     RankInfo,
     Staged,
-    failed,
 )
 
 __all__ = ["Coordinator"]
@@ -42,14 +45,20 @@ class Coordinator:
     """Tracks versions across `world_size` publisher ranks; `info` is rank 0's own.
 
     `park(pending, timeout, what)` keeps a request waiting (the server fails it at its
-    deadline); `record(version)` registers a complete version with the controller, or is None
-    without one, and may raise when the controller cannot be reached.
+    deadline); `submit(fn)` runs `fn` in the server thread; `record(version)` registers a
+    complete version with the controller (blocking; it runs on the coordinator's own worker
+    thread), or is None without one, and may raise when the controller cannot be reached.
     """
 
-    def __init__(self, info: RankInfo, world_size: int, park: Callable[[Pending, float, str], None], record: Callable[[int], None] | None):
+    def __init__(
+        self, info: RankInfo, world_size: int, park: Callable[[Pending, float, str], None],
+        submit: Callable[[Callable[[], None]], None], record: Callable[[int], None] | None,
+    ):
         self.world_size = world_size
         self.park = park
+        self.submit = submit
         self.record = record
+        self._recorder = None if record is None else ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-record")
         self.ranks: dict[int, RankInfo] = {info.rank: info}
         self.holders: dict[int, set[int]] = {}
         """Version -> ranks that have it complete (until every rank has)."""
@@ -94,15 +103,34 @@ class Coordinator:
     def _complete(self, version: int) -> None:
         for old in [v for v in self.holders if v <= version]:
             del self.holders[old]
-        if self.record is not None:
-            try:
-                self.record(version)
-            except Exception as exc:  # noqa: BLE001 - the controller refused or is gone: nobody is told
-                log.error("could not record version %d in the controller: %s", version, exc)
-                self.abandoned.append(version)
-                return
-        self.complete = version
-        self.recent.append(version)
+        if self._recorder is None:
+            self._recorded(version, None)
+        else:
+            self._recorder.submit(self._record, version)
+
+    def _record(self, version: int) -> None:
+        """Worker thread: record `version` in the controller, then report to the server thread."""
+        error: Exception | None = None
+        try:
+            self.record(version)
+        except Exception as exc:  # noqa: BLE001 - the controller refused or is gone: nobody is told
+            error = exc
+        self.submit(lambda: self._recorded(version, error))
+
+    def _recorded(self, version: int, error: Exception | None) -> None:
+        """Server thread: `version` is recorded (or could not be: it is abandoned); tell waiters."""
+        if error is not None:
+            log.error("could not record version %d in the controller: %s", version, error)
+            self.abandoned.append(version)
+        elif version > self.complete:
+            self.complete = version
+            self.recent.append(version)
+        self._wake()
+
+    def close(self) -> None:
+        """Stop the recording worker (a record in flight finishes; nobody hears of it)."""
+        if self._recorder is not None:
+            self._recorder.shutdown(wait=False, cancel_futures=True)
 
     def _answer(self, msg: msgspec.Struct, pending: Pending) -> bool:
         """Answer `msg` now if it can be; False to keep waiting."""
@@ -110,7 +138,7 @@ class Coordinator:
             if msg.version in self.recent:
                 pending.reply(Ok())
             elif msg.version in self.abandoned or msg.version < self.complete:
-                pending.reply(failed(WeightSyncError(f"version {msg.version} was abandoned by the trainer")))
+                pending.fail(WeightSyncError(f"version {msg.version} was abandoned by the trainer"))
             else:
                 return False
             return True

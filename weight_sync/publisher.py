@@ -7,8 +7,9 @@ fills, a finisher thread checksums it (validation mode) and marks it complete, a
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
 then tells subscribers. A slot is reused only after every lease on it is released.
 
-Threads in the trainer process: the control server (`protocol.RpcServer`, which also runs the
-coordinator's bookkeeping), the finisher, and whatever the transports serve with.
+Threads in the trainer process: the control server (an `rpc.ThreadService`, which also runs
+the coordinator's bookkeeping), the coordinator's recorder (controller round trips), the
+finisher, and whatever the transports serve with.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue._errors import SchemaError, TimeoutError, VersionError, WeightSyncError
+from transfer_queue.rpc import Credentials, credentials_from_env
 
 from .buckets import layout_buckets, pack
 from .checksum import Snapshot
@@ -48,11 +50,11 @@ from .protocol import (
     RelayPull,
     Release,
     RpcClient,
-    RpcServer,
     SlotInfo,
     Staged,
     Verify,
     directory_key,
+    serve,
 )
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
@@ -90,6 +92,10 @@ class WeightPublisher:
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead.
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
+        host: the interface the control endpoint binds (loopback by default).
+        credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
+            endpoint then admits only clients holding them. Binding `host` beyond loopback
+            without them raises `SchemaError`.
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class WeightPublisher:
         lease_timeout: float = 60.0,
         timeout: float = 60.0,
         host: str = "127.0.0.1",
+        credentials: Credentials | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -130,19 +137,23 @@ class WeightPublisher:
         self._relays: dict[tuple[int, int, str], list[str]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # slot index -> checksums taken after staging
         self._closed = False
-        self._client = tq.connect(address) if address is not None else None
+        self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
         source = _SlotSource(self._table, timeout)
         data = {t.name: t.serve(source) for t in self._transports.values()}
-        self._server = RpcServer(self._handle, bind=f"tcp://{host}:*")
+        self.credentials = credentials if credentials is not None else credentials_from_env()
+        self._server = serve(self._handle, f"tcp://{host}:*", self.credentials)
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
-        self._coordinator = Coordinator(self.info, world_size, self._server.park, self._record if self._client else None) if rank == 0 else None
+        self._coordinator = (
+            Coordinator(self.info, world_size, self._server.park, self._server.submit, self._record if self._client else None)
+            if rank == 0 else None
+        )
         self._upstream: RpcClient | None = None
         if rank == 0:
             if self._client is not None:
                 self._controller(lambda c: c.announce(directory_key(name), msgspec.msgpack.encode(self.info)))
         else:
-            self._upstream = RpcClient(coordinator or self._find_coordinator(), timeout=timeout)
+            self._upstream = RpcClient(coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials)
             self._upstream.call(Join(self.info))
         self._finished: queue.Queue = queue.Queue()
         self._finisher = threading.Thread(target=self._finish_loop, name="sluice-ws-finisher", daemon=True)
@@ -338,6 +349,8 @@ class WeightPublisher:
         for transport in self._transports.values():
             transport.close()
         self._server.close()
+        if self._coordinator is not None:
+            self._coordinator.close()
         if self._upstream is not None:
             self._upstream.close()
         self._table.close()

@@ -92,7 +92,7 @@ class WeightSubscriber:
         self.timeout = timeout
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers)
         self._offered = resolve(transport)
-        self._client = tq.connect(address) if address is not None else None
+        self._client = tq.ControlClient(address) if address is not None else None
         self._publisher = publisher
         self._held = Targets(self.targets)
         self._signature = _signature(self.targets, self.shard, self.mapping)

@@ -8,11 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import zmq
+from transfer_queue._messages import UnitStatus
 
-from transfer_queue._messages import Reply, UnitStatus
-from transfer_queue._wire import Codec
-
+from ..peers import peer
 from ..waiting import eventually
 
 __all__ = ["ROOT", "eventually", "unit_status", "rss_bytes", "stalled_producer"]
@@ -21,17 +19,12 @@ ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def unit_status(address: str, timeout: float = 10.0) -> dict:
-    """A storage unit's own `status()` over a fresh socket."""
-    codec = Codec(Reply)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    """A storage unit's own `status()` over a fresh channel."""
+    channel = peer(address)
     try:
-        sock.send_multipart(codec.encode(1, UnitStatus()))
-        assert sock.poll(int(timeout * 1000)), f"unit {address} did not answer UnitStatus"
-        return codec.decode(sock.recv_multipart())[1].status
+        return channel.call(UnitStatus(), timeout).status
     finally:
-        sock.close()
+        channel.close()
 
 
 def rss_bytes(pid: int) -> int:
@@ -43,24 +36,19 @@ def rss_bytes(pid: int) -> int:
 
 
 STALLED_PRODUCER = r"""
-import sys, time
+import sys
 import torch
 from tensordict import TensorDict
 import transfer_queue as tq
 from transfer_queue._messages import CommitPut
 
 client = tq.connect(sys.argv[1], use_shm=sys.argv[2] == "shm")
-flow = client.put.__wrapped__(client, TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)
-replies = None
-while True:  # drive the put up to (not including) its CommitPut: the data sits on the units
-    calls = client.resume(flow, replies)
-    if isinstance(calls[0].msg, CommitPut):
-        break
-    ids = []
-    for call in calls:
-        ids.append(rid := next(client._ids))
-        client._sock(call.target).send_multipart(client.codec.encode(rid, call.msg, call.data))
-    replies = [client._recv(call, rid, time.monotonic()) for call, rid in zip(calls, ids)]
+flow = client._core.put(TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)
+calls = next(flow)
+while not isinstance(calls[0].msg, CommitPut):  # drive the put up to its CommitPut: the data sits on the units
+    sent = [(client._channel(c.target), c) for c in calls]
+    rids = [channel.send(c.msg, c.data) for channel, c in sent]
+    calls = flow.send([channel.reply(rid) for (channel, _), rid in zip(sent, rids)])
 print("WRITTEN", flush=True)
 sys.stdin.read()
 """

@@ -8,13 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 import torch
-import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._messages import Reply
-from transfer_queue._wire import Codec, pack_prefix
+from transfer_queue.rpc import pack_prefix
 
+from ..peers import peer, raw
 
 def _td(n: int = 2) -> TensorDict:
     return TensorDict({"x": torch.zeros(n, 4)}, batch_size=[n])
@@ -81,16 +80,12 @@ def test_unknown_field_is_named_at_the_deadline(client):
 
 
 def test_invalid_utf8_is_a_counted_protocol_error(cluster, client):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
-    codec = Codec(Reply)
+    channel = peer(cluster.address)
     body = msgspec.msgpack.encode({"op": "lookup", "key": "k"}).replace(b"\xa1k", b"\xa1\xff")
     before = client.status()["counters"]["requests_rejected"]
     for i in range(20):
-        sock.send_multipart([pack_prefix(i), body])
-        assert sock.poll(5000)
-        reply = codec.decode(sock.recv_multipart())[1]
+        rid, reply, _ = raw(channel, [pack_prefix(i), body])
         assert reply.code == "protocol" and "undecodable" in reply.message, reply
-    sock.close()
+        assert rid == i  # answered under its own id: the caller's wait ends with this error
+    channel.close()
     assert client.status()["counters"]["requests_rejected"] == before + 20

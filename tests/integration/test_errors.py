@@ -9,14 +9,14 @@ import threading
 import time
 
 import pytest
-import torch
 import zmq
+import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._messages import Reply
-from transfer_queue._wire import Codec, pack_prefix
+from transfer_queue.rpc import pack_prefix
 
+from ..peers import peer, raw
 from .faults import eventually, unit_status
 
 
@@ -91,10 +91,7 @@ def test_garbage_and_pickle_are_rejected_and_never_executed(cluster, client, tmp
             return (os.system, (f"touch {marker}",))
 
     address = cluster.address if target == "controller" else client.units[0].address
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    codec = Codec(Reply)
+    channel = peer(address)
     payloads = [
         [b"\x00garbage"],
         [pack_prefix(1), pickle.dumps(Exploit())],
@@ -103,11 +100,9 @@ def test_garbage_and_pickle_are_rejected_and_never_executed(cluster, client, tmp
         [b"XYZ\x01" + bytes(8), b"{}"],
     ]
     for frames in payloads:
-        sock.send_multipart(frames)
-        assert sock.poll(5000), "the service answers malformed input"
-        _, reply, _ = codec.decode(sock.recv_multipart())
+        _, reply, _ = raw(channel, frames)
         assert reply.code == "protocol", reply
-    sock.close()
+    channel.close()
     assert not marker.exists()
     # still serving
     client.put(_td(2))
@@ -130,5 +125,32 @@ def test_shutdown_leaves_no_process_and_no_shared_memory():
 def test_closed_client_says_so(cluster):
     client = tq.connect(cluster.address)
     client.close()
-    with pytest.raises(tq.ClosedError):
+    with pytest.raises(tq.ClosedError, match="closed"):
         client.status()
+    with pytest.raises(tq.ClosedError):
+        client.put(_td(2))
+    control = tq.ControlClient(cluster.address)
+    assert control.version == 0
+    control.close()
+    with pytest.raises(tq.ClosedError):
+        control.status()
+
+
+async def test_closed_async_client_says_so(cluster):
+    client = await tq.connect_async(cluster.address)
+    await client.close()
+    assert client.closed
+    with pytest.raises(tq.ClosedError):
+        await client.get_meta(["x"], 1, task="t", timeout=0.1)
+
+
+def test_foreign_errors_become_sluice_errors(cluster, client):
+    """ZeroMQ's errors and builtin ValueError/TypeError raised inside a call surface as `tq.*`
+    errors (the original chained as `__cause__`)."""
+    with pytest.raises(tq.ServiceError) as info:
+        tq.connect("tcp://127.0.0.1:notaport")
+    assert isinstance(info.value.__cause__, zmq.ZMQError)
+    meta = client.put(_td(2))
+    with pytest.raises(tq.SchemaError) as info:
+        client.get_data(meta, fields=5)  # not a sequence of names
+    assert isinstance(info.value.__cause__, TypeError)

@@ -14,13 +14,12 @@ import time
 
 import pytest
 import torch
-import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._messages import RegisterUnit, Reply, UnitInfo
-from transfer_queue._wire import Codec
+from transfer_queue._messages import RegisterUnit, UnitInfo
 
+from ..peers import ask, peer
 from .faults import ROOT, eventually
 
 
@@ -184,16 +183,11 @@ def test_unit_registration_needs_the_cluster_secret(cluster, client, tmp_path):
     victim.write_bytes(b"keep me" * 4096)
     live = client.units[0]
     fake = UnitInfo(0, "tcp://127.0.0.1:9", live.capacity, str(victim), live.host_id)
-    codec = Codec(Reply)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
-    for rid, secret in enumerate(["", "guess"], 1):
-        sock.send_multipart(codec.encode(rid, RegisterUnit(fake, secret)))
-        assert sock.poll(10000)
-        reply = codec.decode(sock.recv_multipart())[1]
+    channel = peer(cluster.address)
+    for secret in ["", "guess"]:
+        reply = ask(channel, RegisterUnit(fake, secret))
         assert reply.code == "protocol" and "secret" in reply.message, reply
-    sock.close()
+    channel.close()
     status = client.status()
     assert status["counters"]["registrations_refused"] == 2
     assert status["units"]["0"]["address"] == live.address
@@ -207,7 +201,7 @@ def test_client_maps_only_its_clusters_arena_files(cluster, tmp_path):
 
     with tq.connect(cluster.address) as client:
         unit = client.units[0]
-        assert unit.unit_id in client._arenas  # the genuine arena is mapped
+        assert unit.unit_id in client.mapped_units  # the genuine arena is mapped
         assert open_arena(client.cluster_id, 0, unit.shm_path, unit.capacity) is not None
         other = tmp_path / "other"
         other.write_bytes(bytes(unit.capacity))

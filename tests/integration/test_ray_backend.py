@@ -80,7 +80,7 @@ def test_round_trip_through_ray_launched_services(ray_session):
             batches = client.stream(["y"], 4, task="s", partition="s", timeout=10)
             assert sorted(row for b, _ in batches for row in b["y"].tolist()) == list(range(12))
         with tq.connect(cluster.address) as shm_client:  # same node: arenas mapped through /dev/shm
-            assert shm_client._arenas
+            assert shm_client.mapped_units
             again = shm_client.get_meta(["x"], 16, task="again", partition="train", timeout=10)
             assert sorted(shm_client.get_data(again)["x"].tolist()) == list(range(16))
     finally:

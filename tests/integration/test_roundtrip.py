@@ -49,7 +49,7 @@ def test_every_dtype_dense_and_ragged(shared_cluster, use_shm):
     data["scalar"] = torch.arange(8, dtype=torch.float32)
     td = TensorDict(data, batch_size=[8])
     with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
-        assert bool(client._arenas) == use_shm
+        assert bool(client.mapped_units) == use_shm
         meta = client.put(td, partition=part)
         assert len(meta) == 8 and set(meta.fields) == set(data)
         assert len(set(meta.units)) == 2, "a batch is spread over both units"
@@ -87,6 +87,19 @@ def test_new_columns_for_the_same_rows(client):
     batch = client.get_data(both)
     assert both.indexes == meta.indexes
     assert torch.equal(batch["logp"], batch["prompt"].float().sum(-1))
+
+
+def test_new_columns_that_contradict_the_schema_are_refused_at_commit(client):
+    """A put with `meta=` goes straight to the units (no BeginPut); the commit checks its fields
+    against the partition's schema, so a wrong dtype changes nothing readable."""
+    client.put(TensorDict({"a": torch.ones(4, 2), "logp": torch.zeros(4)}, batch_size=[4]))
+    got = client.get_meta(["a"], 4, task="ref", timeout=5)
+    with pytest.raises(tq.SchemaError, match="logp"):
+        client.put(TensorDict({"logp": torch.zeros(4, dtype=torch.int64)}, batch_size=[4]), meta=got)
+    fresh = client.put(TensorDict({"b": torch.full((4,), 3.0)}, batch_size=[4]), meta=got)
+    assert sorted(fresh.fields) == ["a", "b"]
+    assert client.get_data(fresh, fields=["b"])["b"].tolist() == [3.0] * 4
+    assert client.status()["partitions"]["train"]["samples"] == 4
 
 
 def test_get_data_of_a_subset_of_fields(client):

@@ -1,4 +1,4 @@
-"""Real storage-unit processes and a plain ZeroMQ DEALER client, for the storage tests.
+"""Real storage-unit processes and a kernel channel to them, for the storage tests.
 
 Units start as `python -m storage` subprocesses. Starting one costs seconds (imports), so the
 session fixture starts every unit the tests need at once and each test reads the address only
@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,7 +21,9 @@ import zmq
 
 from transfer_queue._errors import error_from_code
 from transfer_queue._messages import ErrorReply, Reply
-from transfer_queue._wire import Codec
+from transfer_queue.rpc import Channel, Codec
+
+from tests.peers import raw
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -77,58 +78,34 @@ class UnitProcess:
             os.unlink(self.shm_path)
 
 
-class UnitClient:
-    """A DEALER socket speaking the storage protocol; replies are matched by request id."""
+class UnitClient(Channel):
+    """A kernel channel to a storage unit, with what the storage tests ask of it: replies by id
+    or in arrival order, whether one is still pending, and raw frames (through `tests.peers`)."""
 
     def __init__(self, address: str):
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.codec = Codec(Reply)
-        self._next = 1
-        self._early: dict[int, tuple[Any, list[Any]]] = {}
-
-    def send(self, msg: Any, frames: Sequence[Any] = ()) -> int:
-        rid = self._next
-        self._next += 1
-        self.sock.send_multipart(self.codec.encode(rid, msg, frames), copy=False)
-        return rid
-
-    def send_raw(self, frames: Sequence[Any]) -> None:
-        self.sock.send_multipart(list(frames))
-
-    def recv_any(self, timeout: float = 10.0) -> tuple[int, Any, list[Any]]:
-        if not self.sock.poll(int(timeout * 1000)):
-            raise AssertionError(f"no reply within {timeout} s")
-        return self.codec.decode(self.sock.recv_multipart(copy=False))
+        super().__init__(address, Codec(Reply), name=f"storage unit at {address}")
 
     def recv(self, rid: int, timeout: float = 10.0) -> tuple[Any, list[Any]]:
-        deadline = time.monotonic() + timeout
-        while rid not in self._early:
-            got, msg, data = self.recv_any(max(deadline - time.monotonic(), 0.001))
-            self._early[got] = (msg, data)
-        return self._early.pop(rid)
+        return self.reply(rid, timeout)
+
+    def recv_any(self, timeout: float = 10.0) -> tuple[int, Any, list[Any]]:
+        """The next reply in arrival order, whichever request it answers."""
+        rid = self.ready(None, timeout)
+        if rid is None:
+            raise AssertionError(f"no reply within {timeout} s")
+        return (rid, *self.reply(rid))
 
     def pending(self, rid: int, wait: float = 0.0) -> bool:
         """True if no reply to `rid` has arrived (after waiting up to `wait` seconds)."""
-        deadline = time.monotonic() + wait
-        while rid not in self._early:
-            left = deadline - time.monotonic()
-            if not self.sock.poll(max(int(left * 1000), 0)):
-                return True
-            got, msg, data = self.codec.decode(self.sock.recv_multipart(copy=False))
-            self._early[got] = (msg, data)
-        return False
+        return self.ready(rid, wait) is None
 
-    def call(self, msg: Any, frames: Sequence[Any] = (), timeout: float = 10.0) -> tuple[Any, list[Any]]:
-        return self.recv(self.send(msg, frames), timeout)
+    def send_raw(self, frames: Sequence[Any]) -> tuple[int, Any, list[Any]]:
+        """Send `frames` as they are; the unit's decoded answer."""
+        return raw(self, frames)
 
     def ok(self, msg: Any, frames: Sequence[Any] = (), timeout: float = 10.0) -> tuple[Any, list[Any]]:
-        """Like `call`, but an `ErrorReply` raises the error class the unit raised."""
-        return raise_for(*self.call(msg, frames, timeout))
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
+        """Send `msg` and wait for its reply; an `ErrorReply` raises the error class the unit raised."""
+        return raise_for(*self.recv(self.send(msg, frames), timeout))
 
 
 def raise_for(reply: Any, data: list[Any]) -> tuple[Any, list[Any]]:

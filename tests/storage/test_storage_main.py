@@ -14,7 +14,7 @@ import zmq
 from storage_harness import REPO, UnitClient, Units
 from transfer_queue._messages import ControllerRequest, ErrorReply, Ok, RegisterUnit, UnitStatus, Write
 from transfer_queue._meta import FieldSpec
-from transfer_queue._wire import Codec, pack_prefix
+from transfer_queue.rpc import Codec, pack_prefix
 
 
 def _registration(controller: zmq.Socket) -> tuple[list, RegisterUnit]:

@@ -28,7 +28,7 @@ from transfer_queue._messages import (
     WriteReply,
 )
 from transfer_queue._meta import RAGGED, FieldSpec
-from transfer_queue._wire import pack_prefix
+from transfer_queue.rpc import pack_prefix
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32]
@@ -267,8 +267,7 @@ def test_garbage_pickle_and_unknown_messages_are_refused(
         [pack_prefix(46), msgspec.msgpack.encode({"op": "read", "partition": 3})],  # wrong types
     ]
     for frames in attempts:
-        main_client.send_raw(frames)
-        _, reply, _ = main_client.recv_any()
+        _, reply, _ = main_client.send_raw(frames)
         assert isinstance(reply, ErrorReply) and reply.code == ProtocolError.code, (frames, reply)
     assert not os.path.exists(marker)
     status = main_client.ok(UnitStatus())[0]

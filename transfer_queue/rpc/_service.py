@@ -1,15 +1,4 @@
-"""The asyncio ZeroMQ ROUTER loop that every Sluice service runs.
-
-A service subclasses `Service`, builds its `Codec` for its request union and registers one
-handler per message type. A handler returns a reply (optionally with data frames) at once, or
-a coroutine when it must wait (for samples, budget, space): that coroutine runs as its own task,
-so a parked request never delays anyone else. Malformed input gets an `ErrorReply` and is
-counted; the loop keeps serving whatever arrives.
-
-The ROUTER socket is read without a future per message: the event loop watches its file
-descriptor and a callback drains every queued request with non-blocking reads, and replies are
-non-blocking sends (this halves the CPU a request costs compared with `zmq.asyncio` awaits).
-"""
+"""The asyncio service loop (controller, storage units)."""
 
 from __future__ import annotations
 
@@ -17,40 +6,42 @@ import asyncio
 import inspect
 import logging
 import signal
+import struct
 import sys
 from typing import Any, Awaitable, Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from ._auth import Credentials, is_loopback, secure_server
-from ._errors import ProtocolError, SchemaError, SluiceError, error_code
-from ._messages import Cancel, ErrorReply, Ok, Ping, Reply
-from ._wire import Codec, pack_prefix
+from .._auth import Credentials, secure_server
+from .._errors import ProtocolError
+from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 
-__all__ = ["Service", "Handled", "run_service"]
+# -- asyncio service -----------------------------------------------------------------------
 
-log = logging.getLogger("sluice.service")
-
-Handled = Reply | tuple[Reply, list[Any]]
+Handled = Message | tuple[Message, list[Any]]
 Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled]]
 
 
 class Service:
-    """A ROUTER socket bound to `bind`, dispatching decoded requests to typed handlers.
+    """A ROUTER socket bound to `bind`, dispatching decoded requests to typed handlers (asyncio).
 
-    With `credentials` it is a CurveZMQ server admitting only the cluster's clients (refused
-    handshakes counted in `auth_refused`). Binding beyond loopback without them raises
-    `SchemaError`: nothing is ever served unauthenticated to other machines.
+    A handler returns a reply (optionally with data frames) at once, or a coroutine when it must
+    wait (for samples, budget, space): that coroutine runs as its own task, so a parked request
+    never delays anyone else, and a `Cancel` from its client cancels it. Malformed input gets an
+    `ErrorReply` and is counted (`rejected`). With `credentials` it is a CurveZMQ server
+    admitting only the cluster's clients (refused handshakes counted in `auth_refused`).
+
+    The ROUTER is read without a future per message: the event loop watches its file descriptor
+    and a callback drains every queued request with non-blocking reads; replies are non-blocking
+    sends (this halves the CPU a request costs compared with `zmq.asyncio` awaits).
+
+    Raises:
+        SchemaError: `bind` is beyond loopback and no `credentials` were given.
     """
 
     def __init__(self, codec: Codec, bind: str, max_frame_bytes: int = -1, credentials: Credentials | None = None):
-        if credentials is None and not is_loopback(bind):
-            raise SchemaError(
-                f"refusing to serve on {bind} without CurveZMQ credentials: beyond loopback anyone could "
-                "connect; tq.init / `sluice serve` generate them (SLUICE_CREDENTIALS), or bind 127.0.0.1"
-            )
+        refuse_unauthenticated(bind, credentials)
         self.codec = codec
         self.handlers: dict[type, Handler] = {}
         self.ctx = zmq.asyncio.Context.instance()
@@ -60,20 +51,27 @@ class Service:
         if max_frame_bytes > 0:
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.auth_refused = 0
-        self._guard = None if credentials is None else secure_server(self.sock, credentials, self._refuse)
+        self._guard = None
+        if credentials is not None:
+            auth, monitor = secure_server(self.sock, credentials)
+            self._guard = auth, asyncio.ensure_future(self._count_refusals(monitor))
         self.sock.bind(bind)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._plain = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
+        self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
         self._drain_pending = False
         self._draining = False
         self.rejected = 0
         self.served = 0
-        self._encoder = msgspec.msgpack.Encoder()
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._serving: asyncio.Task | None = None
 
-    def _refuse(self) -> None:
-        self.auth_refused += 1
+    async def _count_refusals(self, monitor: Any) -> None:
+        while True:
+            try:
+                frames = await monitor.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            self.auth_refused += refusals(frames)
 
     def route(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
@@ -86,7 +84,7 @@ class Service:
         """Serve until `stop()` (or until the task running this is cancelled)."""
         self._serving = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        fd = self.sock.getsockopt(zmq.FD)
+        fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         loop.add_reader(fd, self._drain)
         try:
             self._drain()  # requests that came before the reader was registered
@@ -140,7 +138,9 @@ class Service:
         try:
             request_id, msg, data = self.codec.decode(body)
             if isinstance(msg, Cancel):
-                self._cancel(identity, msg.request_id)
+                task = self._tasks.pop((identity.bytes, msg.request_id), None)
+                if task is not None:
+                    task.cancel()
                 self._reply(identity, request_id, Ok())
                 return
             if isinstance(msg, Ping):
@@ -152,10 +152,10 @@ class Service:
             result = handler(msg, data)
         except ProtocolError as exc:
             self.rejected += 1
-            self._reply(identity, request_id, ErrorReply(exc.code, str(exc)))
+            self._reply(identity, exc.request_id or request_id, error_reply(exc))
             return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
-            self._fail(identity, request_id, exc)
+            self._reply(identity, request_id, error_reply(exc))
             return
         if inspect.isawaitable(result):
             key = (identity.bytes, request_id)
@@ -165,30 +165,19 @@ class Service:
         else:
             self._reply(identity, request_id, result)
 
-    def _cancel(self, identity: Any, request_id: int) -> None:
-        task = self._tasks.pop((identity.bytes, request_id), None)
-        if task is not None:
-            task.cancel()
-
     async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled]) -> None:
         try:
             result = await pending
         except asyncio.CancelledError:
             return  # withdrawn by the client (Cancel) or the service is stopping: no answer
         except Exception as exc:  # noqa: BLE001
-            self._fail(identity, request_id, exc)
-            return
+            result = error_reply(exc)
         self._reply(identity, request_id, result)
-
-    def _fail(self, identity: Any, request_id: int, exc: Exception) -> None:
-        if not isinstance(exc, SluiceError):
-            log.exception("handler failed")
-        self._reply(identity, request_id, ErrorReply(error_code(exc), f"{type(exc).__name__}: {exc}"))
 
     def _reply(self, identity: Any, request_id: int, result: Handled) -> None:
         msg, data = result if isinstance(result, tuple) else (result, [])
         self.served += 1
-        frames = [identity, pack_prefix(request_id), self._encoder.encode(msg), *data]
+        frames = [identity, *self.codec.encode_now(request_id, msg, data)]
         try:
             # ROUTER (not mandatory) never blocks: it drops a reply to a peer that is gone or full
             self._plain.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -211,3 +200,10 @@ def run_service(make: Callable[[], Awaitable[Service]], announce: Callable[[Serv
         await service.serve()
 
     asyncio.run(main())
+
+
+def refusals(frames: list[Any]) -> int:
+    (event,) = struct.unpack("=H", bytes(frames[0])[:2])
+    return 1 if event else 0
+
+

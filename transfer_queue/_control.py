@@ -1,0 +1,216 @@
+"""What every client shares, without torch: what a flow is, the controller-only flows, and
+`ControlClient`.
+
+A client operation is a *flow*: a generator that yields a list of `Call`s (sent in parallel)
+and receives their decoded replies, until it returns the result. The flows are written once
+(`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them over blocking
+or asyncio channels. Neither driver runs a hidden event loop or thread. `ControlClient` is the controller-only face (status, versions, announce
+and lookup) for processes that have no business loading torch: the CLI, the weight channel.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+
+from ._errors import SchemaError
+from ._messages import (
+    Announce,
+    GrantReply,
+    Lookup,
+    LookupReply,
+    MetaReply,
+    Nack,
+    Release,
+    Reply,
+    Seal,
+    SetVersion,
+    Status,
+    StatusReply,
+    UnitInfo,
+    VersionReply,
+    WaitVersion,
+)
+from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
+from .rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
+
+__all__ = ["ControlCore", "ControlClient"]
+
+
+class ControlCore:
+    """The cluster's address and units, and the flows that talk to the controller only."""
+
+    def __init__(self, address: str, credentials: Credentials | None = None, timeout: float = GRACE):
+        self.address = address
+        self.credentials = credentials if credentials is not None else credentials_from_env()
+        """CurveZMQ keys for a cluster bound beyond loopback (default: `SLUICE_CREDENTIALS`)."""
+        self.timeout = timeout
+        """Seconds to wait for a reply to a request that has no timeout of its own."""
+        self.codec = Codec(Reply)
+        self.units: dict[int, UnitInfo] = {}
+
+    def target_address(self, target: int) -> str:
+        if target == CONTROLLER:
+            return self.address
+        unit = self.units.get(target)
+        if unit is None:
+            raise SchemaError(f"unknown storage unit {target}; the cluster has {sorted(self.units)}")
+        return unit.address
+
+    def channel(self, target: int) -> Channel:
+        """A new blocking channel to `target` (drivers keep one per address)."""
+        return Channel(self.target_address(target), self.codec, **self.channel_options(target))
+
+    def channel_options(self, target: int) -> dict[str, Any]:
+        name = "the controller" if target == CONTROLLER else f"storage unit {target}"
+        hint = " (restart the cluster)" if target == CONTROLLER else " (the controller retires it and counts its samples lost)"
+        return {"name": f"{name} at {self.target_address(target)}", "hint": hint, "credentials": self.credentials}
+
+    @staticmethod
+    def undo(reply: Any) -> Message | None:
+        """The request that gives back what an abandoned reply holds (a lease, a grant)."""
+        if isinstance(reply, MetaReply) and len(reply.meta):
+            meta = reply.meta
+            return Nack(meta.partition, meta.task, list(meta.indexes))
+        if isinstance(reply, GrantReply):
+            return Release(reply.grant_id, reply.n)
+        return None
+
+    def one(self, target: int, msg: Message, expected: type, wait: float | None = None) -> Flow:
+        """The flow of one request: its reply, checked (`rpc.check`)."""
+        replies = yield [Call(target, msg, (), self.timeout if wait is None else wait)]
+        return check(replies[0][0], expected)
+
+    def seal(self, partition: str) -> Flow:
+        yield from self.one(CONTROLLER, Seal(partition), Ok)
+
+    def status(self) -> Flow:
+        return (yield from self.one(CONTROLLER, Status(), StatusReply)).status
+
+    def set_version(self, version: int) -> Flow:
+        return (yield from self.one(CONTROLLER, SetVersion(count("version", version, 0)), VersionReply)).version
+
+    def get_version(self) -> Flow:
+        return (yield from self.one(CONTROLLER, WaitVersion(-1, 0.0), VersionReply)).version
+
+    def wait_version(self, version: int, timeout: float) -> Flow:
+        after = count("version", version, 0) - 1
+        return (yield from self.one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + GRACE)).version
+
+    def versions_after(self, after: int, timeout: float) -> Flow:
+        """Every version set after `after`, oldest first, waiting up to `timeout` for one."""
+        return (yield from self.one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + GRACE)).history
+
+    def announce(self, key: str, value: bytes) -> Flow:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise SchemaError(f"announce takes bytes, got {type(value).__name__}; encode it (e.g. str.encode())")
+        yield from self.one(CONTROLLER, Announce(key, bytes(value)), Ok)
+
+    def lookup(self, key: str, timeout: float) -> Flow:
+        return (yield from self.one(CONTROLLER, Lookup(key, timeout), LookupReply, timeout + GRACE)).value
+
+
+class ControlClient(SyncDriver):
+    """A blocking client for the controller-only calls, without torch: status, versions,
+    announce/lookup, seal. Use it as a context manager or `close()` it.
+
+    Args:
+        address: the controller's endpoint (`cluster.address`).
+        credentials: CurveZMQ keys for a cluster bound beyond loopback (default:
+            `SLUICE_CREDENTIALS`).
+        timeout: seconds to wait for the controller's answer to a call without a timeout of
+            its own (and for a connection to it).
+
+    Every call raises `ServiceError` when the controller is down or silent, and `ClosedError`
+    after `close()`.
+    """
+
+    def __init__(self, address: str, credentials: Credentials | None = None, timeout: float = GRACE):
+        super().__init__(ControlCore(address, credentials, timeout))
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def status(self) -> dict:
+        """The cluster's status dict (what `Client.status` returns).
+
+        Raises:
+            TimeoutError: the controller did not answer within the client's `timeout`.
+        """
+        return self._run(self._core.status())
+
+    @property
+    def version(self) -> int:
+        """The trainer's current weight version."""
+        return self.get_version()
+
+    def get_version(self) -> int:
+        """The trainer's current weight version."""
+        return self._run(self._core.get_version())
+
+    def set_version(self, version: int) -> int:
+        """Record the trainer's new weight version; returns it.
+
+        Raises:
+            VersionError: `version` is below the current one (versions are monotone).
+            SchemaError: `version` is not an int >= 0.
+        """
+        return self._run(self._core.set_version(version))
+
+    def wait_version(self, version: int, timeout: float = 30.0) -> int:
+        """Block until the version is at least `version`; returns the current version.
+
+        Raises:
+            TimeoutError: it did not get there within `timeout` seconds.
+        """
+        return self._run(self._core.wait_version(version, timeout))
+
+    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
+        """Every version the trainer sets after `after` (default: the version at this call), in
+        order, none skipped.
+
+        Raises:
+            TimeoutError: (from the iterator) no new version within `timeout` seconds.
+        """
+        return follow(self, self.get_version() if after is None else after, timeout)
+
+    def announce(self, key: str, value: bytes) -> None:
+        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
+
+        Raises:
+            SchemaError: `value` is not bytes, or too large.
+        """
+        self._run(self._core.announce(key, value))
+
+    def lookup(self, key: str, timeout: float = 0.0) -> bytes | None:
+        """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
+        return self._run(self._core.lookup(key, timeout))
+
+    def seal(self, partition: str = "train") -> None:
+        """No more samples will come to `partition`; streams end once it is drained."""
+        self._run(self._core.seal(partition))
+
+
+# -- argument checks shared by the flows ---------------------------------------------------
+
+INT64 = 1 << 63
+
+
+def as_int(value: Any) -> int | None:
+    """`value` as an int if it is one (Python, numpy or a one-element torch integer), else None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def count(name: str, value: Any, low: int, high: int = INT64 - 1) -> int:
+    """`value` as an int in low..high; `SchemaError` saying so otherwise, before anything is sent."""
+    number = as_int(value)
+    if number is None or not low <= number <= high:
+        raise SchemaError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return number

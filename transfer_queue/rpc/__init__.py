@@ -1,0 +1,84 @@
+"""Sluice's request/reply kernel: the one implementation every Sluice process speaks.
+
+Public and documented so that every package may use it (`controllers`, `storage`,
+`weight_sync`, the CLI, tests); nothing else in Sluice frames, matches or times out requests.
+
+A message on a ZeroMQ socket is multipart::
+
+    [prefix: magic b"SLC", protocol version (u8), request id (u64)]
+    [body: msgpack of one tagged `Message` struct]
+    [data frame 0] [data frame 1] ...      raw bytes (tensors), sent and received without copies
+
+What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
+
+- `Message`, the base of every message (a tagged, frozen msgspec struct), and the four every
+  service understands: `Cancel` (withdraw a parked request), `Ping` (are you alive?), `Ok`
+  and `ErrorReply` (a typed error: `error_reply(exc)` builds it, `check(reply, Expected)`
+  raises it again as the same `tq.*` class on the caller's side).
+- `Codec`: framing plus size limits (`MAX_BODY_BYTES`, `MAX_DATA_FRAMES`, `MAX_BATCH`);
+  malformed, oversized or unknown input is a `ProtocolError`, never anything else, and nothing
+  is ever unpickled.
+- Servers: `Service` (asyncio: a handler returns a reply, or a coroutine that parks the request
+  as its own task) and `ThreadService` (a thread: a handler answers a `Pending` now or later,
+  `park` bounds the wait). Both answer `Ping` and `Cancel`, turn every handler failure into an
+  `ErrorReply`, and refuse to bind beyond loopback without CurveZMQ `Credentials`.
+- Clients: `Channel` (blocking) and `AsyncChannel` (asyncio), one DEALER to one endpoint each:
+  request ids, replies matched by id (many requests may be in flight), deadlines, `cancel`, and
+  liveness (a silent peer is pinged after `PROBE_AFTER` s and reported dead after `DEAD_AFTER`
+  s of silence) written once in their shared base.
+"""
+
+from __future__ import annotations
+
+from .._auth import Credentials, from_env as credentials_from_env
+from ._channel import AsyncChannel, Channel
+from ._codec import (
+    DEAD_AFTER,
+    GRACE,
+    MAX_BATCH,
+    MAX_BODY_BYTES,
+    MAX_DATA_FRAMES,
+    PROBE_AFTER,
+    PROTOCOL_VERSION,
+    Cancel,
+    Codec,
+    ErrorReply,
+    Message,
+    Ok,
+    Ping,
+    check,
+    error_reply,
+    pack_prefix,
+    unpack_prefix,
+)
+from ._service import Handled, Service, run_service
+from ._thread import Pending, ThreadService
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_BODY_BYTES",
+    "MAX_DATA_FRAMES",
+    "MAX_BATCH",
+    "PROBE_AFTER",
+    "DEAD_AFTER",
+    "GRACE",
+    "Credentials",
+    "credentials_from_env",
+    "Message",
+    "Cancel",
+    "Ping",
+    "Ok",
+    "ErrorReply",
+    "Codec",
+    "pack_prefix",
+    "unpack_prefix",
+    "error_reply",
+    "check",
+    "Handled",
+    "Service",
+    "run_service",
+    "Pending",
+    "ThreadService",
+    "Channel",
+    "AsyncChannel",
+]

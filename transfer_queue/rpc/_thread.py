@@ -1,0 +1,170 @@
+"""The thread service loop, for processes that are not asyncio (the trainer's weight channel)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import zmq
+
+from .._auth import Credentials, secure_server
+from .._errors import ProtocolError, TimeoutError
+from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
+from ._service import refusals
+
+# -- thread service ------------------------------------------------------------------------
+
+
+class Pending:
+    """A request being served by a `ThreadService`: answer it once (from the server thread)."""
+
+    __slots__ = ("_server", "_key", "done")
+
+    def __init__(self, server: ThreadService, identity: bytes, rid: int):
+        self._server, self._key = server, (identity, rid)
+        self.done = False
+
+    def reply(self, msg: Message) -> None:
+        """Send `msg` as the answer (a second answer, or one to a cancelled request, is dropped)."""
+        if self.done:
+            return
+        self.done = True
+        self._server._open.pop(self._key, None)
+        self._server._send(*self._key, msg)
+
+    def fail(self, exc: BaseException) -> None:
+        """Answer with the `ErrorReply` carrying `exc`."""
+        self.reply(error_reply(exc))
+
+
+ThreadHandler = Callable[[Any, Pending], None]
+
+
+class ThreadService:
+    """A ROUTER socket served by one thread, for processes that are not asyncio (a trainer).
+
+    `handler(msg, pending)` runs in the server thread and either answers at once or keeps
+    `pending` to answer later (`park` bounds the wait: the request fails with `TimeoutError`
+    at its deadline). It must never block: other threads hand results back with `submit`,
+    which wakes the loop through a pipe; nothing here polls on a timer. `Ping` and `Cancel`
+    are answered here; a handler's exception becomes the request's `ErrorReply`.
+
+    Raises:
+        SchemaError: `bind` is beyond loopback and no `credentials` were given.
+    """
+
+    def __init__(
+        self, codec: Codec, handler: ThreadHandler, bind: str = "tcp://127.0.0.1:*",
+        credentials: Credentials | None = None, name: str = "sluice-rpc",
+    ):
+        refuse_unauthenticated(bind, credentials)
+        self._codec = codec
+        self._handler = handler
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.auth_refused = 0
+        self._auth: Any = None
+        self._monitor: zmq.Socket | None = None
+        if credentials is not None:
+            self._auth, self._monitor = secure_server(self._sock, credentials)
+        self._sock.bind(bind)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._calls: deque[Callable[[], None]] = deque()
+        self._parked: list[tuple[float, int, Pending, str]] = []
+        self._open: dict[tuple[bytes, int], Pending] = {}
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` in the server thread soon (callable from any thread)."""
+        self._calls.append(fn)
+        os.write(self._wake_w, b"x")
+
+    def park(self, pending: Pending, timeout: float, what: str) -> None:
+        """Keep `pending` for up to `timeout` seconds, then fail it with `TimeoutError(what)`."""
+        heapq.heappush(self._parked, (time.monotonic() + timeout, next(self._seq), pending, what))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _send(self, identity: bytes, rid: int, msg: Message) -> None:
+        try:
+            self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
+        except zmq.ZMQError:
+            log.debug("reply to a vanished peer dropped")
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._closed:
+                timeout: int | None = None
+                if self._parked:
+                    timeout = int(max(0.0, (self._parked[0][0] - time.monotonic()) * 1000))
+                ready = dict(poller.poll(timeout))
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                while self._calls:
+                    self._calls.popleft()()
+                if self._monitor is not None and self._monitor in ready:
+                    self.auth_refused += refusals(self._monitor.recv_multipart())
+                while self._sock.poll(0, zmq.POLLIN):
+                    self._serve(self._sock.recv_multipart(copy=False))
+                self._expire()
+        finally:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._auth.stop()
+            self._sock.close(linger=0)
+
+    def _serve(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        rid = 0
+        try:
+            rid, msg, _ = self._codec.decode(frames[1:])
+        except ProtocolError as exc:
+            self._send(identity, exc.request_id or rid, error_reply(exc))
+            return
+        if isinstance(msg, Cancel):
+            withdrawn = self._open.pop((identity, msg.request_id), None)
+            if withdrawn is not None:
+                withdrawn.done = True
+            self._send(identity, rid, Ok())
+            return
+        if isinstance(msg, Ping):
+            self._send(identity, rid, Ok())
+            return
+        pending = self._open[(identity, rid)] = Pending(self, identity, rid)
+        try:
+            self._handler(msg, pending)
+        except Exception as exc:  # noqa: BLE001 - a failure is the request's answer, never the loop's end
+            pending.fail(exc)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._parked and (self._parked[0][2].done or self._parked[0][0] <= now):
+            _, _, pending, what = heapq.heappop(self._parked)
+            pending.fail(TimeoutError(what))
+
+
