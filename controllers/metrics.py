@@ -66,6 +66,7 @@ def snapshot(ctl: "Controller") -> dict:
             "open_leases": len(ctl.dispatch.leases),
             "parked_get_meta": sum(len(q) for q in ctl.dispatch.waiters.values()),
             "open_puts": len(ctl.open_puts),
+            "puts_waiting_for_room": len(ctl.intake),
             "puts_expired": ctl.puts_expired,
             "samples_lost": ctl.samples_lost,
             "registrations_refused": ctl.registrations_refused,

@@ -64,6 +64,7 @@ from transfer_queue._service import Service
 from transfer_queue._wire import MAX_BATCH, Codec
 
 from .dispatch import Dispatcher
+from .intake import Intake
 from .keys import KeyService
 from .metrics import snapshot
 from .placement import place_rows
@@ -95,6 +96,8 @@ class _OpenPut:
     n: int
     deadline: float
     timer: asyncio.TimerHandle
+    framed: dict[int, int]
+    """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
 
 
 class Controller(Service):
@@ -134,6 +137,7 @@ class Controller(Service):
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         self.puts = 0
         self.open_puts: dict[int, _OpenPut] = {}
+        self.intake = Intake()
         self.puts_expired = 0
         self._ended_puts: OrderedDict[int, SluiceError] = OrderedDict()
         self._request_ids = itertools.count(1)
@@ -195,6 +199,7 @@ class Controller(Service):
             old.close(linger=0)
         self._unit_socks[unit.unit_id] = sock
         asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
+        self.intake.wake()
         return Ok()
 
     def _ping_units(self) -> None:
@@ -232,6 +237,7 @@ class Controller(Service):
                 lost += len(rows)
                 self.dispatch.lose(part, rows)
         self.samples_lost += lost
+        self.intake.forget(unit_id)
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
     async def _drain_unit(self, unit_id: int, sock) -> None:
@@ -274,6 +280,7 @@ class Controller(Service):
             if unit_id in self.unit_bytes:  # not a retired unit
                 self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
         self._tell_units(part.name, by_unit)
+        self.intake.wake()
 
     # -- puts --------------------------------------------------------------------------
 
@@ -285,7 +292,9 @@ class Controller(Service):
             part = self.partitions[name] = Partition(name)
         return part
 
-    def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
+    async def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
+        """Place a put's rows once its units have room (see `intake`); `CapacityError` if none
+        comes within the put's timeout."""
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
         if msg.n > MAX_BATCH:
@@ -299,32 +308,57 @@ class Controller(Service):
             )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
+        return await self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
+
+    def _place(self, msg: BeginPut) -> PutPlan | None:
+        """Place the put's rows now, or None while one of its units has no room."""
         part = self._partition(msg.partition)
         part.check_schema(msg.fields)
+        room = {u: (used, self.units[u].capacity) for u, used in self.unit_bytes.items()}
         if msg.indexes:
             if len(msg.indexes) != msg.n:
                 raise SchemaError(f"{len(msg.indexes)} indexes for a batch of {msg.n}")
             rows = part.rows_of(msg.indexes)
+            shares = self._shares(part.unit[rows], msg.row_bytes)
+            if not self.intake.fits(shares, {}, room):
+                return None
             part.add_fields(msg.fields)
             part.row_bytes[rows] += msg.row_bytes
-            for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
-                self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
+            for unit_id, nbytes in shares.items():
+                self.unit_bytes[unit_id] += nbytes
             return PutPlan(list(msg.indexes), part.unit[rows].tolist())
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not self.units:
             raise SchemaError("the cluster has no storage units registered yet")
         units = place_rows(self.unit_bytes, msg.n, msg.row_bytes)
+        shares = self._shares(units, msg.row_bytes)
+        framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
+        if not self.intake.fits(shares, framed, room):
+            return None
         first = self._next_index
         self._next_index += msg.n
         part.add_fields(msg.fields)
         part.append(first, msg.n, units, msg.row_bytes)
-        for unit_id, count in zip(*np.unique(units, return_counts=True)):
-            self.unit_bytes[int(unit_id)] += int(count) * msg.row_bytes
+        for unit_id, nbytes in shares.items():
+            self.unit_bytes[unit_id] += nbytes
+        self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
-        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer)
+        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
+
+    def _shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
+        """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
+        ids, counts = np.unique(units, return_counts=True)
+        return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
+
+    def _full(self, msg: BeginPut) -> str:
+        held = ", ".join(f"unit {u}: {self.unit_bytes[u]} of {self.units[u].capacity}" for u in sorted(self.unit_bytes))
+        return (
+            f"storage stayed full for {msg.timeout:g} s: a put of {msg.n} samples x {msg.row_bytes} bytes found no "
+            f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
+        )
 
     def on_commit_put(self, msg: CommitPut, data) -> Ok:
         info = msg.rows
@@ -371,6 +405,7 @@ class Controller(Service):
             raise SchemaError(f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples")
         put.timer.cancel()
         del self.open_puts[first]
+        self.intake.closed(put.framed)
 
     def _end_put(self, first: int, why: SluiceError) -> None:
         """Drop an open put: free its rows (never committed ones only) and remember why."""
@@ -378,6 +413,7 @@ class Controller(Service):
         if put is None:
             return
         put.timer.cancel()
+        self.intake.closed(put.framed)
         self._ended_puts[first] = why
         while len(self._ended_puts) > _ENDED_KEPT:
             self._ended_puts.popitem(last=False)
@@ -458,6 +494,7 @@ class Controller(Service):
                     self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
             self.dispatch.forget_partition(msg.partition)
             self._tell_units(msg.partition, None)
+            self.intake.wake()
         return Ok()
 
     def on_seal(self, msg: Seal, data) -> Ok:

@@ -34,20 +34,25 @@ PREFAULT_STEP = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we skip pre-faulting
 
 
-def keep_freed_memory(trim_bytes: int = 1 << 30) -> bool:
-    """Make glibc keep freed blocks of up to 32 MiB for reuse instead of returning them.
+def keep_freed_memory(trim_bytes: int = 1 << 30, mmap_bytes: int = 32 << 20) -> bool:
+    """Make glibc keep freed blocks of up to `mmap_bytes` (at most 32 MiB) for reuse instead of
+    returning them.
 
     ZeroMQ receives every data frame into a new malloc'd block. By default glibc serves blocks
     that large with fresh mappings, or trims them off its heap once freed, so each Write frame
     lands in pages that fault in on first touch (~10x a warm copy, DESIGN section 7). With a fixed
-    mmap threshold of 32 MiB (glibc's maximum) and a high trim threshold, those blocks come from
-    the heap and stay warm. Process-wide; returns False where the C library has no `mallopt`.
+    mmap threshold and a high trim threshold, those blocks come from the heap and stay warm.
+    Frames above `mmap_bytes` still get their own mapping, returned as soon as they are stored:
+    a freed heap block is often split by small allocations and not reused whole, so large frames
+    kept warm would cost a unit about twice their size. Process-wide; returns False where the C
+    library has no `mallopt`.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    mmap_bytes = max(PAGE_BYTES, min(mmap_bytes, 32 << 20))
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
 def give_back_freed_memory(keep: int) -> None:

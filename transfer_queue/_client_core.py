@@ -300,8 +300,9 @@ class ClientCore:
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
         rows = None if meta is not None else self._row_info(cols, policy_version, groups, grant, source)  # validates first
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout)
-        plan = yield from self._one(CONTROLLER, begin, PutPlan)
+        mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), list(meta.indexes) if meta else [], timeout, mapped)
+        plan = yield from self._one(CONTROLLER, begin, PutPlan, timeout + _GRACE)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout)

@@ -162,6 +162,8 @@ class BeginPut(_Msg, tag="begin_put"):
     indexes: list[int] = []
     timeout: float = 30.0
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
+    mapped: list[int] = []
+    """Units the producer writes through its own mapping of their arenas (no data frames)."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
