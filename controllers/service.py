@@ -65,6 +65,7 @@ from transfer_queue._wire import MAX_BATCH, Codec
 
 from .dispatch import Dispatcher
 from .intake import Intake
+from .journal import Acked, Committed, Dropped, Freed, Journal, Placed, Record, Retired, Sealed, Unit, Version, Widened
 from .keys import KeyService
 from .metrics import snapshot
 from .placement import place_rows
@@ -164,6 +165,16 @@ class Controller(Service):
         }.items():
             self.route(msg_type, handler)
         self.keys = KeyService(self)
+        self.journal: Journal | None = None
+        if config.journal:  # replay what a previous controller recorded, then record from here on
+            self.journal = Journal(config.journal)
+            replayed = self.journal.open(self)
+            log.info("controller journal %s: %d records replayed", config.journal, replayed)
+
+    def _record(self, rec: Record) -> None:
+        """Journal a change that was just applied (before its request is answered)."""
+        if self.journal is not None:
+            self.journal.append(rec)
 
     # -- membership --------------------------------------------------------------------
 
@@ -182,7 +193,11 @@ class Controller(Service):
                 f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
                 "(start units with SLUICE_SECRET set to it)"
             )
-        unit = msg.unit
+        self.add_unit(msg.unit)
+        return Ok()
+
+    def add_unit(self, unit: UnitInfo) -> None:
+        """Serve `unit`: place rows on it, ping it, send it frees."""
         self.units[unit.unit_id] = unit
         self.retired.pop(unit.unit_id, None)
         self.unit_bytes.setdefault(unit.unit_id, 0)
@@ -200,7 +215,7 @@ class Controller(Service):
         self._unit_socks[unit.unit_id] = sock
         asyncio.ensure_future(self._drain_unit(unit.unit_id, sock))
         self.intake.wake()
-        return Ok()
+        self._record(Unit(unit))
 
     def _ping_units(self) -> None:
         """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds."""
@@ -238,6 +253,7 @@ class Controller(Service):
                 self.dispatch.lose(part, rows)
         self.samples_lost += lost
         self.intake.forget(unit_id)
+        self._record(Retired(unit_id))
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
     async def _drain_unit(self, unit_id: int, sock) -> None:
@@ -280,6 +296,7 @@ class Controller(Service):
             if unit_id in self.unit_bytes:  # not a retired unit
                 self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
         self._tell_units(part.name, by_unit)
+        self._record(Freed(part.name, part.gidx[rows].tolist()))
         self.intake.wake()
 
     # -- puts --------------------------------------------------------------------------
@@ -322,10 +339,8 @@ class Controller(Service):
             shares = self._shares(part.unit[rows], msg.row_bytes)
             if not self.intake.fits(shares, {}, room):
                 return None
-            part.add_fields(msg.fields)
-            part.row_bytes[rows] += msg.row_bytes
-            for unit_id, nbytes in shares.items():
-                self.unit_bytes[unit_id] += nbytes
+            self._widen(part, rows, msg.row_bytes, msg.fields)
+            self._record(Widened(part.name, list(msg.indexes), msg.row_bytes, msg.fields))
             return PutPlan(list(msg.indexes), part.unit[rows].tolist())
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
@@ -338,15 +353,27 @@ class Controller(Service):
             return None
         first = self._next_index
         self._next_index += msg.n
-        part.add_fields(msg.fields)
-        part.append(first, msg.n, units, msg.row_bytes)
-        for unit_id, nbytes in shares.items():
-            self.unit_bytes[unit_id] += nbytes
+        self._append_rows(part, first, units, msg.row_bytes, msg.fields)
+        self._record(Placed(part.name, first, units.tolist(), msg.row_bytes, msg.fields))
         self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
         self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
+
+    def _append_rows(self, part: Partition, first: int, units: np.ndarray, row_bytes: int, fields: dict) -> None:
+        """Register new, uncommitted rows first.. on `units` and count their bytes."""
+        part.add_fields(fields)
+        part.append(first, len(units), units, row_bytes)
+        for unit_id, nbytes in self._shares(units, row_bytes).items():
+            self.unit_bytes[unit_id] += nbytes
+
+    def _widen(self, part: Partition, rows: np.ndarray, row_bytes: int, fields: dict) -> None:
+        """Add columns of `row_bytes` per row to existing rows and count their bytes."""
+        part.add_fields(fields)
+        part.row_bytes[rows] += row_bytes
+        for unit_id, nbytes in self._shares(part.unit[rows], row_bytes).items():
+            self.unit_bytes[unit_id] += nbytes
 
     def _shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
         """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
@@ -361,9 +388,15 @@ class Controller(Service):
         )
 
     def on_commit_put(self, msg: CommitPut, data) -> Ok:
-        info = msg.rows
-        if info is not None:
+        if msg.rows is not None:
             self._close_put(msg)
+        self._commit(msg)
+        self._record(Committed(msg))
+        return Ok()
+
+    def _commit(self, msg: CommitPut) -> None:
+        """Mark `msg.fields` ready (and record new rows' facts); wake the consumers."""
+        info = msg.rows
         part = self._partition(msg.partition)
         rows = part.rows_of(msg.indexes)
         if info is not None:
@@ -392,7 +425,6 @@ class Controller(Service):
             self.puts += n
         part.mark_ready(rows, list(msg.fields))
         self.dispatch.wake(part.name)
-        return Ok()
 
     def _close_put(self, msg: CommitPut) -> None:
         """Take the open put that `msg` commits off the clock; raise why it ended if it did."""
@@ -463,6 +495,7 @@ class Controller(Service):
     def on_ack(self, msg: Ack, data) -> Ok:
         part = self._existing(msg.partition)
         self.dispatch.ack(part, msg.task, msg.indexes)
+        self._record(Acked(part.name, msg.task, msg.indexes))
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
@@ -485,22 +518,27 @@ class Controller(Service):
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
             self._end_put(first, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight"))
-        part = self.partitions.pop(msg.partition, None)
+        self._drop_partition(msg.partition)
+        self._record(Dropped(msg.partition))
+        return Ok()
+
+    def _drop_partition(self, name: str) -> None:
+        part = self.partitions.pop(name, None)
         if part is not None:
             live = np.flatnonzero(part.alive[: part.n])
             for unit_id in np.unique(part.unit[live]).tolist():
                 used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
                 if unit_id in self.unit_bytes:
                     self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
-            self.dispatch.forget_partition(msg.partition)
-            self._tell_units(msg.partition, None)
+            self.dispatch.forget_partition(name)
+            self._tell_units(name, None)
             self.intake.wake()
-        return Ok()
 
     def on_seal(self, msg: Seal, data) -> Ok:
         """Seal: puts still in flight are refused (`SealedError` at their commit), so the samples
         a stream sees are exactly those committed before the seal."""
         self._partition(msg.partition).sealed = True
+        self._record(Sealed(msg.partition))
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
             self._end_put(first, SealedError(
                 f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
@@ -512,6 +550,7 @@ class Controller(Service):
 
     def on_set_version(self, msg: SetVersion, data) -> VersionReply:
         if self.clock.set(msg.version):
+            self._record(Version(msg.version))
             self.admission.pump()
             self.dispatch.wake_all()
         return VersionReply(self.clock.current)

@@ -97,6 +97,29 @@ class Cluster:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
+    @property
+    def controller_alive(self) -> bool:
+        return bool(self._procs) and self._procs[0].poll() is None
+
+    def restart_controller(self) -> None:
+        """Start the controller again on its port after its process died; it replays the
+        cluster's journal, and the storage units (still serving) are its units again.
+
+        Raises `SchemaError` without a journal (a fresh controller would know no sample) or
+        while the controller still runs; `ServiceError` if it does not start."""
+        if not self.config.journal:
+            raise SchemaError("restart_controller needs a cluster started with journal=PATH")
+        if self.controller_alive:
+            raise SchemaError("the controller is still running; restart it only after it died")
+        old = self._procs[0]
+        if old.stdout is not None:
+            old.stdout.close()
+        port = int(self.address.rsplit(":", 1)[1])
+        token = "" if self.credentials is None else self.credentials.token()
+        ctl = _spawn(_controller_command(self.config, self.cluster_id, port), self.secret, token)
+        self._procs[0] = ctl
+        _address_of(ctl, "SLUICE_CONTROLLER")
+
     def __enter__(self) -> "Cluster":
         return self
 
@@ -188,6 +211,7 @@ def init(
     backend: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
     restore: str | os.PathLike | None = None,
+    journal: str | os.PathLike | None = None,
 ) -> Cluster:
     """Start a controller and `num_storage_units` storage units as local processes.
 
@@ -203,6 +227,10 @@ def init(
     `restore` is a directory written by `client.save_checkpoint`: its samples, consumer progress
     and version are put into the new cluster (with any number of storage units) before this
     returns.
+
+    `journal` is a file where the controller records every change before answering it; a
+    controller restarted with the same journal (same port and cluster id; the storage units keep
+    serving meanwhile) loses no acked put (see `controllers/journal.py`).
     """
     if staleness is None:
         staleness = StalenessConfig(consumer_batch_size, max_staleness)
@@ -225,6 +253,7 @@ def init(
         samplers=tuple(samplers),
         metrics_port=metrics_port,
         host=host,
+        journal=None if journal is None else os.path.abspath(journal),
     )
     cluster_id = uuid.uuid4().hex[:12]
     secret = secrets.token_hex(16)

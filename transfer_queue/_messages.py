@@ -95,6 +95,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Extra samplers as "module:Class" import paths, loaded by the controller."""
     metrics_port: int | None = None
     host: str = "127.0.0.1"
+    journal: str | None = None
+    """Path of the controller's journal: a restarted controller replays it and loses no acked put."""
 
 
 class UnitInfo(msgspec.Struct, frozen=True):
