@@ -28,6 +28,7 @@ from transfer_queue._messages import (
     AbortPut,
     Export,
     ExportReply,
+    ExportRows,
     Acquire,
     Announce,
     BeginPut,
@@ -601,7 +602,7 @@ class Controller(Service):
         key = np.zeros(len(rows), np.int64)
         for bit, name in enumerate(names):
             key |= part.ready[name][rows].astype(np.int64) << bit
-        batches = []
+        batches, details = [], []
         for value in np.unique(key).tolist():
             picked = rows[key == value]
             fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
@@ -610,8 +611,12 @@ class Controller(Service):
                 version_last=part.v_last[picked].tolist(), groups=part.group[picked].tolist(),
                 units=part.unit[picked].tolist(), fields=fields,
             ))
+            details.append(ExportRows(
+                part.versioned[picked].tolist(), (part.source[picked].astype(np.int64) - 1).tolist(),
+                part.source_index[picked].tolist(),
+            ))
         consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
-        return ExportReply(batches, consumed, part.sealed)
+        return ExportReply(batches, consumed, part.sealed, details, list(part.sources[1:]))
 
     # -- status ------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ __all__ = [
     "WriteReply",
     "ReadReply",
     "ExportReply",
+    "ExportRows",
     "Reply",
 ]
 
@@ -457,13 +458,27 @@ class ReadReply(_Msg, tag="read_reply"):
     runs: dict[str, list[tuple[int, int]]]
 
 
+class ExportRows(msgspec.Struct, frozen=True):
+    """Per-sample facts of one exported batch that `BatchMeta` does not carry."""
+
+    versioned: list[bool]
+    """False for samples put with no policy version and no grant (prompts): never stale."""
+    source: list[int]
+    """Index into `ExportReply.sources` of the prompt batch each sample came from; -1: none."""
+    source_index: list[int]
+    """The prompt's index in that partition (for the `requeue` policy); -1: none."""
+
+
 class ExportReply(_Msg, tag="export_reply"):
-    """Live committed samples grouped by their ready fields (one `BatchMeta` per group); per
-    consumer task the indexes it consumed (leased ones are not consumed); sealed or not."""
+    """Live committed samples grouped by their ready fields (one `BatchMeta` per group, with
+    its `ExportRows` in `rows`); per consumer task the indexes it consumed (leased ones are not
+    consumed); sealed or not; the (partition, task) prompt sources the rows refer to."""
 
     batches: list[BatchMeta]
     consumed: dict[str, list[int]]
     sealed: bool
+    rows: list[ExportRows] = []
+    sources: list[tuple[str, str]] = []
 
 
 Reply = Union[
