@@ -491,6 +491,14 @@ class Controller(Service):
             )
         if not msg.fields or not msg.partition or not msg.task:
             raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
+        part = self.partitions.get(msg.partition)
+        unknown = [] if part is None else [f for f in msg.fields if f not in part.schema]
+        if unknown and part.sealed and not part.alive[: part.n].any():
+            raise SchemaError(
+                f"get_meta(task={msg.task!r}) asks for field(s) {unknown} that partition {msg.partition!r} never had "
+                f"(it has {sorted(part.schema)}), and it is sealed with no samples left, so no put can bring them: "
+                "check the names"
+            )
         return MetaReply(await self.dispatch.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
