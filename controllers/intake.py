@@ -11,7 +11,9 @@ outside the arena within 10%.
 
 Puts that do not fit wait in arrival order (no overtaking, so a large put is not starved by small
 ones) until rows are freed or open puts end, or their timeout passes (`CapacityError`). Placement
-happens in the same step as admission, so nothing can take the room between the two.
+happens in the same step as admission, so nothing can take the room between the two. Puts of new
+columns for existing rows (`put(td, meta=...)`) are admitted on capacity alone (they are not
+open puts); a unit refuses at once frames beyond its own small allowance (`storage/service.py`).
 """
 
 from __future__ import annotations
