@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable, Mapping
+from typing import Awaitable, Callable, Mapping
 
 from transfer_queue._errors import CapacityError
 from transfer_queue._messages import PutPlan
@@ -78,15 +78,20 @@ class Intake:
         self.in_flight.pop(unit_id, None)
         self.wake()
 
-    async def admit(self, place: Place, timeout: float, full: Callable[[], str]) -> PutPlan:
-        """Place the put now if nobody waits ahead and it fits, else wait in line for room.
+    def admit(self, place: Place, timeout: float, full: Callable[[], str]) -> PutPlan | Awaitable[PutPlan]:
+        """The plan, placed now if nobody waits ahead and it fits; else an awaitable of it that
+        waits in line for room (the common case costs no task).
 
-        Raises `CapacityError` (text from `full()`) when no room came within `timeout` seconds,
-        and whatever `place` raises (a sealed partition, a schema conflict)."""
+        Raises (or the awaitable raises) `CapacityError` (text from `full()`) when no room came
+        within `timeout` seconds, and whatever `place` raises (a sealed partition, a schema
+        conflict)."""
         if not self._queue:
             plan = place()
             if plan is not None:
                 return plan
+        return self._wait(place, timeout, full)
+
+    async def _wait(self, place: Place, timeout: float, full: Callable[[], str]) -> PutPlan:
         fut = asyncio.get_running_loop().create_future()
         entry = (place, fut)
         self._queue.append(entry)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Awaitable
 
 import numpy as np
 import zmq
@@ -310,9 +311,9 @@ class Controller(Service):
             part = self.partitions[name] = Partition(name)
         return part
 
-    async def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
-        """Place a put's rows once its units have room (see `intake`); `CapacityError` if none
-        comes within the put's timeout."""
+    def on_begin_put(self, msg: BeginPut, data) -> PutPlan | Awaitable[PutPlan]:
+        """Place a put's rows now, or once its units have room (see `intake`); `CapacityError`
+        if none comes within the put's timeout."""
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
         if msg.n > MAX_BATCH:
@@ -326,7 +327,7 @@ class Controller(Service):
             )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
-        return await self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
+        return self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
 
     def _place(self, msg: BeginPut) -> PutPlan | None:
         """Place the put's rows now, or None while one of its units has no room."""

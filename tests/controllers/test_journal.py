@@ -45,10 +45,10 @@ async def _fill(ctl: Controller) -> None:
     ctl.on_set_version(SetVersion(2), [])
     for part in ("a", "b"):
         for _ in range(3):
-            plan = await ctl.on_begin_put(BeginPut(part, SPECS, 4, 8), [])
+            plan = ctl.on_begin_put(BeginPut(part, SPECS, 4, 8), [])
             rows = RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4)
             ctl.on_commit_put(CommitPut(part, plan.indexes, SPECS, rows), [])
-    await ctl.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
+    ctl.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
     ctl.on_seal(Seal("b"), [])
 
@@ -90,7 +90,7 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     await _fill(ctl)
     ctl.on_clear_partition(ClearPartition("b"), [])
     for _ in range(20):  # grows past the threshold again and again: compacted each time
-        plan = await ctl.on_begin_put(BeginPut("c", SPECS, 4, 8), [])
+        plan = ctl.on_begin_put(BeginPut("c", SPECS, 4, 8), [])
         ctl.on_commit_put(CommitPut("c", plan.indexes, SPECS, RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4)), [])
     size = os.path.getsize(path)
     assert size < 2 * 4096, size
