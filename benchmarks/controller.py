@@ -111,7 +111,7 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
         done = 0
         while done < total:
             n = min(put_batch, total - done)
-            plan = ctl.on_begin_put(BeginPut(part, specs, n, 8), [])
+            plan = ctl.on_begin_put(BeginPut(part, specs, n, 8), [])  # room at once: no wait
             rows = RowInfo([0] * n, [0] * n, list(range(n)), [0] * n, 0, "", "", [])
             ctl.on_commit_put(CommitPut(part, plan.indexes, specs, rows), [])
             done += n

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Awaitable
 
 import msgspec
 import numpy as np
@@ -25,6 +26,7 @@ from transfer_queue._messages import (
     AbortPut,
     Export,
     ExportReply,
+    ExportRows,
     Acquire,
     Announce,
     BeginPut,
@@ -60,6 +62,8 @@ from transfer_queue._meta import BatchMeta
 from transfer_queue.rpc import MAX_BATCH, AsyncChannel, Codec, Credentials, Service
 
 from .admission import Admission
+from .intake import Intake
+from .journal import Acked, Committed, Dropped, Freed, Journal, Placed, Record, Retired, Sealed, Unit, Version
 from .keys import KeyService
 from .placement import place_rows
 from .samplers import SamplerRegistry
@@ -91,6 +95,8 @@ class _OpenPut:
     n: int
     deadline: float
     timer: asyncio.TimerHandle
+    framed: dict[int, int]
+    """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
 
 
 class Controller(Service):
@@ -129,6 +135,7 @@ class Controller(Service):
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         self.puts = 0
         self.open_puts: dict[int, _OpenPut] = {}
+        self.intake = Intake()
         self.puts_expired = 0
         self._ended_puts: OrderedDict[int, SluiceError] = OrderedDict()
         for msg_type, handler in {
@@ -154,6 +161,16 @@ class Controller(Service):
         }.items():
             self.route(msg_type, handler)
         self.keys = KeyService(self)
+        self.journal: Journal | None = None
+        if config.journal:  # replay what a previous controller recorded, then record from here on
+            self.journal = Journal(config.journal)
+            replayed = self.journal.open(self)
+            log.info("controller journal %s: %d records replayed", config.journal, replayed)
+
+    def _record(self, rec: Record) -> None:
+        """Journal a change that was just applied (before its request is answered)."""
+        if self.journal is not None:
+            self.journal.append(rec)
 
     # -- membership --------------------------------------------------------------------
 
@@ -172,7 +189,11 @@ class Controller(Service):
                 f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
                 "(start units with SLUICE_SECRET set to it)"
             )
-        unit = msg.unit
+        self.add_unit(msg.unit)
+        return Ok()
+
+    def add_unit(self, unit: UnitInfo) -> None:
+        """Serve `unit`: place rows on it, ping it, send it frees."""
         self.units[unit.unit_id] = unit
         self.retired.pop(unit.unit_id, None)
         self.unit_bytes.setdefault(unit.unit_id, 0)
@@ -186,7 +207,8 @@ class Controller(Service):
             unit.address, self._unit_codec, name=f"storage unit {unit.unit_id} at {unit.address}",
             credentials=self.credentials, on_reply=lambda reply, uid=unit.unit_id: self._unit_replied(uid, reply),
         )
-        return Ok()
+        self.intake.wake()
+        self._record(Unit(unit))
 
     def _ping_units(self) -> None:
         """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds."""
@@ -222,6 +244,8 @@ class Controller(Service):
                 lost += len(rows)
                 self.scheduler.lose(part, rows)
         self.samples_lost += lost
+        self.intake.forget(unit_id)
+        self._record(Retired(unit_id))
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
     def _unit_replied(self, unit_id: int, reply: object) -> None:
@@ -249,6 +273,8 @@ class Controller(Service):
             if unit_id in self.unit_bytes:  # not a retired unit
                 self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
         self._tell_units(part.name, by_unit)
+        self._record(Freed(part.name, part.gidx[rows].tolist()))
+        self.intake.wake()
 
     # -- puts --------------------------------------------------------------------------
 
@@ -260,7 +286,9 @@ class Controller(Service):
             part = self.partitions[name] = Partition(name)
         return part
 
-    def on_begin_put(self, msg: BeginPut, data) -> PutPlan:
+    def on_begin_put(self, msg: BeginPut, data) -> PutPlan | Awaitable[PutPlan]:
+        """Place a put's rows now, or once its units have room (see `intake`); `CapacityError`
+        if none comes within the put's timeout."""
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
         if msg.n > MAX_BATCH:
@@ -274,33 +302,74 @@ class Controller(Service):
             )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
+        return self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
+
+    def _place(self, msg: BeginPut) -> PutPlan | None:
+        """Place the put's rows now, or None while one of its units has no room."""
         part = self._partition(msg.partition)
         part.check_schema(msg.fields)
+        room = {u: (used, self.units[u].capacity) for u, used in self.unit_bytes.items()}
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not self.units:
             raise SchemaError("the cluster has no storage units registered yet")
         units = place_rows(self.unit_bytes, msg.n, msg.row_bytes)
+        shares = self._shares(units, msg.row_bytes)
+        framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
+        if not self.intake.fits(shares, framed, room):
+            return None
         first = self._next_index
         self._next_index += msg.n
-        part.add_fields(msg.fields)
-        part.append(first, msg.n, units, msg.row_bytes)
-        for unit_id, count in zip(*np.unique(units, return_counts=True)):
-            self.unit_bytes[int(unit_id)] += int(count) * msg.row_bytes
+        self._append_rows(part, first, units, msg.row_bytes, msg.fields)
+        self._record(Placed(part.name, first, units.tolist(), msg.row_bytes, msg.fields))
+        self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
-        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer)
+        self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
+    def _append_rows(self, part: Partition, first: int, units: np.ndarray, row_bytes: int, fields: dict) -> None:
+        """Register new, uncommitted rows first.. on `units` and count their bytes."""
+        part.add_fields(fields)
+        part.append(first, len(units), units, row_bytes)
+        for unit_id, nbytes in self._shares(units, row_bytes).items():
+            self.unit_bytes[unit_id] += nbytes
+
+    def _widen(self, part: Partition, rows: np.ndarray, row_bytes: int, fields: dict) -> None:
+        """Add columns of `row_bytes` per row to existing rows and count their bytes."""
+        part.add_fields(fields)
+        part.row_bytes[rows] += row_bytes
+        for unit_id, nbytes in self._shares(part.unit[rows], row_bytes).items():
+            self.unit_bytes[unit_id] += nbytes
+
+    def _shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
+        """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
+        ids, counts = np.unique(units, return_counts=True)
+        return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
+
+    def _full(self, msg: BeginPut) -> str:
+        held = ", ".join(f"unit {u}: {self.unit_bytes[u]} of {self.units[u].capacity}" for u in sorted(self.unit_bytes))
+        return (
+            f"storage stayed full for {msg.timeout:g} s: a put of {msg.n} samples x {msg.row_bytes} bytes found no "
+            f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
+        )
+
     def on_commit_put(self, msg: CommitPut, data) -> Ok:
-        info = msg.rows
-        if info is not None:
+        if msg.rows is not None:
             self._close_put(msg)
+        self._commit(msg)
+        self._record(Committed(msg))
+        return Ok()
+
+    def _commit(self, msg: CommitPut) -> None:
+        """Mark `msg.fields` ready, with new rows' facts, or new columns of existing rows checked
+        and accounted for; wake the consumers. (The journal replays it through here.)"""
+        info = msg.rows
+        if info is None:
+            part, rows = self._new_columns(msg)
+        else:
             part = self._partition(msg.partition)
             rows = part.rows_of(msg.indexes)
-        else:
-            part, rows = self._new_columns(msg)
-        if info is not None:
             n = len(rows)
             for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
                                  ("groups", info.groups), ("seqlens", info.seqlens)):
@@ -326,7 +395,6 @@ class Controller(Service):
             self.puts += n
         part.mark_ready(rows, list(msg.fields))
         self.scheduler.wake(part.name)
-        return Ok()
 
     def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
         """Check and account for new columns of existing rows (a put with `meta=`)."""
@@ -337,10 +405,7 @@ class Controller(Service):
         part = self._existing(msg.partition)
         rows = part.rows_of(msg.indexes)
         part.check_schema(msg.fields)
-        part.add_fields(msg.fields)
-        part.row_bytes[rows] += msg.row_bytes
-        for unit_id, count in zip(*np.unique(part.unit[rows], return_counts=True)):
-            self.unit_bytes[int(unit_id)] = self.unit_bytes.get(int(unit_id), 0) + int(count) * msg.row_bytes
+        self._widen(part, rows, msg.row_bytes, msg.fields)
         return part, rows
 
     def _close_put(self, msg: CommitPut) -> None:
@@ -354,6 +419,7 @@ class Controller(Service):
             raise SchemaError(f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples")
         put.timer.cancel()
         del self.open_puts[first]
+        self.intake.closed(put.framed)
 
     def _end_put(self, first: int, why: SluiceError) -> None:
         """Drop an open put: free its rows (never committed ones only) and remember why."""
@@ -361,6 +427,7 @@ class Controller(Service):
         if put is None:
             return
         put.timer.cancel()
+        self.intake.closed(put.framed)
         self._ended_puts[first] = why
         while len(self._ended_puts) > _ENDED_KEPT:
             self._ended_puts.popitem(last=False)
@@ -405,11 +472,20 @@ class Controller(Service):
             )
         if not msg.fields or not msg.partition or not msg.task:
             raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
+        part = self.partitions.get(msg.partition)
+        unknown = [] if part is None else [f for f in msg.fields if f not in part.schema]
+        if unknown and part.sealed and not part.alive[: part.n].any():
+            raise SchemaError(
+                f"get_meta(task={msg.task!r}) asks for field(s) {unknown} that partition {msg.partition!r} never had "
+                f"(it has {sorted(part.schema)}), and it is sealed with no samples left, so no put can bring them: "
+                "check the names"
+            )
         return MetaReply(await self.scheduler.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
         part = self._existing(msg.partition)
         self.scheduler.ack(part, msg.task, msg.indexes)
+        self._record(Acked(part.name, msg.task, msg.indexes))
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
@@ -432,21 +508,27 @@ class Controller(Service):
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
             self._end_put(first, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight"))
-        part = self.partitions.pop(msg.partition, None)
+        self._drop_partition(msg.partition)
+        self._record(Dropped(msg.partition))
+        return Ok()
+
+    def _drop_partition(self, name: str) -> None:
+        part = self.partitions.pop(name, None)
         if part is not None:
             live = np.flatnonzero(part.alive[: part.n])
             for unit_id in np.unique(part.unit[live]).tolist():
                 used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
                 if unit_id in self.unit_bytes:
                     self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
-            self.scheduler.forget_partition(msg.partition)
-            self._tell_units(msg.partition, None)
-        return Ok()
+            self.scheduler.forget_partition(name)
+            self._tell_units(name, None)
+            self.intake.wake()
 
     def on_seal(self, msg: Seal, data) -> Ok:
         """Seal: puts still in flight are refused (`SealedError` at their commit), so the samples
         a stream sees are exactly those committed before the seal."""
         self._partition(msg.partition).sealed = True
+        self._record(Sealed(msg.partition))
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
             self._end_put(first, SealedError(
                 f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
@@ -458,6 +540,7 @@ class Controller(Service):
 
     def on_set_version(self, msg: SetVersion, data) -> VersionReply:
         if self.clock.set(msg.version):
+            self._record(Version(msg.version))
             self.admission.pump()
             self.scheduler.wake_all()
         return VersionReply(self.clock.current)
@@ -508,7 +591,7 @@ class Controller(Service):
         key = np.zeros(len(rows), np.int64)
         for bit, name in enumerate(names):
             key |= part.ready[name][rows].astype(np.int64) << bit
-        batches = []
+        batches, details = [], []
         for value in np.unique(key).tolist():
             picked = rows[key == value]
             fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
@@ -517,8 +600,12 @@ class Controller(Service):
                 version_last=part.v_last[picked].tolist(), groups=part.group[picked].tolist(),
                 units=part.unit[picked].tolist(), fields=fields,
             ))
+            details.append(ExportRows(
+                part.versioned[picked].tolist(), (part.source[picked].astype(np.int64) - 1).tolist(),
+                part.source_index[picked].tolist(),
+            ))
         consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
-        return ExportReply(batches, consumed, part.sealed)
+        return ExportReply(batches, consumed, part.sealed, details, list(part.sources[1:]))
 
     # -- status ------------------------------------------------------------------------
 
@@ -546,6 +633,7 @@ class Controller(Service):
                 open_leases=scheduler.open_leases,
                 parked_get_meta=scheduler.parked,
                 open_puts=len(self.open_puts),
+                puts_waiting_for_room=len(self.intake),
                 puts_expired=self.puts_expired,
                 samples_lost=self.samples_lost,
                 registrations_refused=self.registrations_refused,

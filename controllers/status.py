@@ -122,6 +122,8 @@ class Counters(msgspec.Struct):
     open_leases: int
     parked_get_meta: int
     open_puts: int
+    puts_waiting_for_room: int
+    """Puts the controller holds until their storage units have room (see `intake`)."""
     puts_expired: int
     """Puts not committed in time (their producer stalled or died); their rows were freed."""
     samples_lost: int

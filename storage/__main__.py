@@ -81,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the service loop takes over the signals, a SIGTERM unwinds (and unlinks the arena)
     # instead of killing the process outright.
     signal.signal(signal.SIGTERM, _interrupt)
-    keep_freed_memory(args.capacity // 20)  # Write frames land in warm memory; at most 5% of capacity kept
+    # Write frames land in warm memory, at most 5% of capacity kept; frames over capacity / 32
+    # get their own mapping (see keep_freed_memory), so the unit stays within capacity + 10%.
+    keep_freed_memory(args.capacity // 20, args.capacity // 32)
 
     async def make() -> Service:
         credentials = credentials_from_env()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import numpy as np
 import zmq
@@ -43,6 +43,11 @@ from .writes import Reservation, check_frames, field_sizes
 __all__ = ["StorageUnit"]
 
 _TRIM_EVERY = 1.0  # seconds between checks for freed frame memory to give back
+_LATE_REPLY_BYTES = 1 << 20
+"""Writes of this many frame bytes or more are answered after their frames were dropped: the reply
+lets the producer commit and the controller admit the next put to this unit, whose frames must not
+arrive while these are still held (a unit thread preempted between replying and dropping them)."""
+_HELD_SHARE = 20  # frames waiting for space stay within capacity / _HELD_SHARE bytes (or one write)
 _EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
 
 
@@ -132,12 +137,17 @@ class StorageUnit(Service):
             )
         chunks = self.space.alloc_now(sizes)
         if chunks is not None:
-            return self._store(msg, frames, chunks)
-        # Wait for space, in line. Waiting writes keep their frames in memory outside the arena:
-        # bound them by the capacity too, so a flood of writes to a full unit cannot exhaust RAM.
+            reply = self._store(msg, frames, chunks)
+            if msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
+                return _Answer(reply)  # the frames go before the reply, not after the next put's arrive
+            return reply
+        # Wait for space, in line. Waiting writes keep their frames in memory outside the arena,
+        # so they may hold at most capacity / _HELD_SHARE bytes (or one write): the controller
+        # admits a put only when its units have room, so waits here are short (a Free still on
+        # its way, page rounding) and anything beyond is refused at once, never buffered.
         held = sum(sizes) if msg.via == "frames" else 0
-        if held and self.space.held + held > self.arena.capacity:
-            why = f" and {self.space.held} bytes of writes already wait for space, so this one is refused at once"
+        if held and self.space.held and self.space.held + held > self.arena.capacity // _HELD_SHARE:
+            why = f" and {self.space.held} bytes of written frames already wait for space, so this write is refused at once"
             raise CapacityError(self._full_message(need, why))
         return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
@@ -296,6 +306,20 @@ class StorageUnit(Service):
             f"(this write needs {need} bytes, the largest free extent is {alloc.largest_free}){why}; "
             "clear consumed samples or raise storage_capacity"
         )
+
+
+class _Answer:
+    """An awaitable of a ready `reply`: the service loop sends it once the handler (and the data
+    frames it was given) is gone. Not a coroutine, so dropping one unawaited warns of nothing."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, reply: Handled):
+        self.reply = reply
+
+    def __await__(self) -> Generator[Any, None, Handled]:
+        return self.reply
+        yield  # a generator: returns at once
 
 
 def _no_frames(msg: Any, frames: list[Any]) -> None:

@@ -56,7 +56,8 @@ class Ticket(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         chunks = yield from self._space._wait(self._waiter).__await__()
-        return self._then(chunks)
+        then, self._then = self._then, None  # drop what `then` holds (a write's frames) before replying
+        return then(chunks)
 
 
 class SpaceQueue:

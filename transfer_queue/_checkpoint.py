@@ -4,8 +4,9 @@ A checkpoint is a directory: `manifest.json` (the trainer version and, per parti
 is sealed, which batch files it has and which samples each consumer task had consumed) and one
 file per batch of samples that share their ready fields. A batch file is a little-endian u64
 header length, the msgpack header (`BatchHeader`: the samples' `BatchMeta` and each field's byte
-size and ragged lengths) and the fields' raw bytes, in header order: the tensors' wire layout,
-never pickled. Leased samples are saved as not consumed, so they are delivered again after a
+size and ragged lengths, and per sample whether it has a policy version and which prompt it came
+from, for the `requeue` policy) and the fields' raw bytes, in header order: the tensors' wire
+layout, never pickled. A partial rollout's version span (first, last) is kept per sample. Leased samples are saved as not consumed, so they are delivered again after a
 restore; puts not yet committed are not saved (they would have been refused or expired).
 """
 
@@ -21,10 +22,14 @@ import torch
 from tensordict import TensorDict
 
 from ._errors import SchemaError
+from ._messages import ExportRows
 from ._meta import BatchMeta
 from ._tensors import Assembler, Columns
 
-__all__ = ["Manifest", "PartitionState", "write_batch", "read_batch", "write_manifest", "read_manifest"]
+__all__ = [
+    "Manifest", "PartitionState", "write_batch", "read_batch", "write_manifest", "read_manifest", "restore_order",
+    "RestorePut", "restore_puts",
+]
 
 _LEN = struct.Struct("<Q")
 
@@ -34,6 +39,8 @@ class PartitionState(msgspec.Struct):
     batches: list[str]
     consumed: dict[str, list[int]]
     """Consumer task -> global indexes (at save time) it had consumed."""
+    sources: list[str] = []
+    """Partitions holding the prompts its samples came from (restored first)."""
 
 
 class Manifest(msgspec.Struct):
@@ -45,13 +52,19 @@ class BatchHeader(msgspec.Struct):
     meta: BatchMeta
     sizes: list[int]
     lengths: dict[str, list[int]]
+    rows: ExportRows | None = None
+    """Per sample: versioned or not, prompt source (into `sources`) and its index."""
+    sources: list[tuple[str, str]] = []
+    """(partition, task) of the prompt batches the samples came from."""
 
 
-def write_batch(path: Path, meta: BatchMeta, data: TensorDict) -> None:
+def write_batch(
+    path: Path, meta: BatchMeta, data: TensorDict, rows: ExportRows | None = None, sources: list[tuple[str, str]] = (),
+) -> None:
     """One batch file: header, then each field's bytes."""
     cols = Columns(data)
     buffers, lengths = cols.slice(np.arange(cols.n))
-    header = msgspec.msgpack.encode(BatchHeader(meta, [b.numel() for b in buffers], lengths))
+    header = msgspec.msgpack.encode(BatchHeader(meta, [b.numel() for b in buffers], lengths, rows, list(sources)))
     with open(path, "wb") as f:
         f.write(_LEN.pack(len(header)))
         f.write(header)
@@ -59,8 +72,8 @@ def write_batch(path: Path, meta: BatchMeta, data: TensorDict) -> None:
             f.write(buf.numpy().tobytes())
 
 
-def read_batch(path: Path) -> tuple[BatchMeta, TensorDict]:
-    """The batch file's metadata and samples; `SchemaError` if the file is not one."""
+def read_batch(path: Path) -> tuple[BatchHeader, TensorDict]:
+    """The batch file's header and samples; `SchemaError` if the file is not one."""
     raw = memoryview(Path(path).read_bytes())
     try:
         (size,) = _LEN.unpack(raw[: _LEN.size])
@@ -76,7 +89,61 @@ def read_batch(path: Path) -> tuple[BatchMeta, TensorDict]:
         raise SchemaError(f"{path} holds {len(raw)} bytes, its header describes {offset}")
     assembler = Assembler(meta.fields, len(meta))
     assembler.add_unit(np.arange(len(meta)), header.lengths, runs)
-    return meta, assembler.result()
+    return header, assembler.result()
+
+
+def restore_order(manifest: Manifest) -> list[str]:
+    """Partitions in an order that restores prompt partitions before the samples made from them
+    (a cycle is broken in name order; a missing source just loses the link)."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order or name in visiting or name not in manifest.partitions:
+            return
+        visiting.add(name)
+        for src in manifest.partitions[name].sources:
+            visit(src)
+        order.append(name)
+
+    for name in sorted(manifest.partitions):
+        visit(name)
+    return order
+
+
+class RestorePut(msgspec.Struct):
+    """One put of a restore: samples of a batch file sharing a version span and a prompt source."""
+
+    positions: list[int]
+    policy_version: tuple[int, int] | None
+    """(first, last); None for samples put without a version (prompts: never stale)."""
+    source: BatchMeta | None
+    """The restored prompts they came from (new indexes), for the `requeue` policy."""
+
+
+def restore_puts(header: BatchHeader, restored: dict[str, dict[int, int]]) -> list[RestorePut]:
+    """Split a batch file's samples into puts that keep each sample's version span, whether it
+    is versioned, and its prompt source mapped to the prompt's new index in `restored`
+    (partition -> old index -> new index); a prompt that is not there loses the link."""
+    meta, rows = header.meta, header.rows
+    groups: dict[tuple, RestorePut] = {}
+    for p in range(len(meta)):
+        span = (meta.policy_versions[p], meta.version_last[p])
+        if rows is not None and not rows.versioned[p]:
+            span = None
+        src_key, src_index = None, -1
+        if rows is not None and rows.source[p] >= 0:
+            src_part, src_task = header.sources[rows.source[p]]
+            src_index = restored.get(src_part, {}).get(rows.source_index[p], -1)
+            if src_index >= 0:
+                src_key = (src_part, src_task)
+        group = groups.setdefault((span, src_key), RestorePut([], span, None))
+        group.positions.append(p)
+        if src_key is not None:
+            if group.source is None:
+                group.source = BatchMeta(src_key[0], [], [], [], [], [], {}, task=src_key[1])
+            group.source.indexes.append(src_index)
+    return list(groups.values())
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._checkpoint import Manifest, PartitionState, read_batch, read_manifest, write_batch, write_manifest
+from ._checkpoint import (
+    Manifest, PartitionState, read_batch, read_manifest, restore_order, restore_puts, write_batch, write_manifest,
+)
 from ._control import INT64, ControlCore, as_int, count
 from ._drivers import CONTROLLER, Call, Flow
 from ._errors import CapacityError, SchemaError, SluiceError
@@ -25,6 +27,7 @@ from ._messages import (
     AbortPut,
     Export,
     ExportReply,
+    ExportRows,
     Acquire,
     BeginPut,
     Clear,
@@ -165,7 +168,9 @@ class ClientCore(ControlCore):
             yield from self.one(CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok)
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
-        plan = yield from self.one(CONTROLLER, BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout), PutPlan)
+        mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped)
+        plan = yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout)
@@ -374,31 +379,52 @@ class ClientCore(ControlCore):
         for p, name in enumerate(sorted(status["partitions"])):
             export = yield from self.one(CONTROLLER, Export(name), ExportReply)
             files = []
-            for meta in (m for m in export.batches if m.fields):
+            details = export.rows or [None] * len(export.batches)
+            for meta, rows in zip(export.batches, details):
+                if not meta.fields:
+                    continue
                 for start in range(0, len(meta), _CHECKPOINT_ROWS):  # bounded memory, one put each on restore
-                    part = meta.select(range(start, min(start + _CHECKPOINT_ROWS, len(meta))))
+                    chunk = slice(start, min(start + _CHECKPOINT_ROWS, len(meta)))
+                    part = meta.select(range(chunk.start, chunk.stop))
                     data = yield from self.get_data(part)
                     files.append(f"p{p}-b{len(files)}.bin")
-                    write_batch(directory / files[-1], part, data)
+                    facts = None if rows is None else ExportRows(
+                        rows.versioned[chunk], rows.source[chunk], rows.source_index[chunk]
+                    )
+                    write_batch(directory / files[-1], part, data, facts, export.sources)
                     saved += len(part)
-            manifest.partitions[name] = PartitionState(export.sealed, files, export.consumed)
+            sources = sorted({src for src, _ in export.sources})
+            manifest.partitions[name] = PartitionState(export.sealed, files, export.consumed, sources)
         write_manifest(directory, manifest)
         return saved
 
     def restore_checkpoint(self, path: str | os.PathLike) -> Flow:
-        """The flow of `Client.restore_checkpoint`."""
+        """Put a checkpoint's samples into this (empty) cluster, with their policy versions and
+        groups, mark what each consumer task had consumed, seal what was sealed and set the
+        version. Samples get new indexes and keep their version span (first, last), whether they
+        have a version at all (prompts do not) and the prompt they came from (for `requeue`).
+        Raises `SchemaError` if `path` holds no checkpoint. Returns the number of samples."""
         directory = Path(path)
         manifest = read_manifest(directory)
         if manifest.version > 0:
             yield from self.one(CONTROLLER, SetVersion(manifest.version), VersionReply)
         restored = 0
-        for name, state in manifest.partitions.items():
-            new_index: dict[int, int] = {}
+        new_indexes: dict[str, dict[int, int]] = {}  # partition -> old index -> new index
+        for name in restore_order(manifest):  # prompt partitions before the samples made from them
+            state = manifest.partitions[name]
+            new_index = new_indexes[name] = {}
             for file in state.batches:  # each sample is in one file, with all its ready fields
-                old, data = read_batch(directory / file)
-                meta = yield from self.put(data, name, policy_version=old.policy_versions, groups=old.groups)
-                new_index.update(zip(old.indexes, meta.indexes))
-                restored += len(meta)
+                header, data = read_batch(directory / file)
+                old = header.meta
+                for put in restore_puts(header, new_indexes):
+                    pos = put.positions
+                    part = data if len(pos) == len(old) else data[torch.as_tensor(pos)]
+                    meta = yield from self.put(
+                        part, name, policy_version=put.policy_version, groups=[old.groups[i] for i in pos],
+                        source=put.source,
+                    )
+                    new_index.update(zip((old.indexes[i] for i in pos), meta.indexes))
+                    restored += len(meta)
             for task, indexes in state.consumed.items():
                 mapped = [new_index[i] for i in indexes if i in new_index]
                 if mapped:

@@ -75,6 +75,26 @@ class Cluster:
         """Whether every service is still running."""
         return self.backend.alive()
 
+    @property
+    def controller_alive(self) -> bool:
+        """Whether the controller is still running."""
+        return self.backend.controller_alive()
+
+    def restart_controller(self) -> None:
+        """Start the controller again on its port after its process died; it replays the
+        cluster's journal, and the storage units (still serving) are its units again.
+
+        Raises `SchemaError` without a journal (a fresh controller would know no sample), while
+        the controller still runs, or on a backend that cannot restart it (Ray); `ServiceError`
+        if it does not start."""
+        if not self.config.journal:
+            raise SchemaError("restart_controller needs a cluster started with journal=PATH")
+        if self.controller_alive:
+            raise SchemaError("the controller is still running; restart it only after it died")
+        port = int(self.address.rsplit(":", 1)[1])
+        token = "" if self.credentials is None else self.credentials.token()
+        self.backend.restart_controller(self.config, self.cluster_id, port, self.secret, token)
+
     def __enter__(self) -> "Cluster":
         return self
 
@@ -99,6 +119,7 @@ def init(
     backend: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
     restore: str | os.PathLike | None = None,
+    journal: str | os.PathLike | None = None,
 ) -> Cluster:
     """Start a controller and `num_storage_units` storage units as local processes.
 
@@ -114,6 +135,10 @@ def init(
     `restore` is a directory written by `client.save_checkpoint`: its samples, consumer progress
     and version are put into the new cluster (with any number of storage units) before this
     returns.
+
+    `journal` is a file where the controller records every change before answering it; a
+    controller restarted with the same journal (same port and cluster id; the storage units keep
+    serving meanwhile) loses no acked put (see `controllers/journal.py`).
     """
     if staleness is None:
         staleness = StalenessConfig(consumer_batch_size, max_staleness)
@@ -131,6 +156,7 @@ def init(
         samplers=tuple(samplers),
         metrics_port=metrics_port,
         host=host,
+        journal=None if journal is None else os.path.abspath(journal),
     )
     cluster_id = uuid.uuid4().hex[:12]
     secret = secrets.token_hex(16)

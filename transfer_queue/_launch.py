@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from ._auth import CREDENTIALS_ENV
-from ._errors import ServiceError
+from ._errors import SchemaError, ServiceError
 from ._messages import ClusterConfig
 from .host import shm_prefix
 
@@ -63,6 +63,19 @@ class Backend(ABC):
     def stop(self, timeout: float) -> None:
         """Stop every service (SIGTERM, SIGKILL after `timeout` seconds); safe to call twice."""
 
+    def controller_alive(self) -> bool:
+        """Whether the controller is still running."""
+        return self.alive()
+
+    def restart_controller(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> None:
+        """Start the controller again on `port` after it died (it replays `config.journal`).
+
+        Raises:
+            SchemaError: this backend cannot restart its controller.
+            ServiceError: the controller did not start.
+        """
+        raise SchemaError(f"{type(self).__name__} cannot restart a controller; the local backend can")
+
 
 class LocalProcesses(Backend):
     """The embedded backend: every service a child process of this one, ended with it."""
@@ -92,6 +105,17 @@ class LocalProcesses(Backend):
 
     def alive(self) -> bool:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def controller_alive(self) -> bool:
+        return bool(self.procs) and self.procs[0].poll() is None
+
+    def restart_controller(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> None:
+        old = self.procs[0]
+        if old.stdout is not None:
+            old.stdout.close()
+        self.procs[0] = spawn(controller_command(config, cluster_id, port), secret, credentials)
+        self.services[0]["pid"] = self.procs[0].pid
+        address_of(self.procs[0], "SLUICE_CONTROLLER")
 
     def stop(self, timeout: float) -> None:
         procs, self.procs = self.procs, []

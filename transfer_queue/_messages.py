@@ -72,6 +72,7 @@ __all__ = [
     "WriteReply",
     "ReadReply",
     "ExportReply",
+    "ExportRows",
     "Reply",
 ]
 
@@ -93,6 +94,8 @@ class ClusterConfig(StalenessConfig, frozen=True, forbid_unknown_fields=True, kw
     """Extra samplers as "module:Class" import paths, loaded by the controller."""
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     host: str = "127.0.0.1"
+    journal: str | None = None
+    """Path of the controller's journal: a restarted controller replays it and loses no acked put."""
 
 
 class UnitInfo(msgspec.Struct, frozen=True):
@@ -147,6 +150,8 @@ class BeginPut(_Msg, tag="begin_put"):
     row_bytes: int
     timeout: float = 30.0
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
+    mapped: list[int] = []
+    """Units the producer writes through its own mapping of their arenas (no data frames)."""
 
 
 class CommitPut(_Msg, tag="commit_put"):
@@ -432,13 +437,27 @@ class ReadReply(_Msg, tag="read_reply"):
     runs: dict[str, list[tuple[int, int]]]
 
 
+class ExportRows(msgspec.Struct, frozen=True):
+    """Per-sample facts of one exported batch that `BatchMeta` does not carry."""
+
+    versioned: list[bool]
+    """False for samples put with no policy version and no grant (prompts): never stale."""
+    source: list[int]
+    """Index into `ExportReply.sources` of the prompt batch each sample came from; -1: none."""
+    source_index: list[int]
+    """The prompt's index in that partition (for the `requeue` policy); -1: none."""
+
+
 class ExportReply(_Msg, tag="export_reply"):
-    """Live committed samples grouped by their ready fields (one `BatchMeta` per group); per
-    consumer task the indexes it consumed (leased ones are not consumed); sealed or not."""
+    """Live committed samples grouped by their ready fields (one `BatchMeta` per group, with
+    its `ExportRows` in `rows`); per consumer task the indexes it consumed (leased ones are not
+    consumed); sealed or not; the (partition, task) prompt sources the rows refer to."""
 
     batches: list[BatchMeta]
     consumed: dict[str, list[int]]
     sealed: bool
+    rows: list[ExportRows] = []
+    sources: list[tuple[str, str]] = []
 
 
 Reply = Union[

@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         host=args.host,
         port=args.port,
+        journal=args.journal,
     )
     try:
         print(f"SLUICE_ADDRESS {cluster.address}", flush=True)
@@ -92,6 +93,10 @@ def serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
         while not stop.wait(1.0):
+            if args.journal and not cluster.controller_alive:
+                print("sluice serve: the controller died; restarting it from its journal", file=sys.stderr, flush=True)
+                cluster.restart_controller()
+                continue
             if not cluster.alive:
                 print("sluice serve: a service process died; stopping the others", file=sys.stderr, flush=True)
                 return 1
@@ -219,6 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--host", default="127.0.0.1", help="interface the services bind (default loopback)")
     s.add_argument("--port", type=int, default=0, help="controller port (default: a free one)")
+    s.add_argument("--journal", default=None, metavar="PATH",
+                   help="record the controller's state in PATH; a controller that dies is restarted from it "
+                        "and loses no acked put")
     s.set_defaults(run=serve)
 
     st = sub.add_parser("status", help="show a cluster's partitions, tasks, staleness, admission, storage and rates")

@@ -91,16 +91,20 @@ def unmap(mm: mmap.mmap) -> None:
 _malloc_tuned = False
 
 
-def keep_freed_memory(trim_bytes: int) -> bool:
-    """Once per process: make glibc keep freed blocks of up to 32 MiB for reuse.
+def keep_freed_memory(trim_bytes: int, mmap_bytes: int = 32 << 20) -> bool:
+    """Once per process: make glibc keep freed blocks of up to `mmap_bytes` (at most 32 MiB) for
+    reuse.
 
     ZeroMQ receives every data frame into a new malloc'd block; by default glibc maps blocks that
     large afresh or trims them off its heap once freed, so every frame lands in pages that fault
     in on first touch (~10x a warm copy, docs/architecture.md section 3). A fixed mmap threshold
-    of 32 MiB (glibc's maximum) and a trim threshold of `trim_bytes` keep them warm; the process
-    then holds up to `trim_bytes` of freed heap. Set `SLUICE_MALLOC_TUNING=0` to leave the
-    allocator alone. Returns whether the allocator was tuned (False without glibc's `mallopt`,
-    or when it was asked before in this process).
+    and a trim threshold of `trim_bytes` keep them warm; the process then holds up to
+    `trim_bytes` of freed heap. Frames above `mmap_bytes` still get their own mapping, returned
+    as soon as they are freed: a storage unit sets it low, since a freed heap block is often split
+    by small allocations and not reused whole, and large frames kept warm would cost it about
+    twice their size. Set `SLUICE_MALLOC_TUNING=0` to leave the allocator alone. Returns whether
+    the allocator was tuned (False without glibc's `mallopt`, or when it was asked before in this
+    process).
     """
     global _malloc_tuned
     if _malloc_tuned or os.environ.get("SLUICE_MALLOC_TUNING", "1") == "0":
@@ -110,7 +114,8 @@ def keep_freed_memory(trim_bytes: int) -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    mmap_bytes = max(mmap.PAGESIZE, min(mmap_bytes, 32 << 20))
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
 _M_TRIM_THRESHOLD = -1

@@ -3,6 +3,8 @@ changes nothing; invalid UTF-8 on the wire is a counted `ProtocolError`."""
 
 from __future__ import annotations
 
+import time
+
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -60,6 +62,18 @@ def test_chunk_zero_is_a_schema_error(client):
     with pytest.raises(tq.SchemaError, match=">= 1"):
         meta.chunk(0)
     assert [len(m) for m in meta.chunk(3)] == [1, 1, 2]
+
+
+def test_unknown_field_of_a_sealed_empty_partition_is_a_schema_error_at_once(client):
+    """No put can bring a field to a sealed partition without samples: new samples are refused
+    and new columns need samples. Anywhere else an unknown field may still come (below)."""
+    meta = client.put(_td(2), partition="done")
+    client.seal("done")
+    client.clear(meta)
+    started = time.monotonic()
+    with pytest.raises(tq.SchemaError, match=r"\['nope'\] that partition 'done' never had"):
+        client.get_meta(["nope"], 1, task="t", partition="done", timeout=30)
+    assert time.monotonic() - started < 5
 
 
 def test_unknown_field_is_named_at_the_deadline(client):

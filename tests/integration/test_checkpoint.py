@@ -62,3 +62,37 @@ def test_checkpoint_restores_samples_progress_and_leases_onto_other_units(tmp_pa
 def test_restore_of_a_non_checkpoint_is_a_schema_error(tmp_path):
     with pytest.raises(tq.SchemaError, match="no Sluice checkpoint"):
         tq.init(num_storage_units=1, storage_capacity="16MiB", restore=tmp_path)
+
+
+def _spans(client: tq.Client) -> dict[int, tuple[int, int]]:
+    meta = client.get_meta(["id"], 8, task="look", timeout=5)
+    ids = client.get_data(meta)["id"].tolist()
+    client.nack(meta)
+    return {i: (v0, v1) for i, v0, v1 in zip(ids, meta.policy_versions, meta.version_last)}
+
+
+def test_checkpoint_keeps_version_spans_versionless_prompts_and_requeue_sources(tmp_path):
+    """A partial rollout's (first, last) span, prompts without a version (never stale) and the
+    prompt each sample came from survive; after the restore a stale sample still requeues its
+    prompt to the rollout task (`stale_policy="requeue"`)."""
+    config = dict(max_staleness=1, stale_policy="requeue")
+    with tq.init(num_storage_units=1, storage_capacity="16MiB", **config) as first, first.connect() as client:
+        client.put(TensorDict({"id": torch.arange(100, 108)}, batch_size=[8]), partition="prompts")
+        prompts = client.get_meta(["id"], 8, task="rollout", partition="prompts", timeout=5)
+        client.ack(prompts)
+        client.put(_batch(0, 4), policy_version=(1, 3), source=prompts.select(range(4)))  # partial rollouts
+        client.put(_batch(4, 4), policy_version=2, source=prompts.select(range(4, 8)))
+        client.set_version(2)
+        spans = _spans(client)
+        assert spans[0] == (1, 3) and spans[4] == (2, 2)
+        client.save_checkpoint(tmp_path / "ckpt")
+    with tq.init(num_storage_units=2, storage_capacity="32MiB", restore=tmp_path / "ckpt", **config) as second, \
+            second.connect() as client:
+        assert _spans(client) == spans
+        assert client.status()["partitions"]["prompts"]["tasks"]["rollout"]["consumed"] == 8
+        client.set_version(5)  # every train sample is now stale: their prompts go back to the rollout task
+        assert len(client.get_meta(["id"], 8, task="train", timeout=0.5, allow_partial=True)) == 0
+        again = client.get_meta(["id"], 8, task="rollout", partition="prompts", timeout=5)
+        assert sorted(client.get_data(again)["id"].tolist()) == list(range(100, 108))
+        fresh = client.get_meta(["id"], 8, task="other", partition="prompts", timeout=5)
+        assert len(fresh) == 8, "prompts carry no version, so they are never too stale"

@@ -73,9 +73,9 @@ def test_full_storage_pushes_back_then_recovers():
         thread = threading.Thread(target=lambda: done.setdefault("meta", client2.put(big(), timeout=20)))
         client2 = cluster.connect()
         thread.start()
-        unit = client.units[0].address
-        eventually(lambda: unit_status(unit)["pending_writes"] == 1, 10, "the put waits for space")
+        eventually(lambda: client.status()["counters"]["puts_waiting_for_room"] == 1, 10, "the put waits for room")
         assert thread.is_alive()
+        assert unit_status(client.units[0].address)["pending_writes"] == 0, "no frames sent before there is room"
         client.clear(meta)
         thread.join(20)
         assert len(done["meta"]) == 16

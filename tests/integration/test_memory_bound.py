@@ -1,7 +1,9 @@
-"""After a flood of producers a storage unit gives frame memory back to the system (a loop timer
-calls `malloc_trim`, keeping 5% of capacity warm). While the flood lasts, frames in flight on
-the sockets (one per producer) and writes waiting for space (bounded by the capacity) come on
-top of the arena. Measured and bounded here; the issue's goal of capacity + 10% is not reached."""
+"""A storage unit's RSS stays within its capacity + 10% under a flood of producers.
+
+The controller admits a put only when its units have room, and at most capacity / 20 bytes of
+open puts travel to a unit as data frames at once (`controllers/intake.py`); a unit refuses at
+once frames it cannot place beyond that (`storage/service.py`). So the memory a unit holds
+outside its arena (frames in flight, waiting writes) stays a small share of its capacity."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import transfer_queue as tq
 from .faults import eventually, unit_status
 
 CAPACITY = 64 << 20
-BATCH = 4 << 20
+BATCH = 4 << 20  # 6% of the capacity per put
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -26,13 +28,14 @@ def _status_kib(pid: int, key: str) -> int:
     raise AssertionError(key)
 
 
-def test_flooded_unit_gives_its_frame_memory_back():
+def test_flooded_unit_stays_within_capacity_plus_ten_percent():
     with tq.init(num_storage_units=1, storage_capacity=CAPACITY) as cluster, cluster.connect() as client:
         pid = cluster.backend.procs[1].pid
         eventually(lambda: unit_status(client.units[0].address)["prefaulted"], 60, "arena pre-faulted")
         base = _status_kib(pid, "VmRSS")  # interpreter + libraries + the whole (touched) arena
         stop = threading.Event()
         outcome = {"put": 0, "refused": 0}
+        errors: list[BaseException] = []
 
         def produce() -> None:
             with tq.connect(cluster.address, use_shm=False) as producer:
@@ -43,6 +46,9 @@ def test_flooded_unit_gives_its_frame_memory_back():
                         outcome["put"] += 1
                     except tq.CapacityError:
                         outcome["refused"] += 1
+                    except BaseException as exc:  # noqa: BLE001 - reported by the test
+                        errors.append(exc)
+                        return
 
         def consume() -> None:
             with tq.connect(cluster.address) as consumer:
@@ -59,16 +65,7 @@ def test_flooded_unit_gives_its_frame_memory_back():
         for t in threads:
             t.join(60)
         peak = _status_kib(pid, "VmHWM")
-        # each look is traffic too, so the unit trims within a second of it
-        eventually(lambda: unit_status(client.units[0].address)["served"]
-                   and _status_kib(pid, "VmRSS") - base <= CAPACITY // 2, 10, "frame memory given back")
-        end = _status_kib(pid, "VmRSS")
         print(f"\nunit RSS: base {base >> 20} MiB (with the {CAPACITY >> 20} MiB arena), peak {peak >> 20} MiB "
-              f"(+{(peak - base) / CAPACITY:.0%} of capacity), after the flood {end >> 20} MiB "
-              f"(+{(end - base) / CAPACITY:.0%}); {outcome}")
-        # kept afterwards: measured +6% to +38% of capacity (allocator fragmentation); the goal,
-        # +10%, is not reached yet
-        assert end - base <= CAPACITY // 2, (end - base) >> 20
-        # at the peak: frames ZeroMQ has received but the unit has not stored yet (one per
-        # producer in flight), some of them waiting for space
-        assert peak - base <= 8 * BATCH + CAPACITY // 4, (peak - base) >> 20
+              f"(+{(peak - base) / CAPACITY:.1%} of capacity); {outcome}")
+        assert not errors, errors
+        assert peak - base <= CAPACITY // 10, f"peak {(peak - base) / CAPACITY:.1%} of capacity over the arena"

@@ -72,13 +72,15 @@ def test_a_write_larger_than_the_unit_fails_at_once(small_client: UnitClient) ->
 def test_waiting_writes_are_served_first_come_first_served(small_client: UnitClient) -> None:
     raise_for(*small_client.recv(_write(small_client, "a", 0, 768 * KIB)))
     big = _write(small_client, "d", 0, 512 * KIB)
-    small = _write(small_client, "e", 0, 128 * KIB)  # would fit now, but must not overtake
+    # would fit now, but must not overtake (a shm write: no more frames may wait than `big`'s)
+    small = small_client.send(Write("e", [0], {"x": FieldSpec("uint8", (128 * KIB,))}, via="shm", timeout=10.0))
     assert small_client.pending(small, wait=0.3) and small_client.pending(big)
     assert _status(small_client)["pending_writes"] == 2
     small_client.ok(Free("a"))
-    order = [small_client.recv_any()[0] for _ in range(2)]
-    assert order == [big, small]
+    replies = [small_client.recv_any() for _ in range(2)]
+    assert [rid for rid, _, _ in replies] == [big, small]
     assert _status(small_client)["used"] == 640 * KIB
+    small_client.ok(CommitWrite(replies[1][1].token))
 
 
 def test_an_uncommitted_reservation_expires_and_wakes_waiters(small_client: UnitClient) -> None:
@@ -110,10 +112,11 @@ def test_aborting_a_reservation_lets_a_waiter_in(small_client: UnitClient) -> No
 def test_a_cancelled_waiting_write_leaves_the_queue(small_client: UnitClient) -> None:
     raise_for(*small_client.recv(_write(small_client, "a", 0, 768 * KIB)))
     withdrawn = _write(small_client, "gone", 0, 512 * KIB)
-    behind = _write(small_client, "b", 0, 256 * KIB)
+    behind = small_client.send(Write("b", [0], {"x": FieldSpec("uint8", (256 * KIB,))}, via="shm", timeout=10.0))
     assert small_client.pending(behind, wait=0.2), _status(small_client)
     small_client.ok(Cancel(withdrawn))  # the client gave up (its own timeout, or interrupted)
-    assert raise_for(*small_client.recv(behind))[0] == WriteReply()  # no longer stuck behind it
+    reserved = raise_for(*small_client.recv(behind))[0]  # no longer stuck behind it
+    small_client.ok(CommitWrite(reserved.token))
     assert small_client.pending(withdrawn, wait=0.1)  # a withdrawn request gets no answer
     status = _status(small_client)
     assert status["pending_writes"] == 0 and "gone" not in status["rows"] and status["used"] == CAPACITY

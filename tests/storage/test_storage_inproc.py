@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import uuid
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from storage import StorageUnit
 from storage.space import Ticket
 from transfer_queue._errors import CapacityError
-from transfer_queue._messages import Free, Read, Write, WriteReply
+from transfer_queue._messages import CommitWrite, Free, Read, Write, WriteReply
 from transfer_queue._meta import FieldSpec
 
 ROW = 256 << 10  # above ZeroMQ's copy threshold: reads of it are zero-copy frames
@@ -53,14 +54,16 @@ async def test_small_runs_are_not_pinned() -> None:
         unit.close()
 
 
-def _fill(unit: StorageUnit, partition: str, nbytes: int) -> None:
+async def _fill(unit: StorageUnit, partition: str, nbytes: int) -> None:
     spec = {"x": FieldSpec("uint8", (nbytes,))}
-    assert unit._on_write(Write(partition, [0], spec), [np.zeros(nbytes, np.uint8)]) == WriteReply()
+    reply = unit._on_write(Write(partition, [0], spec), [np.zeros(nbytes, np.uint8)])
+    assert (await reply if inspect.isawaitable(reply) else reply) == WriteReply()
 
 
-def _waiting_write(unit: StorageUnit, partition: str, nbytes: int, timeout: float = 10.0):
-    result = unit._on_write(Write(partition, [0], {"x": FieldSpec("uint8", (nbytes,))}, timeout=timeout),
-                            [np.ones(nbytes, np.uint8)])
+def _waiting_write(unit: StorageUnit, partition: str, nbytes: int, timeout: float = 10.0, via: str = "frames"):
+    """A write that waits for space; a second waiter must be a shm write (no frames held)."""
+    frames = [np.ones(nbytes, np.uint8)] if via == "frames" else []
+    result = unit._on_write(Write(partition, [0], {"x": FieldSpec("uint8", (nbytes,))}, via=via, timeout=timeout), frames)
     assert isinstance(result, Ticket), "expected the write to wait for space"
     return result
 
@@ -68,12 +71,13 @@ def _waiting_write(unit: StorageUnit, partition: str, nbytes: int, timeout: floa
 async def test_a_later_write_never_overtakes_a_waiting_one() -> None:
     unit = StorageUnit(0, 1 << 20, f"test-{uuid.uuid4().hex[:8]}")
     try:
-        _fill(unit, "a", 768 << 10)
+        await _fill(unit, "a", 768 << 10)
         big = _waiting_write(unit, "big", 512 << 10)
-        small = _waiting_write(unit, "small", 64 << 10)  # fits, but queues: its place is taken at once
+        small = _waiting_write(unit, "small", 64 << 10, via="shm")  # fits, but queues: its place is taken at once
         assert len(unit.space) == 2
         unit._on_free(Free("a"), [])
-        assert await big == WriteReply() and await small == WriteReply()
+        assert await big == WriteReply()
+        unit._on_commit(CommitWrite((await small).token), [])
         assert unit.status()["rows"] == {"big": 1, "small": 1}
     finally:
         unit.close()
@@ -82,12 +86,12 @@ async def test_a_later_write_never_overtakes_a_waiting_one() -> None:
 async def test_a_dropped_ticket_frees_its_place_and_its_chunks() -> None:
     unit = StorageUnit(0, 1 << 20, f"test-{uuid.uuid4().hex[:8]}")
     try:
-        _fill(unit, "a", 768 << 10)
+        await _fill(unit, "a", 768 << 10)
         ticket = _waiting_write(unit, "gone", 512 << 10)  # its task is cancelled before it ever runs
-        behind = _waiting_write(unit, "b", 256 << 10)
+        behind = _waiting_write(unit, "b", 256 << 10, via="shm")
         del ticket
         gc.collect()
-        assert await behind == WriteReply()  # the head of the queue was not lost
+        unit._on_commit(CommitWrite((await behind).token), [])  # the head of the queue was not lost
         assert len(unit.space) == 0
 
         # handed its chunks, then cancelled before it could store them: they come back
@@ -109,21 +113,21 @@ async def _await(awaitable):
     return await awaitable
 
 
-async def test_waiting_frames_are_bounded_by_the_capacity() -> None:
-    """Writes parked on a full unit hold their frames in RAM: at most `capacity` bytes of them."""
+async def test_waiting_frames_are_bounded_by_a_twentieth_of_the_capacity() -> None:
+    """Writes parked on a full unit hold their frames outside the arena: one write, or at most
+    capacity / 20 bytes of them; frames beyond that are refused at once, never buffered."""
     unit = StorageUnit(0, 1 << 20, f"test-{uuid.uuid4().hex[:8]}")
     try:
-        _fill(unit, "a", 1 << 20)
-        first = _waiting_write(unit, "w1", 768 << 10)
-        second = _waiting_write(unit, "w2", 256 << 10)
-        assert unit.status()["pending_bytes"] == 1 << 20
+        await _fill(unit, "a", 1 << 20)
+        first = _waiting_write(unit, "w1", 768 << 10)  # one write may always wait
+        assert unit.status()["pending_bytes"] == 768 << 10
         with pytest.raises(CapacityError, match="already wait for space"):
-            unit._on_write(Write("w3", [0], {"x": FieldSpec("uint8", (64 << 10,))}), [np.ones(64 << 10, np.uint8)])
+            unit._on_write(Write("w3", [0], {"x": FieldSpec("uint8", (1 << 10,))}), [np.ones(1 << 10, np.uint8)])
         # shm reservations hold no frames, so they may still queue
         shm = unit._on_write(Write("w4", [0], {"x": FieldSpec("uint8", (64 << 10,))}, via="shm"), [])
         assert isinstance(shm, Ticket)
         unit._on_free(Free("a"), [])
-        assert await first == WriteReply() and await second == WriteReply()
+        assert await first == WriteReply()
         assert unit.status()["pending_bytes"] == 0
         del shm
         gc.collect()

@@ -7,16 +7,28 @@ them. With several subscribers on the same plan the publisher points later ones 
 ones (`fanout` direct children per node: 1 makes a chain, 2 a binary tree), and each relays
 bytes as they arrive, so the trainer's link carries every byte `fanout` times, not once per
 subscriber. Sockets bind to 127.0.0.1 unless told otherwise.
+
+Every connection opens with the server's greeting (magic, whether it requires credentials, a
+nonce). With the cluster's credentials (`SLUICE_CREDENTIALS`, the same CurveZMQ credentials
+the services use, or `credentials=`) a server admits only peers that prove they hold them, and
+proves it holds them too: an HMAC-SHA256 challenge-response over both nonces, keyed by the
+cluster's client secret, so neither the trainer's weights nor a subscriber's buffer is open to
+anyone who reaches the port. Failed handshakes are refused and counted (`auth_refused`).
+Binding beyond loopback without credentials is refused. The bytes themselves are not encrypted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import threading
 
 import torch
 
-from transfer_queue._errors import SluiceError, WeightSyncError
+from transfer_queue._auth import CREDENTIALS_ENV, Credentials, from_env, is_loopback
+from transfer_queue._errors import SchemaError, SluiceError, WeightSyncError
 
 from ..protocol import Pull, RelayPull
 from .base import Job, Source, Transport, register
@@ -27,12 +39,71 @@ __all__ = ["TcpTransport"]
 _SOCKET_BUFFER = 4 << 20
 _PROGRESS_STEP = 8 << 20
 """Report received bytes (to relays waiting on them) at least this often."""
+_MAGIC = b"SLUICEW1"
+_NONCE = 32
+_HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a server waits for a peer's proof before dropping the connection."""
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+def _key(credentials: Credentials | None) -> bytes | None:
+    """The handshake key of a cluster's credentials (both halves hold its client secret)."""
+    if credentials is None:
+        return None
+    return hashlib.sha256(b"sluice-weights\0" + credentials.client_secret.encode() + credentials.server_public.encode()).digest()
+
+
+def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, role + first + second, hashlib.sha256).digest()
+
+
+def _greet(conn: socket.socket, key: bytes | None) -> bool:
+    """Server side of the handshake; False if the peer failed it."""
+    nonce = os.urandom(_NONCE)
+    conn.sendall(_MAGIC + (b"\1" if key else b"\0") + nonce)
+    if key is None:
+        return True
+    conn.settimeout(_HANDSHAKE_TIMEOUT)
+    answer = bytearray(2 * _NONCE)
+    _recv_exact(conn, memoryview(answer))
+    theirs, proof = bytes(answer[:_NONCE]), bytes(answer[_NONCE:])
+    if not hmac.compare_digest(proof, _proof(key, b"client", nonce, theirs)):
+        return False
+    conn.sendall(_proof(key, b"server", theirs, nonce))
+    conn.settimeout(None)
+    return True
+
+
+def _join(sock: socket.socket, key: bytes | None, endpoint: str) -> None:
+    """Client side of the handshake; `WeightSyncError` saying why it failed."""
+    greeting = bytearray(len(_MAGIC) + 1 + _NONCE)
+    _recv_exact(sock, memoryview(greeting))
+    if bytes(greeting[: len(_MAGIC)]) != _MAGIC:
+        raise WeightSyncError(f"{endpoint} is not a Sluice tcp weight endpoint")
+    required, nonce = greeting[len(_MAGIC)] == 1, bytes(greeting[len(_MAGIC) + 1 :])
+    if not required:
+        if key is not None and not is_loopback(endpoint.rsplit(":", 1)[0]):
+            raise WeightSyncError(f"{endpoint} serves weights without the cluster's credentials; refusing it")
+        return
+    if key is None:
+        raise WeightSyncError(
+            f"{endpoint} admits only holders of the cluster's credentials: set {CREDENTIALS_ENV} "
+            "(what `sluice serve` printed) or pass credentials= to the tcp transport"
+        )
+    mine = os.urandom(_NONCE)
+    sock.sendall(mine + _proof(key, b"client", nonce, mine))
+    proof = bytearray(_NONCE)
+    try:
+        _recv_exact(sock, memoryview(proof))
+    except WeightSyncError:
+        raise WeightSyncError(f"{endpoint} refused this subscriber's credentials (another cluster's?)") from None
+    if not hmac.compare_digest(bytes(proof), _proof(key, b"server", mine, nonce)):
+        raise WeightSyncError(f"{endpoint} could not prove it holds the cluster's credentials; refusing it")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, progress=None, base: int = 0) -> None:
@@ -50,14 +121,19 @@ def _recv_exact(sock: socket.socket, view: memoryview, progress=None, base: int 
 
 @register
 class TcpTransport(Transport):
-    """Raw sockets; `fanout` children per node in the relay tree (None: no relaying)."""
+    """Raw sockets; `fanout` children per node in the relay tree (None: no relaying).
+
+    `credentials` default to `SLUICE_CREDENTIALS`; with them every connection is authenticated
+    both ways, and without them serving beyond loopback raises `SchemaError`."""
 
     name = "tcp"
     mode = "reads"
 
-    def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2):
+    def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2, credentials: Credentials | None = None):
         self.host = host
         self.fanout = fanout
+        self._key = _key(credentials if credentials is not None else from_env())
+        self.auth_refused = 0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
@@ -68,6 +144,11 @@ class TcpTransport(Transport):
     # -- serving -------------------------------------------------------------------------
 
     def serve(self, source: Source) -> str:
+        if self._key is None and not is_loopback(self.host):
+            raise SchemaError(
+                f"refusing to serve weights on {self.host} without the cluster's credentials: set {CREDENTIALS_ENV} "
+                "(or pass credentials=), or bind 127.0.0.1"
+            )
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((self.host, 0))
@@ -99,6 +180,14 @@ class TcpTransport(Transport):
 
     def _serve_conn(self, conn: socket.socket, source: Source) -> None:
         try:
+            try:
+                admitted = _greet(conn, self._key)
+            except (OSError, WeightSyncError):
+                admitted = False
+            if not admitted:
+                with self._lock:
+                    self.auth_refused += 1
+                return
             while True:
                 head = bytearray(4)
                 try:
@@ -164,6 +253,11 @@ class TcpTransport(Transport):
             host, port = endpoint.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=10)
             _tune(sock)
+            try:
+                _join(sock, self._key, endpoint)
+            except BaseException:
+                sock.close()
+                raise
             self._peers[endpoint] = sock
         return sock
 
