@@ -48,6 +48,7 @@ async def _fill(ctl: Controller) -> None:
             plan = ctl.on_begin_put(BeginPut(part, SPECS, 4, 8), [])
             rows = RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4)
             ctl.on_commit_put(CommitPut(part, plan.indexes, SPECS, rows), [])
+    ctl.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
     ctl.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
     ctl.on_seal(Seal("b"), [])
@@ -57,8 +58,8 @@ def _stop(ctl: Controller) -> None:
     if ctl._pinger is not None:
         ctl._pinger.cancel()
     ctl.journal.close()
-    for sock in ctl._unit_socks.values():
-        sock.close(linger=0)
+    for channel in ctl._unit_channels.values():
+        channel.close()
     ctl.sock.close(linger=0)
 
 
