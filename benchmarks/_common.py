@@ -15,8 +15,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -106,12 +107,12 @@ class CpuMeter:
         self.wall = 0.0
         self.used: dict[str, tuple[float, float]] = {}
 
-    def start(self) -> "CpuMeter":
+    def start(self) -> CpuMeter:
         self._c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
         self._t0 = time.perf_counter()
         return self
 
-    def stop(self) -> "CpuMeter":
+    def stop(self) -> CpuMeter:
         self.wall = time.perf_counter() - self._t0
         for k, p in self.pids.items():
             u, s = cpu_seconds(p)
@@ -123,7 +124,9 @@ class CpuMeter:
         gb = nbytes / 1e9
         out = {k: (u + s) / gb for k, (u, s) in self.used.items()}
         out["total"] = sum(u + s for u, s in self.used.values()) / gb
-        out["system_share"] = sum(s for _, s in self.used.values()) / max(1e-9, sum(u + s for u, s in self.used.values()))
+        out["system_share"] = sum(s for _, s in self.used.values()) / max(
+            1e-9, sum(u + s for u, s in self.used.values())
+        )
         out["cores_busy"] = sum(u + s for u, s in self.used.values()) / self.wall if self.wall else float("nan")
         return out
 
@@ -248,7 +251,9 @@ def tcp_loopback_bandwidth(total: int = 256 << 20, reps: int = 3, chunk: int = 1
         srv.close()
         proc.wait(30)
     c1 = os.times()
-    cpu = (c1.user + c1.system + c1.children_user + c1.children_system) - (c0.user + c0.system + c0.children_user + c0.children_system)
+    cpu = (c1.user + c1.system + c1.children_user + c1.children_system) - (
+        c0.user + c0.system + c0.children_user + c0.children_system
+    )
     return out[1:], cpu / ((reps + 1) * total / 1e9)
 
 
@@ -277,5 +282,11 @@ def physical_limits(total: int = 256 << 20, reps: int = 3) -> dict[str, Any]:
     and the CPU seconds per GB that the raw socket transfer costs (both ends)."""
     tcp, tcp_cpu = tcp_loopback_bandwidth(total, reps)
     mem = memcpy_bandwidth(total, max(reps, 3))
-    return {"tcp_gbps": median(tcp), "tcp_runs": tcp, "tcp_cpu_s_per_gb": tcp_cpu,
-            "memcpy_gbps": median(mem), "memcpy_runs": mem, "bytes": total}
+    return {
+        "tcp_gbps": median(tcp),
+        "tcp_runs": tcp,
+        "tcp_cpu_s_per_gb": tcp_cpu,
+        "memcpy_gbps": median(mem),
+        "memcpy_runs": mem,
+        "bytes": total,
+    }

@@ -98,11 +98,23 @@ def drain_pipelined(address: str, partition: str, task: str, batch: int, total: 
 def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, Any]:
     """The controller's handlers driven directly: BeginPut/CommitPut to fill, GetMeta/Ack to drain."""
     from controllers.service import Controller
-    from transfer_queue._messages import Ack, BeginPut, ClusterConfig, CommitPut, GetMeta, RegisterUnit, RowInfo, Seal, UnitInfo
+    from transfer_queue._messages import (
+        Ack,
+        BeginPut,
+        ClusterConfig,
+        CommitPut,
+        GetMeta,
+        RegisterUnit,
+        RowInfo,
+        Seal,
+        UnitInfo,
+    )
     from transfer_queue._meta import FieldSpec
 
     async def main() -> dict[str, Any]:
-        ctl = Controller(ClusterConfig(num_storage_units=1, storage_capacity=1 << 30), "tcp://127.0.0.1:*", secret="bench")
+        ctl = Controller(
+            ClusterConfig(num_storage_units=1, storage_capacity=1 << 30), "tcp://127.0.0.1:*", secret="bench"
+        )
         ctl.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30, "", ""), "bench"), [])
         ctl._pinger.cancel()  # no unit process answers liveness pings in this in-process run
         specs = {FIELD: FieldSpec("int64", ())}
@@ -135,8 +147,13 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
         for lease in ctl.scheduler.leases.values():
             lease.timer.cancel()
         ctl.sock.close(linger=0)
-        return {"put_samples_per_s": put_rate, "samples_per_s": median(rates), "runs": rates,
-                "get_meta_p50_ms": percentile(meta_s, 50) * 1e3, "get_meta_p99_ms": percentile(meta_s, 99) * 1e3}
+        return {
+            "put_samples_per_s": put_rate,
+            "samples_per_s": median(rates),
+            "runs": rates,
+            "get_meta_p50_ms": percentile(meta_s, 50) * 1e3,
+            "get_meta_p99_ms": percentile(meta_s, 99) * 1e3,
+        }
 
     return asyncio.run(main())
 
@@ -154,13 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     t_start = time.time()
     record: dict[str, Any] = {"args": vars(args)}
-    with tq.init(num_storage_units=1, storage_capacity="256MiB") as cluster:
-        with tq.connect(cluster.address) as client:
-            put_rate = fill(client, "bench", args.samples, args.put_batch)
-            sync_runs = [drain_sync(client, "bench", f"sync-{r}", args.batch, args.samples) for r in range(args.reps)]
-            pipe_runs = [drain_pipelined(cluster.address, "bench", f"pipe-{r}", args.batch, args.samples, args.workers)
-                         for r in range(args.reps)]
-            status = client.status()
+    with tq.init(num_storage_units=1, storage_capacity="256MiB") as cluster, tq.connect(cluster.address) as client:
+        put_rate = fill(client, "bench", args.samples, args.put_batch)
+        sync_runs = [drain_sync(client, "bench", f"sync-{r}", args.batch, args.samples) for r in range(args.reps)]
+        pipe_runs = [
+            drain_pipelined(cluster.address, "bench", f"pipe-{r}", args.batch, args.samples, args.workers)
+            for r in range(args.reps)
+        ]
+        status = client.status()
     inproc = in_process(args.samples, args.put_batch, args.batch, args.reps)
 
     meta_s = [x for r in sync_runs for x in r["get_meta_s"]]
@@ -182,20 +200,33 @@ def main(argv: list[str] | None = None) -> None:
         [
             ["sync client (1 in flight)", sync_rate, sync_rate / args.batch, sync_rate / 1e5],
             [f"AsyncClient, {args.workers} in flight", pipe_rate, pipe_rate / args.batch, pipe_rate / 1e5],
-            ["in-process handlers (no sockets)", inproc["samples_per_s"], inproc["samples_per_s"] / args.batch, inproc["samples_per_s"] / 1e5],
+            [
+                "in-process handlers (no sockets)",
+                inproc["samples_per_s"],
+                inproc["samples_per_s"] / args.batch,
+                inproc["samples_per_s"] / 1e5,
+            ],
         ],
     )
     print_table(
         "Round trips (ms), sync client, ready batches",
         ["call", "p50", "p99", "calls", "target p50/p99"],
         [
-            [f"get_meta(batch {args.batch})", record["get_meta_ms"]["p50"], record["get_meta_ms"]["p99"], len(meta_s), "0.5 / 2"],
+            [
+                f"get_meta(batch {args.batch})",
+                record["get_meta_ms"]["p50"],
+                record["get_meta_ms"]["p99"],
+                len(meta_s),
+                "0.5 / 2",
+            ],
             ["ack", record["ack_ms"]["p50"], record["ack_ms"]["p99"], len(ack_s), ""],
             ["get_meta in-process (no sockets)", inproc["get_meta_p50_ms"], inproc["get_meta_p99_ms"], "", ""],
         ],
     )
-    print(f"fill: {put_rate:,.0f} samples/s through put (BeginPut + Write + CommitPut), "
-          f"in-process BeginPut+CommitPut {inproc['put_samples_per_s']:,.0f} samples/s\n")
+    print(
+        f"fill: {put_rate:,.0f} samples/s through put (BeginPut + Write + CommitPut), "
+        f"in-process BeginPut+CommitPut {inproc['put_samples_per_s']:,.0f} samples/s\n"
+    )
     record["wall_s"] = time.time() - t_start
     path = write_record("controller", record)
     print(f"wrote {path} ({record['wall_s']:.0f} s)")

@@ -116,7 +116,7 @@ class Producer:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=producer_main, args=(address, use_shm, child), daemon=True)
         self.proc.start()
-        tag, self.shm = self.conn.recv()
+        _tag, self.shm = self.conn.recv()
         self.call("warm", warm)
 
     def send(self, *msg: Any) -> None:
@@ -192,11 +192,16 @@ def streaming(client: tq.Client, producer: Producer, total: int, put_batch: int,
     client.clear(prev)
     t0, t1 = producer.recv()
     assert got == total, (got, total)
-    return {"e2e_gbps": gbps(total * SAMPLE_BYTES, t_last - t0), "producer_gbps": gbps(total * SAMPLE_BYTES, t1 - t0),
-            "bytes": total * SAMPLE_BYTES}
+    return {
+        "e2e_gbps": gbps(total * SAMPLE_BYTES, t_last - t0),
+        "producer_gbps": gbps(total * SAMPLE_BYTES, t1 - t0),
+        "bytes": total * SAMPLE_BYTES,
+    }
 
 
-def streaming_async(address: str, use_shm: bool | None, producer: Producer, total: int, put_batch: int, micro: int) -> dict[str, Any]:
+def streaming_async(
+    address: str, use_shm: bool | None, producer: Producer, total: int, put_batch: int, micro: int
+) -> dict[str, Any]:
     partition = part_name(f"astream-p{put_batch}-c{micro}")
 
     async def consume() -> float:
@@ -271,18 +276,32 @@ def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # copies run single-threaded (docs/architecture.md, section 3)
     limits = physical_limits(256 << 20, 3)
-    print(f"physical limits: loopback TCP {limits['tcp_gbps']:.2f} GB/s, memcpy {limits['memcpy_gbps']:.2f} GB/s "
-          f"(medians of {len(limits['tcp_runs'])} / {len(limits['memcpy_runs'])})\n", flush=True)
-    record: dict[str, Any] = {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "limits": limits, "rows": [], "ttfb": [], "get_meta": [],
-                              "put_latency": []}
+    print(
+        f"physical limits: loopback TCP {limits['tcp_gbps']:.2f} GB/s, memcpy {limits['memcpy_gbps']:.2f} GB/s "
+        f"(medians of {len(limits['tcp_runs'])} / {len(limits['memcpy_runs'])})\n",
+        flush=True,
+    )
+    record: dict[str, Any] = {
+        "args": vars(args),
+        "sample_bytes": SAMPLE_BYTES,
+        "limits": limits,
+        "rows": [],
+        "ttfb": [],
+        "get_meta": [],
+        "put_latency": [],
+    }
     for path in args.paths:
         use_shm = PATHS[path]
         with tq.init(num_storage_units=args.units, storage_capacity=args.capacity) as cluster:
             client = tq.connect(cluster.address, use_shm=use_shm)
             assert bool(client.mapped_units) == (use_shm is None), "shm path wanted but the arenas are not mapped"
             producer = Producer(cluster.address, use_shm, args.put_batches)
-            pids = {"consumer": os.getpid(), "producer": producer.proc.pid, "controller": cluster.services[0]["pid"],
-                    **{f"unit{i}": s["pid"] for i, s in enumerate(cluster.services[1:])}}
+            pids = {
+                "consumer": os.getpid(),
+                "producer": producer.proc.pid,
+                "controller": cluster.services[0]["pid"],
+                **{f"unit{i}": s["pid"] for i, s in enumerate(cluster.services[1:])},
+            }
             try:
                 time.sleep(args.settle)  # the units pre-fault their arenas in the background
                 # warm-up, not recorded: maps the arenas' pages into both clients, fills the pools
@@ -299,7 +318,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             res["cpu_s"], res["wall_s"] = meter.used, meter.wall
                             runs["stream"].append(res)
                             if args.async_stream:
-                                runs["astream"].append(streaming_async(cluster.address, use_shm, producer, args.samples, put_batch, micro))
+                                runs["astream"].append(
+                                    streaming_async(cluster.address, use_shm, producer, args.samples, put_batch, micro)
+                                )
                         record["rows"].append(summarize(path, put_batch, micro, runs))
                         print_progress(record["rows"][-1])
                 for micro in args.micro_batches:
@@ -314,7 +335,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(path: str, put_batch: int, micro: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     row: dict[str, Any] = {"path": path, "put_batch": put_batch, "micro": micro, "runs": runs}
-    for mode, key in (("seq", "put_gbps"), ("seq", "get_gbps"), ("seq", "e2e_gbps"), ("stream", "e2e_gbps"), ("astream", "e2e_gbps")):
+    for mode, key in (
+        ("seq", "put_gbps"),
+        ("seq", "get_gbps"),
+        ("seq", "e2e_gbps"),
+        ("stream", "e2e_gbps"),
+        ("astream", "e2e_gbps"),
+    ):
         if runs[mode]:
             row[f"{mode}_{key}"] = median(r[key] for r in runs[mode])
     row["get_meta_s"] = [x for r in runs["seq"] for x in r["get_meta_s"]]
@@ -331,14 +358,21 @@ def cpu_per_gb(runs: list[dict[str, Any]]) -> dict[str, float]:
     used = {k: sum(sum(r["cpu_s"][k]) for r in runs) for k in keys}
     system = sum(r["cpu_s"][k][1] for r in runs for k in keys)
     total = sum(used.values())
-    return {**{k: v / gb for k, v in used.items()}, "total": total / gb, "system_share": system / total if total else float("nan"),
-            "cores_busy": total / sum(r["wall_s"] for r in runs)}
+    return {
+        **{k: v / gb for k, v in used.items()},
+        "total": total / gb,
+        "system_share": system / total if total else float("nan"),
+        "cores_busy": total / sum(r["wall_s"] for r in runs),
+    }
 
 
 def print_progress(row: dict[str, Any]) -> None:
-    print(f"  {row['path']} put {row['put_batch']:>4} micro {row['micro']:>3}: seq put {row['seq_put_gbps']:.2f} "
-          f"get {row['seq_get_gbps']:.2f} e2e {row['seq_e2e_gbps']:.2f}, stream {row['stream_e2e_gbps']:.2f} GB/s"
-          + (f", async stream {row['astream_e2e_gbps']:.2f}" if "astream_e2e_gbps" in row else ""), flush=True)
+    print(
+        f"  {row['path']} put {row['put_batch']:>4} micro {row['micro']:>3}: seq put {row['seq_put_gbps']:.2f} "
+        f"get {row['seq_get_gbps']:.2f} e2e {row['seq_e2e_gbps']:.2f}, stream {row['stream_e2e_gbps']:.2f} GB/s"
+        + (f", async stream {row['astream_e2e_gbps']:.2f}" if "astream_e2e_gbps" in row else ""),
+        flush=True,
+    )
 
 
 def report(record: dict[str, Any]) -> None:
@@ -349,17 +383,26 @@ def report(record: dict[str, Any]) -> None:
     print_table(
         f"Physical limits (this run): loopback TCP {tcp:.2f} GB/s, memcpy {mem:.2f} GB/s",
         ["limit", "GB/s", "runs"],
-        [["loopback TCP socket", tcp, " ".join(f"{x:.2f}" for x in record["limits"]["tcp_runs"])],
-         ["memcpy (torch copy_, 1 thread)", mem, " ".join(f"{x:.2f}" for x in record["limits"]["memcpy_runs"])]],
+        [
+            ["loopback TCP socket", tcp, " ".join(f"{x:.2f}" for x in record["limits"]["tcp_runs"])],
+            ["memcpy (torch copy_, 1 thread)", mem, " ".join(f"{x:.2f}" for x in record["limits"]["memcpy_runs"])],
+        ],
     )
     rows = []
     for r in record["rows"]:
-        for label, key in (("seq put", "seq_put_gbps"), ("seq get", "seq_get_gbps"), ("seq end-to-end", "seq_e2e_gbps"),
-                           ("stream (Client)", "stream_e2e_gbps"), ("stream (AsyncClient)", "astream_e2e_gbps")):
+        for label, key in (
+            ("seq put", "seq_put_gbps"),
+            ("seq get", "seq_get_gbps"),
+            ("seq end-to-end", "seq_e2e_gbps"),
+            ("stream (Client)", "stream_e2e_gbps"),
+            ("stream (AsyncClient)", "astream_e2e_gbps"),
+        ):
             if key not in r:
                 continue
             v = r[key]
-            rows.append([r["path"], r["put_batch"], r["micro"], label, v * 1e3, v * 1e9 / SAMPLE_BYTES, v / tcp, v / mem])
+            rows.append(
+                [r["path"], r["put_batch"], r["micro"], label, v * 1e3, v * 1e9 / SAMPLE_BYTES, v / tcp, v / mem]
+            )
     print_table(
         f"Throughput, {record['args']['samples']} samples x {SAMPLE_BYTES:,} B per run, median of {reps}",
         ["path", "put", "micro", "mode", "MB/s", "samples/s", "x socket", "x memcpy"],
@@ -372,20 +415,55 @@ def report(record: dict[str, Any]) -> None:
             continue
         units = sum(v for k, v in c.items() if k.startswith("unit"))
         ceiling = ncores / c["total"]
-        rows.append([r["path"], r["put_batch"], r["micro"], c["consumer"], c["producer"], c["controller"], units,
-                     c["total"], c["system_share"], c["cores_busy"], ceiling, r["stream_e2e_gbps"] / ceiling])
+        rows.append(
+            [
+                r["path"],
+                r["put_batch"],
+                r["micro"],
+                c["consumer"],
+                c["producer"],
+                c["controller"],
+                units,
+                c["total"],
+                c["system_share"],
+                c["cores_busy"],
+                ceiling,
+                r["stream_e2e_gbps"] / ceiling,
+            ]
+        )
     socket_cpu = record["limits"].get("tcp_cpu_s_per_gb", float("nan"))
     print_table(
         f"CPU cost of streaming (Client), CPU-seconds per GB, median of {reps}. Ceiling = {ncores} cores / total. "
         f"Raw loopback TCP costs {socket_cpu:.2f} CPU-s/GB (both ends); the TCP path crosses loopback twice",
-        ["path", "put", "micro", "consumer", "producer", "controller", "units", "total", "sys share", "cores busy",
-         "ceiling GB/s", "x ceiling"],
+        [
+            "path",
+            "put",
+            "micro",
+            "consumer",
+            "producer",
+            "controller",
+            "units",
+            "total",
+            "sys share",
+            "cores busy",
+            "ceiling GB/s",
+            "x ceiling",
+        ],
         rows,
     )
     rows = []
     for t in record["ttfb"]:
-        rows.append([t["path"], t["micro"], median(t["to_meta_s"]) * 1e3, percentile(t["to_meta_s"], 90) * 1e3,
-                     median(t["to_data_s"]) * 1e3, percentile(t["to_data_s"], 90) * 1e3, len(t["to_meta_s"])])
+        rows.append(
+            [
+                t["path"],
+                t["micro"],
+                median(t["to_meta_s"]) * 1e3,
+                percentile(t["to_meta_s"], 90) * 1e3,
+                median(t["to_data_s"]) * 1e3,
+                percentile(t["to_data_s"], 90) * 1e3,
+                len(t["to_meta_s"]),
+            ]
+        )
     print_table(
         "Time to first micro-batch, from the completing put's return (ms; negative: the consumer had it first)",
         ["path", "micro", "meta p50", "meta p90", "data p50", "data p90", "trials"],
@@ -395,12 +473,21 @@ def report(record: dict[str, Any]) -> None:
     for path in record["args"]["paths"]:
         for micro in record["args"]["micro_batches"]:
             xs = [x for r in record["rows"] if r["path"] == path and r["micro"] == micro for x in r["get_meta_s"]]
-            rec = {"path": path, "micro": micro, "p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3, "n": len(xs)}
+            rec = {
+                "path": path,
+                "micro": micro,
+                "p50_ms": percentile(xs, 50) * 1e3,
+                "p99_ms": percentile(xs, 99) * 1e3,
+                "n": len(xs),
+            }
             record["get_meta"].append(rec)
             rows.append([path, micro, rec["p50_ms"], rec["p99_ms"], rec["n"]])
     print_table("get_meta round trip of a ready batch (ms)", ["path", "micro", "p50", "p99", "calls"], rows)
-    rows = [[r["path"], what, r["n"], median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
-            for r in record["put_latency"] for what, key in (("new samples", "put_s"), ("new column", "put_columns_s"))]
+    rows = [
+        [r["path"], what, r["n"], median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
+        for r in record["put_latency"]
+        for what, key in (("new samples", "put_s"), ("new column", "put_columns_s"))
+    ]
     print_table("Latency of one put, one at a time (ms)", ["path", "put of", "samples", "p50", "p90", "puts"], rows)
     targets(record)
 
@@ -413,7 +500,15 @@ def targets(record: dict[str, Any]) -> None:
         ok = value >= target if higher else value <= target
         ratio = value / target if target else float("nan")
         out.append({"target": what, "value": value, "goal": target, "met": ok, "ratio": ratio})
-        rows.append([what, f"{value:.3g}{unit}", f"{'>=' if higher else '<='} {target:g}{unit}", "met" if ok else "MISSED", f"{ratio:.2f}"])
+        rows.append(
+            [
+                what,
+                f"{value:.3g}{unit}",
+                f"{'>=' if higher else '<='} {target:g}{unit}",
+                "met" if ok else "MISSED",
+                f"{ratio:.2f}",
+            ]
+        )
 
     rows: list[list[Any]] = []
     for r in record["rows"]:

@@ -39,7 +39,7 @@ def run(lag: int, seed: int, overrides: list[str]) -> tuple[float, int | None]:
         learner.step(batch)
         rewards.append(float(batch.rewards.mean()))
         history.append(copy.deepcopy(learner.model.state_dict()))
-    tail = rewards[-max(1, len(rewards) // 10):]
+    tail = rewards[-max(1, len(rewards) // 10) :]
     return statistics.fmean(tail), next((i + 1 for i, r in enumerate(rewards) if r > 0.8), None)
 
 

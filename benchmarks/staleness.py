@@ -68,7 +68,9 @@ def make_rows(n: int, seq: int) -> TensorDict:
 # -- producer side (also run in spawned processes) ---------------------------------------------
 
 
-def produce(client: tq.Client, partition: str, total: int, gen: int, chunk: int, controlled: bool, data: TensorDict) -> None:
+def produce(
+    client: tq.Client, partition: str, total: int, gen: int, chunk: int, controlled: bool, data: TensorDict
+) -> None:
     """Put `total` samples: with a grant per `gen` samples when controlled, in puts of `chunk`."""
     made = 0
     while made < total:
@@ -164,8 +166,13 @@ def run_pipeline(cluster: tq.Cluster, pool, args: argparse.Namespace, controlled
         dropped = client.status()["staleness"]["dropped"] - before
         client.clear_partition(partition)
     seconds = end - min(starts)
-    return {"samples": consumed, "dropped": dropped, "seconds": seconds, "samples_per_s": consumed / seconds,
-            "cpu_us_per_sample": 1e6 * cpu / consumed}
+    return {
+        "samples": consumed,
+        "dropped": dropped,
+        "seconds": seconds,
+        "samples_per_s": consumed / seconds,
+        "cpu_us_per_sample": 1e6 * cpu / consumed,
+    }
 
 
 def run_sequential(cluster: tq.Cluster, args: argparse.Namespace, controlled: bool, data: TensorDict) -> dict[str, Any]:
@@ -179,7 +186,9 @@ def run_sequential(cluster: tq.Cluster, args: argparse.Namespace, controlled: bo
         done = 0
         while done < total:
             produce(client, partition, args.batch, args.gen, args.chunk, controlled, data)
-            meta = client.get_meta(["input_ids", "log_probs"], args.batch, task="train", partition=partition, timeout=60)
+            meta = client.get_meta(
+                ["input_ids", "log_probs"], args.batch, task="train", partition=partition, timeout=60
+            )
             client.ack(meta)
             done += len(meta)
             if controlled:
@@ -190,8 +199,13 @@ def run_sequential(cluster: tq.Cluster, args: argparse.Namespace, controlled: bo
         # controller requests of the loop (the first status's own reply is counted after it)
         requests = client.status()["counters"]["requests_served"] - requests - 1
         client.clear_partition(partition)
-    return {"samples": done, "seconds": seconds, "samples_per_s": done / seconds,
-            "controller_requests_per_batch": requests * args.batch / done, "cpu_us_per_sample": 1e6 * cpu / done}
+    return {
+        "samples": done,
+        "seconds": seconds,
+        "samples_per_s": done / seconds,
+        "controller_requests_per_batch": requests * args.batch / done,
+        "cpu_us_per_sample": 1e6 * cpu / done,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,15 +231,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             row = run_sequential(clusters[mode], args, controlled, data)
                         if rep:
                             runs[shape][mode].append(row)
-                        print(f"  {'warm-up' if not rep else f'rep {rep}'}  {shape:<10} {mode:<10} "
-                              f"{row['samples_per_s']:>10,.0f} samples/s  dropped {row.get('dropped', 0)}", flush=True)
+                        print(
+                            f"  {'warm-up' if not rep else f'rep {rep}'}  {shape:<10} {mode:<10} "
+                            f"{row['samples_per_s']:>10,.0f} samples/s  dropped {row.get('dropped', 0)}",
+                            flush=True,
+                        )
         with clusters["controlled"].connect() as client:
             final = client.status()
     finally:
         for cluster in clusters.values():
             cluster.shutdown()
-    return {"runs": runs, "controlled_status": {"staleness": final["staleness"], "admission": final["admission"],
-                                                "version": final["version"]}}
+    return {
+        "runs": runs,
+        "controlled_status": {
+            "staleness": final["staleness"],
+            "admission": final["admission"],
+            "version": final["version"],
+        },
+    }
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
@@ -257,28 +280,54 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> None:
     for shape, s in summary.items():
         ok = "yes" if s["slowdown_pct"] <= 10.0 else "NO"
         spread = f"{min(s['paired_ratios']):.2f}-{max(s['paired_ratios']):.2f}"
-        rows.append([shape, s["plain_samples_per_s"], s["controlled_samples_per_s"], s["ratio_of_medians"],
-                     s["ratio"], spread, f"{s['slowdown_pct']:.1f}%", ok, s["controlled_dropped"]])
+        rows.append(
+            [
+                shape,
+                s["plain_samples_per_s"],
+                s["controlled_samples_per_s"],
+                s["ratio_of_medians"],
+                s["ratio"],
+                spread,
+                f"{s['slowdown_pct']:.1f}%",
+                ok,
+                s["controlled_dropped"],
+            ]
+        )
     print_table(
         f"Staleness control overhead: {args.reps} reps, {args.samples} samples/run, batch {args.batch}, "
         f"grant {args.gen}, put chunk {args.chunk}, seq {args.seq}, η = {args.eta}",
-        ["shape", "plain/s", "controlled/s", "ratio of medians", "paired ratio (median)", "range",
-         "slowdown", "≤ 10%", "dropped"],
+        [
+            "shape",
+            "plain/s",
+            "controlled/s",
+            "ratio of medians",
+            "paired ratio (median)",
+            "range",
+            "slowdown",
+            "≤ 10%",
+            "dropped",
+        ],
         rows,
     )
     for shape, s in summary.items():
         if "controller_requests_per_batch" in s:
             per = s["controller_requests_per_batch"]
-            print(f"{shape}: controller requests per trainer batch of {args.batch}: plain {per['plain']:.1f}, "
-                  f"controlled {per['controlled']:.1f} (+{per['controlled'] / per['plain'] - 1:.0%}); storage "
-                  "requests are the same in both")
+            print(
+                f"{shape}: controller requests per trainer batch of {args.batch}: plain {per['plain']:.1f}, "
+                f"controlled {per['controlled']:.1f} (+{per['controlled'] / per['plain'] - 1:.0%}); storage "
+                "requests are the same in both"
+            )
         cpu = s["cpu_us_per_sample"]
-        print(f"{shape}: CPU time per consumed sample (all processes of the loop and the cluster, medians): "
-              f"plain {cpu['plain']:.0f} µs, controlled {cpu['controlled']:.0f} µs "
-              f"({cpu['controlled'] / cpu['plain'] - 1:+.1%}); less sensitive to other load than the rates")
+        print(
+            f"{shape}: CPU time per consumed sample (all processes of the loop and the cluster, medians): "
+            f"plain {cpu['plain']:.0f} µs, controlled {cpu['controlled']:.0f} µs "
+            f"({cpu['controlled'] / cpu['plain'] - 1:+.1%}); less sensitive to other load than the rates"
+        )
     st = record["controlled_status"]
-    print(f"controlled cluster after the runs: version {st['version']}, stale {st['staleness']}, "
-          f"admission waits {st['admission']['waits']} ({st['admission']['wait_seconds']:.2f}s)\n")
+    print(
+        f"controlled cluster after the runs: version {st['version']}, stale {st['staleness']}, "
+        f"admission waits {st['admission']['waits']} ({st['admission']['wait_seconds']:.2f}s)\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,11 +24,14 @@ import transfer_queue as tq
 
 def rollout_batch(batch: int, seqlen: int, seed: int) -> TensorDict:
     gen = torch.Generator().manual_seed(seed)
-    data = TensorDict({
-        "input_ids": torch.randint(0, 32000, (batch, seqlen), generator=gen),
-        "attention_mask": torch.ones(batch, seqlen, dtype=torch.int64),
-        "old_log_prob": torch.randn(batch, seqlen, generator=gen),
-    }, batch_size=[batch])
+    data = TensorDict(
+        {
+            "input_ids": torch.randint(0, 32000, (batch, seqlen), generator=gen),
+            "attention_mask": torch.ones(batch, seqlen, dtype=torch.int64),
+            "old_log_prob": torch.randn(batch, seqlen, generator=gen),
+        },
+        batch_size=[batch],
+    )
     data["uid"] = NonTensorStack(*(NonTensorData(f"uid-{seed}-{i}") for i in range(batch)), stack_dim=0)
     return data
 
@@ -48,7 +51,9 @@ def main() -> None:
 
         ray.init(num_cpus=args.ray_cpus, include_dashboard=False, object_store_memory=512 << 20)
     start = time.perf_counter()
-    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}, "sluice": {"storage_capacity": args.capacity}})
+    tq.init(
+        {"backend": {"SimpleStorage": {"num_data_storage_units": 2}}, "sluice": {"storage_capacity": args.capacity}}
+    )
     init_s = time.perf_counter() - start
     times: dict[str, list[float]] = {"kv_batch_put": [], "kv_batch_get": [], "kv_list": [], "kv_clear": []}
     nbytes = 0
@@ -76,7 +81,9 @@ def main() -> None:
     finally:
         tq.close()
     impl = "Sluice" if sluice else "TransferQueue"
-    print(f"{impl}: init {init_s:.2f} s; batch {args.batch} x seqlen {args.seqlen} = {nbytes / 2**20:.1f} MiB of tensors + uid strings")
+    print(
+        f"{impl}: init {init_s:.2f} s; batch {args.batch} x seqlen {args.seqlen} = {nbytes / 2**20:.1f} MiB of tensors + uid strings"
+    )
     print(f"| {impl} | median ms | MiB/s |")
     print("| --- | --- | --- |")
     for name, values in times.items():

@@ -67,17 +67,19 @@ def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
     return shapes
 
@@ -113,7 +115,9 @@ def worker(conn) -> None:  # noqa: ANN001
         elif cmd == "session":  # (transport name, kwargs, endpoint, versions, subscriber kwargs)
             name, kwargs, endpoint, versions, sub_kwargs = args
             transport = get(name)(**kwargs) if kwargs else name
-            with WeightSubscriber(None, targets, transport=transport, publisher=endpoint, timeout=120, **sub_kwargs) as sub:
+            with WeightSubscriber(
+                None, targets, transport=transport, publisher=endpoint, timeout=120, **sub_kwargs
+            ) as sub:
                 conn.send("ready")
                 for version in versions:
                     sub.wait(version, timeout=300)
@@ -229,7 +233,17 @@ def raw_socket(state: dict[str, torch.Tensor], workers: Workers, reps: int, n: i
     return out[1:]
 
 
-def channel(state, floor: Floor, workers: Workers, n: int, name: str, reps: int, version: list[int], slots: int, sub_kwargs: dict) -> dict:  # noqa: ANN001
+def channel(
+    state,
+    floor: Floor,
+    workers: Workers,
+    n: int,
+    name: str,
+    reps: int,
+    version: list[int],
+    slots: int,
+    sub_kwargs: dict,
+) -> dict:  # noqa: ANN001
     """Publish `WARMUP` + `reps` versions to `n` subscribers; per measured version: seconds to the
     last subscriber's apply, seconds after `publish` returned, publish blocking seconds, the
     slowest apply, and a memcpy of the state taken just before (paired, for ratios)."""
@@ -251,7 +265,9 @@ def channel(state, floor: Floor, workers: Workers, n: int, name: str, reps: int,
             if i < WARMUP:
                 continue  # the first versions fault each staging slot and receive buffer in
             last = max(t for _, t, _ in done)
-            for key, value in zip(out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)):
+            for key, value in zip(
+                out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)
+            ):
                 out[key].append(value)
         sums = workers.recv(n)
     expect = float(sum(t.float().sum().item() for t in list(state.values())[:3]))
@@ -282,7 +298,12 @@ def ray_put_get(state, shapes, n: int, reps: int, nbytes: int) -> list[tuple[flo
     `ray.get` and copy into the model in `n` subscriber actors."""
     import ray
 
-    ray.init(object_store_memory=int(nbytes * 1.5) + (256 << 20), logging_level="ERROR", log_to_driver=False, include_dashboard=False)
+    ray.init(
+        object_store_memory=int(nbytes * 1.5) + (256 << 20),
+        logging_level="ERROR",
+        log_to_driver=False,
+        include_dashboard=False,
+    )
     try:
 
         @ray.remote
@@ -353,7 +374,7 @@ def run_size(size: str, workers: Workers, reps: int, version: list[int], baselin
     if baselines:
         for n in (1,) if big else (1, 2):  # at 4 GiB a second model beside the file does not fit
             workers.hold(shapes, n if big else 2)
-            for use_mmap in ([True] if big else [False, True]):  # plain loads need 2 more copies in RAM
+            for use_mmap in [True] if big else [False, True]:  # plain loads need 2 more copies in RAM
                 rows = torch_save_load(state, workers, n, reps, use_mmap)
                 label = "torch.save/load" + (" mmap" if use_mmap else "")
                 res[f"{label} x{n}"] = {"seconds": [r[0] for r in rows], "blocking": [r[1] for r in rows]}
@@ -378,7 +399,13 @@ def summarize(size: str, record: dict) -> list[list]:
         n = 2 if label.endswith("x2") else 1
         seconds = median(f["seconds"])
         blocking = median(f["blocking"]) if "blocking" in f else nan
-        paired = [b / m for b, m in zip(f["blocking"], f["memcpy"])] if "memcpy" in f else [blocking / memcpy] if "blocking" in f else []
+        paired = (
+            [b / m for b, m in zip(f["blocking"], f["memcpy"])]
+            if "memcpy" in f
+            else [blocking / memcpy]
+            if "blocking" in f
+            else []
+        )
         baseline = res.get(f"torch.save/load x{n}", res.get(f"torch.save/load mmap x{n}"))
         f.update(
             median_seconds=seconds,
@@ -388,7 +415,19 @@ def summarize(size: str, record: dict) -> list[list]:
             raw_socket_over_seconds=f.get("raw_socket", raw) / seconds,
             save_load_over_seconds=median(baseline["seconds"]) / seconds if baseline else nan,
         )
-        rows.append([size, label, seconds, f["gbps_each"], f["gbps_each_after_publish"], blocking, f["blocking_over_memcpy"], f["raw_socket_over_seconds"], f["save_load_over_seconds"]])
+        rows.append(
+            [
+                size,
+                label,
+                seconds,
+                f["gbps_each"],
+                f["gbps_each_after_publish"],
+                blocking,
+                f["blocking_over_memcpy"],
+                f["raw_socket_over_seconds"],
+                f["save_load_over_seconds"],
+            ]
+        )
     return rows
 
 
@@ -396,7 +435,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB only, 3 repeats")
     parser.add_argument("--sizes", default=None, help="comma-separated of 256MiB,1GiB,4GiB (default 1GiB)")
-    parser.add_argument("--reps", type=int, default=None, help="measured versions per configuration (default 5, quick 3)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="measured versions per configuration (default 5, quick 3)"
+    )
     parser.add_argument("--no-baselines", action="store_true", help="skip torch.save/load and Ray")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the trainer's copies run on one core, like the services'
@@ -407,7 +448,17 @@ def main() -> None:
     records = {}
     rows = []
     start = time.monotonic()
-    header = ["size", "what", "s", "GB/s each", "after publish", "blocks s", "block/memcpy", "raw sock/s", "save+load/s"]
+    header = [
+        "size",
+        "what",
+        "s",
+        "GB/s each",
+        "after publish",
+        "blocks s",
+        "block/memcpy",
+        "raw sock/s",
+        "save+load/s",
+    ]
     title = f"weight sync: medians of {reps} versions; ratios against limits measured in this run"
     try:
         for size in sizes:
@@ -419,7 +470,10 @@ def main() -> None:
         workers.close()
         if rows:
             table = print_table(title, header, rows)
-            path = write_record("weight_sync", {"sizes": records, "reps": reps, "table": table, "wall_seconds": time.monotonic() - start})
+            path = write_record(
+                "weight_sync",
+                {"sizes": records, "reps": reps, "table": table, "wall_seconds": time.monotonic() - start},
+            )
             print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 

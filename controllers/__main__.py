@@ -12,8 +12,8 @@ import os
 import msgspec
 
 from transfer_queue._auth import from_env
-from transfer_queue.host import reachable
 from transfer_queue._messages import ClusterConfig
+from transfer_queue.host import reachable
 from transfer_queue.rpc import run_service
 
 from .metrics import serve_prometheus
@@ -29,7 +29,13 @@ def main() -> None:
     config = msgspec.json.decode(args.config, type=ClusterConfig)
 
     async def make() -> Controller:
-        ctl = Controller(config, f"tcp://{config.host}:{args.port or '*'}", args.cluster_id, os.environ.get("SLUICE_SECRET"), from_env())
+        ctl = Controller(
+            config,
+            f"tcp://{config.host}:{args.port or '*'}",
+            args.cluster_id,
+            os.environ.get("SLUICE_SECRET"),
+            from_env(),
+        )
         if config.metrics_port is not None:
             serve_prometheus(ctl.status, config.metrics_port, config.host)
         return ctl

@@ -16,8 +16,8 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from transfer_queue._errors import SchemaError, TimeoutError
 from transfer_queue._staleness import admission_limit
@@ -36,7 +36,9 @@ class _Grant:
 class Admission:
     """Generation-slot budget under a staleness bound; unlimited when `max_staleness` is None."""
 
-    def __init__(self, max_staleness: float | None, batch_size: int, grant_timeout: float, version_of: Callable[[], int]):
+    def __init__(
+        self, max_staleness: float | None, batch_size: int, grant_timeout: float, version_of: Callable[[], int]
+    ):
         self.version_of = version_of
         self.max_staleness = max_staleness
         self.batch_size = batch_size
@@ -62,7 +64,9 @@ class Admission:
             raise SchemaError(f"acquire needs n > 0, got {n}")
         most = None if self.max_staleness is None else admission_limit(self.max_staleness, 0, self.batch_size)
         if most is not None and n > most:
-            raise SchemaError(f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} slots")
+            raise SchemaError(
+                f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} slots"
+            )
         if not self._queue and n <= self.budget():
             return self._grant(n), self.version_of()
         fut = asyncio.get_running_loop().create_future()

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from typing import TYPE_CHECKING, Iterator, Union
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 import numpy as np
@@ -132,7 +133,7 @@ class Journal:
         self._compacted = 0
         self.replaying = False
         self.records = 0
-        self._ctl: "Controller | None" = None
+        self._ctl: Controller | None = None
 
     # -- writing -------------------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
 
-    def maybe_compact(self, ctl: "Controller") -> None:
+    def maybe_compact(self, ctl: Controller) -> None:
         """Rewrite the journal as a snapshot of `ctl` once it has grown enough."""
         if self._fd < 0:
             return
@@ -172,7 +173,7 @@ class Journal:
             return
         self._rewrite(ctl)
 
-    def _rewrite(self, ctl: "Controller") -> None:
+    def _rewrite(self, ctl: Controller) -> None:
         tmp = self.path + ".compacting"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -194,7 +195,7 @@ class Journal:
 
     # -- replay --------------------------------------------------------------------------
 
-    def open(self, ctl: "Controller") -> int:
+    def open(self, ctl: Controller) -> int:
         """Replay the journal into `ctl` (a fresh controller), then compact it and keep
         appending. Returns the number of records replayed."""
         n = 0
@@ -227,7 +228,7 @@ class Journal:
             pos = end
 
 
-def _apply(ctl: "Controller", rec: Record) -> None:
+def _apply(ctl: Controller, rec: Record) -> None:
     """Redo one recorded change through the controller's own code paths."""
     if isinstance(rec, Header):
         ctl.cluster_id = rec.cluster_id
@@ -261,7 +262,7 @@ def _apply(ctl: "Controller", rec: Record) -> None:
         _restore_table(ctl, rec)
 
 
-def _finish(ctl: "Controller") -> None:
+def _finish(ctl: Controller) -> None:
     """Rows placed but never committed belong to puts that died with the old controller: free
     them (and their bytes on the units)."""
     for part in ctl.partitions.values():
@@ -270,7 +271,7 @@ def _finish(ctl: "Controller") -> None:
             ctl._free_rows(part, rows)
 
 
-def _snapshot(ctl: "Controller") -> Iterator[Record]:
+def _snapshot(ctl: Controller) -> Iterator[Record]:
     yield Header(ctl.cluster_id, ctl._next_index)
     for unit_id in sorted(ctl.units):
         yield Unit(ctl.units[unit_id])
@@ -288,7 +289,7 @@ def _snapshot(ctl: "Controller") -> Iterator[Record]:
         )
 
 
-def _restore_table(ctl: "Controller", rec: Table) -> None:
+def _restore_table(ctl: Controller, rec: Table) -> None:
     part = ctl.partitions[rec.name] = Partition(rec.name, sealed=rec.sealed, sources=[tuple(s) for s in rec.sources])
     n = len(rec.columns["gidx"])
     part.add_fields(rec.schema)

@@ -121,7 +121,9 @@ class KeyService:
 
     def on_resolve(self, msg: KvResolve, data) -> KvMetaReply:
         if len(set(msg.keys)) != len(msg.keys):
-            raise SchemaError(f"duplicate keys in one request: {sorted({k for k in msg.keys if msg.keys.count(k) > 1})[:5]}")
+            raise SchemaError(
+                f"duplicate keys in one request: {sorted({k for k in msg.keys if msg.keys.count(k) > 1})[:5]}"
+            )
         index = self._index(msg.partition, msg.create)
         if index is None:
             raise SchemaError(f"no partition named {msg.partition!r} (keys {msg.keys[:5]} not found)")

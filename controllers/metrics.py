@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -20,7 +20,9 @@ def serve_prometheus(status: Callable[[], ClusterStatus], port: int, host: str) 
         def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
             now = status()
             yield GaugeMetricFamily("sluice_version", "Current trainer weight version", value=now.version)
-            hist = GaugeMetricFamily("sluice_served_staleness_samples", "Samples served, by staleness", labels=["staleness"])
+            hist = GaugeMetricFamily(
+                "sluice_served_staleness_samples", "Samples served, by staleness", labels=["staleness"]
+            )
             for k, v in now.staleness.histogram.items():
                 hist.add_metric([k], v)
             yield hist
@@ -28,8 +30,12 @@ def serve_prometheus(status: Callable[[], ClusterStatus], port: int, host: str) 
             for outcome in ("dropped", "kept", "requeued"):
                 stale.add_metric([outcome], getattr(now.staleness, outcome))
             yield stale
-            yield CounterMetricFamily("sluice_admission_waits", "acquire calls that had to wait", value=now.admission.waits)
-            yield GaugeMetricFamily("sluice_admission_running", "Granted slots not yet put", value=now.admission.running)
+            yield CounterMetricFamily(
+                "sluice_admission_waits", "acquire calls that had to wait", value=now.admission.waits
+            )
+            yield GaugeMetricFamily(
+                "sluice_admission_running", "Granted slots not yet put", value=now.admission.running
+            )
             depth = GaugeMetricFamily("sluice_queue_depth", "Ready samples not yet taken", labels=["partition", "task"])
             for pname, part in now.partitions.items():
                 for tname, task in part.tasks.items():

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from transfer_queue._errors import TimeoutError
-from transfer_queue._meta import BatchMeta
 from transfer_queue._messages import ClusterConfig, GetMeta
+from transfer_queue._meta import BatchMeta
 
 from .admission import Admission
-from .samplers import SampleView, SamplerRegistry
+from .samplers import SamplerRegistry, SampleView
 from .status import SchedulerStatus, StalenessStatus
 from .table import Partition, TaskState
 from .versions import VersionClock

@@ -15,26 +15,35 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Awaitable
 
 import msgspec
 import numpy as np
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, ServiceError, SluiceError, TimeoutError
+
+from transfer_queue._errors import (
+    CapacityError,
+    ProtocolError,
+    SchemaError,
+    SealedError,
+    ServiceError,
+    SluiceError,
+    TimeoutError,
+)
 from transfer_queue._messages import (
-    Ack,
     AbortPut,
-    Export,
-    ExportReply,
-    ExportRows,
+    Ack,
     Acquire,
     Announce,
     BeginPut,
-    ClearPartition,
     Clear,
+    ClearPartition,
     ClusterConfig,
     CommitPut,
     ControllerRequest,
+    Export,
+    ExportReply,
+    ExportRows,
     Free,
     GetMeta,
     GrantReply,
@@ -103,7 +112,11 @@ class Controller(Service):
     """Metadata, versions and scheduling for one Sluice cluster."""
 
     def __init__(
-        self, config: ClusterConfig, bind: str, cluster_id: str | None = None, secret: str | None = None,
+        self,
+        config: ClusterConfig,
+        bind: str,
+        cluster_id: str | None = None,
+        secret: str | None = None,
         credentials: Credentials | None = None,
     ):
         super().__init__(Codec(ControllerRequest), bind, credentials=credentials)
@@ -204,8 +217,11 @@ class Controller(Service):
         if old is not None:
             old.close()
         self._unit_channels[unit.unit_id] = AsyncChannel(
-            unit.address, self._unit_codec, name=f"storage unit {unit.unit_id} at {unit.address}",
-            credentials=self.credentials, on_reply=lambda reply, uid=unit.unit_id: self._unit_replied(uid, reply),
+            unit.address,
+            self._unit_codec,
+            name=f"storage unit {unit.unit_id} at {unit.address}",
+            credentials=self.credentials,
+            on_reply=lambda reply, uid=unit.unit_id: self._unit_replied(uid, reply),
         )
         self.intake.wake()
         self._record(Unit(unit))
@@ -235,7 +251,9 @@ class Controller(Service):
         )
         for first, put in list(self.open_puts.items()):
             part = self.partitions.get(put.partition)
-            if part is not None and np.any(part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id):
+            if part is not None and np.any(
+                part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id
+            ):
                 self._end_put(first, why)
         lost = 0
         for part in self.partitions.values():
@@ -371,8 +389,12 @@ class Controller(Service):
             part = self._partition(msg.partition)
             rows = part.rows_of(msg.indexes)
             n = len(rows)
-            for name, values in (("versions_first", info.versions_first), ("versions_last", info.versions_last),
-                                 ("groups", info.groups), ("seqlens", info.seqlens)):
+            for name, values in (
+                ("versions_first", info.versions_first),
+                ("versions_last", info.versions_last),
+                ("groups", info.groups),
+                ("seqlens", info.seqlens),
+            ):
                 if len(values) != n:
                     raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
             part.v_first[rows] = info.versions_first
@@ -412,11 +434,18 @@ class Controller(Service):
         """Take the open put that `msg` commits off the clock; raise why it ended if it did."""
         first = msg.indexes[0] if msg.indexes else -1
         put = self.open_puts.get(first)
-        if put is None or put.partition != msg.partition or put.n != len(msg.indexes) or msg.indexes[-1] != first + put.n - 1:
+        if (
+            put is None
+            or put.partition != msg.partition
+            or put.n != len(msg.indexes)
+            or msg.indexes[-1] != first + put.n - 1
+        ):
             ended = self._ended_puts.get(first)
             if ended is not None:
                 raise type(ended)(str(ended))
-            raise SchemaError(f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples")
+            raise SchemaError(
+                f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples"
+            )
         put.timer.cancel()
         del self.open_puts[first]
         self.intake.closed(put.framed)
@@ -442,10 +471,13 @@ class Controller(Service):
         if put is None:
             return
         self.puts_expired += 1
-        self._end_put(first, TimeoutError(
-            f"the put of {put.n} samples into partition {put.partition!r} was not committed within "
-            f"{put.deadline:g} s (its producer stalled or died); its rows were freed: put again"
-        ))
+        self._end_put(
+            first,
+            TimeoutError(
+                f"the put of {put.n} samples into partition {put.partition!r} was not committed within "
+                f"{put.deadline:g} s (its producer stalled or died); its rows were freed: put again"
+            ),
+        )
 
     def on_abort_put(self, msg: AbortPut, data) -> Ok:
         """Free rows of a put that failed; committed rows are never touched (clear them instead)."""
@@ -471,7 +503,9 @@ class Controller(Service):
                 f"{msg.timeout} and {msg.lease_timeout}"
             )
         if not msg.fields or not msg.partition or not msg.task:
-            raise SchemaError(f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}")
+            raise SchemaError(
+                f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}"
+            )
         part = self.partitions.get(msg.partition)
         unknown = [] if part is None else [f for f in msg.fields if f not in part.schema]
         if unknown and part.sealed and not part.alive[: part.n].any():
@@ -530,9 +564,12 @@ class Controller(Service):
         self._partition(msg.partition).sealed = True
         self._record(Sealed(msg.partition))
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
-            self._end_put(first, SealedError(
-                f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
-            ))
+            self._end_put(
+                first,
+                SealedError(
+                    f"partition {msg.partition!r} was sealed while this put was in flight; none of its samples were stored"
+                ),
+            )
         self.scheduler.wake(msg.partition)
         return Ok()
 
@@ -595,15 +632,24 @@ class Controller(Service):
         for value in np.unique(key).tolist():
             picked = rows[key == value]
             fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
-            batches.append(BatchMeta(
-                partition=part.name, indexes=part.gidx[picked].tolist(), policy_versions=part.v_first[picked].tolist(),
-                version_last=part.v_last[picked].tolist(), groups=part.group[picked].tolist(),
-                units=part.unit[picked].tolist(), fields=fields,
-            ))
-            details.append(ExportRows(
-                part.versioned[picked].tolist(), (part.source[picked].astype(np.int64) - 1).tolist(),
-                part.source_index[picked].tolist(),
-            ))
+            batches.append(
+                BatchMeta(
+                    partition=part.name,
+                    indexes=part.gidx[picked].tolist(),
+                    policy_versions=part.v_first[picked].tolist(),
+                    version_last=part.v_last[picked].tolist(),
+                    groups=part.group[picked].tolist(),
+                    units=part.unit[picked].tolist(),
+                    fields=fields,
+                )
+            )
+            details.append(
+                ExportRows(
+                    part.versioned[picked].tolist(),
+                    (part.source[picked].astype(np.int64) - 1).tolist(),
+                    part.source_index[picked].tolist(),
+                )
+            )
         consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
         return ExportReply(batches, consumed, part.sealed, details, list(part.sources[1:]))
 
@@ -620,7 +666,8 @@ class Controller(Service):
             stale_policy=self.config.stale_policy,
             partitions={name: part.status() for name, part in self.partitions.items()},
             units={
-                str(k): UnitStatus(u.address, u.capacity, self.unit_bytes.get(k, 0)) for k, u in sorted(self.units.items())
+                str(k): UnitStatus(u.address, u.capacity, self.unit_bytes.get(k, 0))
+                for k, u in sorted(self.units.items())
             },
             retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.retired.items())},
             bytes=sum(self.unit_bytes.values()),

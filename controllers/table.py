@@ -72,8 +72,20 @@ class Partition:
         self.versioned = np.zeros(c, bool)  # has a policy version; the others (prompts) are never stale
 
     _COLUMNS = (
-        "gidx", "alive", "committed", "unit", "row_bytes", "v_first", "v_last",
-        "group", "seqlen", "source", "source_index", "stale_seen", "granted", "versioned",
+        "gidx",
+        "alive",
+        "committed",
+        "unit",
+        "row_bytes",
+        "v_first",
+        "v_last",
+        "group",
+        "seqlen",
+        "source",
+        "source_index",
+        "stale_seen",
+        "granted",
+        "versioned",
     )
 
     # -- rows --------------------------------------------------------------------------

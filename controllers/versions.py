@@ -24,7 +24,9 @@ class VersionClock:
     def set(self, version: int) -> bool:
         """Advance to `version`; returns False if it is the current one already."""
         if version < self.current:
-            raise VersionError(f"version {version} is older than the current version {self.current}; versions only grow")
+            raise VersionError(
+                f"version {version} is older than the current version {self.current}; versions only grow"
+            )
         if version == self.current:
             return False
         self.current = version
@@ -52,4 +54,6 @@ class VersionClock:
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"version stayed at {self.current} (waited {timeout:g}s for a version after {after})") from None
+            raise TimeoutError(
+                f"version stayed at {self.current} (waited {timeout:g}s for a version after {after})"
+            ) from None

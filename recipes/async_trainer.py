@@ -20,8 +20,9 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -30,8 +31,8 @@ import transfer_queue as tq
 from weight_sync import WeightPublisher
 
 from . import config as config_mod
-from .config import RecipeConfig
 from .channels import FIELDS, PROMPT_SLACK, PROMPTS, STOP_KEY, TRAIN, TRAIN_TASK, RolloutStats, rollout_key
+from .config import RecipeConfig
 from .learner import Learner, RolloutBatch
 from .records import RunLog, StepRecord
 from .task import PAD, DigitReversal
@@ -57,7 +58,10 @@ class AsyncTrainer:
 
     def feed_prompts(self) -> None:
         """Put every prompt the run may need into the prompt partition, and seal it."""
-        n = int(self.cfg.trainer.total_steps * self.cfg.prompts_per_step * PROMPT_SLACK) + self.cfg.rollout.prompts_per_batch
+        n = (
+            int(self.cfg.trainer.total_steps * self.cfg.prompts_per_step * PROMPT_SLACK)
+            + self.cfg.rollout.prompts_per_batch
+        )
         gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         prompts = self.task.prompts(n, gen)
         for start in range(0, n, 1024):
@@ -86,8 +90,13 @@ class AsyncTrainer:
         t0 = time.perf_counter()
         metas = [
             self.client.get_meta(
-                FIELDS, cfg.trainer.ppo_mini_batch_size * cfg.rollout.group_size, TRAIN_TASK, TRAIN,
-                sampler="grpo_group", group_size=cfg.rollout.group_size, max_staleness=cfg.max_staleness,
+                FIELDS,
+                cfg.trainer.ppo_mini_batch_size * cfg.rollout.group_size,
+                TRAIN_TASK,
+                TRAIN,
+                sampler="grpo_group",
+                group_size=cfg.rollout.group_size,
+                max_staleness=cfg.max_staleness,
                 timeout=cfg.trainer.batch_timeout,
             )
             for _ in range(at.require_batches)
@@ -111,9 +120,18 @@ class AsyncTrainer:
             sync_s = time.perf_counter() - t_sync
         now = time.perf_counter()
         return StepRecord.of(
-            step, rollouts, stats, elapsed=now - start, step_s=now - t0, samples=samples_before + len(rollouts),
-            trainer_idle=waited / (now - t0), rollout_idle=self._rollout_idle(), version=self.version,
-            staleness=staleness, spans=spans, weight_sync_s=sync_s,
+            step,
+            rollouts,
+            stats,
+            elapsed=now - start,
+            step_s=now - t0,
+            samples=samples_before + len(rollouts),
+            trainer_idle=waited / (now - t0),
+            rollout_idle=self._rollout_idle(),
+            version=self.version,
+            staleness=staleness,
+            spans=spans,
+            weight_sync_s=sync_s,
         )
 
     def _batch(self, metas: list[tq.BatchMeta], batches: list[Any]) -> tuple[RolloutBatch, list[tuple[int, int]]]:

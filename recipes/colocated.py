@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -38,23 +39,51 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
             t0 = time.perf_counter()
             prompts = task.prompts(cfg.prompts_per_step, prompts_gen).repeat_interleave(group, 0)
             # generation batches shaped as a rollout worker's, so the comparison is like for like
-            gens = [engine.generate(chunk, width, sample_gen) for chunk in prompts.split(cfg.rollout.prompts_per_batch * group)]
+            gens = [
+                engine.generate(chunk, width, sample_gen)
+                for chunk in prompts.split(cfg.rollout.prompts_per_batch * group)
+            ]
             tokens = torch.cat([g.tokens for g in gens])
-            batch = RolloutBatch(prompts, tokens, torch.cat([g.logprobs for g in gens]), task.rewards(prompts, tokens),
-                                 torch.cat([g.lengths for g in gens]))
+            batch = RolloutBatch(
+                prompts,
+                tokens,
+                torch.cat([g.logprobs for g in gens]),
+                task.rewards(prompts, tokens),
+                torch.cat([g.lengths for g in gens]),
+            )
             t1 = time.perf_counter()
             stats = learner.step(batch)
             now = time.perf_counter()
             samples += len(batch)
-            log.write(StepRecord.of(
-                step, batch, stats, elapsed=now - start, step_s=now - t0, samples=samples,
-                trainer_idle=(t1 - t0) / (now - t0), rollout_idle=(now - t1) / (now - t0),
-                version=step, staleness={0: len(batch)},
-            ))
+            log.write(
+                StepRecord.of(
+                    step,
+                    batch,
+                    stats,
+                    elapsed=now - start,
+                    step_s=now - t0,
+                    samples=samples,
+                    trainer_idle=(t1 - t0) / (now - t0),
+                    rollout_idle=(now - t1) / (now - t0),
+                    version=step,
+                    staleness={0: len(batch)},
+                )
+            )
         wall = time.perf_counter() - start
-        return log.finish({
-            "name": cfg.name, "wall_s": round(wall, 3), "samples": samples, "samples_per_s": round(samples / wall, 3),
-            "final_version": cfg.trainer.total_steps, "consumed": samples, "duplicates": 0, "produced": samples,
-            "dropped": 0, "left": 0, "max_staleness": 0, "served_staleness": {"0": samples},
-            "rollout": [],
-        })
+        return log.finish(
+            {
+                "name": cfg.name,
+                "wall_s": round(wall, 3),
+                "samples": samples,
+                "samples_per_s": round(samples / wall, 3),
+                "final_version": cfg.trainer.total_steps,
+                "consumed": samples,
+                "duplicates": 0,
+                "produced": samples,
+                "dropped": 0,
+                "left": 0,
+                "max_staleness": 0,
+                "served_staleness": {"0": samples},
+                "rollout": [],
+            }
+        )

@@ -19,9 +19,9 @@ How they map onto Sluice's staleness control (`tq.StalenessConfig`):
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -232,7 +232,9 @@ def _validate(cfg: RecipeConfig) -> None:
         if value <= 0:
             raise tq.SchemaError(f"{key} must be > 0, got {value}")
     if not 1 <= cfg.task.min_digits <= cfg.task.max_digits:
-        raise tq.SchemaError(f"need 1 <= task.min_digits <= task.max_digits, got {cfg.task.min_digits}, {cfg.task.max_digits}")
+        raise tq.SchemaError(
+            f"need 1 <= task.min_digits <= task.max_digits, got {cfg.task.min_digits}, {cfg.task.max_digits}"
+        )
     if (cfg.rollout.engine == "torch") != (cfg.model.family == "tiny"):
         raise tq.SchemaError(
             f"rollout.engine={cfg.rollout.engine} with model.family={cfg.model.family}: the torch engine drives "

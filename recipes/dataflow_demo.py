@@ -18,10 +18,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -100,8 +101,9 @@ def nbytes(td: TensorDict) -> int:
 # -- producers (separate processes) --------------------------------------------------------
 
 
-def produce(address: str, producer: int, first_sample: int, n: int, batch_size: int,
-            ready: Any, finished: Any, results: Any) -> None:
+def produce(
+    address: str, producer: int, first_sample: int, n: int, batch_size: int, ready: Any, finished: Any, results: Any
+) -> None:
     """A rollout worker: put `n` samples under generation grants, then seal if it is the last."""
     quiet_torch()
     gen = torch.Generator().manual_seed(producer)
@@ -112,8 +114,13 @@ def produce(address: str, producer: int, first_sample: int, n: int, batch_size: 
             batch = rollouts(min(batch_size, n - start), gen)
             sample_ids = torch.arange(len(batch)) + first_sample + start
             with client.acquire(len(batch)) as grant:
-                client.put(batch, partition=PARTITION, policy_version=grant.version, grant=grant,
-                           groups=(sample_ids // GROUP).tolist())
+                client.put(
+                    batch,
+                    partition=PARTITION,
+                    policy_version=grant.version,
+                    grant=grant,
+                    groups=(sample_ids // GROUP).tolist(),
+                )
             stage.record(len(batch), nbytes(batch))
         with finished.get_lock():
             finished.value += 1
@@ -143,8 +150,9 @@ def actor_update(address: str, batch_size: int, bar: tqdm) -> Stage:
     stage = Stage("actor_update")
     fields = ["input_ids", "responses", "ref_log_prob"]
     with tq.connect(address) as client:
-        for batch, meta in client.stream(fields, batch_size, "actor_update", PARTITION, timeout=BATCH_TIMEOUT,
-                                         sampler="grpo_group", group_size=GROUP):
+        for batch, meta in client.stream(
+            fields, batch_size, "actor_update", PARTITION, timeout=BATCH_TIMEOUT, sampler="grpo_group", group_size=GROUP
+        ):
             stage.tokens += int(batch["responses"].offsets()[-1])
             stage.whole_groups &= set(Counter(meta.groups).values()) == {GROUP}
             stage.record(len(meta), nbytes(batch), meta.indexes)
@@ -192,9 +200,14 @@ def run(samples: int, batch_size: int, units: int) -> int:
         ready, finished, results = ctx.Barrier(PRODUCERS + 1), ctx.Value("i", 0), ctx.Queue()
         groups = samples // GROUP
         shares = [(groups * i // PRODUCERS * GROUP, groups * (i + 1) // PRODUCERS * GROUP) for i in range(PRODUCERS)]
-        procs = [ctx.Process(target=produce, name=f"producer-{i}",
-                             args=(cluster.address, i, lo, hi - lo, batch_size, ready, finished, results))
-                 for i, (lo, hi) in enumerate(shares)]
+        procs = [
+            ctx.Process(
+                target=produce,
+                name=f"producer-{i}",
+                args=(cluster.address, i, lo, hi - lo, batch_size, ready, finished, results),
+            )
+            for i, (lo, hi) in enumerate(shares)
+        ]
         for proc in procs:
             proc.start()
         try:
@@ -203,10 +216,17 @@ def run(samples: int, batch_size: int, units: int) -> int:
             except threading.BrokenBarrierError:
                 raise DemoError(f"the producer processes did not connect within {START_TIMEOUT:g} s") from None
             t0 = time.time()
-            with tqdm(total=samples, desc="compute_ref ", unit="sample", position=0, mininterval=0.5) as ref_bar, \
-                 tqdm(total=samples, desc="actor_update", unit="sample", position=1, mininterval=0.5) as actor_bar:
-                consumers = wait_all([in_thread(compute_ref, cluster.address, batch_size, ref_bar),
-                                      in_thread(actor_update, cluster.address, batch_size, actor_bar)], procs)
+            with (
+                tqdm(total=samples, desc="compute_ref ", unit="sample", position=0, mininterval=0.5) as ref_bar,
+                tqdm(total=samples, desc="actor_update", unit="sample", position=1, mininterval=0.5) as actor_bar,
+            ):
+                consumers = wait_all(
+                    [
+                        in_thread(compute_ref, cluster.address, batch_size, ref_bar),
+                        in_thread(actor_update, cluster.address, batch_size, actor_bar),
+                    ],
+                    procs,
+                )
             producers = [results.get(timeout=30) for _ in procs]
             for proc in procs:
                 proc.join()
@@ -223,16 +243,35 @@ def run(samples: int, batch_size: int, units: int) -> int:
     return 0 if ok else 1
 
 
-def summary(samples: int, batch_size: int, units: int, producers: list[Stage], consumers: list[Stage],
-            t0: float, cluster_s: float, procs_s: float) -> str:
+def summary(
+    samples: int,
+    batch_size: int,
+    units: int,
+    producers: list[Stage],
+    consumers: list[Stage],
+    t0: float,
+    cluster_s: float,
+    procs_s: float,
+) -> str:
     """The throughput table: per stage samples, batches, MB, time to first batch, rates."""
-    produced = Stage(f"produce (x{len(producers)})", sum(p.samples for p in producers),
-                     sum(p.batches for p in producers), sum(p.nbytes for p in producers),
-                     min(p.first for p in producers), max(p.last for p in producers))
+    produced = Stage(
+        f"produce (x{len(producers)})",
+        sum(p.samples for p in producers),
+        sum(p.batches for p in producers),
+        sum(p.nbytes for p in producers),
+        min(p.first for p in producers),
+        max(p.last for p in producers),
+    )
     stages = [produced, *consumers]
     end = max(s.last for s in stages)
-    total = Stage("all stages", samples, sum(s.batches for s in stages), sum(s.nbytes for s in stages),
-                  min(s.first for s in stages), end)
+    total = Stage(
+        "all stages",
+        samples,
+        sum(s.batches for s in stages),
+        sum(s.nbytes for s in stages),
+        min(s.first for s in stages),
+        end,
+    )
     head = f"{'stage':<14}{'samples':>8}{'batches':>9}{'MB':>9}{'1st batch':>11}{'done':>9}{'samples/s':>11}{'MB/s':>9}"
     lines = [
         "",
@@ -244,11 +283,15 @@ def summary(samples: int, batch_size: int, units: int, producers: list[Stage], c
     ]
     for s in [*stages, total]:
         span = max(s.last - t0, 1e-9)
-        lines.append(f"{s.name:<14}{s.samples:>8}{s.batches:>9}{s.nbytes / 1e6:>9.1f}{s.first - t0:>9.2f} s"
-                     f"{s.last - t0:>7.2f} s{s.samples / span:>11.0f}{s.nbytes / 1e6 / span:>9.1f}")
+        lines.append(
+            f"{s.name:<14}{s.samples:>8}{s.batches:>9}{s.nbytes / 1e6:>9.1f}{s.first - t0:>9.2f} s"
+            f"{s.last - t0:>7.2f} s{s.samples / span:>11.0f}{s.nbytes / 1e6 / span:>9.1f}"
+        )
     lines.append("(times from the moment both producers were connected; rates over that time)")
     actor = consumers[-1]
-    lines.append(f"{actor.name} trained on {actor.tokens} response tokens, {actor.tokens / max(actor.last - t0, 1e-9):.0f} tokens/s")
+    lines.append(
+        f"{actor.name} trained on {actor.tokens} response tokens, {actor.tokens / max(actor.last - t0, 1e-9):.0f} tokens/s"
+    )
     return "\n".join(lines)
 
 
@@ -259,20 +302,27 @@ def check(samples: int, consumers: list[Stage], tasks: dict) -> tuple[bool, str]
         seen = Counter(stage.indexes)
         consumed = tasks.get(stage.name, {}).get("consumed", 0)
         if len(seen) != samples or max(seen.values(), default=0) != 1 or consumed != samples:
-            problems.append(f"{stage.name} got {len(seen)} distinct of {samples} samples "
-                            f"({stage.samples} deliveries), controller counts {consumed} consumed")
+            problems.append(
+                f"{stage.name} got {len(seen)} distinct of {samples} samples "
+                f"({stage.samples} deliveries), controller counts {consumed} consumed"
+            )
         if not stage.whole_groups:
             problems.append(f"{stage.name} got a batch with a split group")
     if problems:
         return False, "check FAILED: " + "; ".join(problems)
     names = " and ".join(s.name for s in consumers)
-    return True, f"check ok: {names} each consumed all {samples} samples exactly once; actor_update took whole groups of {GROUP}"
+    return (
+        True,
+        f"check ok: {names} each consumed all {samples} samples exactly once; actor_update took whole groups of {GROUP}",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.dataflow_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4096, help="samples to produce (multiple of 8; default 4096)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per put and per consumer batch (multiple of 8)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="samples per put and per consumer batch (multiple of 8)"
+    )
     parser.add_argument("--units", type=int, default=2, help="storage units (default 2)")
     args = parser.parse_args(argv)
     if args.samples <= 0 or args.samples % GROUP or args.batch_size <= 0 or args.batch_size % GROUP:

@@ -17,8 +17,8 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .config import load
 from .experiments import run_experiment
@@ -50,12 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if totals["duplicates"]:
         problems.append(f"{totals['duplicates']} samples were consumed twice")
     if final_versions != [totals["final_version"]]:
-        problems.append(f"rollout workers ended on versions {final_versions}, not the last published {totals['final_version']}")
+        problems.append(
+            f"rollout workers ended on versions {final_versions}, not the last published {totals['final_version']}"
+        )
     print(f"\n{cfg.name}: {totals['samples']} samples in {totals['wall_s']:.1f} s, trainer and rollout overlapping")
-    print(f"samples/s {totals['samples_per_s']:.0f}; worst staleness consumed {worst} (bound η = {cfg.max_staleness}); "
-          f"{sum(s['spanned'] for s in steps)} samples spanned a weight update (partial rollout)")
+    print(
+        f"samples/s {totals['samples_per_s']:.0f}; worst staleness consumed {worst} (bound η = {cfg.max_staleness}); "
+        f"{sum(s['spanned'] for s in steps)} samples spanned a weight update (partial rollout)"
+    )
     print(f"weights: {totals['final_version']} versions published, workers ended on {final_versions}")
-    print(f"steps: {run_dir / 'steps.jsonl'}; totals: {json.dumps({k: totals[k] for k in ('produced', 'consumed', 'dropped', 'left')})}")
+    print(
+        f"steps: {run_dir / 'steps.jsonl'}; totals: {json.dumps({k: totals[k] for k in ('produced', 'consumed', 'dropped', 'left')})}"
+    )
     print(f"reward {start:.2f} -> {end:.2f}")
     print(f"plot: {png}")
     for problem in problems:

@@ -21,9 +21,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -50,8 +51,14 @@ def run_experiment(cfg: RecipeConfig, out: Path, progress: bool = True) -> dict[
     cfg = replace(cfg, out_dir=str(out))
     config_file = out / f"{cfg.name}.yaml"
     config_file.write_text(to_yaml(cfg))
-    bar = tqdm(total=cfg.trainer.total_steps, desc=f"{cfg.name} (seed {cfg.seed})", unit="step", disable=not progress,
-               dynamic_ncols=True, leave=True)
+    bar = tqdm(
+        total=cfg.trainer.total_steps,
+        desc=f"{cfg.name} (seed {cfg.seed})",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=True,
+    )
     try:
         if cfg.mode == "colocated":
             return run_colocated(cfg, lambda r: _advance(bar, r))
@@ -63,15 +70,30 @@ def run_experiment(cfg: RecipeConfig, out: Path, progress: bool = True) -> dict[
 def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     c = cfg.cluster
-    with tq.init(c.units, c.capacity, staleness=cfg.staleness(), lease_timeout=c.lease_timeout,
-                 grant_timeout=c.grant_timeout, stale_policy=c.stale_policy) as cluster:  # type: ignore[arg-type]
+    with tq.init(
+        c.units,
+        c.capacity,
+        staleness=cfg.staleness(),
+        lease_timeout=c.lease_timeout,
+        grant_timeout=c.grant_timeout,
+        stale_policy=c.stale_policy,
+    ) as cluster:  # type: ignore[arg-type]
         workers = [
-            _spawn("recipes.rollout_worker", ["--address", cluster.address, "--worker-id", str(i), str(config_file)],
-                   cores[0], out / f"rollout-{i}.log")
+            _spawn(
+                "recipes.rollout_worker",
+                ["--address", cluster.address, "--worker-id", str(i), str(config_file)],
+                cores[0],
+                out / f"rollout-{i}.log",
+            )
             for i in range(cfg.rollout.workers)
         ]
-        trainer = _spawn("recipes.async_trainer", ["--address", cluster.address, str(config_file)], cores[-1],
-                         out / "trainer.log", pipe=True)
+        trainer = _spawn(
+            "recipes.async_trainer",
+            ["--address", cluster.address, str(config_file)],
+            cores[-1],
+            out / "trainer.log",
+            pipe=True,
+        )
         totals = None
         try:
             for line in trainer.stdout:  # type: ignore[union-attr]
@@ -82,10 +104,14 @@ def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> di
                     else:
                         _advance(bar, StepRecord(**record))
             if trainer.wait() != 0 or totals is None:
-                raise ExperimentError(f"{cfg.name}: the trainer failed (exit {trainer.returncode}); see {out / 'trainer.log'}")
+                raise ExperimentError(
+                    f"{cfg.name}: the trainer failed (exit {trainer.returncode}); see {out / 'trainer.log'}"
+                )
             for i, worker in enumerate(workers):
                 if worker.wait(PROCESS_TIMEOUT) != 0:
-                    raise ExperimentError(f"{cfg.name}: rollout worker {i} failed (exit {worker.returncode}); see {out}/rollout-{i}.log")
+                    raise ExperimentError(
+                        f"{cfg.name}: rollout worker {i} failed (exit {worker.returncode}); see {out}/rollout-{i}.log"
+                    )
         finally:
             for proc in (trainer, *workers):
                 if proc.poll() is None:
@@ -100,8 +126,12 @@ def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = Fals
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     sink = log.open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=root, env=env, text=True,
-        stdout=subprocess.PIPE if pipe else sink, stderr=sink,
+        [sys.executable, "-m", module, *args],
+        cwd=root,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE if pipe else sink,
+        stderr=sink,
     )
     os.sched_setaffinity(proc.pid, {core})
     sink.close()
@@ -110,15 +140,18 @@ def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = Fals
 
 def _advance(bar: tqdm, record: StepRecord) -> None:
     bar.update(1)
-    bar.set_postfix(reward=f"{record.reward_mean:.3f}", samples_s=f"{record.samples_per_s:.0f}",
-                    v=record.version, refresh=False)
+    bar.set_postfix(
+        reward=f"{record.reward_mean:.3f}", samples_s=f"{record.samples_per_s:.0f}", v=record.version, refresh=False
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.experiments", description=__doc__.split("\n\n")[0])
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml|key=value")
     parser.add_argument("--out", required=True, type=Path, help="directory for the runs, compare.png and summary.md")
-    parser.add_argument("--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)")
+    parser.add_argument(
+        "--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)"
+    )
     args = parser.parse_intermixed_args(argv)
     # a terminated runner unwinds like an interrupted one: its clusters and processes go with it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -54,16 +54,22 @@ class Learner:
         proximal = None
         if len(updates) > 1:
             with torch.no_grad():
-                proximal = token_logprobs(sequence_logits(self.model, tokens)[:, start:-1], batch.responses, temperature)
+                proximal = token_logprobs(
+                    sequence_logits(self.model, tokens)[:, start:-1], batch.responses, temperature
+                )
         advantages = group_advantages(batch.rewards, cfg.rollout.group_size)
         totals: dict[str, float] = {}
         for rows in updates:  # whole groups: mini-batches are multiples of the group size
-            logprobs = token_logprobs(sequence_logits(self.model, tokens[rows])[:, start:-1], batch.responses[rows], temperature)
+            logprobs = token_logprobs(
+                sequence_logits(self.model, tokens[rows])[:, start:-1], batch.responses[rows], temperature
+            )
             # one update: the weights at the start of the step are the ones being differentiated
             prox = logprobs.detach() if proximal is None else proximal[rows]
             loss, stats = policy_loss(
                 LossInputs(logprobs, batch.behaviour[rows], prox, advantages[rows], mask[rows]),
-                cfg.trainer.loss, cfg.trainer.clip_eps, cfg.trainer.behaviour_weight_cap,
+                cfg.trainer.loss,
+                cfg.trainer.clip_eps,
+                cfg.trainer.behaviour_weight_cap,
             )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

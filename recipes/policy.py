@@ -128,4 +128,3 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .learner import RolloutBatch
 
@@ -49,7 +50,7 @@ class StepRecord:
         staleness: Mapping[int, int],
         spans: Sequence[tuple[int, int]] = (),
         weight_sync_s: float = 0.0,
-    ) -> "StepRecord":
+    ) -> StepRecord:
         """The record of one trainer step on `batch`: the timings given, the rest derived.
 
         `elapsed` is the run's wall time so far, `step_s` this step's; `samples` the total
@@ -85,7 +86,7 @@ class RunLog:
         self.on_step = on_step
         self._steps = None
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
             self._steps = self.out.joinpath("steps.jsonl").open("w")

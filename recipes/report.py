@@ -65,19 +65,21 @@ def summarize(runs: dict[int, dict[str, Path]], baseline: str) -> list[RunSummar
             if baseline in d
         ]
         idle_r = [s["rollout_idle"] for steps, _, _ in per_seed for s in steps if s["rollout_idle"] is not None]
-        rows.append(RunSummary(
-            name=name,
-            seeds=len(per_seed),
-            samples=per_seed[0][1]["samples"],
-            samples_per_s=_mean_std(rates),
-            ratio=_mean_std(ratios) if ratios else None,
-            final_reward=_mean_std([_final_reward(steps) for steps, _, _ in per_seed]),
-            worst_staleness=max(int(k) for steps, _, _ in per_seed for s in steps for k in s["staleness"]),
-            trainer_idle=statistics.fmean(s["trainer_idle"] for steps, _, _ in per_seed for s in steps),
-            rollout_idle=statistics.fmean(idle_r) if idle_r else None,
-            dropped=sum(totals["dropped"] for _, totals, _ in per_seed),
-            spanned=sum(s["spanned"] for steps, _, _ in per_seed for s in steps),
-        ))
+        rows.append(
+            RunSummary(
+                name=name,
+                seeds=len(per_seed),
+                samples=per_seed[0][1]["samples"],
+                samples_per_s=_mean_std(rates),
+                ratio=_mean_std(ratios) if ratios else None,
+                final_reward=_mean_std([_final_reward(steps) for steps, _, _ in per_seed]),
+                worst_staleness=max(int(k) for steps, _, _ in per_seed for s in steps for k in s["staleness"]),
+                trainer_idle=statistics.fmean(s["trainer_idle"] for steps, _, _ in per_seed for s in steps),
+                rollout_idle=statistics.fmean(idle_r) if idle_r else None,
+                dropped=sum(totals["dropped"] for _, totals, _ in per_seed),
+                spanned=sum(s["spanned"] for steps, _, _ in per_seed for s in steps),
+            )
+        )
     return rows
 
 
@@ -145,8 +147,18 @@ def _plot(runs: dict[int, dict[str, Path]], rows: list[RunSummary], png: Path) -
                 for k, v in s["staleness"].items():
                     hist[int(k)] += v
         total = sum(hist) or 1
-        axes[1, 1].bar([k + (i - (len(rows) - 1) / 2) * width for k in range(worst + 1)], [h / total for h in hist], width, label=name)
-    axes[1, 1].set(title="staleness of consumed samples", xlabel="versions behind", ylabel="fraction", xticks=list(range(worst + 1)))
+        axes[1, 1].bar(
+            [k + (i - (len(rows) - 1) / 2) * width for k in range(worst + 1)],
+            [h / total for h in hist],
+            width,
+            label=name,
+        )
+    axes[1, 1].set(
+        title="staleness of consumed samples",
+        xlabel="versions behind",
+        ylabel="fraction",
+        xticks=list(range(worst + 1)),
+    )
     axes[1, 1].legend(fontsize=7)
     for name in names:
         axes[1, 2].plot(_mean_curve(runs, name, "samples_per_s"), label=name)

@@ -22,9 +22,10 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import Awaitable, Sequence, TypeVar
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -66,7 +67,9 @@ class RolloutWorker:
     async def run(self) -> RolloutStats:
         client = await tq.connect_async(self.address)
         stop = asyncio.ensure_future(client.lookup(STOP_KEY, timeout=_FOREVER))
-        watcher = asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
+        watcher = (
+            asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
+        )
         try:
             await self._idle(asyncio.to_thread(self._apply, 0))
             while not stop.done():
@@ -93,13 +96,17 @@ class RolloutWorker:
     async def _batch(self, client: tq.AsyncClient, stop: asyncio.Future) -> bool:
         """Generate and put one batch; False when there is nothing left to do."""
         cfg = self.cfg.rollout
-        grant = await self._idle(_unless(client.acquire(cfg.prompts_per_batch * cfg.group_size, timeout=_FOREVER), stop))
+        grant = await self._idle(
+            _unless(client.acquire(cfg.prompts_per_batch * cfg.group_size, timeout=_FOREVER), stop)
+        )
         if grant is None:
             return False
         async with grant:
             if self.subscriber.version < grant.version:
                 await self._idle(asyncio.to_thread(self._apply, grant.version))
-            meta = await self._idle(client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER))
+            meta = await self._idle(
+                client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER)
+            )
             if not len(meta):
                 return False  # the prompt partition is sealed and drained
             prompts = (await client.get_data(meta))["prompts"]
@@ -108,7 +115,9 @@ class RolloutWorker:
             groups = [i for i in meta.indexes for _ in range(cfg.group_size)]
             for rows, span in rollouts.by_span():
                 td = rollouts.select(rows)
-                await client.put(td, partition=TRAIN, policy_version=span, groups=[groups[r] for r in rows], grant=grant)
+                await client.put(
+                    td, partition=TRAIN, policy_version=span, groups=[groups[r] for r in rows], grant=grant
+                )
             await client.ack(meta)
             self.stats.busy_s += time.perf_counter() - start
         self.stats.samples += rollouts.n
@@ -122,7 +131,9 @@ class RolloutWorker:
         """Out of prompts before the trainer is done: keep taking its new versions until it says
         stop. Raises `tq.TimeoutError` if no version comes for `trainer.batch_timeout` seconds."""
         while not stop.done():
-            newer = await _unless(client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout), stop)
+            newer = await _unless(
+                client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout), stop
+            )
             if newer is not None:
                 await asyncio.to_thread(self._apply, newer)
 
@@ -151,7 +162,7 @@ class RolloutWorker:
             self.stats.weight_apply_s += time.perf_counter() - start
         self.stats.version = self.subscriber.version
 
-    def _generate(self, prompts: torch.Tensor) -> "Rollouts":
+    def _generate(self, prompts: torch.Tensor) -> Rollouts:
         """`group_size` responses per prompt; with partial rollout, swap weights mid-way."""
         group, width = self.cfg.rollout.group_size, self.task.max_new_tokens
         prefixes = prompts.repeat_interleave(group, 0)
@@ -199,7 +210,7 @@ class Rollouts:
         self.rewards = torch.zeros(len(prompts))
 
     @classmethod
-    def empty(cls, prompts: torch.Tensor, width: int, version: int) -> "Rollouts":
+    def empty(cls, prompts: torch.Tensor, width: int, version: int) -> Rollouts:
         n = len(prompts)
         return cls(
             prompts,
@@ -228,8 +239,12 @@ class Rollouts:
         lengths = self.lengths[idx].tolist()
         return {
             "prompts": self.prompts[idx],
-            "responses": torch.nested.nested_tensor([self.tokens[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged),
-            "logprobs": torch.nested.nested_tensor([self.logprobs[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged),
+            "responses": torch.nested.nested_tensor(
+                [self.tokens[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged
+            ),
+            "logprobs": torch.nested.nested_tensor(
+                [self.logprobs[r, :n] for r, n in zip(rows, lengths)], layout=torch.jagged
+            ),
             "rewards": self.rewards[idx],
         }
 

@@ -20,18 +20,18 @@ import asyncio
 import os
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import zmq
 
 from transfer_queue._errors import ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import RegisterUnit, Reply, UnitInfo
+from transfer_queue._sizes import parse_bytes
+from transfer_queue.host import host_id, keep_freed_memory, reachable
 from transfer_queue.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
 
 from .arena import PAGE_BYTES
 from .service import StorageUnit
-from transfer_queue.host import host_id, keep_freed_memory, reachable
-from transfer_queue._sizes import parse_bytes
 
 ANNOUNCE = "SLUICE_STORAGE"
 
@@ -40,20 +40,27 @@ class StartupError(Exception):
     """The unit could not start or register; the message says why."""
 
 
-
-
-async def register(unit: StorageUnit, controller: str, timeout: float, secret: str, credentials: Credentials | None) -> None:
+async def register(
+    unit: StorageUnit, controller: str, timeout: float, secret: str, credentials: Credentials | None
+) -> None:
     """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
     `StartupError` otherwise."""
     info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
     channel = AsyncChannel(
-        controller, Codec(Reply), name=f"controller {controller}", credentials=credentials, timeout=timeout,
-        connect_timeout=timeout, dead_after=timeout,
+        controller,
+        Codec(Reply),
+        name=f"controller {controller}",
+        credentials=credentials,
+        timeout=timeout,
+        connect_timeout=timeout,
+        dead_after=timeout,
     )
     try:
         await channel.call(RegisterUnit(info, secret))
     except (ServiceError, TimeoutError) as exc:  # unreachable, silent or late
-        raise StartupError(f"controller {controller} did not answer the registration within {timeout} s ({exc})") from exc
+        raise StartupError(
+            f"controller {controller} did not answer the registration within {timeout} s ({exc})"
+        ) from exc
     except SluiceError as exc:
         raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {exc.code}: {exc}") from exc
     finally:
@@ -96,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a stop while registering still cleans up
             loop.add_signal_handler(sig, me.cancel)
         try:
-            await register(unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""), credentials)
+            await register(
+                unit, args.controller, args.register_timeout, os.environ.get("SLUICE_SECRET", ""), credentials
+            )
         except BaseException:
             unit.close()
             raise

@@ -20,7 +20,6 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Any
 
 import numpy as np
 
@@ -201,7 +200,7 @@ class Arena:
         """Bytes pre-faulted so far (the whole mapping once the background pass is done)."""
 
     @classmethod
-    def create(cls, cluster_id: str, unit_id: int, capacity: int, page_bytes: int = PAGE_BYTES) -> "Arena":
+    def create(cls, cluster_id: str, unit_id: int, capacity: int, page_bytes: int = PAGE_BYTES) -> Arena:
         """The arena of unit `unit_id`; `FileExistsError` if another process holds that name."""
         return cls(arena_path(cluster_id, unit_id), capacity, page_bytes)
 
@@ -293,7 +292,7 @@ class Arena:
                 pass  # exported views remain; the OS unmaps at exit
         _unlink(self.path)
 
-    def __enter__(self) -> "Arena":
+    def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc: object) -> None:

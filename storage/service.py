@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from typing import Any, Generator, Sequence
+from collections.abc import Generator, Sequence
+from typing import Any
 
 import numpy as np
 import zmq
@@ -202,7 +203,9 @@ class StorageUnit(Service):
                     f"committed within its timeout of {self._expired[msg.token]} s and its space was "
                     "freed; write again (with a longer timeout)"
                 )
-            raise SchemaError(f"storage unit {self.unit_id} has no reservation {msg.token} (never made or already committed)")
+            raise SchemaError(
+                f"storage unit {self.unit_id} has no reservation {msg.token} (never made or already committed)"
+            )
         res.timer.cancel()
         if msg.abort:
             self.space.release(res.chunks)

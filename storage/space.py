@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import deque
-from typing import Any, Callable, Generator, Generic, Sequence, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Generic, TypeVar
 
 from transfer_queue._errors import CapacityError
 
@@ -49,7 +50,7 @@ class Ticket(Generic[T]):
 
     __slots__ = ("_space", "_waiter", "_then", "__weakref__")
 
-    def __init__(self, space: "SpaceQueue", waiter: _Waiter, then: Callable[[list[Chunk]], T]):
+    def __init__(self, space: SpaceQueue, waiter: _Waiter, then: Callable[[list[Chunk]], T]):
         self._space = space
         self._waiter = waiter
         self._then = then

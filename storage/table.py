@@ -13,7 +13,7 @@ apart. The spec is forgotten when the field's last row is freed.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from transfer_queue._errors import SchemaError
 from transfer_queue._meta import FieldSpec
@@ -231,4 +231,3 @@ def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int
             ends.append(end)
             chunks.append([chunk])
     return [(s, e - s) for s, e in zip(starts, ends)]
-

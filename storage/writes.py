@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from transfer_queue._errors import SchemaError
 from transfer_queue._messages import Write
@@ -57,7 +58,7 @@ def field_sizes(msg: Write) -> list[int]:
 
 def _check_spec(name: str, spec: FieldSpec) -> None:
     try:
-        spec.itemsize
+        _ = spec.itemsize  # unsupported dtypes have none
     except KeyError:
         raise SchemaError(f"field {name!r} has unsupported dtype {spec.dtype!r}") from None
     dims = spec.shape[1:] if spec.ragged else spec.shape

@@ -7,7 +7,8 @@ that are not a well-formed Sluice message on the wire; it returns the service's 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from transfer_queue._messages import Reply
 from transfer_queue.rpc import Channel, Codec

@@ -79,8 +79,8 @@ if TYPE_CHECKING:
     from ._async_client import AsyncClient, connect_async
     from ._client import Client
     from ._client_core import Grant
-    from ._control import ControlClient
     from ._cluster import Cluster, connect, parse_bytes
+    from ._control import ControlClient
     from ._kv_meta import KVBatchMeta
     from ._messages import ClusterConfig
     from ._staleness import StalenessConfig

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -84,10 +85,18 @@ class AsyncClient(AsyncDriver):
             SchemaError: the data contradicts the partition's fields, or an argument is invalid.
             SealedError: the partition was sealed.
         """
-        return await self._run(self._core.put(
-            data, partition, meta=meta, policy_version=policy_version, groups=groups, grant=grant,
-            source=source, timeout=timeout,
-        ))
+        return await self._run(
+            self._core.put(
+                data,
+                partition,
+                meta=meta,
+                policy_version=policy_version,
+                groups=groups,
+                grant=grant,
+                source=source,
+                timeout=timeout,
+            )
+        )
 
     async def acquire(self, n: int, timeout: float = 30.0) -> Grant:
         """Wait (without polling) for `n` generation slots inside the staleness budget; the
@@ -137,10 +146,20 @@ class AsyncClient(AsyncDriver):
                 `allow_partial=True`, what is ready is returned instead, possibly nothing).
             SchemaError: an unknown sampler or field, or an invalid argument.
         """
-        return await self._run(self._core.get_meta(
-            fields, batch_size, task, partition, sampler=sampler, max_staleness=max_staleness,
-            timeout=timeout, allow_partial=allow_partial, lease_timeout=lease_timeout, **sampler_options,
-        ))
+        return await self._run(
+            self._core.get_meta(
+                fields,
+                batch_size,
+                task,
+                partition,
+                sampler=sampler,
+                max_staleness=max_staleness,
+                timeout=timeout,
+                allow_partial=allow_partial,
+                lease_timeout=lease_timeout,
+                **sampler_options,
+            )
+        )
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
         """Read the batch's fields (default: all) from every unit holding it, in parallel; rows
@@ -247,7 +266,12 @@ class AsyncClient(AsyncDriver):
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
         """
         wait = 1e9 if timeout is None else timeout
-        fetch = lambda: asyncio.ensure_future(self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options)))  # noqa: E731
+
+        def fetch() -> asyncio.Future:
+            return asyncio.ensure_future(
+                self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))
+            )
+
         nxt = fetch()
         acking: asyncio.Future | None = None
         meta = None
@@ -269,7 +293,9 @@ class AsyncClient(AsyncDriver):
             if not nxt.done():
                 nxt.cancel()  # withdrawn at the services, the lease it may hold given back
                 await asyncio.gather(nxt, return_exceptions=True)
-            elif not nxt.cancelled() and nxt.exception() is None and len(nxt.result()[1]) and nxt.result()[1] is not meta:
+            elif (
+                not nxt.cancelled() and nxt.exception() is None and len(nxt.result()[1]) and nxt.result()[1] is not meta
+            ):
                 await self.nack(nxt.result()[1])
             if meta is not None:
                 await self.nack(meta)
@@ -303,7 +329,9 @@ class AsyncClient(AsyncDriver):
         await self.close()
 
 
-async def connect_async(address: str, use_shm: bool | None = None, credentials: Credentials | None = None) -> AsyncClient:
+async def connect_async(
+    address: str, use_shm: bool | None = None, credentials: Credentials | None = None
+) -> AsyncClient:
     """Connect an `AsyncClient` to the cluster whose controller listens at `address` (with
     `credentials`, default `SLUICE_CREDENTIALS`, when it is bound beyond loopback).
 

@@ -38,12 +38,12 @@ class Credentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Only services hold it; `for_clients()` drops it."""
 
     @classmethod
-    def generate(cls) -> "Credentials":
+    def generate(cls) -> Credentials:
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
         return cls(server_public.decode(), client_public.decode(), client_secret.decode(), server_secret.decode())
 
-    def for_clients(self) -> "Credentials":
+    def for_clients(self) -> Credentials:
         """What a worker needs to connect (not to serve)."""
         return msgspec.structs.replace(self, server_secret="")
 
@@ -52,7 +52,7 @@ class Credentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return base64.urlsafe_b64encode(msgspec.json.encode(self)).decode()
 
     @classmethod
-    def from_token(cls, token: str) -> "Credentials":
+    def from_token(cls, token: str) -> Credentials:
         """Parse `token()`; `ValueError` for anything else."""
         try:
             return msgspec.json.decode(base64.urlsafe_b64decode(token.encode()), type=cls)

@@ -27,8 +27,15 @@ from ._meta import BatchMeta
 from ._tensors import Assembler, Columns
 
 __all__ = [
-    "Manifest", "PartitionState", "write_batch", "read_batch", "write_manifest", "read_manifest", "restore_order",
-    "RestorePut", "restore_puts",
+    "Manifest",
+    "PartitionState",
+    "write_batch",
+    "read_batch",
+    "write_manifest",
+    "read_manifest",
+    "restore_order",
+    "RestorePut",
+    "restore_puts",
 ]
 
 _LEN = struct.Struct("<Q")
@@ -59,7 +66,11 @@ class BatchHeader(msgspec.Struct):
 
 
 def write_batch(
-    path: Path, meta: BatchMeta, data: TensorDict, rows: ExportRows | None = None, sources: list[tuple[str, str]] = (),
+    path: Path,
+    meta: BatchMeta,
+    data: TensorDict,
+    rows: ExportRows | None = None,
+    sources: list[tuple[str, str]] = (),
 ) -> None:
     """One batch file: header, then each field's bytes."""
     cols = Columns(data)

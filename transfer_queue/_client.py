@@ -5,7 +5,8 @@ in flight, e.g. the next batch of a stream, while another completes)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -87,10 +88,18 @@ class Client(SyncDriver):
             SchemaError: the data contradicts the partition's fields, or an argument is invalid.
             SealedError: the partition was sealed.
         """
-        return self._run(self._core.put(
-            data, partition, meta=meta, policy_version=policy_version, groups=groups, grant=grant,
-            source=source, timeout=timeout,
-        ))
+        return self._run(
+            self._core.put(
+                data,
+                partition,
+                meta=meta,
+                policy_version=policy_version,
+                groups=groups,
+                grant=grant,
+                source=source,
+                timeout=timeout,
+            )
+        )
 
     def acquire(self, n: int, timeout: float = 30.0) -> Grant:
         """Wait (without polling) for `n` generation slots inside the staleness budget; the
@@ -140,10 +149,20 @@ class Client(SyncDriver):
                 `allow_partial=True`, what is ready is returned instead, possibly nothing).
             SchemaError: an unknown sampler or field, or an invalid argument.
         """
-        return self._run(self._core.get_meta(
-            fields, batch_size, task, partition, sampler=sampler, max_staleness=max_staleness,
-            timeout=timeout, allow_partial=allow_partial, lease_timeout=lease_timeout, **sampler_options,
-        ))
+        return self._run(
+            self._core.get_meta(
+                fields,
+                batch_size,
+                task,
+                partition,
+                sampler=sampler,
+                max_staleness=max_staleness,
+                timeout=timeout,
+                allow_partial=allow_partial,
+                lease_timeout=lease_timeout,
+                **sampler_options,
+            )
+        )
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
         """Read the batch's fields (default: all) from every unit holding it, in parallel; rows

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -17,17 +18,21 @@ import torch
 from tensordict import TensorDict
 
 from ._checkpoint import (
-    Manifest, PartitionState, read_batch, read_manifest, restore_order, restore_puts, write_batch, write_manifest,
+    Manifest,
+    PartitionState,
+    read_batch,
+    read_manifest,
+    restore_order,
+    restore_puts,
+    write_batch,
+    write_manifest,
 )
 from ._control import INT64, ControlCore, as_int, count
 from ._drivers import CONTROLLER, Call, Flow
 from ._errors import CapacityError, SchemaError, SluiceError
 from ._messages import (
-    Ack,
     AbortPut,
-    Export,
-    ExportReply,
-    ExportRows,
+    Ack,
     Acquire,
     BeginPut,
     Clear,
@@ -35,6 +40,9 @@ from ._messages import (
     ClusterConfig,
     CommitPut,
     CommitWrite,
+    Export,
+    ExportReply,
+    ExportRows,
     GetMeta,
     GrantReply,
     Hello,
@@ -80,13 +88,13 @@ class Grant:
     remaining: int
     _client: Any = field(repr=False, default=None)
 
-    def __enter__(self) -> "Grant":
+    def __enter__(self) -> Grant:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
 
-    async def __aenter__(self) -> "Grant":
+    async def __aenter__(self) -> Grant:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -165,7 +173,9 @@ class ClientCore(ControlCore):
             partition = meta.partition
             # new columns of rows already placed: written straight to their units, checked at commit
             yield from self._write(partition, cols, list(meta.indexes), np.asarray(meta.units, np.int64), timeout)
-            yield from self.one(CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok)
+            yield from self.one(
+                CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
+            )
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
@@ -292,8 +302,16 @@ class ClientCore(ControlCore):
     ) -> Flow:
         """The flow of `Client.get_meta`."""
         msg = GetMeta(
-            partition, task, list(fields), count("batch_size", batch_size, 1), sampler, dict(sampler_options),
-            max_staleness, timeout, allow_partial, lease_timeout,
+            partition,
+            task,
+            list(fields),
+            count("batch_size", batch_size, 1),
+            sampler,
+            dict(sampler_options),
+            max_staleness,
+            timeout,
+            allow_partial,
+            lease_timeout,
         )
         reply = yield from self.one(CONTROLLER, msg, MetaReply, timeout + GRACE)
         return reply.meta
@@ -349,7 +367,9 @@ class ClientCore(ControlCore):
         """Delete every sample of `partition` (the name may then be reused, unsealed)."""
         yield from self.one(CONTROLLER, ClearPartition(partition), Ok)
 
-    def fetch(self, fields: Sequence[str], batch_size: int, task: str, partition: str, timeout: float, options: dict[str, Any]) -> Flow:
+    def fetch(
+        self, fields: Sequence[str], batch_size: int, task: str, partition: str, timeout: float, options: dict[str, Any]
+    ) -> Flow:
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
         `meta` once the sealed partition is drained. A failed read gives the lease back."""
         meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
@@ -388,8 +408,10 @@ class ClientCore(ControlCore):
                     part = meta.select(range(chunk.start, chunk.stop))
                     data = yield from self.get_data(part)
                     files.append(f"p{p}-b{len(files)}.bin")
-                    facts = None if rows is None else ExportRows(
-                        rows.versioned[chunk], rows.source[chunk], rows.source_index[chunk]
+                    facts = (
+                        None
+                        if rows is None
+                        else ExportRows(rows.versioned[chunk], rows.source[chunk], rows.source_index[chunk])
                     )
                     write_batch(directory / files[-1], part, data, facts, export.sources)
                     saved += len(part)
@@ -420,7 +442,10 @@ class ClientCore(ControlCore):
                     pos = put.positions
                     part = data if len(pos) == len(old) else data[torch.as_tensor(pos)]
                     meta = yield from self.put(
-                        part, name, policy_version=put.policy_version, groups=[old.groups[i] for i in pos],
+                        part,
+                        name,
+                        policy_version=put.policy_version,
+                        groups=[old.groups[i] for i in pos],
                         source=put.source,
                     )
                     new_index.update(zip((old.indexes[i] for i in pos), meta.indexes))
@@ -433,12 +458,17 @@ class ClientCore(ControlCore):
                 yield from self.one(CONTROLLER, Seal(name), Ok)
         return restored
 
+
 def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     """(first, last) version per sample from one version, a (first, last) span or one per sample."""
     if as_int(policy_version) is not None:
         version = count("policy_version", policy_version, 0)
         return [version] * n, [version] * n
-    if isinstance(policy_version, tuple) and len(policy_version) == 2 and all(as_int(v) is not None for v in policy_version):
+    if (
+        isinstance(policy_version, tuple)
+        and len(policy_version) == 2
+        and all(as_int(v) is not None for v in policy_version)
+    ):
         first, last = (count("policy_version", v, 0) for v in policy_version)
         if last < first:
             raise SchemaError(f"a version span must be (first, last) with first <= last, got {policy_version}")
@@ -446,7 +476,9 @@ def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     try:
         versions = [count("policy_version", v, 0) for v in policy_version]
     except TypeError:  # not iterable (a float, a 0-dim float tensor...)
-        raise SchemaError(f"policy_version must be an int, a (first, last) span or one int per sample, got {policy_version!r}") from None
+        raise SchemaError(
+            f"policy_version must be an int, a (first, last) span or one int per sample, got {policy_version!r}"
+        ) from None
     if len(versions) != n:
         raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
     return versions, list(versions)

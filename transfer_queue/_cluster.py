@@ -32,7 +32,12 @@ class Cluster:
     """A running set of Sluice services. `address` is the controller's ZeroMQ endpoint."""
 
     def __init__(
-        self, address: str, config: ClusterConfig, cluster_id: str, backend: Backend, secret: str = "",
+        self,
+        address: str,
+        config: ClusterConfig,
+        cluster_id: str,
+        backend: Backend,
+        secret: str = "",
         credentials: Credentials | None = None,
     ):
         self.address = address
@@ -95,7 +100,7 @@ class Cluster:
         token = "" if self.credentials is None else self.credentials.token()
         self.backend.restart_controller(self.config, self.cluster_id, port, self.secret, token)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -11,9 +11,10 @@ and lookup) for processes that have no business loading torch: the CLI, the weig
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-
+from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
 from ._errors import SchemaError
 from ._messages import (
     Announce,
@@ -32,7 +33,6 @@ from ._messages import (
     VersionReply,
     WaitVersion,
 )
-from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
 from .rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
 
 __all__ = ["ControlCore", "ControlClient"]
@@ -64,7 +64,11 @@ class ControlCore:
 
     def channel_options(self, target: int) -> dict[str, Any]:
         name = "the controller" if target == CONTROLLER else f"storage unit {target}"
-        hint = " (restart the cluster)" if target == CONTROLLER else " (the controller retires it and counts its samples lost)"
+        hint = (
+            " (restart the cluster)"
+            if target == CONTROLLER
+            else " (the controller retires it and counts its samples lost)"
+        )
         return {"name": f"{name} at {self.target_address(target)}", "hint": hint, "credentials": self.credentials}
 
     @staticmethod

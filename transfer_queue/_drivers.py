@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -65,7 +66,14 @@ class _InFlight:
 
     __slots__ = ("flow", "calls", "sent", "result", "since")
 
-    def __init__(self, flow: Flow, calls: list[Call] | None, sent: list[tuple[Channel, int]], result: Any = None, since: float = 0.0):
+    def __init__(
+        self,
+        flow: Flow,
+        calls: list[Call] | None,
+        sent: list[tuple[Channel, int]],
+        result: Any = None,
+        since: float = 0.0,
+    ):
         self.flow, self.calls, self.sent, self.result, self.since = flow, calls, sent, result, since
 
 
@@ -200,7 +208,9 @@ class AsyncDriver:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = AsyncChannel(address, self._core.codec, **self._core.channel_options(target))
+            channel = self._channels[address] = AsyncChannel(
+                address, self._core.codec, **self._core.channel_options(target)
+            )
         return channel
 
     async def _call(self, call: Call) -> tuple[Any, list[Any]]:

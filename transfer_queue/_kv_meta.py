@@ -47,10 +47,10 @@ class KVBatchMeta:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def _with(self, keys: list[str], tags: list[dict]) -> "KVBatchMeta":
+    def _with(self, keys: list[str], tags: list[dict]) -> KVBatchMeta:
         return KVBatchMeta(keys, tags, self.partition_id, self.fields, self.extra_info)
 
-    def select_keys(self, keys_to_select: list[str]) -> "KVBatchMeta":
+    def select_keys(self, keys_to_select: list[str]) -> KVBatchMeta:
         """A batch of `keys_to_select` (in that order); `SchemaError` for duplicates or unknown keys."""
         if len(set(keys_to_select)) != len(keys_to_select):
             raise SchemaError("select_keys got duplicate keys")
@@ -67,7 +67,7 @@ class KVBatchMeta:
         self.keys = [self.keys[i] for i in indexes]
         self.tags = [self.tags[i] for i in indexes]
 
-    def chunk(self, chunks: int) -> list["KVBatchMeta"]:
+    def chunk(self, chunks: int) -> list[KVBatchMeta]:
         """`chunks` contiguous parts, the first `size % chunks` one sample longer (some may be empty)."""
         base, extra = divmod(self.size, chunks)
         out, start = [], 0
@@ -78,7 +78,7 @@ class KVBatchMeta:
         return out
 
     @classmethod
-    def concat(cls, data: list["KVBatchMeta"]) -> "KVBatchMeta":
+    def concat(cls, data: list[KVBatchMeta]) -> KVBatchMeta:
         """One batch of all non-empty parts, in order. They must share partition and fields, and
         agree on every `extra_info` key they share (`SchemaError` otherwise)."""
         parts = [m for m in data if m is not None and m.size]

@@ -27,8 +27,17 @@ from ._messages import ClusterConfig
 from .host import shm_prefix
 
 __all__ = [
-    "Backend", "LocalProcesses", "SECRET_ENV", "START_TIMEOUT", "ROOT", "controller_command", "storage_command",
-    "spawn", "address_of", "stop_processes", "remove_shm",
+    "Backend",
+    "LocalProcesses",
+    "SECRET_ENV",
+    "START_TIMEOUT",
+    "ROOT",
+    "controller_command",
+    "storage_command",
+    "spawn",
+    "address_of",
+    "stop_processes",
+    "remove_shm",
 ]
 
 SECRET_ENV = "SLUICE_SECRET"
@@ -67,7 +76,9 @@ class Backend(ABC):
         """Whether the controller is still running."""
         return self.alive()
 
-    def restart_controller(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> None:
+    def restart_controller(
+        self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str
+    ) -> None:
         """Start the controller again on `port` after it died (it replays `config.journal`).
 
         Raises:
@@ -109,7 +120,9 @@ class LocalProcesses(Backend):
     def controller_alive(self) -> bool:
         return bool(self.procs) and self.procs[0].poll() is None
 
-    def restart_controller(self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str) -> None:
+    def restart_controller(
+        self, config: ClusterConfig, cluster_id: str, port: int, secret: str, credentials: str
+    ) -> None:
         old = self.procs[0]
         if old.stdout is not None:
             old.stdout.close()
@@ -149,14 +162,34 @@ def remove_shm(cluster_id: str) -> None:
 
 def controller_command(config: ClusterConfig, cluster_id: str, port: int) -> list[str]:
     """Arguments of `python` that run the controller; every backend starts it this way."""
-    return ["-m", "controllers", "--config", msgspec.json.encode(config).decode(),
-            "--cluster-id", cluster_id, "--port", str(port)]
+    return [
+        "-m",
+        "controllers",
+        "--config",
+        msgspec.json.encode(config).decode(),
+        "--cluster-id",
+        cluster_id,
+        "--port",
+        str(port),
+    ]
 
 
 def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> list[str]:
     """Arguments of `python` that run storage unit `unit_id`, registering with `controller`."""
-    return ["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity),
-            "--cluster-id", cluster_id, "--controller", controller, "--host", host]
+    return [
+        "-m",
+        "storage",
+        "--unit-id",
+        str(unit_id),
+        "--capacity",
+        str(capacity),
+        "--cluster-id",
+        cluster_id,
+        "--controller",
+        controller,
+        "--host",
+        host,
+    ]
 
 
 def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:

@@ -287,6 +287,8 @@ class KvClear(_Msg, tag="kv_clear"):
 
     partition: str
     keys: list[str]
+
+
 class Export(_Msg, tag="export"):
     """A partition's committed samples, for a checkpoint (answered with `ExportReply`)."""
 

@@ -18,9 +18,18 @@ RAGGED = -1
 """Marks the first per-sample dimension of a ragged (jagged) field in `FieldSpec.shape`."""
 
 ITEMSIZE: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
-    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "msgpack": 1, "msgpack_data": 1,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "msgpack": 1,
+    "msgpack_data": 1,
 }
 """Bytes per element of every dtype that may cross the wire, by wire name."""
 
@@ -92,7 +101,7 @@ class BatchMeta(msgspec.Struct):
         """(first, last) policy version per sample."""
         return list(zip(self.policy_versions, self.version_last))
 
-    def chunk(self, n: int) -> list["BatchMeta"]:
+    def chunk(self, n: int) -> list[BatchMeta]:
         """Split into `n` contiguous parts (e.g. one per data-parallel rank); they share the lease."""
         if not isinstance(n, int) or n < 1:
             raise SchemaError(f"chunk needs a number of parts >= 1, got {n!r}")
@@ -100,7 +109,7 @@ class BatchMeta(msgspec.Struct):
         bounds = [size * i // n for i in range(n + 1)]
         return [self.select(range(bounds[i], bounds[i + 1])) for i in range(n)]
 
-    def select(self, positions) -> "BatchMeta":
+    def select(self, positions) -> BatchMeta:
         """A sub-batch with the samples at `positions` (same lease, same fields)."""
         pos = list(positions)
         return msgspec.structs.replace(
@@ -135,20 +144,22 @@ class BatchMeta(msgspec.Struct):
         """True for a non-empty batch: Sluice only hands out metas whose fields are all ready."""
         return len(self.indexes) > 0
 
-    def select_fields(self, field_names: list[str]) -> "BatchMeta":
+    def select_fields(self, field_names: list[str]) -> BatchMeta:
         """The same samples with only `field_names`; `SchemaError` names any field the batch lacks
         (with TransferQueue's key API: one that is not ready for every sample)."""
         missing = [f for f in field_names if f not in self.fields]
         if missing:
-            raise SchemaError(f"field(s) {missing} are not ready for every sample of this batch; it has {sorted(self.fields)}")
+            raise SchemaError(
+                f"field(s) {missing} are not ready for every sample of this batch; it has {sorted(self.fields)}"
+            )
         return msgspec.structs.replace(self, fields={f: self.fields[f] for f in field_names})
 
-    def select_samples(self, sample_indices: list[int]) -> "BatchMeta":
+    def select_samples(self, sample_indices: list[int]) -> BatchMeta:
         """TransferQueue's name for `select`."""
         return self.select(sample_indices)
 
     @classmethod
-    def concat(cls, data: list["BatchMeta"]) -> "BatchMeta":
+    def concat(cls, data: list[BatchMeta]) -> BatchMeta:
         """One batch of `data`'s samples in order; they must share partition, task and fields
         (`SchemaError` otherwise). Empty parts are skipped; no parts give `BatchMeta.empty()`."""
         parts = [m for m in data if len(m)]
@@ -172,6 +183,6 @@ class BatchMeta(msgspec.Struct):
         )
 
     @classmethod
-    def empty(cls, extra_info: dict | None = None) -> "BatchMeta":
+    def empty(cls, extra_info: dict | None = None) -> BatchMeta:
         """A batch with no samples (TransferQueue's `BatchMeta.empty`)."""
         return cls("", [], [], [], [], [], {}, extra_info=dict(extra_info or {}))

@@ -12,7 +12,8 @@ arbitrary Python object cannot cross its sockets.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -21,9 +22,7 @@ from ._errors import SchemaError
 
 __all__ = ["encode_values", "decode_values", "pack", "unpack", "ALLOWED"]
 
-ALLOWED = (
-    "None, bool, int, float, str, bytes, numpy arrays and scalars, and lists/dicts of these"
-)
+ALLOWED = "None, bool, int, float, str, bytes, numpy arrays and scalars, and lists/dicts of these"
 
 _EXT_ARRAY = 1  # [dtype.str, shape, raw bytes]
 _EXT_OBJECTS = 2  # [shape, [values...]] of a numpy object array

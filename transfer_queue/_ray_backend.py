@@ -98,7 +98,9 @@ class ServiceActor:
     ) -> str:
         """Start storage unit `unit_id`, registered with `controller`; return its address."""
         return self._start(
-            storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)), "SLUICE_STORAGE", secret,
+            storage_command(unit_id, capacity, cluster_id, controller, _node_host(host)),
+            "SLUICE_STORAGE",
+            secret,
             credentials,
         )
 
@@ -111,8 +113,11 @@ class ServiceActor:
     def where(self) -> dict[str, Any]:
         """`{"node_id": str, "node_ip": str, "pid": int}`: where the service runs (pid 0 once stopped)."""
         ray = _ray()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "pid": self._proc.pid if self._proc else 0}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": self._proc.pid if self._proc else 0,
+        }
 
     def alive(self) -> bool:
         """Whether the service process is still running."""
@@ -214,7 +219,9 @@ class RayActors(Backend):
         try:
             controller = actor_class.options(name=f"sluice-{cluster_id}-controller").remote()
             self.actors.append(controller)
-            ref = controller.start_controller.remote(msgspec.json.encode(config).decode(), cluster_id, port, secret, credentials)
+            ref = controller.start_controller.remote(
+                msgspec.json.encode(config).decode(), cluster_id, port, secret, credentials
+            )
             address = _gather(ray, [ref], START_TIMEOUT + _CALL_GRACE)[0]
             per_unit = config.storage_capacity // config.num_storage_units
             units = [
@@ -222,8 +229,10 @@ class RayActors(Backend):
                 for k, strategy in enumerate(_round_robin(ray, config.num_storage_units))
             ]
             self.actors.extend(units)
-            refs = [u.start_storage.remote(k, per_unit, cluster_id, address, config.host, secret, credentials)
-                    for k, u in enumerate(units)]
+            refs = [
+                u.start_storage.remote(k, per_unit, cluster_id, address, config.host, secret, credentials)
+                for k, u in enumerate(units)
+            ]
             addresses = [address, *_gather(ray, refs, START_TIMEOUT + _CALL_GRACE)]
             places = _gather(ray, [a.where.remote() for a in self.actors], _CALL_GRACE)
         except BaseException:

@@ -52,8 +52,11 @@ def _constraints(cls: type) -> list[tuple[str, str, object, float]]:
         kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
         for kind in kinds:
             if isinstance(kind, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
-                out += [(field.name, text, op, getattr(kind, name)) for name, op, text in _BOUNDS
-                        if getattr(kind, name) is not None]
+                out += [
+                    (field.name, text, op, getattr(kind, name))
+                    for name, op, text in _BOUNDS
+                    if getattr(kind, name) is not None
+                ]
     return out
 
 
@@ -104,7 +107,7 @@ class StalenessConfig(Checked, frozen=True):
         staleness_threshold: float | None = 0.0,
         partial_rollout: bool = False,
         max_staleness: int | None = None,
-    ) -> "StalenessConfig":
+    ) -> StalenessConfig:
         """The same production budget as verl's fully-async trainer with these settings.
 
         `ppo_mini_batch_size` counts samples (prompts x responses per prompt), as verl's
@@ -115,8 +118,11 @@ class StalenessConfig(Checked, frozen=True):
         Raises:
             SchemaError: a count is not positive, or the threshold or bound is negative.
         """
-        for name, value in (("ppo_mini_batch_size", ppo_mini_batch_size), ("require_batches", require_batches),
-                            ("trigger_parameter_sync_step", trigger_parameter_sync_step)):
+        for name, value in (
+            ("ppo_mini_batch_size", ppo_mini_batch_size),
+            ("require_batches", require_batches),
+            ("trigger_parameter_sync_step", trigger_parameter_sync_step),
+        ):
             if value <= 0:
                 raise SchemaError(f"{name} must be > 0, got {value}")
         return cls(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,13 @@ from ._objects import decode_values, encode_values
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 __all__ = [
-    "Columns", "as_bytes", "Assembler", "BufferPool", "torch_dtype", "dtype_name", "field_spec_of",
+    "Columns",
+    "as_bytes",
+    "Assembler",
+    "BufferPool",
+    "torch_dtype",
+    "dtype_name",
+    "field_spec_of",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE if name not in OBJECT_DTYPES}
@@ -78,7 +85,9 @@ class Columns:
     def __init__(self, data: TensorDict | Mapping[str, torch.Tensor]):
         if isinstance(data, TensorDict):
             if data.batch_dims != 1:
-                raise SchemaError(f"put needs a TensorDict with one batch dimension, got batch_size {list(data.batch_size)}")
+                raise SchemaError(
+                    f"put needs a TensorDict with one batch dimension, got batch_size {list(data.batch_size)}"
+                )
             items = list(data.items())
             self.n = int(data.batch_size[0])
         else:
@@ -101,11 +110,15 @@ class Columns:
                     "supported: build it with torch.nested.nested_tensor(..., layout=torch.jagged)"
                 )
             if tensor.dim() == 0:
-                raise SchemaError(f"field {name!r} is a 0-dim tensor; a field needs a batch dimension of {self.n} samples")
+                raise SchemaError(
+                    f"field {name!r} is a 0-dim tensor; a field needs a batch dimension of {self.n} samples"
+                )
             try:
                 spec = field_spec_of(tensor)
             except (KeyError, ValueError) as exc:
-                raise SchemaError(f"field {name!r}: unsupported tensor ({tensor.dtype}, nested={tensor.is_nested}): {exc}") from exc
+                raise SchemaError(
+                    f"field {name!r}: unsupported tensor ({tensor.dtype}, nested={tensor.is_nested}): {exc}"
+                ) from exc
             if spec.inner_numel == 0:
                 raise SchemaError(
                     f"field {name!r} has per-sample shape {list(tensor.shape[1:])}, which holds no elements; "
@@ -187,7 +200,7 @@ def _rows(value: Any) -> int:
     return int(value.shape[0]) if hasattr(value, "shape") and len(value.shape) else len(value)
 
 
-def _object_column(name: str, value: Any, n: int) -> "_Column":
+def _object_column(name: str, value: Any, n: int) -> _Column:
     """A non-tensor field as msgpack rows: `NonTensorData` (one value for the batch) becomes
     "msgpack_data", a `NonTensorStack`, list or numpy array one value per sample ("msgpack")."""
     dtype = "msgpack"
@@ -210,6 +223,8 @@ def _object_column(name: str, value: Any, n: int) -> "_Column":
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 class BufferPool:
     """Reuses the memory of output tensors that their users have dropped.
 

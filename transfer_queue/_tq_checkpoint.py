@@ -33,8 +33,9 @@ _FORMAT = "sluice-kv/1"
 _METADATA = "metadata.json"
 
 
-def save_checkpoint(checkpoint_dir: str | Path, *, include_storage: bool = True,
-                    metadata: dict[str, Any] | None = None) -> None:
+def save_checkpoint(
+    checkpoint_dir: str | Path, *, include_storage: bool = True, metadata: dict[str, Any] | None = None
+) -> None:
     """Write every partition's keys, tags and data to `checkpoint_dir` (replaced atomically).
 
     `include_storage` is accepted for TransferQueue's signature; Sluice's storage is in memory,
@@ -80,7 +81,9 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         raise FileNotFoundError(f"{_METADATA} not found in {source}")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != _FORMAT:
-        raise SchemaError(f"{source} is not a Sluice KV checkpoint (format {meta.get('format')!r}, expected {_FORMAT!r})")
+        raise SchemaError(
+            f"{source} is not a Sluice KV checkpoint (format {meta.get('format')!r}, expected {_FORMAT!r})"
+        )
     for path in sorted(source.glob("partition-*.msgpack")):
         record = unpack(path.read_bytes())
         partition, keys = record["partition"], record["keys"]
@@ -122,10 +125,19 @@ def _column_record(value: Any) -> dict[str, Any]:
         return {"kind": "stack", "values": value.tolist()}
     if value.is_nested:
         values = value.values()
-        return {"kind": "jagged", "dtype": dtype_name(value.dtype), "inner": list(values.shape[1:]),
-                "offsets": value.offsets().numpy().tobytes(), "values": as_bytes(values).numpy().tobytes()}
-    return {"kind": "dense", "dtype": dtype_name(value.dtype), "shape": list(value.shape),
-            "data": as_bytes(value).numpy().tobytes()}
+        return {
+            "kind": "jagged",
+            "dtype": dtype_name(value.dtype),
+            "inner": list(values.shape[1:]),
+            "offsets": value.offsets().numpy().tobytes(),
+            "values": as_bytes(values).numpy().tobytes(),
+        }
+    return {
+        "kind": "dense",
+        "dtype": dtype_name(value.dtype),
+        "shape": list(value.shape),
+        "data": as_bytes(value).numpy().tobytes(),
+    }
 
 
 def _column_from(record: dict[str, Any], n: int) -> Any:

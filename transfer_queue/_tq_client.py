@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -35,7 +36,6 @@ from ._meta import BatchMeta
 from ._tensors import is_non_tensor
 
 __all__ = ["TransferQueueClient"]
-
 
 
 def as_rows(data: TensorDict) -> TensorDict:
@@ -136,7 +136,9 @@ class TransferQueueClient:
         """
         return self._blocking(_put, data, metadata, partition_id)
 
-    async def async_put(self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+    async def async_put(
+        self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None
+    ) -> BatchMeta:
         """Write `data` (see `put`)."""
         return await self._awaiting(_put, data, metadata, partition_id)
 
@@ -177,8 +179,9 @@ class TransferQueueClient:
         """Delete the batch's samples (and their keys)."""
         await self._awaiting(_clear_samples, metadata)
 
-    def kv_batch_put(self, keys: list[str], partition_id: str, fields: TensorDict | None = None,
-                     tags: list[dict] | None = None) -> KVBatchMeta:
+    def kv_batch_put(
+        self, keys: list[str], partition_id: str, fields: TensorDict | None = None, tags: list[dict] | None = None
+    ) -> KVBatchMeta:
         """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`.
 
         Raises:
@@ -186,12 +189,15 @@ class TransferQueueClient:
         """
         return self._blocking(_kv_batch_put, keys, partition_id, fields, tags)
 
-    async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: TensorDict | None = None,
-                                 tags: list[dict] | None = None) -> KVBatchMeta:
+    async def async_kv_batch_put(
+        self, keys: list[str], partition_id: str, fields: TensorDict | None = None, tags: list[dict] | None = None
+    ) -> KVBatchMeta:
         """Create missing keys, write `fields`, then merge `tags` (see `kv_batch_put`)."""
         return await self._awaiting(_kv_batch_put, keys, partition_id, fields, tags)
 
-    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None) -> TensorDict:
+    def kv_batch_get(
+        self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None
+    ) -> TensorDict:
         """The fields of `keys` as a TensorDict in key order.
 
         Raises:
@@ -199,7 +205,9 @@ class TransferQueueClient:
         """
         return self._blocking(_kv_batch_get, keys, partition_id, select_fields)
 
-    async def async_kv_batch_get(self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None) -> TensorDict:
+    async def async_kv_batch_get(
+        self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None
+    ) -> TensorDict:
         """The fields of `keys` as a TensorDict in key order (see `kv_batch_get`)."""
         return await self._awaiting(_kv_batch_get, keys, partition_id, select_fields)
 
@@ -228,8 +236,10 @@ def _get_data(core: ClientCore, metadata: BatchMeta) -> Flow:
     data = yield from core.get_data(metadata)
     return as_dense(data)
 
-def _put(core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None,
-        partition_id: str | None = None) -> Flow:
+
+def _put(
+    core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None
+) -> Flow:
     """Write `data`: new columns of `metadata`'s samples, or (no metadata) new samples of
     `partition_id`. Returns the metadata with the written fields added."""
     if metadata is None:
@@ -240,12 +250,13 @@ def _put(core: ClientCore, data: TensorDict, metadata: BatchMeta | None = None,
         return metadata
     return (yield from core.put(as_rows(data), meta=metadata))
 
-def _kv_retrieve_meta(core: ClientCore, keys: list[str] | str, partition_id: str,
-                     create: bool = False) -> Flow:
+
+def _kv_retrieve_meta(core: ClientCore, keys: list[str] | str, partition_id: str, create: bool = False) -> Flow:
     """The `BatchMeta` of `keys` (their fields ready for every key); `create=True` adds the
     keys the partition lacks. `SchemaError` names missing keys when not creating."""
     reply = yield from _resolve(core, [keys] if isinstance(keys, str) else list(keys), partition_id, create)
     return reply.meta
+
 
 def _kv_retrieve_keys(core: ClientCore, global_indexes: list[int] | int, partition_id: str) -> Flow:
     """The keys of `global_indexes` in `partition_id`."""
@@ -253,17 +264,25 @@ def _kv_retrieve_keys(core: ClientCore, global_indexes: list[int] | int, partiti
     reply = yield from core.one(CONTROLLER, KvKeys(partition_id, indexes), KvKeysReply)
     return reply.keys
 
+
 def _kv_list(core: ClientCore, partition_id: str | None = None) -> Flow:
     """`{partition: {key: tags}}` of one partition, or of every partition with keys."""
     reply = yield from core.one(CONTROLLER, KvList(partition_id), KvListReply)
     return reply.partitions
 
+
 def _clear_samples(core: ClientCore, metadata: BatchMeta) -> Flow:
     """Delete the batch's samples (and their keys)."""
     yield from core.clear(metadata)
 
-def _kv_batch_put(core: ClientCore, keys: list[str], partition_id: str,
-                 fields: TensorDict | None = None, tags: list[dict] | None = None) -> Flow:
+
+def _kv_batch_put(
+    core: ClientCore,
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict] | None = None,
+) -> Flow:
     """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`."""
     resolved = yield from _resolve(core, keys, partition_id, True)
     meta = resolved.meta
@@ -277,8 +296,10 @@ def _kv_batch_put(core: ClientCore, keys: list[str], partition_id: str,
             mine.update(new)
     return KVBatchMeta(list(keys), merged, partition_id, meta.field_names, {})
 
-def _kv_batch_get(core: ClientCore, keys: list[str], partition_id: str,
-                 select_fields: Sequence[str] | None = None) -> Flow:
+
+def _kv_batch_get(
+    core: ClientCore, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None
+) -> Flow:
     """The fields of `keys` as a TensorDict in key order; `SchemaError` (a `ValueError`) for
     missing keys or for a field not ready for every key."""
     reply = yield from _resolve(core, keys, partition_id, False)
@@ -288,9 +309,11 @@ def _kv_batch_get(core: ClientCore, keys: list[str], partition_id: str,
     data = yield from core.get_data(meta)
     return as_dense(data)
 
+
 def _kv_clear(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
     """Delete `keys` and their samples (unknown keys are ignored)."""
     yield from core.one(CONTROLLER, KvClear(partition_id, list(keys)), Ok)
+
 
 def _kv_resolve(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
     """`KvMetaReply` of `keys`: their meta, tags, and the fields ready for only some of them."""

@@ -34,8 +34,9 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._auth import Credentials
 from ._errors import ClosedError, SchemaError
@@ -49,10 +50,22 @@ if TYPE_CHECKING:
     from ._tq_client import TransferQueueClient
 
 __all__ = [
-    "init", "close", "get_client", "get_metrics_endpoint",
-    "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear",
-    "async_kv_put", "async_kv_batch_put", "async_kv_batch_get", "async_kv_batch_get_by_meta",
-    "async_kv_list", "async_kv_clear",
+    "init",
+    "close",
+    "get_client",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
 ]
 
 ENV_ADDRESS = "SLUICE_TQ_ADDRESS"
@@ -63,8 +76,10 @@ RAY_NAMESPACE = "transfer_queue"
 _DEFAULTS: dict[str, Any] = {
     "metrics": {"enabled": False, "port": 0},
     "controller": {"sampler": "SequentialSampler", "polling_mode": False},
-    "backend": {"storage_backend": "SimpleStorage",
-                "SimpleStorage": {"total_storage_size": None, "num_data_storage_units": 2}},
+    "backend": {
+        "storage_backend": "SimpleStorage",
+        "SimpleStorage": {"total_storage_size": None, "num_data_storage_units": 2},
+    },
     "sluice": {"storage_capacity": "2GiB"},
 }
 
@@ -103,7 +118,9 @@ def init(*args: Any, **kwargs: Any) -> Any:
     if "conf" in kwargs or (len(args) == 1 and not kwargs and (args[0] is None or isinstance(args[0], Mapping))):
         conf = kwargs.pop("conf") if "conf" in kwargs else args[0]
         if kwargs or (conf is not None and not isinstance(conf, Mapping)):
-            raise SchemaError(f"init(conf) takes one mapping (TransferQueue's config), got {type(conf).__name__} and {sorted(kwargs)}")
+            raise SchemaError(
+                f"init(conf) takes one mapping (TransferQueue's config), got {type(conf).__name__} and {sorted(kwargs)}"
+            )
         return _tq_init(conf)
     if not args and not kwargs and _find() is not None:
         return _tq_init(None)
@@ -130,7 +147,12 @@ def _tq_init(conf: Mapping | None) -> Any:
         host = cluster.address.rsplit(":", 1)[0].split("//", 1)[1]
         merged["metrics"]["endpoint"] = f"{host}:{kwargs['metrics_port']}"
     creds = cluster.client_credentials
-    face = _Face(cluster.address, merged, TransferQueueClient(cluster.address, f"TransferQueueClient_{os.getpid()}", creds), cluster)
+    face = _Face(
+        cluster.address,
+        merged,
+        TransferQueueClient(cluster.address, f"TransferQueueClient_{os.getpid()}", creds),
+        cluster,
+    )
     try:
         if under_ray:
             face.registry = _register_with_ray(cluster.address, merged, creds)
@@ -298,7 +320,9 @@ def _sluice_kwargs(conf: dict[str, Any]) -> dict[str, Any]:
     allowed |= set(_STALENESS_KEYS)
     unknown = sorted(set(extra) - allowed)
     if unknown:
-        raise SchemaError(f"unknown key(s) {unknown} under transfer_queue.sluice; Sluice's init takes {sorted(allowed)}")
+        raise SchemaError(
+            f"unknown key(s) {unknown} under transfer_queue.sluice; Sluice's init takes {sorted(allowed)}"
+        )
     kwargs = {k: v for k, v in extra.items() if k not in _STALENESS_KEYS}
     if any(k in extra for k in _STALENESS_KEYS):
         kwargs["staleness"] = StalenessConfig(**{k: extra[k] for k in _STALENESS_KEYS if k in extra})
@@ -326,7 +350,9 @@ def _one_row(key: str, fields: Any) -> TensorDict:
     if isinstance(fields, TensorDict):
         return fields
     if not isinstance(fields, Mapping):
-        raise SchemaError(f"kv_put's fields for key {key!r} must be a dict or a TensorDict, got {type(fields).__name__}")
+        raise SchemaError(
+            f"kv_put's fields for key {key!r} must be a dict or a TensorDict, got {type(fields).__name__}"
+        )
     batch = {}
     for name, value in fields.items():
         if isinstance(value, torch.Tensor):
@@ -364,16 +390,22 @@ def _by_meta_fields(meta: KVBatchMeta, select_fields: str | Sequence[str] | None
     return fields
 
 
-def kv_put(key: str, partition_id: str, fields: Any = None, tag: dict | None = None,
-           data_parser: Any = None) -> KVBatchMeta:
+def kv_put(
+    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+) -> KVBatchMeta:
     """Write one key: `fields` (a dict of per-sample values or a one-row TensorDict) and/or merge
     `tag` into its tags. Returns its `KVBatchMeta`. `SchemaError` when both are None."""
     rows = None if fields is None else _one_row(key, fields)
     return kv_batch_put([key], partition_id, rows, None if tag is None else [tag], data_parser)
 
 
-def kv_batch_put(keys: list[str], partition_id: str, fields: TensorDict | None = None,
-                 tags: list[dict] | None = None, data_parser: Any = None) -> KVBatchMeta:
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict] | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
     """Write `fields` (batch size = len(keys)) for `keys`, creating missing keys, then merge `tags`.
 
     Tags become visible only after the data is written. Raises `SchemaError` for mismatched
@@ -383,8 +415,7 @@ def kv_batch_put(keys: list[str], partition_id: str, fields: TensorDict | None =
     return get_client().kv_batch_put(list(keys), partition_id, fields, tags)
 
 
-def kv_batch_get(keys: list[str] | str, partition_id: str,
-                 select_fields: list[str] | str | None = None) -> TensorDict:
+def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> TensorDict:
     """The fields of `keys` (all fields ready for every key, or `select_fields`) as a TensorDict.
 
     Raises `SchemaError` (a `ValueError`) for unknown keys or a field not ready for every key.
@@ -407,22 +438,29 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     get_client().kv_clear(_listed(keys), partition_id)
 
 
-async def async_kv_put(key: str, partition_id: str, fields: Any = None, tag: dict | None = None,
-                       data_parser: Any = None) -> KVBatchMeta:
+async def async_kv_put(
+    key: str, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+) -> KVBatchMeta:
     """`kv_put` for asyncio code."""
     rows = None if fields is None else _one_row(key, fields)
     return await async_kv_batch_put([key], partition_id, rows, None if tag is None else [tag], data_parser)
 
 
-async def async_kv_batch_put(keys: list[str], partition_id: str, fields: TensorDict | None = None,
-                             tags: list[dict] | None = None, data_parser: Any = None) -> KVBatchMeta:
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict] | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
     """`kv_batch_put` for asyncio code."""
     _check_put(keys, fields, tags, data_parser)
     return await get_client().async_kv_batch_put(list(keys), partition_id, fields, tags)
 
 
-async def async_kv_batch_get(keys: list[str] | str, partition_id: str,
-                             select_fields: list[str] | str | None = None) -> TensorDict:
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> TensorDict:
     """`kv_batch_get` for asyncio code."""
     return await get_client().async_kv_batch_get(_listed(keys), partition_id, _listed(select_fields))
 

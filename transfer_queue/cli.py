@@ -21,8 +21,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator, Sequence
-
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ._control import ControlClient
 from ._errors import SchemaError, SluiceError
@@ -122,7 +122,9 @@ def _probe(address: str) -> None:
     try:
         socket.create_connection((host, port), timeout=_PROBE_TIMEOUT).close()
     except OSError as exc:
-        raise SluiceError(f"no Sluice controller reachable at {address} ({exc.strerror or exc}); is `sluice serve` running?") from exc
+        raise SluiceError(
+            f"no Sluice controller reachable at {address} ({exc.strerror or exc}); is `sluice serve` running?"
+        ) from exc
 
 
 def status(args: argparse.Namespace) -> int:
@@ -169,25 +171,40 @@ def _as_tables(now: dict, before: dict) -> str:
         for i, (task, t) in enumerate(tasks):
             counts = ["", "", ""] if t is None else [t["pending"], t["leased"], t["consumed"]]
             rows.append((head if i == 0 else [""] * len(head)) + [task, *counts])
-    out += _table(["PARTITION", "SAMPLES", "COMMITTED", "SEALED", "BYTES", "TASK", "READY", "LEASED", "CONSUMED"],
-                  rows or [["(none)", "", "", "", "", "", "", "", ""]])
+    out += _table(
+        ["PARTITION", "SAMPLES", "COMMITTED", "SEALED", "BYTES", "TASK", "READY", "LEASED", "CONSUMED"],
+        rows or [["(none)", "", "", "", "", "", "", "", ""]],
+    )
     stale = now["staleness"]
     hist = "  ".join(f"{k}:{v}" for k, v in stale["histogram"].items()) or "none served"
-    out += ["", f"staleness of served samples (versions behind: count)  {hist}",
-            f"too stale: dropped {stale['dropped']}  kept {stale['kept']}  requeued {stale['requeued']}"]
+    out += [
+        "",
+        f"staleness of served samples (versions behind: count)  {hist}",
+        f"too stale: dropped {stale['dropped']}  kept {stale['kept']}  requeued {stale['requeued']}",
+    ]
     adm = now["admission"]
     budget = "unbounded" if adm["budget"] is None else adm["budget"]
-    out += [f"admission: accepted {adm['accepted']}  running {adm['running']}  budget {budget}  "
-            f"waiting {adm['waiting']}  waits {adm['waits']} ({adm['wait_seconds']:.2f}s)", ""]
-    units = [[k, _bytes(u["bytes"]), _bytes(u["capacity"]), f"{100 * u['bytes'] / max(u['capacity'], 1):.1f}%", u["address"]]
-             for k, u in now["units"].items()]
+    out += [
+        f"admission: accepted {adm['accepted']}  running {adm['running']}  budget {budget}  "
+        f"waiting {adm['waiting']}  waits {adm['waits']} ({adm['wait_seconds']:.2f}s)",
+        "",
+    ]
+    units = [
+        [k, _bytes(u["bytes"]), _bytes(u["capacity"]), f"{100 * u['bytes'] / max(u['capacity'], 1):.1f}%", u["address"]]
+        for k, u in now["units"].items()
+    ]
     out += _table(["UNIT", "BYTES", "CAPACITY", "USED", "ADDRESS"], units)
     dt = now["uptime_s"] - before["uptime_s"]
-    rates = {k: (now["counters"][k] - before["counters"][k]) / dt if dt > 0 else 0.0
-             for k in ("samples_put", "samples_served", "samples_acked")}
-    out += ["", f"throughput over {dt:.1f}s: put {rates['samples_put']:.1f}/s  served "
-            f"{rates['samples_served']:.1f}/s  acked {rates['samples_acked']:.1f}/s  "
-            f"(open leases {now['counters']['open_leases']})"]
+    rates = {
+        k: (now["counters"][k] - before["counters"][k]) / dt if dt > 0 else 0.0
+        for k in ("samples_put", "samples_served", "samples_acked")
+    }
+    out += [
+        "",
+        f"throughput over {dt:.1f}s: put {rates['samples_put']:.1f}/s  served "
+        f"{rates['samples_served']:.1f}/s  acked {rates['samples_acked']:.1f}/s  "
+        f"(open leases {now['counters']['open_leases']})",
+    ]
     return "\n".join(out)
 
 
@@ -196,7 +213,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     numeric = [all(isinstance(row[i], int) or row[i] == "" for row in rows) for i in range(len(headers))]
-    return ["  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip() for r in cells]
+    return [
+        "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip() for r in cells
+    ]
 
 
 def _bytes(n: float) -> str:
@@ -217,21 +236,33 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start a controller and storage units; stop with Ctrl-C or SIGTERM")
     s.add_argument("--units", type=int, default=2, help="storage units (default 2)")
     s.add_argument("--capacity", type=_size, default="2GiB", help="total storage, e.g. 512MiB (default 2GiB)")
-    s.add_argument("--max-staleness", type=int, default=None, help="η: versions a consumed sample may lag (default unbounded)")
-    s.add_argument("--consumer-batch-size", type=int, default=64, help="trainer samples per version, for admission (default 64)")
-    s.add_argument("--lease-timeout", type=float, default=300.0, help="seconds a consumer may hold samples unacked (default 300)")
+    s.add_argument(
+        "--max-staleness", type=int, default=None, help="η: versions a consumed sample may lag (default unbounded)"
+    )
+    s.add_argument(
+        "--consumer-batch-size", type=int, default=64, help="trainer samples per version, for admission (default 64)"
+    )
+    s.add_argument(
+        "--lease-timeout", type=float, default=300.0, help="seconds a consumer may hold samples unacked (default 300)"
+    )
     s.add_argument("--stale-policy", choices=("drop", "keep", "requeue"), default="drop")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--host", default="127.0.0.1", help="interface the services bind (default loopback)")
     s.add_argument("--port", type=int, default=0, help="controller port (default: a free one)")
-    s.add_argument("--journal", default=None, metavar="PATH",
-                   help="record the controller's state in PATH; a controller that dies is restarted from it "
-                        "and loses no acked put")
+    s.add_argument(
+        "--journal",
+        default=None,
+        metavar="PATH",
+        help="record the controller's state in PATH; a controller that dies is restarted from it "
+        "and loses no acked put",
+    )
     s.set_defaults(run=serve)
 
     st = sub.add_parser("status", help="show a cluster's partitions, tasks, staleness, admission, storage and rates")
     st.add_argument("address", help="the controller's address, e.g. tcp://127.0.0.1:41000")
-    st.add_argument("--watch", type=_positive, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    st.add_argument(
+        "--watch", type=_positive, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
+    )
     st.add_argument("--json", action="store_true", help="print the raw status dict")
     st.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for each answer (default 5)")
     st.set_defaults(run=status)

@@ -18,7 +18,14 @@ import os
 import socket
 
 __all__ = [
-    "host_id", "shm_prefix", "arena_path", "open_arena", "map_file", "unmap", "keep_freed_memory", "reachable",
+    "host_id",
+    "shm_prefix",
+    "arena_path",
+    "open_arena",
+    "map_file",
+    "unmap",
+    "keep_freed_memory",
+    "reachable",
 ]
 
 SHM_DIR = "/dev/shm"

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -27,7 +28,7 @@ from .layout import numel
 from .plan import Copy, Plan
 from .protocol import Checksums, Confirm, Granted, Latest, Offer, Pull, RelayPull, RpcClient
 from .ranks import PublisherRanks
-from .receivers import ReceiveSettings, Receiver, Targets
+from .receivers import Receiver, ReceiveSettings, Targets
 from .staging import Slot, SlotTable
 from .transports import Job, Source
 from .transports.stream import read_chunks
@@ -97,21 +98,28 @@ class BackgroundReceiver(Receiver):
                 with self.cond:
                     if self.closed:
                         return
-                    self._error = exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"weight transfer failed: {exc!r}")
+                    self._error = (
+                        exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"weight transfer failed: {exc!r}")
+                    )
                     self.cond.notify_all()
                     self.cond.wait(_RETRY_SECONDS)
 
     def _await_free_buffer(self) -> bool:
         """With one buffer, wait until the version in it was applied; False once closed."""
         with self.cond:
-            while len(self.table.slots) == 1 and self._received is not None and self._received.version > self.targets.version:
+            while (
+                len(self.table.slots) == 1
+                and self._received is not None
+                and self._received.version > self.targets.version
+            ):
                 if self.closed:
                     return False
                 self.cond.wait(1.0)
             return not self.closed
 
-    def _ready(self, version: int, plan: Plan, slot: Slot, filled: int, buffer: torch.Tensor,
-               checksums: dict[int, Checksums]) -> None:
+    def _ready(
+        self, version: int, plan: Plan, slot: Slot, filled: int, buffer: torch.Tensor, checksums: dict[int, Checksums]
+    ) -> None:
         """Mark `version` whole in `slot`; it stays pinned until applied or superseded."""
         self._fetched = version
         self.table.advance(slot, filled, complete=True)
@@ -177,7 +185,7 @@ class BackgroundReceiver(Receiver):
 
 
 class ReadsReceiver(BackgroundReceiver):
-    """"reads" transports: pull each rank's planned reads back to back into one buffer."""
+    """ "reads" transports: pull each rank's planned reads back to back into one buffer."""
 
     mode = "reads"
 
@@ -186,7 +194,9 @@ class ReadsReceiver(BackgroundReceiver):
             return
         after = max(self._fetched, self.targets.version)
         try:
-            offer: Offer = self._coordinator.call(Latest(after, not self.settings.pipelined, 1.0), timeout=1.0 + self.timeout)
+            offer: Offer = self._coordinator.call(
+                Latest(after, not self.settings.pipelined, 1.0), timeout=1.0 + self.timeout
+            )
         except TimeoutError:
             return
         if offer.version <= after:
@@ -211,7 +221,7 @@ class ReadsReceiver(BackgroundReceiver):
         finally:
             self.ranks.release(grants)
         self.last_sources = sources
-        self._ready(version, plan, slot, plan.nbytes, slot.segment.tensor, checksums)
+        self._ready(version, plan, slot, plan.nbytes, slot.mapped.tensor, checksums)
 
     def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot) -> str:
         """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank.
@@ -237,7 +247,7 @@ class ReadsReceiver(BackgroundReceiver):
 
 
 class ImageReceiver(BackgroundReceiver):
-    """"image" transports: rank 0's whole slot is broadcast into a buffer of ours; keeps two
+    """ "image" transports: rank 0's whole slot is broadcast into a buffer of ours; keeps two
     buffers by default, so it can go on receiving while a version waits to be applied."""
 
     mode = "image"
@@ -251,10 +261,21 @@ class ImageReceiver(BackgroundReceiver):
         def into(nbytes: int) -> torch.Tensor:
             nonlocal slot
             slot = self.table.claim(job.version, nbytes, self.timeout)
-            return slot.segment.tensor
+            return slot.mapped.tensor
 
-        job = Job(0, max(self._fetched, self.targets.version) + 1, 0, self.ranks.info[0].data[self.ranks.transport.name],
-                  None, [], [], 0, into, lambda n: None, self.timeout)
+        job = Job(
+            0,
+            max(self._fetched, self.targets.version) + 1,
+            0,
+            self.ranks.info[0].data[self.ranks.transport.name],
+            None,
+            [],
+            [],
+            0,
+            into,
+            lambda n: None,
+            self.timeout,
+        )
         try:
             image = self.ranks.transport.receive(job)
             plan = self.ranks.plan((job.manifest,))
@@ -291,7 +312,9 @@ class RelaySource(Source):
         if not isinstance(request, RelayPull) or request.plan != rx.ranks.signature:
             raise WeightSyncError("this relay serves only subscribers with the same plan")
         with rx.cond:  # the downstream may ask before this relay has started on the version
-            rx.cond.wait_for(lambda: rx.closed or (rx.holding is not None and rx.holding[0] >= request.version), rx.timeout)
+            rx.cond.wait_for(
+                lambda: rx.closed or (rx.holding is not None and rx.holding[0] >= request.version), rx.timeout
+            )
             holding = rx.holding
         if holding is None or holding[0] != request.version:
             raise WeightSyncError(f"this relay does not hold version {request.version}")
@@ -302,7 +325,7 @@ class RelaySource(Source):
         copies = [c for c in holding[1].copies if c.rank == request.rank]
 
         def views():  # noqa: ANN202
-            buffer = slot.segment.tensor
+            buffer = slot.mapped.tensor
             for c in copies:
                 slot.wait_filled(c.recv + c.read.nbytes, request.version, rx.timeout)
                 position = c.recv

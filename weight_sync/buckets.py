@@ -10,12 +10,12 @@ its weights as soon as it returns.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from .manifest import Entry, Manifest, dtype_name, dtype_of
 from .layout import Layout
+from .manifest import Entry, Manifest, dtype_name, dtype_of
 
 __all__ = ["ALIGN", "layout_buckets", "pack"]
 
@@ -47,7 +47,9 @@ def layout_buckets(
     return Manifest(rank, world_size, bucket_bytes, num_buckets, tuple(entries))
 
 
-def pack(manifest: Manifest, tensors: Sequence[torch.Tensor], slot: torch.Tensor, progress: Callable[[int], None]) -> None:
+def pack(
+    manifest: Manifest, tensors: Sequence[torch.Tensor], slot: torch.Tensor, progress: Callable[[int], None]
+) -> None:
     """Copy `tensors` (in manifest order) into `slot`, casting to each entry's wire dtype.
 
     `progress(nbytes)` is called whenever bytes [0, nbytes) are staged and at least one more

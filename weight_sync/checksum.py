@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from transfer_queue._errors import WeightSyncError
+from transfer_queue import WeightSyncError
 
 from .manifest import Manifest
 from .plan import Plan, Read

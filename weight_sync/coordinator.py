@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import msgspec
 
-from transfer_queue._errors import WeightSyncError
+from transfer_queue import WeightSyncError
 
 from .protocol import (
     Confirm,
@@ -51,8 +51,12 @@ class Coordinator:
     """
 
     def __init__(
-        self, info: RankInfo, world_size: int, park: Callable[[Pending, float, str], None],
-        submit: Callable[[Callable[[], None]], None], record: Callable[[int], None] | None,
+        self,
+        info: RankInfo,
+        world_size: int,
+        park: Callable[[Pending, float, str], None],
+        submit: Callable[[Callable[[], None]], None],
+        record: Callable[[int], None] | None,
     ):
         self.world_size = world_size
         self.park = park
@@ -145,7 +149,12 @@ class Coordinator:
         ready = len(self.ranks) == self.world_size
         if ready and self.complete > msg.after:
             pending.reply(Offer(self.complete, True, self._rank_list()))
-        elif ready and not msg.complete and self.started > max(msg.after, self.complete) and self.started not in self.abandoned:
+        elif (
+            ready
+            and not msg.complete
+            and self.started > max(msg.after, self.complete)
+            and self.started not in self.abandoned
+        ):
             pending.reply(Offer(self.started, False, self._rank_list()))
         elif msg.timeout <= 0:
             pending.reply(Offer(self.complete if ready else -1, True, self._rank_list() if ready else []))

@@ -11,11 +11,11 @@ arithmetic the reshard planner (`plan.py`) is built from.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 
-from transfer_queue._errors import SchemaError
+from transfer_queue import SchemaError
 
 __all__ = ["Box", "Layout", "Piece", "intersect", "subtract", "flat_boxes", "numel"]
 
@@ -189,5 +189,3 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
             out.append(Piece(glo, ghi, offset))
             offset += numel(glo, ghi)
         return out
-
-

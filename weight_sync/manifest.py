@@ -23,7 +23,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """"bfloat16" -> `torch.bfloat16`."""
+    """ "bfloat16" -> `torch.bfloat16`."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")

@@ -17,12 +17,12 @@ does this for Llama/Qwen-style checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import torch
 
-from transfer_queue._errors import SchemaError
+from transfer_queue import SchemaError
 
 from .layout import Box, Layout
 
@@ -91,7 +91,9 @@ class FlatShard:
         """The layout of this rank's flat shard of `name` (`local` must hold exactly it)."""
         layout = Layout.full(self.shapes[name]).flat_shard(self.rank, self.size)
         if local.numel() != layout.numel:
-            raise SchemaError(f"{name}: local shard has {local.numel()} elements, rank {self.rank}/{self.size} holds {layout.numel}")
+            raise SchemaError(
+                f"{name}: local shard has {local.numel()} elements, rank {self.rank}/{self.size} holds {layout.numel}"
+            )
         return layout
 
 
@@ -113,11 +115,15 @@ class NameMapping:
     fused name fragment to its parts, concatenated along dim 0 in that order.
     """
 
-    def __init__(self, rename: Callable[[str], str | None] | None = None, fuse: Mapping[str, Sequence[str]] | None = None):
+    def __init__(
+        self, rename: Callable[[str], str | None] | None = None, fuse: Mapping[str, Sequence[str]] | None = None
+    ):
         self.rename = rename or strip_wrappers
         self.fuse = {f".{k}.": tuple(f".{p}." for p in v) for k, v in (fuse or {}).items()}
 
-    def bind(self, sources: Mapping[str, Sequence[int]], targets: Mapping[str, torch.Tensor], shard: TPShard) -> list[Binding]:
+    def bind(
+        self, sources: Mapping[str, Sequence[int]], targets: Mapping[str, torch.Tensor], shard: TPShard
+    ) -> list[Binding]:
         """One `Binding` per part of every target tensor.
 
         `sources` maps trainer names to global shapes. Raises `SchemaError` when a target has
@@ -140,14 +146,18 @@ class NameMapping:
                 view = tensor.narrow(0, row, rows) if len(parts) > 1 else tensor
                 want = tuple(h - l for l, h in zip(*box))
                 if tuple(view.shape) != want:
-                    raise SchemaError(f"{target}: local part for {source} has shape {tuple(view.shape)}, its TP slice is {want}")
+                    raise SchemaError(
+                        f"{target}: local part for {source} has shape {tuple(view.shape)}, its TP slice is {want}"
+                    )
                 out.append(Binding(target, source, box, view))
                 row += rows
             if len(parts) > 1 and row != tensor.shape[0]:
                 raise SchemaError(f"{target}: parts fill {row} of {tensor.shape[0]} rows")
         return out
 
-    def _parts(self, target, by_name, sources, targets, shard) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None:
+    def _parts(
+        self, target, by_name, sources, targets, shard
+    ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None:
         """(source, origin, shape) of each region of a source that makes up `target`."""
         if target in by_name:
             shape = tuple(sources[by_name[target]])

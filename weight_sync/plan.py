@@ -12,13 +12,13 @@ subscriber moves every byte it needs exactly once and nothing else.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import msgspec
 import torch
 
-from transfer_queue._errors import SchemaError
+from transfer_queue import SchemaError
 
 from .layout import Box, Piece, intersect, numel, subtract
 from .manifest import Manifest
@@ -84,7 +84,9 @@ def plan_tensor(sources: Sequence[Iterable[Piece]], target: Box, first: int = 0)
                 left += subtract(box, piece.box)
             remaining = left
     if remaining:
-        raise SchemaError(f"the publishers hold no data for {sum(numel(*b) for b in remaining)} needed elements, e.g. box {remaining[0]}")
+        raise SchemaError(
+            f"the publishers hold no data for {sum(numel(*b) for b in remaining)} needed elements, e.g. box {remaining[0]}"
+        )
     return out
 
 
@@ -127,7 +129,9 @@ def build_plan(manifests: Sequence[Manifest], bindings: Sequence[Binding], first
     entries: dict[str, list] = {}
     for manifest in manifests:
         for entry in manifest.entries:
-            entries.setdefault(entry.name, [[] for _ in manifests])[manifest.rank].append((manifest.start(entry), entry))
+            entries.setdefault(entry.name, [[] for _ in manifests])[manifest.rank].append(
+                (manifest.start(entry), entry)
+            )
     pending: list[tuple[int, Read, torch.dtype, Binding, Box]] = []
     for i, binding in enumerate(bindings):
         held = entries.get(binding.source)
@@ -135,7 +139,9 @@ def build_plan(manifests: Sequence[Manifest], bindings: Sequence[Binding], first
             raise SchemaError(f"{binding.target}: the publishers do not stage {binding.source!r}")
         dtypes = {e.dtype for per_rank in held for _, e in per_rank}
         if dtypes != {str(binding.view.dtype).removeprefix("torch.")}:
-            raise SchemaError(f"{binding.target}: published as {sorted(dtypes)}, held as {binding.view.dtype}; declare a cast at the publisher")
+            raise SchemaError(
+                f"{binding.target}: published as {sorted(dtypes)}, held as {binding.view.dtype}; declare a cast at the publisher"
+            )
         dtype = binding.view.dtype
         starts = {}
         pieces: list[list[Piece]] = []

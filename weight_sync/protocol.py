@@ -22,13 +22,24 @@ Requests, and what answers them::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 
-from transfer_queue._errors import WeightSyncError
+from transfer_queue import WeightSyncError
 from transfer_queue.rpc import (
-    Cancel, Channel, Codec, Credentials, ErrorReply, Message, Ok, Pending, Ping, ThreadService, credentials_from_env,
+    Cancel,
+    Channel,
+    Codec,
+    Credentials,
+    ErrorReply,
+    Message,
+    Ok,
+    Pending,
+    Ping,
+    ThreadService,
+    credentials_from_env,
 )
 
 from .manifest import Manifest
@@ -58,6 +69,7 @@ __all__ = [
     "Request",
     "directory_key",
 ]
+
 
 def directory_key(name: str) -> str:
     """The controller key under which channel `name`'s coordinator announces its `RankInfo`."""
@@ -215,9 +227,17 @@ class RpcClient(Channel):
     time raises `WeightSyncError`. `credentials` default to `SLUICE_CREDENTIALS` (as the
     publisher's do)."""
 
-    def __init__(self, endpoint: str, timeout: float = 10.0, connect_timeout: float = 2.0, credentials: Credentials | None = None):
+    def __init__(
+        self, endpoint: str, timeout: float = 10.0, connect_timeout: float = 2.0, credentials: Credentials | None = None
+    ):
         super().__init__(
-            endpoint, Codec(Reply), name=f"the publisher at {endpoint}",
-            credentials=credentials if credentials is not None else credentials_from_env(), timeout=timeout,
-            connect_timeout=connect_timeout, lost=WeightSyncError, late=WeightSyncError, watch_disconnect=True,
+            endpoint,
+            Codec(Reply),
+            name=f"the publisher at {endpoint}",
+            credentials=credentials if credentials is not None else credentials_from_env(),
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            lost=WeightSyncError,
+            late=WeightSyncError,
+            watch_disconnect=True,
         )

@@ -14,18 +14,20 @@ finisher, and whatever the transports serve with.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import torch
 
 import transfer_queue as tq
-from transfer_queue._errors import SchemaError, TimeoutError, VersionError, WeightSyncError
+from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
+from transfer_queue.host import host_id
 from transfer_queue.rpc import Credentials, credentials_from_env
 
 from .buckets import layout_buckets, pack
@@ -59,14 +61,12 @@ from .protocol import (
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
 from .transports.stream import gather, read_chunks
-from transfer_queue.host import host_id
 
 __all__ = ["WeightPublisher"]
 
 log = logging.getLogger("sluice.weight_sync")
 
 _KEPT_MANIFESTS = 8
-
 
 
 Sharding = TPShard | FlatShard | Mapping[str, Layout] | None
@@ -145,15 +145,20 @@ class WeightPublisher:
         self._server = serve(self._handle, f"tcp://{host}:*", self.credentials)
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
         self._coordinator = (
-            Coordinator(self.info, world_size, self._server.park, self._server.submit, self._record if self._client else None)
-            if rank == 0 else None
+            Coordinator(
+                self.info, world_size, self._server.park, self._server.submit, self._record if self._client else None
+            )
+            if rank == 0
+            else None
         )
         self._upstream: RpcClient | None = None
         if rank == 0:
             if self._client is not None:
                 self._controller(lambda c: c.announce(directory_key(name), msgspec.msgpack.encode(self.info)))
         else:
-            self._upstream = RpcClient(coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials)
+            self._upstream = RpcClient(
+                coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials
+            )
             self._upstream.call(Join(self.info))
         self._finished: queue.Queue = queue.Queue()
         self._finisher = threading.Thread(target=self._finish_loop, name="sluice-ws-finisher", daemon=True)
@@ -174,7 +179,9 @@ class WeightPublisher:
             raise ValueError("ranks > 0 need the controller's address or `coordinator=` (rank 0's endpoint)")
         raw = self._controller(lambda c: c.lookup(directory_key(self.name), timeout=self.timeout))
         if raw is None:
-            raise TimeoutError(f"rank 0 of weight channel {self.name!r} did not announce itself within {self.timeout} s")
+            raise TimeoutError(
+                f"rank 0 of weight channel {self.name!r} did not announce itself within {self.timeout} s"
+            )
         return msgspec.msgpack.decode(raw, type=RankInfo).control
 
     def _controller(self, call):  # noqa: ANN001, ANN202 - one blocking client, several threads
@@ -212,10 +219,11 @@ class WeightPublisher:
         self._last = version
         self._server.submit(lambda: self._on_started(version))
         for transport in self._transports.values():
-            lease, _ = self._table.lease(version)
-            transport.send(slot, lambda lease=lease: self._table.release(lease))
+            got = self._table.lease(version)
+            assert got is not None  # the slot was claimed for `version` just above
+            transport.send(slot, functools.partial(self._table.release, got[0]))
         try:
-            pack(manifest, [t for _, t in items], slot.segment.tensor, lambda n: self._table.advance(slot, n))
+            pack(manifest, [t for _, t in items], slot.mapped.tensor, lambda n: self._table.advance(slot, n))
         except Exception as exc:
             self._table.fail(slot)
             self._finished.put((slot, version, False))
@@ -234,7 +242,9 @@ class WeightPublisher:
             layout.check()
             flat = layout.flat_stop >= 0
             if (flat and layout.numel != tensor.numel()) or (not flat and layout.local_shape != tuple(tensor.shape)):
-                raise SchemaError(f"{name}: local tensor of shape {tuple(tensor.shape)} does not match its layout {layout}")
+                raise SchemaError(
+                    f"{name}: local tensor of shape {tuple(tensor.shape)} does not match its layout {layout}"
+                )
             specs.append((name, self.cast.get(tensor.dtype, tensor.dtype), layout))
         manifest = layout_buckets(specs, self.bucket_bytes, self.rank, self.world_size)
         self._manifest_key = key
@@ -256,14 +266,15 @@ class WeightPublisher:
         while (job := self._finished.get()) is not None:
             slot, version, ok = job
             if ok and self.validate:
-                self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.segment.tensor)
+                self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
             if ok:
                 self._table.advance(slot, slot.manifest.nbytes, complete=True)
-            if self._coordinator is not None:
-                self._server.submit(lambda v=version, ok=ok: self._coordinator.on_staged(0, v, ok))
-            else:
+            coordinator, upstream = self._coordinator, self._upstream
+            if coordinator is not None:
+                self._server.submit(functools.partial(coordinator.on_staged, 0, version, ok))
+            elif upstream is not None:
                 try:
-                    self._upstream.call(Staged(self.rank, version, ok))
+                    upstream.call(Staged(self.rank, version, ok))
                 except Exception as exc:  # noqa: BLE001 - rank 0 gone: subscribers will notice too
                     log.warning("could not tell rank 0 that version %d is staged: %s", version, exc)
 
@@ -302,11 +313,15 @@ class WeightPublisher:
         if got is None:
             if msg.version > self._started and not self._closed:
                 self._lease_waiters.append((msg, pending))
-                self._server.park(pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time")
+                self._server.park(
+                    pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
+                )
                 return
-            raise WeightSyncError(f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})")
+            raise WeightSyncError(
+                f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
+            )
         lease, slot = got
-        info = SlotInfo(slot.index, slot.generation, slot.size, slot.segment.path)
+        info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path)
         pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg)))
 
     def _relay_source(self, msg: Lease) -> str:
@@ -335,7 +350,7 @@ class WeightPublisher:
         snapshot = self._snapshots.get(slot.index)
         if snapshot is None:
             raise WeightSyncError("this publisher was not started with validate=True")
-        return snapshot.verify(slot.manifest, slot.segment.tensor, msg.reads)
+        return snapshot.verify(slot.manifest, slot.mapped.tensor, msg.reads)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -383,7 +398,7 @@ class _SlotSource(Source):
             for read in request.reads:
                 slot.wait_filled(read.end, request.version, self.timeout)
                 for box in read_chunks(read):
-                    yield gather(slot.segment.tensor, read, box, scratch)
+                    yield gather(slot.mapped.tensor, read, box, scratch)
 
         def done(ok: bool) -> None:
             if not ok:

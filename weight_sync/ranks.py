@@ -7,7 +7,7 @@ checksums for validation; and the `Job` a transport is handed for one rank.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -111,18 +111,26 @@ class PublisherRanks:
         """The ranks' checksums of what `plan` reads from each (validation mode)."""
         return {
             r: self.call(r, Verify(g.lease, plan.reads(r)), timeout=self.timeout * 4)
-            for r, g in enumerate(grants) if plan.reads(r)
+            for r, g in enumerate(grants)
+            if plan.reads(r)
         }
 
-    def job(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot | None = None,
-            table: SlotTable | None = None) -> Job:
+    def job(
+        self,
+        rank: int,
+        version: int,
+        grant: Granted,
+        plan: Plan,
+        slot: Slot | None = None,
+        table: SlotTable | None = None,
+    ) -> Job:
         """What the transport needs to bring in rank `rank`'s reads of `plan`, into `slot` of
         `table` (receive buffers) or, with no slot, straight from the rank's memory ("map")."""
         start = plan.regions[rank][0]
         copies = [c for c in plan.copies if c.rank == rank]
 
         def into(nbytes: int) -> torch.Tensor:
-            return slot.segment.tensor[start : start + nbytes]
+            return slot.mapped.tensor[start : start + nbytes]
 
         def progress(nbytes: int) -> None:
             table.advance(slot, start + nbytes)

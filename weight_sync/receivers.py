@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -39,7 +40,9 @@ class Targets:
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 
-    def apply(self, version: int, plan: Plan, source: Callable[[Copy], torch.Tensor], checksums: dict[int, Checksums]) -> None:
+    def apply(
+        self, version: int, plan: Plan, source: Callable[[Copy], torch.Tensor], checksums: dict[int, Checksums]
+    ) -> None:
         """Copy every planned read into the tensors, then check checksums if validating.
 
         A source tensor the publisher found changed since staging stops the apply before any
@@ -51,7 +54,9 @@ class Targets:
         """
         corrupt = sorted({name for c in checksums.values() for name in c.corrupt})
         if corrupt:
-            raise WeightSyncError(f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}")
+            raise WeightSyncError(
+                f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}"
+            )
         start = time.perf_counter()
         with torch.no_grad():
             for copy in plan.copies:
@@ -108,7 +113,7 @@ class Receiver(ABC):
 
 
 class MappedReceiver(Receiver):
-    """"map" transports: each `poll` copies straight from the publishers' mapped slots."""
+    """ "map" transports: each `poll` copies straight from the publishers' mapped slots."""
 
     mode = "map"
 
@@ -124,8 +129,10 @@ class MappedReceiver(Receiver):
         grants = self.ranks.lease_all(offer.version)
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
-            slots = {rank: self.ranks.transport.receive(self.ranks.job(rank, offer.version, grant, plan))
-                     for rank, grant in enumerate(grants)}
+            slots = {
+                rank: self.ranks.transport.receive(self.ranks.job(rank, offer.version, grant, plan))
+                for rank, grant in enumerate(grants)
+            }
             checksums = self._checksums(plan, grants)
             self.targets.apply(offer.version, plan, lambda c: c.read.view(slots[c.rank], c.dtype), checksums)
         finally:

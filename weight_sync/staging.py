@@ -20,10 +20,11 @@ import os
 import threading
 import time
 import warnings
+from typing import Any
 
 import torch
 
-from transfer_queue._errors import TimeoutError, WeightSyncError
+from transfer_queue import TimeoutError, WeightSyncError
 from transfer_queue.host import map_file, unmap
 
 __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
@@ -91,13 +92,20 @@ class Slot:
         self.failed = False
         self.leases: dict[int, float] = {}
         """Lease id -> monotonic deadline."""
-        self.manifest = None
+        self.manifest: Any = None
         """What the owner staged here (a publisher's `Manifest`), set after `claim`."""
         self._cond = cond
 
     @property
     def size(self) -> int:
         return self.segment.size if self.segment is not None else 0
+
+    @property
+    def mapped(self) -> Segment:
+        """The segment of a claimed slot (only a slot never claimed has none)."""
+        if self.segment is None:
+            raise WeightSyncError(f"staging slot {self.index} was never claimed")
+        return self.segment
 
     def busy(self, now: float) -> bool:
         return any(deadline > now for deadline in self.leases.values())
@@ -149,7 +157,9 @@ class SlotTable:
                         self._reset(slot, version, size)
                         return slot
                 if now >= deadline:
-                    raise TimeoutError(f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow")
+                    raise TimeoutError(
+                        f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow"
+                    )
                 expiry = min(d for s in self.slots for d in s.leases.values() if d > now)
                 self.cond.wait(min(deadline, expiry) - now)
 

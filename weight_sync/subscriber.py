@@ -15,7 +15,7 @@ thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import msgspec
 import torch
@@ -25,11 +25,11 @@ import transfer_queue as tq
 from transfer_queue import TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 
+from .background import ImageReceiver, ReadsReceiver
 from .mapping import NameMapping, TPShard
 from .protocol import Latest, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
-from .background import ImageReceiver, ReadsReceiver
-from .receivers import MappedReceiver, ReceiveSettings, Receiver, Targets
+from .receivers import MappedReceiver, Receiver, ReceiveSettings, Targets
 from .transports import AUTO_ORDER, Transport, resolve
 
 __all__ = ["WeightSubscriber"]
@@ -131,6 +131,7 @@ class WeightSubscriber:
         self._check_open()
         if self._receiver is None and not self._start(timeout=0.0):
             return None
+        assert self._receiver is not None  # _start made it
         return self._receiver.poll(timeout=0.0)
 
     def wait(self, version: int, timeout: float = 30.0) -> int:
@@ -149,6 +150,7 @@ class WeightSubscriber:
                 raise TimeoutError(f"version {version} was not applied within {timeout} s (holding {self.version})")
             if self._receiver is None and not self._start(timeout=left):
                 continue
+            assert self._receiver is not None  # _start made it
             self._receiver.poll(timeout=left)
         return self.version
 
@@ -178,15 +180,12 @@ class WeightSubscriber:
         if self._closed:
             raise tq.ClosedError("this subscriber was closed")
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise tq.ClosedError("this subscriber was closed")
-
     def _start(self, timeout: float) -> bool:
         """Find the publishers, pick a transport and start its receiver; False if the
         publishers are not all there yet."""
         endpoint = self._publisher
         if endpoint is None:
+            assert self._client is not None  # __init__ requires an address or a publisher endpoint
             raw = self._client.lookup(directory_key(self.name), timeout=timeout)
             if raw is None:
                 return False
@@ -203,7 +202,9 @@ class WeightSubscriber:
                 time.sleep(min(timeout, _RETRY_SECONDS))
             return False
         transport = self._choose(offer.ranks)
-        self._ranks = PublisherRanks(offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout)
+        self._ranks = PublisherRanks(
+            offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
+        )
         self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, self._settings)
         return True
 
@@ -211,7 +212,9 @@ class WeightSubscriber:
         """The first offered transport that every rank serves (shm only on this host); the
         others are closed."""
         here = host_id()
-        order = sorted(self._offered, key=lambda t: AUTO_ORDER.index(t.name) if t.name in AUTO_ORDER else len(AUTO_ORDER))
+        order = sorted(
+            self._offered, key=lambda t: AUTO_ORDER.index(t.name) if t.name in AUTO_ORDER else len(AUTO_ORDER)
+        )
         for transport in order:
             if all(transport.name in r.data and (transport.mode != "map" or r.host == here) for r in ranks):
                 for other in self._offered:
@@ -219,7 +222,9 @@ class WeightSubscriber:
                         other.close()
                 self._offered = [transport]
                 return transport
-        raise WeightSyncError(f"no common transport: this side has {[t.name for t in self._offered]}, the publishers serve {sorted(ranks[0].data)}")
+        raise WeightSyncError(
+            f"no common transport: this side has {[t.name for t in self._offered]}, the publishers serve {sorted(ranks[0].data)}"
+        )
 
 
 def _tensors(model_or_tensors: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -232,5 +237,14 @@ def _signature(targets: Mapping[str, torch.Tensor], shard: TPShard, mapping: Nam
     """Identifies what this subscriber needs: equal signatures mean equal plans (relays)."""
     needs = [[n, list(t.shape), str(t.dtype)] for n, t in targets.items()]
     return xxhash.xxh3_64_intdigest(
-        msgspec.msgpack.encode([needs, shard.rank, shard.size, sorted(shard.dims.items()), sorted(mapping.fuse.items()), mapping.rename.__qualname__])
+        msgspec.msgpack.encode(
+            [
+                needs,
+                shard.rank,
+                shard.size,
+                sorted(shard.dims.items()),
+                sorted(mapping.fuse.items()),
+                mapping.rename.__qualname__,
+            ]
+        )
     )

@@ -39,7 +39,8 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,7 +103,9 @@ class VllmEngine(Engine):
         )
         pid, fused = self.llm.collective_rpc(_keep_weights, args=(initial,))[0]
         if pid != os.getpid():
-            raise RuntimeError("vLLM's worker runs in another process; the engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            raise RuntimeError(
+                "vLLM's worker runs in another process; the engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0"
+            )
         self._fused: dict[str, torch.Tensor] = fused
         shapes = {name: tuple(t.shape) for name, t in initial.items()}
         self._views = {b.source: b.view for b in QWEN.bind(shapes, fused, TPShard())}
@@ -156,7 +159,9 @@ class VllmEngine(Engine):
             output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    def _stepped(self, prompts: list[Any], params: list[SamplingParams], interrupt: Callable[[], bool]) -> list[tuple[list[int], list[float], bool]]:
+    def _stepped(
+        self, prompts: list[Any], params: list[SamplingParams], interrupt: Callable[[], bool]
+    ) -> list[tuple[list[int], list[float], bool]]:
         """Drive the engine one step at a time, stopping at the first step `interrupt` is True."""
         from vllm.inputs import tokens_input
 
@@ -230,7 +235,10 @@ def _keep_weights(worker: Any, initial: Mapping[str, torch.Tensor]) -> tuple[int
             fused = _fused_shape(name, shapes)
             layer.weight = torch.nn.Parameter(torch.zeros(fused, dtype=layer.weight.dtype), requires_grad=False)
     params = dict(model.named_parameters())
-    targets = {name: p.data[: shapes[name][0]] if name in shapes and p.shape[0] > shapes[name][0] else p.data for name, p in params.items()}
+    targets = {
+        name: p.data[: shapes[name][0]] if name in shapes and p.shape[0] > shapes[name][0] else p.data
+        for name, p in params.items()
+    }
     with torch.no_grad():
         for b in QWEN.bind(shapes, targets, TPShard()):
             b.view.copy_(initial[b.source])

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
 
 import msgspec
 import torch
@@ -52,8 +53,15 @@ class SluiceCheckpointEngine(CheckpointEngine):
         timeout: seconds a receiver waits for a version.
     """
 
-    def __init__(self, bucket_size: int, is_master: bool = False, address: str | None = None,
-                 transport: str = "auto", name: str = "policy", timeout: float = 600.0):
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        address: str | None = None,
+        transport: str = "auto",
+        name: str = "policy",
+        timeout: float = 600.0,
+    ):
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.address = address or tq.get_client().address
@@ -73,8 +81,9 @@ class SluiceCheckpointEngine(CheckpointEngine):
         return {"address": self.address}
 
     @classmethod
-    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
-                       metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Each worker only needs its rank: publishers and subscribers meet at the controller."""
         return {"rank": list(range(actor_wg_world_size))}, {"rank": list(range(rollout_world_size))}
 
@@ -106,14 +115,17 @@ class SluiceCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {}
         if self._publisher is None:
-            self._publisher = WeightPublisher(self.address, self.transport, name=self.name,
-                                              bucket_bytes=max(self.bucket_size, 1 << 20))
+            self._publisher = WeightPublisher(
+                self.address, self.transport, name=self.name, bucket_bytes=max(self.bucket_size, 1 << 20)
+            )
             shapes = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()}
             with tq.connect(self.address) as client:
                 client.announce(_shapes_key(self.name), msgspec.msgpack.encode(shapes))
         await asyncio.to_thread(self._publisher.publish, tensors, version)
-        return {"sluice/weight_sync/publish_s": time.perf_counter() - start,
-                "sluice/weight_sync/bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        return {
+            "sluice/weight_sync/publish_s": time.perf_counter() - start,
+            "sluice/weight_sync/bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
 
     # -- rollout side ---------------------------------------------------------------------
 
@@ -135,5 +147,6 @@ class SluiceCheckpointEngine(CheckpointEngine):
             raise tq.TimeoutError(f"no trainer published weights {self.name!r} within {self.timeout} s")
         shapes = msgspec.msgpack.decode(raw)
         self._targets = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (dtype, shape) in shapes.items()}
-        self._subscriber = WeightSubscriber(self.address, self._targets, transport=self.transport,
-                                            name=self.name, timeout=self.timeout)
+        self._subscriber = WeightSubscriber(
+            self.address, self._targets, transport=self.transport, name=self.name, timeout=self.timeout
+        )

@@ -39,9 +39,13 @@ def staleness_from_verl(config: Any) -> tuple[tq.StalenessConfig, str]:
     Raises `tq.SchemaError` for an unknown `max_off_policy_strategy`.
     """
     mode = _get(config, "trainer.v1.trainer_mode", "sync")
-    sync_steps = int(_get(config, "async_training.trigger_parameter_sync_step")
-                     or (_get(config, "trainer.v1.separate_async.parameter_sync_step", 1) if mode == "separate_async" else 1))
-    samples_per_step = int(_get(config, "data.train_batch_size", 1)) * int(_get(config, "actor_rollout_ref.rollout.n", 1))
+    sync_steps = int(
+        _get(config, "async_training.trigger_parameter_sync_step")
+        or (_get(config, "trainer.v1.separate_async.parameter_sync_step", 1) if mode == "separate_async" else 1)
+    )
+    samples_per_step = int(_get(config, "data.train_batch_size", 1)) * int(
+        _get(config, "actor_rollout_ref.rollout.n", 1)
+    )
     threshold = _get(config, "trainer.v1.sampler.max_off_policy_threshold")
     strategy = _get(config, "trainer.v1.sampler.max_off_policy_strategy", "drop")
     if strategy not in ("drop", "wait"):

@@ -10,18 +10,31 @@ import pytest
 
 from controllers import journal as journal_mod
 from controllers.service import Controller
-from transfer_queue._messages import (
-    Ack, BeginPut, ClearPartition, ClusterConfig, CommitPut, RegisterUnit, RowInfo, Seal, SetVersion, UnitInfo,
-)
 from transfer_queue._errors import SchemaError
+from transfer_queue._messages import (
+    Ack,
+    BeginPut,
+    ClearPartition,
+    ClusterConfig,
+    CommitPut,
+    RegisterUnit,
+    RowInfo,
+    Seal,
+    SetVersion,
+    UnitInfo,
+)
 from transfer_queue._meta import FieldSpec
 
 SPECS = {"x": FieldSpec("int64", ())}
 
 
 def _controller(path) -> Controller:
-    ctl = Controller(ClusterConfig(num_storage_units=1, storage_capacity=1 << 30, journal=str(path)),
-                     "tcp://127.0.0.1:*", cluster_id="journaltest", secret="s")
+    ctl = Controller(
+        ClusterConfig(num_storage_units=1, storage_capacity=1 << 30, journal=str(path)),
+        "tcp://127.0.0.1:*",
+        cluster_id="journaltest",
+        secret="s",
+    )
     return ctl
 
 

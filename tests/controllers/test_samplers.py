@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controllers.placement import place_rows
 from controllers.samplers import FifoSampler, GroupSampler, SampleView, SeqlenBalancedSampler
@@ -12,7 +13,11 @@ from transfer_queue import SchemaError
 
 
 def _view(n, groups=None, seqlens=None):
-    return SampleView(np.asarray(groups if groups is not None else range(n)), np.asarray(seqlens if seqlens is not None else [0] * n), np.zeros(n, np.int64))
+    return SampleView(
+        np.asarray(groups if groups is not None else range(n)),
+        np.asarray(seqlens if seqlens is not None else [0] * n),
+        np.zeros(n, np.int64),
+    )
 
 
 def test_fifo_waits_for_a_full_batch_unless_partial():
@@ -35,7 +40,9 @@ def test_seqlen_balanced_is_a_permutation_with_equal_counts(lengths, dp):
     assert max(loads) - min(loads) <= max(lengths[:n])  # greedy LPT bound
 
 
-@given(st.dictionaries(st.integers(0, 3), st.integers(0, 10**6), min_size=1), st.integers(1, 1000), st.integers(1, 10**5))
+@given(
+    st.dictionaries(st.integers(0, 3), st.integers(0, 10**6), min_size=1), st.integers(1, 1000), st.integers(1, 10**5)
+)
 def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_bytes):
     units = place_rows(used, n, row_bytes)
     assert len(units) == n

@@ -60,7 +60,10 @@ def stalled_producer(address: str, via: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.Popen(
         [sys.executable, "-c", STALLED_PRODUCER, address, via],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()
     assert line.strip() == "WRITTEN", f"the producer did not get its put written: {line!r}"

@@ -4,7 +4,6 @@ changes nothing; invalid UTF-8 on the wire is a counted `ProtocolError`."""
 from __future__ import annotations
 
 import time
-
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -16,6 +15,7 @@ import transfer_queue as tq
 from transfer_queue.rpc import pack_prefix
 
 from ..peers import peer, raw
+
 
 def _td(n: int = 2) -> TensorDict:
     return TensorDict({"x": torch.zeros(n, 4)}, batch_size=[n])
@@ -84,6 +84,7 @@ def test_unknown_field_is_named_at_the_deadline(client):
     meta = client.get_meta(["x"], 2, task="writer", timeout=5)
     client.seal("train")
     with ThreadPoolExecutor(1) as pool:
+
         def wait_for_y():
             with tq.connect(client.address) as other:
                 return other.get_meta(["y"], 2, task="t", timeout=30)

@@ -45,7 +45,10 @@ def test_checkpoint_restores_samples_progress_and_leases_onto_other_units(tmp_pa
         before_scores = _rows(client, "train", ["id", "score"])
         assert client.save_checkpoint(tmp_path / "ckpt") == 36
         assert len(leased) == 8
-    with tq.init(num_storage_units=3, storage_capacity="96MiB", restore=tmp_path / "ckpt") as second, second.connect() as client:
+    with (
+        tq.init(num_storage_units=3, storage_capacity="96MiB", restore=tmp_path / "ckpt") as second,
+        second.connect() as client,
+    ):
         status = client.status()
         assert status["version"] == 3 and sorted(status["units"]) == ["0", "1", "2"]
         train = status["partitions"]["train"]
@@ -86,8 +89,10 @@ def test_checkpoint_keeps_version_spans_versionless_prompts_and_requeue_sources(
         spans = _spans(client)
         assert spans[0] == (1, 3) and spans[4] == (2, 2)
         client.save_checkpoint(tmp_path / "ckpt")
-    with tq.init(num_storage_units=2, storage_capacity="32MiB", restore=tmp_path / "ckpt", **config) as second, \
-            second.connect() as client:
+    with (
+        tq.init(num_storage_units=2, storage_capacity="32MiB", restore=tmp_path / "ckpt", **config) as second,
+        second.connect() as client,
+    ):
         assert _spans(client) == spans
         assert client.status()["partitions"]["prompts"]["tasks"]["rollout"]["consumed"] == 8
         client.set_version(5)  # every train sample is now stale: their prompts go back to the rollout task

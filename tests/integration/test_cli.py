@@ -23,8 +23,15 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.e
 
 
 def _sluice(*args: str, **popen: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "transfer_queue.cli", *args], cwd=ROOT, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "transfer_queue.cli", *args],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
 
 
 def _address(serve: subprocess.Popen, timeout: float = 60.0) -> str:
@@ -70,8 +77,11 @@ def test_serve_status_and_clean_stop():
     try:
         address = _address(serve)
         with tq.connect(address) as client:
-            client.put(TensorDict({"x": torch.ones(16, 4)}, batch_size=[16]), partition="train",
-                       groups=[i // 8 for i in range(16)])
+            client.put(
+                TensorDict({"x": torch.ones(16, 4)}, batch_size=[16]),
+                partition="train",
+                groups=[i // 8 for i in range(16)],
+            )
             client.ack(client.get_meta(["x"], 8, task="actor_update", partition="train", timeout=5))
             cluster_id = client.status()["cluster_id"]
         table, as_json = _sluice("status", address), _sluice("status", address, "--json")

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-import zmq
 import torch
+import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
@@ -41,7 +41,9 @@ def test_schema_violations_are_typed_and_change_nothing(client):
     with pytest.raises(tq.SchemaError, match="no field"):
         client.get_data(meta, fields=["nope"])
     with pytest.raises(tq.SchemaError):
-        client.ack(meta.__class__(**{**{f: getattr(meta, f) for f in meta.__struct_fields__}, "indexes": [999999, 999998]}))
+        client.ack(
+            meta.__class__(**{**{f: getattr(meta, f) for f in meta.__struct_fields__}, "indexes": [999999, 999998]})
+        )
 
 
 def test_put_into_a_sealed_partition_is_refused(client):
@@ -57,7 +59,10 @@ def test_put_into_a_sealed_partition_is_refused(client):
 
 def test_full_storage_pushes_back_then_recovers():
     with tq.init(num_storage_units=1, storage_capacity="8MiB") as cluster, cluster.connect() as client:
-        big = lambda: TensorDict({"x": torch.zeros(16, 65536)}, batch_size=[16])  # 4 MiB
+
+        def big() -> TensorDict:
+            return TensorDict({"x": torch.zeros(16, 65536)}, batch_size=[16])  # 4 MiB
+
         client.put(big())
         meta = client.put(big())
         started = time.monotonic()

@@ -7,7 +7,8 @@ import random
 import time
 
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import transfer_queue as tq
@@ -44,7 +45,9 @@ def test_each_task_gets_every_sample_exactly_once(batches, consumer_batch, delay
     ctx = mp.get_context("spawn")
     with tq.init(num_storage_units=2, storage_capacity="64MiB") as cluster:
         out = ctx.Queue()
-        producers = [ctx.Process(target=_produce, args=(cluster.address, i, b, delay, seed + i)) for i, b in enumerate(batches)]
+        producers = [
+            ctx.Process(target=_produce, args=(cluster.address, i, b, delay, seed + i)) for i, b in enumerate(batches)
+        ]
         # two consumers share task "train" (competing), one more task reads everything on its own
         consumers = [
             ctx.Process(target=_consume, args=(cluster.address, task, consumer_batch, delay, seed + 10 + k, out))

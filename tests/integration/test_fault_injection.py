@@ -32,7 +32,11 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": ROOT}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.chaos_worker", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=ROOT,
         )
         self.lines = lines
         self.ready = threading.Event()
@@ -71,7 +75,10 @@ def chaos(seconds: float, seed: int, kill_unit: bool) -> dict:
     rng = random.Random(seed)
     lines: list = []
     figures = Counter()
-    with tq.init(num_storage_units=2, storage_capacity="64MiB", lease_timeout=2.0) as cluster, cluster.connect() as client:
+    with (
+        tq.init(num_storage_units=2, storage_capacity="64MiB", lease_timeout=2.0) as cluster,
+        cluster.connect() as client,
+    ):
         bases = iter(range(0, 10**9, 10**6))
         producers = [Worker(lines, "producer", cluster.address, str(next(bases))) for _ in range(2)]
         consumers = [Worker(lines, "consumer", cluster.address) for _ in range(2)]
@@ -140,7 +147,15 @@ def chaos(seconds: float, seed: int, kill_unit: bool) -> dict:
 
 def _check(figures: Counter) -> None:
     assert figures["acked_puts"] > 0 and figures["delivered"] > 0
-    for key in ("lost_unaccounted", "duplicated_acks", "torn", "uncommitted_rows_left", "leaked_rows", "leaked_bytes", "hangs"):
+    for key in (
+        "lost_unaccounted",
+        "duplicated_acks",
+        "torn",
+        "uncommitted_rows_left",
+        "leaked_rows",
+        "leaked_bytes",
+        "hangs",
+    ):
         assert figures[key] == 0, (key, dict(figures))
     assert figures["controller_death_reported_s"] < 15  # 5 s of silence, then the worker exits
 

@@ -72,7 +72,9 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
         cluster.backend.procs[0].wait()
         killed_at = len(acked_puts)
         # the clients notice (ServiceError after 5 s of silence), then the controller comes back
-        eventually(lambda: failures["producer"] >= 2 and failures["consumer"] >= 1, 30, "clients saw the controller die")
+        eventually(
+            lambda: failures["producer"] >= 2 and failures["consumer"] >= 1, 30, "clients saw the controller die"
+        )
         cluster.restart_controller()
         eventually(lambda: len(acked_puts) >= killed_at + 400, 60, "puts after the restart")
         stop.set()
@@ -92,9 +94,11 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
         delivered = acked + rest
         lost = acked_puts - set(delivered)
         duplicated = len(acked) - len(set(acked))
-        print(f"\njournal: {len(acked_puts)} samples acked by put ({killed_at} before the kill), {len(acked)} "
-              f"acked by the consumer, lost {len(lost)}, duplicated acks {duplicated}; failures {failures}; "
-              f"journal {journal.stat().st_size} bytes")
+        print(
+            f"\njournal: {len(acked_puts)} samples acked by put ({killed_at} before the kill), {len(acked)} "
+            f"acked by the consumer, lost {len(lost)}, duplicated acks {duplicated}; failures {failures}; "
+            f"journal {journal.stat().st_size} bytes"
+        )
         assert not lost, sorted(lost)[:10]
         assert duplicated == 0
         assert status["counters"]["open_puts"] == 0

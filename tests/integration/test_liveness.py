@@ -29,6 +29,7 @@ def _td(n: int) -> TensorDict:
 
 def _blocked_calls(address: str) -> dict:
     """Calls that block on the controller, each in its own thread and client."""
+
     def stream(c):
         for _ in c.stream(["x"], 4, task="never"):
             pass
@@ -61,7 +62,9 @@ def test_dead_controller_is_reported_from_every_call():
             except BaseException as exc:  # noqa: BLE001
                 results[name] = (exc, time.monotonic() - kill_time[0] if killed.is_set() else -1.0)
 
-        threads = [threading.Thread(target=run, args=item, daemon=True) for item in _blocked_calls(cluster.address).items()]
+        threads = [
+            threading.Thread(target=run, args=item, daemon=True) for item in _blocked_calls(cluster.address).items()
+        ]
         for t in threads:
             t.start()
         with tq.connect(cluster.address) as probe:
@@ -144,9 +147,22 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
     os.unlink(client.units[1].shm_path)
     env = {**os.environ, "PYTHONPATH": ROOT, "SLUICE_SECRET": cluster.secret}
     back = subprocess.Popen(
-        [sys.executable, "-m", "storage", "--unit-id", "1", "--capacity", str(128 << 20), "--cluster-id",
-         cluster.cluster_id, "--controller", cluster.address],
-        stdout=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "storage",
+            "--unit-id",
+            "1",
+            "--capacity",
+            str(128 << 20),
+            "--cluster-id",
+            cluster.cluster_id,
+            "--controller",
+            cluster.address,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert back.stdout.readline().startswith("SLUICE_STORAGE ")

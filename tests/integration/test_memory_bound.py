@@ -65,7 +65,9 @@ def test_flooded_unit_stays_within_capacity_plus_ten_percent():
         for t in threads:
             t.join(60)
         peak = _status_kib(pid, "VmHWM")
-        print(f"\nunit RSS: base {base >> 20} MiB (with the {CAPACITY >> 20} MiB arena), peak {peak >> 20} MiB "
-              f"(+{(peak - base) / CAPACITY:.1%} of capacity); {outcome}")
+        print(
+            f"\nunit RSS: base {base >> 20} MiB (with the {CAPACITY >> 20} MiB arena), peak {peak >> 20} MiB "
+            f"(+{(peak - base) / CAPACITY:.1%} of capacity); {outcome}"
+        )
         assert not errors, errors
         assert peak - base <= CAPACITY // 10, f"peak {(peak - base) / CAPACITY:.1%} of capacity over the arena"

@@ -36,7 +36,7 @@ def test_killed_producer_mid_put_leaves_nothing(cluster, client, via):
     status = client.status()
     assert status["bytes"] == 0 and status["counters"]["puts_expired"] == 1
     for unit in client.units.values():
-        eventually(lambda: unit_status(unit.address)["used"] == 0, 10, f"unit {unit.unit_id} freed")
+        eventually(lambda unit=unit: unit_status(unit.address)["used"] == 0, 10, f"unit {unit.unit_id} freed")
         assert unit_status(unit.address)["reservations"] == 0
 
 
@@ -45,7 +45,10 @@ async def test_cancelled_put_is_aborted_at_once():
     aborted at the controller before the cancel propagates: nothing of it is left."""
     with tq.init(num_storage_units=1, storage_capacity="8MiB") as cluster:
         client = await tq.connect_async(cluster.address)
-        big = lambda: TensorDict({"x": torch.zeros(16, 65536)}, batch_size=[16])  # 4 MiB
+
+        def big() -> TensorDict:
+            return TensorDict({"x": torch.zeros(16, 65536)}, batch_size=[16])  # 4 MiB
+
         await client.put(big())
         await client.put(big())
         with pytest.raises(asyncio.TimeoutError):
@@ -69,7 +72,12 @@ def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
     client.seal("train")
     got = [len(meta) for _, meta in client.stream(["x"], 2, task="t", timeout=10)]
     assert sum(got) == 4
-    reply = ask(channel, CommitPut("train", plan.indexes, {"x": FieldSpec("float32", (4,))}, RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3)))
+    reply = ask(
+        channel,
+        CommitPut(
+            "train", plan.indexes, {"x": FieldSpec("float32", (4,))}, RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3)
+        ),
+    )
     channel.close()
     assert reply.code == "sealed", reply
     assert client.status()["partitions"]["train"]["samples"] == 4

@@ -10,8 +10,18 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -70,7 +80,9 @@ def test_rows_come_back_in_meta_order_across_puts(client):
     # ragged rows from several puts, asked for out of order
     for start in range(0, 20, 5):
         rows = [torch.full((i + 1,), i) for i in range(start, start + 5)]
-        client.put(TensorDict({"r": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[5]), partition="r")
+        client.put(
+            TensorDict({"r": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[5]), partition="r"
+        )
     meta = client.get_meta(["r"], 20, task="t", partition="r", timeout=5).select([19, 2, 7, 0])
     out = client.get_data(meta)["r"]
     assert [t.tolist() for t in out.unbind()] == [[19] * 20, [2] * 3, [7] * 8, [0]]

@@ -145,8 +145,10 @@ def test_unknown_sampler_is_a_schema_error(client):
 
 
 def test_custom_sampler_loaded_by_import_path():
-    with tq.init(num_storage_units=1, storage_capacity="16MiB", samplers=["tests.samplers_fixture:NewestFirst"]) as c:
-        with c.connect() as client:
-            client.put(_td(5))
-            meta = client.get_meta(["x"], 3, task="t", sampler="newest_first", timeout=5)
-            assert client.get_data(meta)["x"].tolist() == [4, 3, 2]
+    with (
+        tq.init(num_storage_units=1, storage_capacity="16MiB", samplers=["tests.samplers_fixture:NewestFirst"]) as c,
+        c.connect() as client,
+    ):
+        client.put(_td(5))
+        meta = client.get_meta(["x"], 3, task="t", sampler="newest_first", timeout=5)
+        assert client.get_data(meta)["x"].tolist() == [4, 3, 2]

@@ -55,7 +55,7 @@ async def test_async_stream_prefetches_and_drains(cluster):
         await client.put(_td(start, 8))
     await client.seal()
     seen = []
-    async for batch, meta in client.stream(["x"], 16, task="train", timeout=10):
+    async for batch, _meta in client.stream(["x"], 16, task="train", timeout=10):
         seen.extend(batch["x"].tolist())
     assert sorted(seen) == list(range(40))
     await client.close()

@@ -28,8 +28,12 @@ class TaskRunner:
         from transfer_queue import _tq_face
 
         conf = tq.init(CONF)
-        tq.kv_batch_put(["k0", "k1"], "train", TensorDict({"x": torch.arange(6).view(2, 3)}, batch_size=[2]),
-                        tags=[{"status": "finished"}, {"status": "finished"}])
+        tq.kv_batch_put(
+            ["k0", "k1"],
+            "train",
+            TensorDict({"x": torch.arange(6).view(2, 3)}, batch_size=[2]),
+            tags=[{"status": "finished"}, {"status": "finished"}],
+        )
         nodes = [s["node_id"] for s in _tq_face._FACE.cluster.services if s["service"].startswith("storage")]
         return conf["sluice"]["address"], nodes
 
@@ -53,8 +57,10 @@ def read_by_name() -> tuple[str, list[list[int]]]:
 def two_nodes():
     if ray.is_initialized():
         pytest.skip("another Ray session is already running in this process")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                          "object_store_memory": 100 * 2**20})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 100 * 2**20},
+    )
     cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
     ray.init(address=cluster.address)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import tests/

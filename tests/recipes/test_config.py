@@ -26,8 +26,16 @@ def test_every_config_loads_and_is_named_after_its_file(name):
 
 
 def test_overrides_use_verl_keys_and_sluice_eta():
-    cfg = load(["fully_async"], ["trainer.total_steps=7", "seed=3", "async_training.trigger_parameter_sync_step=2",
-                                 "async_training.require_batches=2", "max_staleness=4"])
+    cfg = load(
+        ["fully_async"],
+        [
+            "trainer.total_steps=7",
+            "seed=3",
+            "async_training.trigger_parameter_sync_step=2",
+            "async_training.require_batches=2",
+            "max_staleness=4",
+        ],
+    )
     assert (cfg.trainer.total_steps, cfg.seed, cfg.max_staleness) == (7, 3, 4)
     s = cfg.staleness()
     assert cfg.samples_per_step == 32 * 8 * 2
@@ -43,13 +51,16 @@ def test_verl_threshold_sets_the_admission_budget_like_verl():
     assert s.max_staleness is None  # verl drops nothing
 
 
-@pytest.mark.parametrize("override, fragment", [
-    (["trainer.no_such_knob=1"], "no_such_knob"),
-    (["trainer.total_steps=many"], "total_steps"),
-    (["trainer.total_steps=0"], "total_steps"),
-    (["rollout.engine=hf"], "model.family=qwen2"),
-    (["trainer.loss=reinforce"], "trainer.loss"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (["trainer.no_such_knob=1"], "no_such_knob"),
+        (["trainer.total_steps=many"], "total_steps"),
+        (["trainer.total_steps=0"], "total_steps"),
+        (["rollout.engine=hf"], "model.family=qwen2"),
+        (["trainer.loss=reinforce"], "trainer.loss"),
+    ],
+)
 def test_bad_overrides_are_schema_errors_that_name_the_key(override, fragment):
     with pytest.raises(tq.SchemaError, match=fragment):
         load(["sync"], override)

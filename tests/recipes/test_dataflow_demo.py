@@ -12,8 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_streams_every_sample_through_both_tasks():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "recipes.dataflow_demo", "--samples", "256", "--batch-size", "32"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [sys.executable, "-m", "recipes.dataflow_demo", "--samples", "256", "--batch-size", "32"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {}
     for line in run.stdout.splitlines():  # the summary table: one row per stage

@@ -64,6 +64,7 @@ def test_interrupt_stops_at_a_token_boundary_and_generation_resumes(task):
     gen = engine.generate(prompts, task.max_new_tokens, torch.Generator().manual_seed(5), interrupt)
     live = ~gen.finished
     assert bool(live.any()) and bool((gen.lengths[live] == 2).all())
-    rest = engine.generate(torch.cat([prompts[live], gen.tokens[live, :2]], 1), task.max_new_tokens - 2,
-                           torch.Generator().manual_seed(6))
+    rest = engine.generate(
+        torch.cat([prompts[live], gen.tokens[live, :2]], 1), task.max_new_tokens - 2, torch.Generator().manual_seed(6)
+    )
     assert bool(rest.finished.all()) and bool((rest.lengths <= task.max_new_tokens - 2).all())

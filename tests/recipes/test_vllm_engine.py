@@ -14,8 +14,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -112,7 +112,9 @@ def test_initial_weights_match_hf(engine: VllmEngine, cfg: RecipeConfig) -> None
     assert_matches_hf(engine, build_policy(cfg).eval(), prompts(cfg, 16), DigitReversal(cfg.task).max_new_tokens)
 
 
-def test_swap_from_publisher_matches_hf(engine: VllmEngine, cfg: RecipeConfig, cluster: tq.Cluster, publisher: WeightPublisher) -> None:
+def test_swap_from_publisher_matches_hf(
+    engine: VllmEngine, cfg: RecipeConfig, cluster: tq.Cluster, publisher: WeightPublisher
+) -> None:
     """HF-named views of vLLM's own tensors, as the rollout worker subscribes them."""
     model = trained_policy(cfg, seed=1)
     views = dict(engine.weights())
@@ -122,14 +124,18 @@ def test_swap_from_publisher_matches_hf(engine: VllmEngine, cfg: RecipeConfig, c
         assert sub.wait(1, timeout=60) == 1
         start = time.perf_counter()
         engine.weights_applied()
-        print(f"repack after swap: {1e3 * (time.perf_counter() - start):.1f} ms, copy {1e3 * sub.last_apply_seconds:.1f} ms")
+        print(
+            f"repack after swap: {1e3 * (time.perf_counter() - start):.1f} ms, copy {1e3 * sub.last_apply_seconds:.1f} ms"
+        )
     assert {k: v.data_ptr() for k, v in engine.weights().items()} == before  # in place
     for name, tensor in model.state_dict().items():
         assert torch.equal(engine.weights()[name], tensor), name
     assert_matches_hf(engine, model, prompts(cfg, 16, seed=1), DigitReversal(cfg.task).max_new_tokens)
 
 
-def test_swap_through_qwen_mapping(engine: VllmEngine, cfg: RecipeConfig, cluster: tq.Cluster, publisher: WeightPublisher) -> None:
+def test_swap_through_qwen_mapping(
+    engine: VllmEngine, cfg: RecipeConfig, cluster: tq.Cluster, publisher: WeightPublisher
+) -> None:
     """vLLM's fused tensors (`qkv_proj`, `gate_up_proj`), fused by the subscriber with QWEN."""
     model = trained_policy(cfg, seed=2)
     assert any(".qkv_proj." in k for k in engine.vllm_weights())
@@ -179,7 +185,16 @@ def test_rejects_unsupported_head_size() -> None:
 def test_fully_async_run_with_vllm_rollouts(tmp_path: Path) -> None:
     """The experiment runner: trainer and a vLLM rollout worker as processes, 3 trainer steps."""
     out = tmp_path / "exp"
-    cmd = [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(out), *OVERRIDES, "trainer.total_steps=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.experiments",
+        "fully_async",
+        "--out",
+        str(out),
+        *OVERRIDES,
+        "trainer.total_steps=3",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     run = out / "fully_async"
     logs = "".join(p.read_text()[-3000:] for p in run.glob("*.log")) if run.exists() else ""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import glob
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

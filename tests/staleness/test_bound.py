@@ -7,10 +7,11 @@ import multiprocessing as mp
 import random
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import transfer_queue as tq
 
@@ -73,7 +74,9 @@ def pool() -> Iterator[mp.pool.Pool]:
 
 def _run_bounded(pool, eta: int, delay: float, trainer_delay: float, bump_p: float, spans: bool, seed: int) -> None:
     rng = random.Random(seed)
-    with tq.init(num_storage_units=1, storage_capacity="64MiB", max_staleness=eta, consumer_batch_size=BATCH) as cluster:
+    with tq.init(
+        num_storage_units=1, storage_capacity="64MiB", max_staleness=eta, consumer_batch_size=BATCH
+    ) as cluster:
         jobs = [
             pool.apply_async(_granted_producer, (cluster.address, seed + 1, GRANTED_QUOTA, delay, spans)),
             pool.apply_async(_granted_producer, (cluster.address, seed + 2, GRANTED_QUOTA, delay, spans)),

@@ -73,7 +73,9 @@ def test_requeue_drops_the_stale_sample_and_offers_its_prompt_to_rollout_again(m
         # nothing left for rollout: it parks, waiting for prompts
         again: dict[str, tq.BatchMeta] = {}
         waiter = threading.Thread(
-            target=lambda: again.setdefault("meta", rollout.get_meta(["prompt"], 4, task="rollout", partition="prompts", timeout=30))
+            target=lambda: again.setdefault(
+                "meta", rollout.get_meta(["prompt"], 4, task="rollout", partition="prompts", timeout=30)
+            )
         )
         waiter.start()
         eventually(lambda: trainer.status()["counters"]["parked_get_meta"] == 1, 10, "rollout parked")
@@ -95,4 +97,9 @@ def test_requeue_drops_the_stale_sample_and_offers_its_prompt_to_rollout_again(m
         assert grant.version == 2
         served = trainer.get_meta(["response"], 4, task="train", partition="train", timeout=5)
         assert served.policy_versions == [2] * 4
-        assert trainer.get_meta(["prompt"], 4, task="rollout", partition="prompts", timeout=0.3, allow_partial=True).indexes == []
+        assert (
+            trainer.get_meta(
+                ["prompt"], 4, task="rollout", partition="prompts", timeout=0.3, allow_partial=True
+            ).indexes
+            == []
+        )

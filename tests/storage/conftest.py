@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-
 from storage_harness import UnitClient, Units
+
 from transfer_queue._messages import Free, UnitStatus
 
 
@@ -36,4 +36,3 @@ def small_client(units: Units) -> Iterator[UnitClient]:
     for partition in status["rows"]:
         client.ok(Free(partition))
     client.close()
-

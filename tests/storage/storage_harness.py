@@ -14,16 +14,16 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 
+from tests.peers import raw
 from transfer_queue._errors import error_from_code
 from transfer_queue._messages import ErrorReply, Reply
 from transfer_queue.rpc import Channel, Codec
-
-from tests.peers import raw
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -36,9 +36,19 @@ class UnitProcess:
         self.unit_id = unit_id
         self.cluster_id = f"test{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm_path = f"/dev/shm/sluice-{self.cluster_id}-u{unit_id}"
-        self.stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity),
-               "--cluster-id", self.cluster_id, *extra]
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (read by err() for the life of the unit)
+        cmd = [
+            sys.executable,
+            "-m",
+            "storage",
+            "--unit-id",
+            str(unit_id),
+            "--capacity",
+            str(capacity),
+            "--cluster-id",
+            self.cluster_id,
+            *extra,
+        ]
         if controller:
             cmd += ["--controller", controller]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr)
@@ -128,7 +138,9 @@ class Units:
         no_port = self.controller_no.bind_to_random_port("tcp://127.0.0.1")
         self.registered = UnitProcess("2MiB", unit_id=7, controller=f"tcp://127.0.0.1:{ok_port}")
         self.refused = UnitProcess("2MiB", unit_id=8, controller=f"tcp://127.0.0.1:{no_port}")
-        self.unanswered = UnitProcess("1MiB", unit_id=9, controller="tcp://127.0.0.1:9", extra=["--register-timeout", "1"])
+        self.unanswered = UnitProcess(
+            "1MiB", unit_id=9, controller="tcp://127.0.0.1:9", extra=["--register-timeout", "1"]
+        )
         self.all = [self.main, self.small, self.term, self.registered, self.refused, self.unanswered]
 
     def close(self) -> None:
@@ -140,7 +152,6 @@ class Units:
             unit.kill()
         self.controller_ok.close(linger=0)
         self.controller_no.close(linger=0)
-
 
 
 __all__ = ["UnitProcess", "UnitClient", "Units", "raise_for"]

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-
 from storage_harness import UnitClient, raise_for
+
 from transfer_queue._errors import CapacityError, SchemaError, TimeoutError
 from transfer_queue._messages import Cancel, CommitWrite, Free, Read, UnitStatus, Write, WriteReply
 from transfer_queue._meta import FieldSpec
@@ -41,7 +41,7 @@ def test_a_write_waits_until_free_makes_room(small_client: UnitClient) -> None:
     assert _status(small_client)["pending_writes"] == 1
     small_client.ok(Free("a"))
     assert raise_for(*small_client.recv(waiting))[0] == WriteReply()
-    reply, frames = small_client.ok(Read("b", [0], ["x"]))
+    _reply, frames = small_client.ok(Read("b", [0], ["x"]))
     assert frames[0].bytes == b"\x02" * (512 * KIB)
     assert _status(small_client)["used"] == 512 * KIB
 

@@ -46,7 +46,7 @@ async def test_small_runs_are_not_pinned() -> None:
     try:
         spec = {"x": FieldSpec("int32", (4,))}
         unit._on_write(Write("p", [0, 1], spec), [np.arange(8, dtype=np.int32)])
-        reply, frames = unit._on_read(Read("p", [1], ["x"]), [])
+        _reply, frames = unit._on_read(Read("p", [1], ["x"]), [])
         assert isinstance(frames[0], memoryview) and bytes(frames[0]) == np.arange(4, 8, dtype=np.int32).tobytes()
         unit._on_free(Free("p"), [])
         assert unit.arena.used == 0
@@ -63,7 +63,9 @@ async def _fill(unit: StorageUnit, partition: str, nbytes: int) -> None:
 def _waiting_write(unit: StorageUnit, partition: str, nbytes: int, timeout: float = 10.0, via: str = "frames"):
     """A write that waits for space; a second waiter must be a shm write (no frames held)."""
     frames = [np.ones(nbytes, np.uint8)] if via == "frames" else []
-    result = unit._on_write(Write(partition, [0], {"x": FieldSpec("uint8", (nbytes,))}, via=via, timeout=timeout), frames)
+    result = unit._on_write(
+        Write(partition, [0], {"x": FieldSpec("uint8", (nbytes,))}, via=via, timeout=timeout), frames
+    )
     assert isinstance(result, Ticket), "expected the write to wait for space"
     return result
 

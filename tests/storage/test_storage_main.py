@@ -10,8 +10,8 @@ import sys
 import msgspec
 import numpy as np
 import zmq
-
 from storage_harness import REPO, UnitClient, Units
+
 from transfer_queue._messages import ControllerRequest, ErrorReply, Ok, RegisterUnit, UnitStatus, Write
 from transfer_queue._meta import FieldSpec
 from transfer_queue.rpc import Codec, pack_prefix
@@ -41,7 +41,7 @@ def test_unit_registers_then_announces(units: Units) -> None:
 
 
 def test_refused_registration_exits_non_zero_and_cleans_up(units: Units) -> None:
-    head, msg = _registration(units.controller_no)
+    head, _msg = _registration(units.controller_no)
     units.controller_no.send_multipart([*head, msgspec.msgpack.encode(ErrorReply("schema", "unit 8 is taken"))])
     assert units.refused.proc.wait(15) == 1
     assert "unit 8 is taken" in units.refused.err()
@@ -68,8 +68,20 @@ def test_sigterm_unlinks_the_arena(units: Units) -> None:
 
 def test_a_second_unit_with_the_same_name_is_refused(units: Units, main_client: UnitClient) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "storage", "--unit-id", "0", "--capacity", "1MiB", "--cluster-id", units.main.cluster_id],
-        cwd=REPO, capture_output=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "storage",
+            "--unit-id",
+            "0",
+            "--capacity",
+            "1MiB",
+            "--cluster-id",
+            units.main.cluster_id,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
     )
     assert proc.returncode == 1 and proc.stdout == b""
     assert b"exists" in proc.stderr

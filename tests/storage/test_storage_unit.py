@@ -11,8 +11,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-
 from storage_harness import UnitClient, Units
+
 from transfer_queue._errors import ProtocolError, SchemaError
 from transfer_queue._messages import (
     CommitWrite,
@@ -30,8 +30,17 @@ from transfer_queue._messages import (
 from transfer_queue._meta import RAGGED, FieldSpec
 from transfer_queue.rpc import pack_prefix
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,9 +98,7 @@ def test_dense_and_ragged_round_trip_every_dtype(main_client: UnitClient) -> Non
         tensors[f"r_{name}"] = _random(dtype, (sum(lengths), 5), gen)
         fields[f"r_{name}"] = FieldSpec(name, (RAGGED, 5))
     ragged_lengths = {k: lengths for k in fields if k.startswith("r_")}
-    reply, _ = main_client.ok(
-        Write("dtypes", indexes, fields, ragged_lengths), [_raw(tensors[k]) for k in fields]
-    )
+    reply, _ = main_client.ok(Write("dtypes", indexes, fields, ragged_lengths), [_raw(tensors[k]) for k in fields])
     assert reply == WriteReply()
 
     # every row, in a shuffled order, so runs break up
@@ -128,7 +135,7 @@ def test_rewriting_rows_replaces_them_without_growing(main_client: UnitClient) -
         main_client.ok(Write("rewrite", [1, 2], spec), [np.full(2000, value, np.int32)])
     status = main_client.ok(UnitStatus())[0].status
     assert status["used"] == used and status["rows"]["rewrite"] == 2
-    reply, frames = main_client.ok(Read("rewrite", [2, 1], ["x"]))
+    _reply, frames = main_client.ok(Read("rewrite", [2, 1], ["x"]))
     assert set(np.frombuffer(_joined(frames), np.int32)) == {9}
     with pytest.raises(SchemaError, match="holds rows of dtype int32"):
         main_client.ok(Write("rewrite", [3], {"x": FieldSpec("int64", (1000,))}), [np.zeros(1000, np.int64)])
@@ -249,9 +256,7 @@ class _Evil:
         return (open, (self.marker, "w"))
 
 
-def test_garbage_pickle_and_unknown_messages_are_refused(
-    main_client: UnitClient, tmp_path
-) -> None:
+def test_garbage_pickle_and_unknown_messages_are_refused(main_client: UnitClient, tmp_path) -> None:
     marker = str(tmp_path / "unpickled")
     payload = pickle.dumps(_Evil(marker))
     rejected = main_client.ok(UnitStatus())[0].status["rejected"]

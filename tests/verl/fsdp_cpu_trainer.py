@@ -64,8 +64,13 @@ class PlatformCPU(PlatformCUDA):
 
 def main(model_dir: str) -> None:
     platform_manager.set_platform(PlatformCPU())
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     torch.distributed.init_process_group("gloo")
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -75,7 +80,9 @@ def main(model_dir: str) -> None:
     from recipes.verl.checkpoint_engine import SluiceCheckpointEngine
 
     engine = FSDPEngineWithLMHead(
-        model_config=HFModelConfig(path=model_dir, load_tokenizer=False, override_config={"attn_implementation": "sdpa"}),
+        model_config=HFModelConfig(
+            path=model_dir, load_tokenizer=False, override_config={"attn_implementation": "sdpa"}
+        ),
         engine_config=FSDPEngineConfig(strategy="fsdp2", fsdp_size=1),
         optimizer_config=FSDPOptimizerConfig(lr=1e-3),
         checkpoint_config=CheckpointConfig(),

@@ -19,7 +19,10 @@ from recipes.verl import knobs  # noqa: E402
 from recipes.verl.checkpoint_engine import SluiceCheckpointEngine  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "verl" / "config")
-SMALL = ["transfer_queue.backend.SimpleStorage.num_data_storage_units=2", "transfer_queue.sluice.storage_capacity=64MiB"]
+SMALL = [
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=2",
+    "transfer_queue.sluice.storage_capacity=64MiB",
+]
 
 
 def recipe_config(*overrides: str):
@@ -38,9 +41,11 @@ def test_config_extends_verl_ppo_trainer():
 @pytest.mark.parametrize("strategy, policy, budget", [("drop", "drop", 0.5), ("wait", "keep", 0.5)])
 def test_async_knobs_reach_sluice(strategy, policy, budget):
     config = recipe_config(
-        "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
         "trainer.v1.separate_async.parameter_sync_step=2",
-        "trainer.v1.sampler.max_off_policy_threshold=3", f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
+        "trainer.v1.sampler.max_off_policy_threshold=3",
+        f"trainer.v1.sampler.max_off_policy_strategy={strategy}",
         "async_training.staleness_threshold=0.5",
     )
     knobs.apply(config)
@@ -48,7 +53,12 @@ def test_async_knobs_reach_sluice(strategy, policy, budget):
     try:
         with tq.connect(tq.get_client().address) as client:
             got = client.config
-            assert (got.consumer_batch_size, got.max_staleness, got.budget_staleness, got.stale_policy) == (64, 1, budget, policy)
+            assert (got.consumer_batch_size, got.max_staleness, got.budget_staleness, got.stale_policy) == (
+                64,
+                1,
+                budget,
+                policy,
+            )
             grant = client.acquire(96, timeout=5.0)  # (budget + version 0 + 1) x 64 samples may be in flight
             with pytest.raises(tq.TimeoutError):
                 client.acquire(1, timeout=0.2)  # not one more until the trainer's version moves
@@ -62,9 +72,21 @@ def test_main_composes_the_recipe_config():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "recipes.verl.main", "--cfg", "job", "--resolve",
-                          "trainer.v1.sampler.max_off_policy_threshold=3"],
-                         capture_output=True, text=True, timeout=120, cwd=Path(CONFIG_DIR).parents[2])
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.verl.main",
+            "--cfg",
+            "job",
+            "--resolve",
+            "trainer.v1.sampler.max_off_policy_threshold=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(CONFIG_DIR).parents[2],
+    )
     assert out.returncode == 0, out.stderr
     assert "backend: sluice" in out.stdout and "max_off_policy_threshold: 3" in out.stdout
 
@@ -81,8 +103,15 @@ def test_sluice_is_a_registered_checkpoint_engine():
 def tiny_qwen2() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 
@@ -125,8 +154,10 @@ def test_checkpoint_engine_carries_a_verl_fsdp2_engine_on_cpu(tmp_path):
     want = {n: t.clone() for n, t in model.state_dict().items()}
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}, "sluice": {"storage_capacity": "16MiB"}})
     receiver = SluiceCheckpointEngine(bucket_size=1 << 20, transport="tcp", timeout=120.0)
-    trainer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fsdp_cpu_trainer.py")), str(tmp_path / "qwen2")],
-                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    trainer = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("fsdp_cpu_trainer.py")), str(tmp_path / "qwen2")],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
 
     async def receive(step: int) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() async for name, tensor in receiver.receive_weights(global_steps=step)}

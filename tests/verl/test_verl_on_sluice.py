@@ -51,7 +51,9 @@ def sluice():
 def submit_prompts(partition: str, uids: list[str], global_steps: int) -> None:
     """What verl's trainer does when it hands prompts to rollout: pending prompt groups."""
     tags = [{"is_prompt": True, "status": "pending", "global_steps": global_steps} for _ in uids]
-    prompts = list_of_dict_to_tensordict([{"raw_prompt_ids": torch.arange(3 + i), "uid": u} for i, u in enumerate(uids)])
+    prompts = list_of_dict_to_tensordict(
+        [{"raw_prompt_ids": torch.arange(3 + i), "uid": u} for i, u in enumerate(uids)]
+    )
     tq.kv_batch_put(keys=uids, partition_id=partition, fields=prompts, tags=tags)
 
 
@@ -63,19 +65,34 @@ async def run_group(partition: str, uid: str, global_steps: int, n: int, prompt_
         responses = torch.arange(session + 2) + 100
         input_ids = torch.cat([prompts, responses])
         field = {
-            "prompts": prompts, "responses": responses, "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids), "position_ids": torch.arange(len(input_ids)),
-            "response_mask": torch.ones_like(responses), "loss_mask": torch.ones_like(responses),
-            "rm_scores": torch.zeros(len(responses)), "uid": uid, "session_id": session,
-            "global_steps": global_steps, "data_source": "digits",
-            "reward_model": {"ground_truth": "42", "style": "rule"}, "multi_modal_inputs": {},
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.arange(len(input_ids)),
+            "response_mask": torch.ones_like(responses),
+            "loss_mask": torch.ones_like(responses),
+            "rm_scores": torch.zeros(len(responses)),
+            "uid": uid,
+            "session_id": session,
+            "global_steps": global_steps,
+            "data_source": "digits",
+            "reward_model": {"ground_truth": "42", "style": "rule"},
+            "multi_modal_inputs": {},
             "extra_fields": {"min_global_steps": global_steps, "max_global_steps": global_steps, "turns": [1, 2]},
         }
-        tag = {"status": "success", "prompt_len": prompt_len, "response_len": len(responses),
-               "seq_len": len(input_ids), "global_steps": global_steps,
-               "min_global_steps": global_steps, "max_global_steps": global_steps}
-        await tq.async_kv_batch_put(keys=[f"{uid}_{session}_0"], fields=list_of_dict_to_tensordict([field]),
-                                    tags=[tag], partition_id=partition)
+        tag = {
+            "status": "success",
+            "prompt_len": prompt_len,
+            "response_len": len(responses),
+            "seq_len": len(input_ids),
+            "global_steps": global_steps,
+            "min_global_steps": global_steps,
+            "max_global_steps": global_steps,
+        }
+        await tq.async_kv_batch_put(
+            keys=[f"{uid}_{session}_0"], fields=list_of_dict_to_tensordict([field]), tags=[tag], partition_id=partition
+        )
     if finish:
         await tq.async_kv_put(key=uid, partition_id=partition, tag={"status": "finished"})
 
@@ -93,8 +110,13 @@ def test_replay_buffer_async_drops_stale_groups_and_refills(sluice):
         asyncio.run(run_group("train", uid, steps, n=2, prompt_len=4 + steps))
     refills: list[int] = []
     buffer = ReplayBufferAsync(
-        trainer_mode="separate_async", trainer_config=OmegaConf.create({}), max_off_policy_threshold=2,
-        max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create({}), poll_interval=0.01, refill_fn=refills.append,
+        trainer_mode="separate_async",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=2,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create({}),
+        poll_interval=0.01,
+        refill_fn=refills.append,
     )
     batch, metrics = buffer.sample(global_steps=4, partition_id="train", batch_size=2)
     assert sorted(batch.keys) == ["f3_0_0", "f3_1_0", "f4_0_0", "f4_1_0"]
@@ -112,8 +134,12 @@ def test_replay_buffer_async_wait_strategy_waits_for_the_oldest_group(sluice):
     asyncio.run(run_group("wait", "new", 4, n=1, prompt_len=3))
     asyncio.run(run_group("wait", "old", 3, n=1, prompt_len=3, finish=False))  # in flight at the threshold
     buffer = ReplayBufferAsync(
-        trainer_mode="separate_async", trainer_config=OmegaConf.create({}), max_off_policy_threshold=2,
-        max_off_policy_strategy="wait", sampler_kwargs=OmegaConf.create({}), poll_interval=0.01,
+        trainer_mode="separate_async",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=2,
+        max_off_policy_strategy="wait",
+        sampler_kwargs=OmegaConf.create({}),
+        poll_interval=0.01,
     )
     result = {}
     sampler = threading.Thread(target=lambda: result.update(out=buffer.sample(4, "wait", 1)))
@@ -129,8 +155,12 @@ def test_sync_replay_buffer_samples_finished_groups(sluice):
     for uid in ("v0", "v1"):
         asyncio.run(run_group("val", uid, 2, n=3, prompt_len=5))
     buffer = ReplayBuffer(
-        trainer_mode="sync", trainer_config=OmegaConf.create({}), max_off_policy_threshold=None,
-        max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create({}), poll_interval=0.01,
+        trainer_mode="sync",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=None,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create({}),
+        poll_interval=0.01,
     )
     batch, _ = buffer.sample(global_steps=2, partition_id="val", batch_size=2)
     assert len(batch) == 6 and {k.split("_")[0] for k in batch.keys} == {"v0", "v1"}
@@ -139,8 +169,12 @@ def test_sync_replay_buffer_samples_finished_groups(sluice):
 
 def test_tqbridge_moves_kv_meta_through_batch_meta_and_tensordict(sluice):
     keys = [f"br_{i}_0" for i in range(4)]
-    meta = tq.kv_batch_put(keys, "bridge", TensorDict({"x": torch.arange(8.0).view(4, 2)}, batch_size=[4]),
-                           tags=[{"i": i} for i in range(4)])
+    meta = tq.kv_batch_put(
+        keys,
+        "bridge",
+        TensorDict({"x": torch.arange(8.0).view(4, 2)}, batch_size=[4]),
+        tags=[{"i": i} for i in range(4)],
+    )
     meta.extra_info = {"temperature": 0.5}
     seen = {}
 
@@ -168,8 +202,10 @@ def test_tqbridge_moves_kv_meta_through_batch_meta_and_tensordict(sluice):
 def test_data_proto_round_trips_through_sluice(sluice):
     proto = DataProto.from_dict(
         tensors={"input_ids": torch.randint(0, 50, (3, 6)), "old_log_prob": torch.randn(3, 6)},
-        non_tensors={"uid": np.array(["a", "b", "c"], dtype=object),
-                     "reward_model": np.array([{"ground_truth": str(i)} for i in range(3)], dtype=object)},
+        non_tensors={
+            "uid": np.array(["a", "b", "c"], dtype=object),
+            "reward_model": np.array([{"ground_truth": str(i)} for i in range(3)], dtype=object),
+        },
         meta_info={"global_steps": 3, "temperature": 1.0},
     )
     keys = ["dp0", "dp1", "dp2"]
@@ -205,8 +241,12 @@ def test_checkpoint_survives_a_restart(sluice, tmp_path):
     tq.load_checkpoint(tmp_path / "transfer_queue")
     assert tq.kv_list("ckpt") == before
     buffer = ReplayBufferAsync(
-        trainer_mode="separate_async", trainer_config=OmegaConf.create({}), max_off_policy_threshold=2,
-        max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create({}), poll_interval=0.01,
+        trainer_mode="separate_async",
+        trainer_config=OmegaConf.create({}),
+        max_off_policy_threshold=2,
+        max_off_policy_strategy="drop",
+        sampler_kwargs=OmegaConf.create({}),
+        poll_interval=0.01,
     )
     batch, _ = buffer.sample(global_steps=6, partition_id="ckpt", batch_size=1)
     assert sorted(batch.keys) == ["c0_0_0", "c0_1_0"]

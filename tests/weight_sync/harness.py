@@ -21,11 +21,17 @@ def publisher_transport(name: str, subscribers: int):
 class Subscribers:
     """Subscriber processes and the events they report."""
 
-    def __init__(self, n: int, endpoint: str | None, transport, address: str | None = None, first_id: int = 0, **kwargs):
+    def __init__(
+        self, n: int, endpoint: str | None, transport, address: str | None = None, first_id: int = 0, **kwargs
+    ):
         self.out = CTX.Queue()
         self.stop = CTX.Event()
         self.procs = [
-            CTX.Process(target=subscriber, args=(self.out, self.stop, first_id + i, address, endpoint, transport, dict(kwargs)), daemon=True)
+            CTX.Process(
+                target=subscriber,
+                args=(self.out, self.stop, first_id + i, address, endpoint, transport, dict(kwargs)),
+                daemon=True,
+            )
             for i in range(n)
         ]
         self.ids = [first_id + i for i in range(n)]

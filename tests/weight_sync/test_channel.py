@@ -17,9 +17,13 @@ from .workers import BUCKET, kill, publisher, transport_of, weights
 TRANSPORTS = [
     pytest.param("shm", id="shm"),
     pytest.param("tcp", id="tcp"),
-    pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")),
+    pytest.param(
+        "ucx", id="ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
+    ),
     pytest.param("torch", id="torch"),
 ]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_versions_arrive_whole_and_in_place(transport):
     """Two subscriber processes take v1, then v2, in place and exact; then versions 3..10
@@ -62,7 +66,11 @@ def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
     """The trainer dies while version 2 is half staged (and, for streaming transports, half
     sent): subscribers report `WeightSyncError` and keep version 1, exactly."""
     commands, out = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(target=publisher, args=(out, commands, None, publisher_transport(transport, 2), {"bucket_bytes": BUCKET}), daemon=True)
+    proc = CTX.Process(
+        target=publisher,
+        args=(out, commands, None, publisher_transport(transport, 2), {"bucket_bytes": BUCKET}),
+        daemon=True,
+    )
     proc.start()
     try:
         _, endpoint = out.get(timeout=60)
@@ -109,4 +117,8 @@ def test_publisher_cleans_up_its_threads_and_memory():
     # ucx keeps its progress thread; the others end (joined by close, or just after)
     eventually(lambda: len(set(os.listdir(f"/proc/{os.getpid()}/task")) - before) <= 1, 10, "publisher threads gone")
     fds = os.listdir(f"/proc/{os.getpid()}/fd")
-    assert not any("sluice-weights" in os.readlink(f"/proc/{os.getpid()}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{os.getpid()}/fd/{fd}"))
+    assert not any(
+        "sluice-weights" in os.readlink(f"/proc/{os.getpid()}/fd/{fd}")
+        for fd in fds
+        if os.path.exists(f"/proc/{os.getpid()}/fd/{fd}")
+    )

@@ -15,11 +15,16 @@ from .workers import BUCKET, kill, publisher
 def test_versions_reach_the_controller_only_when_complete():
     with tq.init(num_storage_units=1, storage_capacity="64MiB") as cluster, tq.connect(cluster.address) as client:
         commands, out = CTX.Queue(), CTX.Queue()
-        proc = CTX.Process(target=publisher, args=(out, commands, cluster.address, "auto", {"bucket_bytes": BUCKET}), daemon=True)
+        proc = CTX.Process(
+            target=publisher, args=(out, commands, cluster.address, "auto", {"bucket_bytes": BUCKET}), daemon=True
+        )
         proc.start()
         try:
             out.get(timeout=60)
-            groups = [Subscribers(1, None, transport, address=cluster.address, first_id=i, timeout=5.0) for i, transport in enumerate(["shm", "tcp"])]
+            groups = [
+                Subscribers(1, None, transport, address=cluster.address, first_id=i, timeout=5.0)
+                for i, transport in enumerate(["shm", "tcp"])
+            ]
             start = client.version
             commands.put(("publish", start + 1))
             assert client.wait_version(start + 1, timeout=30) == start + 1

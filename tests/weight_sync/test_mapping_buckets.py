@@ -21,7 +21,9 @@ from weight_sync.transports.stream import read_chunks
 from .workers import local_targets, weights
 
 
-def _apply(full: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], shard: TPShard, mapping: NameMapping) -> None:
+def _apply(
+    full: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], shard: TPShard, mapping: NameMapping
+) -> None:
     """Stage `full` whole on one rank and apply the plan into `targets` (no transport)."""
     manifest = layout_buckets([(n, t.dtype, Layout.full(t.shape)) for n, t in full.items()], 4096)
     slot = torch.zeros(manifest.nbytes, dtype=torch.uint8)
@@ -49,9 +51,13 @@ def test_llama_splits_fused_trainer_tensors():
     fused = {}
     for name, tensor in full.items():
         if ".q_proj." in name:
-            fused[name.replace("q_proj", "qkv_proj")] = torch.cat([tensor, full[name.replace("q_proj", "k_proj")], full[name.replace("q_proj", "v_proj")]])
+            fused[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                [tensor, full[name.replace("q_proj", "k_proj")], full[name.replace("q_proj", "v_proj")]]
+            )
         elif ".gate_proj." in name:
-            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, full[name.replace("gate_proj", "up_proj")]])
+            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [tensor, full[name.replace("gate_proj", "up_proj")]]
+            )
         elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
             fused[name] = tensor
     for rank in range(2):
@@ -85,7 +91,12 @@ def test_dtype_mismatch_needs_a_declared_cast():
 
 
 def test_buckets_align_split_and_never_straddle():
-    specs = [("a", torch.float32, Layout.full((10,))), ("b", torch.float32, Layout.full((200,))), ("c", torch.bfloat16, Layout.full((100,))), ("big", torch.float32, Layout.full((700,)))]
+    specs = [
+        ("a", torch.float32, Layout.full((10,))),
+        ("b", torch.float32, Layout.full((200,))),
+        ("c", torch.bfloat16, Layout.full((100,))),
+        ("big", torch.float32, Layout.full((700,))),
+    ]
     manifest = layout_buckets(specs, 1024)
     starts = {e.name: manifest.start(e) for e in manifest.entries}
     assert all(s % ALIGN == 0 for s in starts.values())
@@ -157,7 +168,9 @@ def test_public_face_is_documented():
             missing.append(name)
         if inspect.isclass(obj):
             for attr, member in vars(obj).items():
-                if not attr.startswith("_") and callable(member) and not inspect.getdoc(getattr(obj, attr)):  # inherited docs count
+                if (
+                    not attr.startswith("_") and callable(member) and not inspect.getdoc(getattr(obj, attr))
+                ):  # inherited docs count
                     missing.append(f"{name}.{attr}")
     assert not missing, missing
     for method in ("publish", "close"):

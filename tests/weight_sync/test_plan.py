@@ -36,7 +36,11 @@ def test_flat_boxes_tile_the_range_in_order(shape, data):
     boxes = flat_boxes(shape, start, stop)
     assert len(boxes) <= 2 * len(shape) - 1 or not boxes
     flat = torch.arange(total).view(shape)
-    got = torch.cat([flat[tuple(slice(a, b) for a, b in zip(lo, hi))].reshape(-1) for lo, hi in boxes]) if boxes else torch.empty(0, dtype=torch.long)
+    got = (
+        torch.cat([flat[tuple(slice(a, b) for a, b in zip(lo, hi))].reshape(-1) for lo, hi in boxes])
+        if boxes
+        else torch.empty(0, dtype=torch.long)
+    )
     assert torch.equal(got, torch.arange(start, stop))
 
 
@@ -68,7 +72,13 @@ def _trainer_layouts(shape, kind: str, size: int) -> list[Layout]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(shapes, st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]), st.integers(1, 4), st.integers(1, 4), st.data())
+@given(
+    shapes,
+    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.data(),
+)
 def test_every_target_element_is_written_exactly_once(shape, kind, train_size, infer_size, data):
     layouts = _trainer_layouts(shape, kind, train_size)
     sources = [layout.pieces() for layout in layouts]
@@ -107,7 +117,12 @@ def _stage(full: dict[str, torch.Tensor], layouts: dict[str, Layout], rank: int,
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]), st.integers(1, 3), st.integers(1, 3), st.data())
+@given(
+    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.data(),
+)
 def test_plans_move_real_bytes_exactly(kind, train_size, infer_size, data):
     full = {
         "w": torch.randn(6, 10, dtype=torch.float32),

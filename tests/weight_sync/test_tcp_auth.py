@@ -12,9 +12,8 @@ from transfer_queue._auth import CREDENTIALS_ENV, Credentials
 from transfer_queue._errors import SchemaError, WeightSyncError
 from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
 
-from .workers import BUCKET, SHAPES, weights
-
 from ..waiting import eventually
+from .workers import BUCKET, SHAPES, weights
 
 
 def _zeros() -> dict[str, torch.Tensor]:
@@ -37,7 +36,7 @@ def test_only_holders_of_the_credentials_pull_weights():
             assert all(torch.equal(model[k], v) for k, v in weights(1).items())
         for intruder in (TcpTransport(), TcpTransport(credentials=Credentials.generate().for_clients())):
             with WeightSubscriber(None, _zeros(), transport=intruder, publisher=pub.endpoint, timeout=10) as sub:
-                with pytest.raises(WeightSyncError, match="admits only holders|refused this subscriber's credentials"):
+                with pytest.raises(WeightSyncError, match=r"admits only holders|refused this subscriber's credentials"):
                     sub.wait(1, timeout=10)
                 assert sub.version == -1
         # a raw client that skips the handshake and asks straight away is cut off and counted

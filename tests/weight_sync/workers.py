@@ -104,7 +104,11 @@ def local_targets(rank: int, size: int, version: int | None = None) -> dict[str,
     shard = TPShard(rank, size, LLAMA_TP_DIMS)
 
     def part(name: str) -> torch.Tensor:
-        layout = Layout.tp(full[name].shape, shard.dim(name), rank, size) if shard.dim(name) >= 0 else Layout.full(full[name].shape)
+        layout = (
+            Layout.tp(full[name].shape, shard.dim(name), rank, size)
+            if shard.dim(name) >= 0
+            else Layout.full(full[name].shape)
+        )
         (lo, hi) = layout.box
         return full[name][tuple(slice(a, b) for a, b in zip(lo, hi))]
 
@@ -113,9 +117,13 @@ def local_targets(rank: int, size: int, version: int | None = None) -> dict[str,
         if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
             continue
         if ".q_proj." in name:
-            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([part(name), part(name.replace("q_proj", "k_proj")), part(name.replace("q_proj", "v_proj"))])
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(
+                [part(name), part(name.replace("q_proj", "k_proj")), part(name.replace("q_proj", "v_proj"))]
+            )
         elif ".gate_proj." in name:
-            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([part(name), part(name.replace("gate_proj", "up_proj"))])
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(
+                [part(name), part(name.replace("gate_proj", "up_proj"))]
+            )
         else:
             out[name] = part(name)
     out = {n: t.clone() for n, t in out.items()}

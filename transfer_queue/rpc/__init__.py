@@ -26,11 +26,16 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
   request ids, replies matched by id (many requests may be in flight), deadlines, `cancel`, and
   liveness (a silent peer is pinged after `PROBE_AFTER` s and reported dead after `DEAD_AFTER`
   s of silence) written once in their shared base.
+- For links that are not ZeroMQ (the weight transports' raw sockets): `error_code` /
+  `error_from_code`, the same error mapping as text, and `is_loopback` / `CREDENTIALS_ENV`, the
+  rule and the variable that decide when credentials are required.
 """
 
 from __future__ import annotations
 
-from .._auth import Credentials, from_env as credentials_from_env
+from .._auth import CREDENTIALS_ENV, Credentials, is_loopback
+from .._auth import from_env as credentials_from_env
+from .._errors import error_code, error_from_code
 from ._channel import AsyncChannel, Channel
 from ._codec import (
     DEAD_AFTER,
@@ -64,6 +69,10 @@ __all__ = [
     "GRACE",
     "Credentials",
     "credentials_from_env",
+    "CREDENTIALS_ENV",
+    "is_loopback",
+    "error_code",
+    "error_from_code",
     "Message",
     "Cancel",
     "Ping",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -24,9 +25,19 @@ class _Peer:
     after `PROBE_AFTER` s), `late` at a deadline."""
 
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, replies: Codec, *, name: str | None, hint: str,
-        credentials: Credentials | None, timeout: float, connect_timeout: float, dead_after: float,
-        lost: type[SluiceError], late: type[SluiceError],
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None,
+        hint: str,
+        credentials: Credentials | None,
+        timeout: float,
+        connect_timeout: float,
+        dead_after: float,
+        lost: type[SluiceError],
+        late: type[SluiceError],
     ):
         self.endpoint = endpoint
         self.name = name or f"the service at {endpoint}"
@@ -96,14 +107,32 @@ class Channel(_Peer):
     """
 
     def __init__(
-        self, endpoint: str, replies: Codec, *, name: str | None = None, hint: str = "",
-        credentials: Credentials | None = None, timeout: float = GRACE, connect_timeout: float = DEAD_AFTER,
-        dead_after: float = DEAD_AFTER, lost: type[SluiceError] = ServiceError, late: type[SluiceError] = TimeoutError,
+        self,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None = None,
+        hint: str = "",
+        credentials: Credentials | None = None,
+        timeout: float = GRACE,
+        connect_timeout: float = DEAD_AFTER,
+        dead_after: float = DEAD_AFTER,
+        lost: type[SluiceError] = ServiceError,
+        late: type[SluiceError] = TimeoutError,
         watch_disconnect: bool = False,
     ):
         super().__init__(
-            zmq.Context.instance(), endpoint, replies, name=name, hint=hint, credentials=credentials,
-            timeout=timeout, connect_timeout=connect_timeout, dead_after=dead_after, lost=lost, late=late,
+            zmq.Context.instance(),
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            credentials=credentials,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
         )
         self._stash: dict[int, tuple[Any, list[Any]]] = {}
         self._pings: set[int] = set()  # ids of liveness pings whose Ok is dropped on arrival
@@ -132,7 +161,9 @@ class Channel(_Peer):
             raise self._unreachable() from None
         return rid
 
-    def reply(self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request") -> tuple[Any, list[Any]]:
+    def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
         """The (message, data frames) answering `rid`, awaited since `since` (default: now) for at
         most `wait` seconds (None: as long as the peer is alive).
 
@@ -226,14 +257,32 @@ class AsyncChannel(_Peer):
     `post`ed requests) go to `on_reply`."""
 
     def __init__(
-        self, endpoint: str, replies: Codec, *, name: str | None = None, hint: str = "",
-        credentials: Credentials | None = None, timeout: float = GRACE, connect_timeout: float = DEAD_AFTER,
-        dead_after: float = DEAD_AFTER, lost: type[SluiceError] = ServiceError, late: type[SluiceError] = TimeoutError,
+        self,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None = None,
+        hint: str = "",
+        credentials: Credentials | None = None,
+        timeout: float = GRACE,
+        connect_timeout: float = DEAD_AFTER,
+        dead_after: float = DEAD_AFTER,
+        lost: type[SluiceError] = ServiceError,
+        late: type[SluiceError] = TimeoutError,
         on_reply: Callable[[Any], None] | None = None,
     ):
         super().__init__(
-            zmq.asyncio.Context.instance(), endpoint, replies, name=name, hint=hint, credentials=credentials,
-            timeout=timeout, connect_timeout=connect_timeout, dead_after=dead_after, lost=lost, late=late,
+            zmq.asyncio.Context.instance(),
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            credentials=credentials,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
         )
         self._waiting: dict[int, asyncio.Future] = {}
         self._on_reply = on_reply
@@ -279,7 +328,9 @@ class AsyncChannel(_Peer):
             return False
         return True
 
-    async def reply(self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request") -> tuple[Any, list[Any]]:
+    async def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
         """The (message, data frames) answering `rid` (see `Channel.reply`); when this raises
         (or is cancelled), `cancel(rid)` or `forget(rid)` the request."""
         fut = self._waiting.get(rid)
@@ -327,4 +378,3 @@ class AsyncChannel(_Peer):
     def close(self) -> None:
         self._reader.cancel()
         self.sock.close(linger=0)
-

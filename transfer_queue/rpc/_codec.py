@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -40,7 +41,7 @@ class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields
     """Base of every Sluice message: subclass with `tag="name"`; new fields need defaults."""
 
 
-class Cancel(Message, tag="cancel"):
+class Cancel(Message, tag="cancel", frozen=True):
     """Withdraw this peer's parked request `request_id` (any service); answered with `Ok`.
 
     If the request was already answered, that answer arrives before this one's `Ok`."""
@@ -48,15 +49,15 @@ class Cancel(Message, tag="cancel"):
     request_id: int
 
 
-class Ping(Message, tag="ping"):
+class Ping(Message, tag="ping", frozen=True):
     """Are you alive? Every service answers `Ok` at once."""
 
 
-class Ok(Message, tag="ok"):
+class Ok(Message, tag="ok", frozen=True):
     """Done; nothing to return."""
 
 
-class ErrorReply(Message, tag="error"):
+class ErrorReply(Message, tag="error", frozen=True):
     """The request failed with the `tq.*` error whose `code` this is (see `check`)."""
 
     code: str
@@ -179,5 +180,3 @@ def refuse_unauthenticated(bind: str, credentials: Credentials | None) -> None:
             f"refusing to serve on {bind} without CurveZMQ credentials: beyond loopback anyone could "
             "connect; tq.init / `sluice serve` generate them (SLUICE_CREDENTIALS), or bind 127.0.0.1"
         )
-
-

@@ -8,7 +8,8 @@ import logging
 import signal
 import struct
 import sys
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -205,5 +206,3 @@ def run_service(make: Callable[[], Awaitable[Service]], announce: Callable[[Serv
 def refusals(frames: list[Any]) -> int:
     (event,) = struct.unpack("=H", bytes(frames[0])[:2])
     return 1 if event else 0
-
-

@@ -8,7 +8,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -59,8 +60,12 @@ class ThreadService:
     """
 
     def __init__(
-        self, codec: Codec, handler: ThreadHandler, bind: str = "tcp://127.0.0.1:*",
-        credentials: Credentials | None = None, name: str = "sluice-rpc",
+        self,
+        codec: Codec,
+        handler: ThreadHandler,
+        bind: str = "tcp://127.0.0.1:*",
+        credentials: Credentials | None = None,
+        name: str = "sluice-rpc",
     ):
         refuse_unauthenticated(bind, credentials)
         self._codec = codec
@@ -166,5 +171,3 @@ class ThreadService:
         while self._parked and (self._parked[0][2].done or self._parked[0][0] <= now):
             _, _, pending, what = heapq.heappop(self._parked)
             pending.fail(TimeoutError(what))
-
-

@@ -28,5 +28,7 @@ def resolve(transport: str | Transport | list) -> list[Transport]:
         return [get(name)() for name in AUTO_ORDER if get(name).is_available()]
     cls = get(transport)
     if not cls.is_available():
-        raise ValueError(f"transport {transport!r} is not available here (install its extra, e.g. sluice-rl[{transport}])")
+        raise ValueError(
+            f"transport {transport!r} is not available here (install its extra, e.g. sluice-rl[{transport}])"
+        )
     return [cls()]

@@ -19,8 +19,9 @@ What the byte-stream transports (tcp, ucx) share beyond this lives in `stream`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator, Literal
+from typing import ClassVar, Literal
 
 import torch
 

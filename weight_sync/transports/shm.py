@@ -13,8 +13,7 @@ import mmap
 
 import torch
 
-from transfer_queue._errors import WeightSyncError
-
+from transfer_queue import WeightSyncError
 from transfer_queue.host import unmap
 
 from ..staging import map_segment
@@ -48,7 +47,9 @@ class ShmTransport(Transport):
         try:
             mm, view = map_segment(slot.path, slot.size)
         except OSError as exc:
-            raise WeightSyncError(f"cannot map rank {job.rank}'s slot {slot.path}: {exc} (not on the same host, or the publisher is gone)") from exc
+            raise WeightSyncError(
+                f"cannot map rank {job.rank}'s slot {slot.path}: {exc} (not on the same host, or the publisher is gone)"
+            ) from exc
         self._maps[key] = (slot.generation, mm, view)
         return view
 

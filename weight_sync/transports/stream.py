@@ -14,7 +14,8 @@ import struct
 import msgspec
 import torch
 
-from transfer_queue._errors import WeightSyncError, error_code, error_from_code
+from transfer_queue import WeightSyncError
+from transfer_queue.rpc import error_code, error_from_code
 
 from ..layout import Box
 from ..plan import Read
@@ -40,7 +41,9 @@ def _contiguous(shape: tuple[int, ...], lo: tuple[int, ...], hi: tuple[int, ...]
     """True when box [lo, hi) of a row-major `shape` is one contiguous run."""
     for d in range(len(shape)):
         if hi[d] - lo[d] != shape[d]:  # dims after d must be full, dims before d single
-            return all(hi[k] - lo[k] == 1 for k in range(d)) and all(hi[k] - lo[k] == shape[k] for k in range(d + 1, len(shape)))
+            return all(hi[k] - lo[k] == 1 for k in range(d)) and all(
+                hi[k] - lo[k] == shape[k] for k in range(d + 1, len(shape))
+            )
     return True
 
 

@@ -27,8 +27,9 @@ import threading
 
 import torch
 
-from transfer_queue._auth import CREDENTIALS_ENV, Credentials, from_env, is_loopback
-from transfer_queue._errors import SchemaError, SluiceError, WeightSyncError
+from transfer_queue import SchemaError, SluiceError, WeightSyncError
+from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, is_loopback
+from transfer_queue.rpc import credentials_from_env as from_env
 
 from ..protocol import Pull, RelayPull
 from .base import Job, Source, Transport, register
@@ -55,7 +56,9 @@ def _key(credentials: Credentials | None) -> bytes | None:
     """The handshake key of a cluster's credentials (both halves hold its client secret)."""
     if credentials is None:
         return None
-    return hashlib.sha256(b"sluice-weights\0" + credentials.client_secret.encode() + credentials.server_public.encode()).digest()
+    return hashlib.sha256(
+        b"sluice-weights\0" + credentials.client_secret.encode() + credentials.server_public.encode()
+    ).digest()
 
 
 def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

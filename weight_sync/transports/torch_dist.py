@@ -18,7 +18,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from transfer_queue._errors import SluiceError, WeightSyncError
+from transfer_queue import SluiceError, WeightSyncError
 
 from .base import Job, Transport, register
 
@@ -87,7 +87,9 @@ class TorchTransport(Transport):
     # -- publisher -----------------------------------------------------------------------
 
     def serve(self, source) -> str:  # noqa: ANN001 - the pusher reads slots it is sent
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout))
+        self._store = dist.TCPStore(
+            self.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout)
+        )
         self._store.set(_WORLD, str(self.world_size))
         self._thread = threading.Thread(target=self._push_loop, name="sluice-ws-torch", daemon=True)
         self._thread.start()
@@ -128,7 +130,9 @@ class TorchTransport(Transport):
     def _push(self, slot, version: int) -> None:  # noqa: ANN001
         manifest = slot.manifest
         bucket = manifest.bucket_bytes
-        header = torch.tensor([version, manifest.id - (1 << 63), slot.size, manifest.num_buckets, bucket], dtype=torch.int64)
+        header = torch.tensor(
+            [version, manifest.id - (1 << 63), slot.size, manifest.num_buckets, bucket], dtype=torch.int64
+        )
         self._broadcast(header)
         ok = True
         for k in range(manifest.num_buckets):
@@ -138,7 +142,7 @@ class TorchTransport(Transport):
                     slot.wait_filled(end, version, self.timeout)
                 except SluiceError:
                     ok = False  # staging failed: keep the collective in step, mark it bad
-            self._broadcast(slot.segment.tensor[k * bucket : end])
+            self._broadcast(slot.mapped.tensor[k * bucket : end])
         self._broadcast(torch.tensor([int(ok)], dtype=torch.int64))
 
     # -- subscriber ----------------------------------------------------------------------
@@ -149,11 +153,15 @@ class TorchTransport(Transport):
         try:
             if self._group is None:
                 host, port = job.endpoint.rsplit(":", 1)
-                store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
+                store = dist.TCPStore(
+                    host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout)
+                )
                 self.world_size = int(store.get(_WORLD))
                 rank = store.add(_RANK, 1)
                 if rank >= self.world_size:
-                    raise WeightSyncError(f"the torch group is full ({self.world_size} members); raise world_size at the publisher")
+                    raise WeightSyncError(
+                        f"the torch group is full ({self.world_size} members); raise world_size at the publisher"
+                    )
                 self._group = self._make_group(store, rank)
             if self._ended:
                 raise WeightSyncError("the publisher closed the torch group")

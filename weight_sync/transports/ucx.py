@@ -16,12 +16,13 @@ import asyncio
 import importlib.util
 import os
 import threading
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 import numpy as np
 import torch
 
-from transfer_queue._errors import SluiceError, WeightSyncError
+from transfer_queue import SluiceError, WeightSyncError
 
 from ..protocol import Pull, RelayPull
 from .base import Job, Source, Transport, register
@@ -181,4 +182,6 @@ async def _bounded(step: Coroutine, job: Job) -> Any:
     try:
         return await asyncio.wait_for(step, job.timeout)
     except asyncio.TimeoutError:
-        raise WeightSyncError(f"no progress with {job.endpoint} for {job.timeout:g} s (the publisher died or hangs)") from None
+        raise WeightSyncError(
+            f"no progress with {job.endpoint} for {job.timeout:g} s (the publisher died or hangs)"
+        ) from None
