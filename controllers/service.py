@@ -133,6 +133,7 @@ class Controller(Service):
         self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
         self.samples_lost = 0
         self._pinger: asyncio.TimerHandle | None = None
+        self._last_ping = 0.0
         self._unit_channels: dict[int, AsyncChannel] = {}
         self._unit_codec = Codec(Reply)
         self._next_index = 0
@@ -212,6 +213,7 @@ class Controller(Service):
         self.unit_bytes.setdefault(unit.unit_id, 0)
         self.unit_heard[unit.unit_id] = time.monotonic()
         if self._pinger is None:
+            self._last_ping = time.monotonic()
             self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
         old = self._unit_channels.pop(unit.unit_id, None)
         if old is not None:
@@ -227,8 +229,16 @@ class Controller(Service):
         self._record(Unit(unit))
 
     def _ping_units(self) -> None:
-        """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds."""
+        """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds.
+
+        A tick that comes late means this controller was stalled (CPU starved, suspended) and
+        could hear nobody meanwhile: every unit then gets a fresh window instead of being retired
+        for the controller's own silence."""
         now = time.monotonic()
+        if now - self._last_ping > 2 * _UNIT_PING:
+            for unit_id in self.unit_heard:
+                self.unit_heard[unit_id] = max(self.unit_heard[unit_id], now - _UNIT_PING)
+        self._last_ping = now
         for unit_id in list(self.units):
             if now - self.unit_heard.get(unit_id, now) > _UNIT_DEAD_AFTER:
                 self._retire_unit(unit_id)

@@ -109,6 +109,22 @@ def _unit_proc(cluster: tq.Cluster, unit_id: int) -> subprocess.Popen:
     return cluster.backend.procs[1 + unit_id]
 
 
+def test_a_stalled_controller_keeps_its_live_units(cluster, client):
+    """A controller that could not run for longer than a unit's dead-after (CPU starved,
+    suspended) heard nobody meanwhile: it must not retire its live units for its own silence."""
+    client.put(_td(8))
+    ctl = cluster.backend.procs[0]
+    ctl.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(7.0)  # the fault itself: a stall longer than the 5 s dead-after
+    finally:
+        ctl.send_signal(signal.SIGCONT)
+    resumed = client.status()["uptime_s"]
+    status = eventually(lambda: (s := client.status())["uptime_s"] > resumed + 2.5 and s, 20, "two ping rounds")
+    assert status["retired_units"] == {} and sorted(status["units"]) == ["0", "1"]
+    assert status["counters"]["samples_lost"] == 0 and status["partitions"]["train"]["samples"] == 8
+
+
 def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, client):
     client.put(_td(8), partition="prompts")
     taken = client.get_meta(["x"], 8, task="rollout", partition="prompts", timeout=10)
