@@ -1,13 +1,25 @@
-"""`ucx`: UCX through ucxx. RDMA verbs on InfiniBand/RoCE; tcp or shared memory here.
+"""`ucx`: UCX through ucxx. RDMA verbs on InfiniBand/RoCE; tcp here.
 
 Speaks the same stream protocol as `tcp` (a request, a status header, then each read's bytes
-in `read_chunks` pieces, one UCX message per piece, received straight into the subscriber's
-buffer). ucxx is asyncio-based, so each transport runs one event loop in a thread of its own
-and the blocking subscriber side hands coroutines to it. An optional extra
-(`pip install sluice-rl[ucx]`); `is_available()` is False without it. UCX needs `tcp` among
-`UCX_TLS` when no RDMA device exists; the default set here is `tcp,sm,self` unless the
-environment says otherwise. Endpoint error handling stays on, so a dead peer fails a
-transfer instead of hanging it.
+in `read_chunks` pieces, one UCX tagged message per piece, received straight into the
+subscriber's buffer). An optional extra (`pip install sluice-rl[ucx]`); `is_available()` is
+False without it.
+
+What makes it fast (measured against `ucx_perftest` in `benchmarks/weight_sync.py`):
+
+- The receiver posts the receives of several pieces ahead (`WINDOW`), so the publisher's next
+  piece lands in a receive already waiting instead of one posted after a round trip.
+- Requests complete as asyncio futures (ucxx's progress thread plus its notifier thread, one
+  event loop thread per process for all transports) instead of ucxx's default of polling every
+  pending request on the loop: no core spins while a transfer waits for its peer or while a
+  publisher waits for its subscribers' next request.
+
+Endpoint error handling stays on, so a dead peer fails a transfer instead of hanging it (and
+every step is bounded by the job's timeout besides). UCX then uses only transports that can
+detect a dead peer: `tcp` and RDMA, never its shared-memory ones (`posix`, `sysv`, `cma` are
+"unreachable" with error handling; same-host subscribers have the `shm` transport). UCX needs
+`tcp` among `UCX_TLS` when no RDMA device exists; the default set here is `tcp,sm,self` unless
+the environment says otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +27,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import logging
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Coroutine
 
 import numpy as np
@@ -28,6 +43,79 @@ from .base import STATUS, Job, Source, Transport, decode_request, encode_request
 
 __all__ = ["UcxTransport"]
 
+log = logging.getLogger(__name__)
+
+
+DEFAULT_TLS = "tcp,sm,self"
+"""`UCX_TLS` when the environment sets none."""
+WINDOW = 4
+"""Receives a subscriber keeps posted ahead of the piece arriving."""
+
+class _Runtime:
+    """The process's ucxx event loop thread, shared by every `UcxTransport` that is open.
+
+    ucxx has one context and worker per process, whose requests complete as futures of the
+    loop it was initialised on; so the transports share one loop. The first transport to use
+    it starts it and initialises ucxx (its progress thread drives UCX, its notifier thread
+    completes each request's asyncio future: ucxx's default instead has every pending request
+    poll on the loop, a busy core for as long as a publisher waits for its subscribers' next
+    request); the last to close resets ucxx and ends the threads. A process that initialised
+    ucxx itself keeps its settings and its ucxx."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._users = 0
+        self._owned = False
+        """Whether this runtime initialised ucxx (and so resets it)."""
+
+    def acquire(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
+                os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-ws-ucx", daemon=True)
+                self._thread.start()
+                self._owned = asyncio.run_coroutine_threadsafe(self._init(), self._loop).result()
+            self._users += 1
+            return self._loop
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users or self._loop is None:
+                return
+            loop, self._loop = self._loop, None
+            if self._owned:
+                asyncio.run_coroutine_threadsafe(self._reset(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=5)
+            loop.close()
+
+    @staticmethod
+    async def _init() -> bool:
+        import ucxx
+        from ucxx import core
+
+        if core._ctx is not None:  # noqa: SLF001 - ucxx offers no "is initialised" query
+            return False
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+        return True
+
+    @staticmethod
+    async def _reset() -> None:
+        import ucxx
+
+        try:
+            ucxx.reset()
+        except Exception as exc:  # noqa: BLE001 - an endpoint still referenced somewhere keeps ucxx alive
+            log.warning("ucxx kept running after the last ucx transport closed: %s", exc)
+
+
+_runtime = _Runtime()
+
 
 @register
 class UcxTransport(Transport):
@@ -38,29 +126,29 @@ class UcxTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._listener: Any = None
         self._peers: dict[str, Any] = {}
         self._handlers: set[asyncio.Task] = set()
+        self._sources: ThreadPoolExecutor | None = None
+        """Takes views from a `Source` (they may wait for staging) off the loop."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The process's ucxx loop, while this transport holds it."""
 
     @classmethod
     def is_available(cls) -> bool:
         return importlib.util.find_spec("ucxx") is not None
 
     def _run(self, coro: Coroutine) -> Any:
-        """Run `coro` on this transport's loop thread and wait for its result."""
+        """Run `coro` on the process's ucxx loop (taken on first use) and wait for its result."""
         if self._loop is None:
-            os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-ws-ucx", daemon=True)
-            self._thread.start()
+            self._loop = _runtime.acquire()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # -- serving -------------------------------------------------------------------------
 
     def serve(self, source: Source) -> str:
+        self._sources = ThreadPoolExecutor(thread_name_prefix="sluice-ws-ucx-source")
+
         async def listen() -> int:
             import ucxx
 
@@ -90,7 +178,8 @@ class UcxTransport(Transport):
                 ok = False
                 try:
                     await self._send_status(ep, None)
-                    while (view := await loop.run_in_executor(None, next, views, None)) is not None:
+                    # each view is valid until the next is taken: send one, then take the next
+                    while (view := await loop.run_in_executor(self._sources, next, views, None)) is not None:
                         await ep.send(np.frombuffer(view, dtype=np.uint8))
                     ok = True
                 finally:
@@ -118,6 +207,7 @@ class UcxTransport(Transport):
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         import ucxx
 
+        pending: deque[tuple[asyncio.Task, int | None]] = deque()
         try:
             ep = self._peers.get(job.endpoint)
             if ep is None or ep.closed:
@@ -135,13 +225,21 @@ class UcxTransport(Transport):
                 raise_status(text.tobytes())
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
             buf = into.numpy()
+            # (start, end) of each piece in `buf`, and the bytes complete once it is in (or None)
+            pieces: list[tuple[int, int, int | None]] = []
             for read, offset in zip(job.reads, job.offsets):
                 position = offset
                 for lo, hi in read_chunks(read):
                     n = int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) * read.itemsize
-                    await _bounded(ep.recv(buf[position : position + n]), job)
+                    pieces.append((position, position + n, None))
                     position += n
-                job.progress(offset + read.nbytes)
+                pieces[-1] = (*pieces[-1][:2], offset + read.nbytes)
+            for start, end, complete in pieces:  # tagged messages match receives in posting order
+                pending.append((asyncio.ensure_future(ep.recv(buf[start:end])), complete))
+                if len(pending) >= WINDOW:
+                    await self._landed(pending.popleft(), job)
+            while pending:
+                await self._landed(pending.popleft(), job)
             return into
         except WeightSyncError:
             await self._drop(job.endpoint)
@@ -149,6 +247,17 @@ class UcxTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - ucxx raises its own hierarchy
             await self._drop(job.endpoint)
             raise WeightSyncError(f"ucx transfer from {job.endpoint} failed: {exc}") from exc
+        finally:
+            for task, _ in pending:
+                task.cancel()
+
+    @staticmethod
+    async def _landed(piece: tuple[asyncio.Task, int | None], job: Job) -> None:
+        """Wait for a posted receive; report progress when it completes a read."""
+        task, complete = piece
+        await _bounded(task, job)
+        if complete is not None:
+            job.progress(complete)
 
     async def _drop(self, endpoint: str) -> None:
         ep = self._peers.pop(endpoint, None)
@@ -162,19 +271,23 @@ class UcxTransport(Transport):
         async def shutdown() -> None:
             for endpoint in list(self._peers):
                 await self._drop(endpoint)
-            for task in list(self._handlers):
+            handlers = list(self._handlers)
+            for task in handlers:
                 task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)  # their endpoints closed
             if self._listener is not None:
                 self._listener.close()
+                self._listener = None
 
         self._run(shutdown())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
         self._loop = None
+        if self._sources is not None:
+            self._sources.shutdown(wait=False, cancel_futures=True)
+            self._sources = None
+        _runtime.release()
 
 
-async def _bounded(step: Coroutine, job: Job) -> Any:
+async def _bounded(step: Coroutine | asyncio.Future, job: Job) -> Any:
     """One UCX step (connect, send, receive), bounded by the job's timeout: a publisher killed
     mid-transfer does not always fail a pending UCX operation, which would then wait forever."""
     try:
