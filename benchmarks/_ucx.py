@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["perftest_binary", "perftest"]
+__all__ = ["perftest", "perftest_binary"]
 
 
 def perftest_binary() -> Path | None:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import logging
+import os
 import threading
 from collections import deque
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,11 +46,11 @@ __all__ = ["UcxTransport"]
 
 log = logging.getLogger(__name__)
 
-
 DEFAULT_TLS = "tcp,sm,self"
 """`UCX_TLS` when the environment sets none."""
 WINDOW = 4
 """Receives a subscriber keeps posted ahead of the piece arriving."""
+
 
 class _Runtime:
     """The process's ucxx event loop thread, shared by every `UcxTransport` that is open.
@@ -99,7 +100,7 @@ class _Runtime:
         import ucxx
         from ucxx import core
 
-        if core._ctx is not None:  # noqa: SLF001 - ucxx offers no "is initialised" query
+        if core._ctx is not None:  # ucxx offers no "is initialised" query
             return False
         ucxx.init(progress_mode="thread", enable_python_future=True)
         return True
@@ -157,7 +158,7 @@ class UcxTransport(Transport):
                 self._handlers.add(task)
                 task.add_done_callback(self._handlers.discard)
 
-            self._listener = ucxx.create_listener(accept, port=0)
+            self._listener = ucxx.create_listener(accept, port=0, endpoint_error_handling=True)
             return self._listener.port
 
         return f"{self.host}:{self._run(listen())}"
@@ -207,12 +208,11 @@ class UcxTransport(Transport):
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         import ucxx
 
-        pending: deque[tuple[asyncio.Task, int | None]] = deque()
         try:
             ep = self._peers.get(job.endpoint)
             if ep is None or ep.closed:
                 host, port = job.endpoint.rsplit(":", 1)
-                ep = self._peers[job.endpoint] = await _bounded(ucxx.create_endpoint(host, int(port)), job)
+                ep = self._peers[job.endpoint] = await _bounded(ucxx.create_endpoint(host, int(port), endpoint_error_handling=True), job)
             body = encode_request(request)
             await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
             await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
@@ -224,22 +224,7 @@ class UcxTransport(Transport):
                 await _bounded(ep.recv(text), job)
                 raise_status(text.tobytes())
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
-            buf = into.numpy()
-            # (start, end) of each piece in `buf`, and the bytes complete once it is in (or None)
-            pieces: list[tuple[int, int, int | None]] = []
-            for read, offset in zip(job.reads, job.offsets):
-                position = offset
-                for lo, hi in read_chunks(read):
-                    n = int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) * read.itemsize
-                    pieces.append((position, position + n, None))
-                    position += n
-                pieces[-1] = (*pieces[-1][:2], offset + read.nbytes)
-            for start, end, complete in pieces:  # tagged messages match receives in posting order
-                pending.append((asyncio.ensure_future(ep.recv(buf[start:end])), complete))
-                if len(pending) >= WINDOW:
-                    await self._landed(pending.popleft(), job)
-            while pending:
-                await self._landed(pending.popleft(), job)
+            await self._receive_pieces(ep, job, into.numpy())
             return into
         except WeightSyncError:
             await self._drop(job.endpoint)
@@ -247,17 +232,38 @@ class UcxTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - ucxx raises its own hierarchy
             await self._drop(job.endpoint)
             raise WeightSyncError(f"ucx transfer from {job.endpoint} failed: {exc}") from exc
-        finally:
-            for task, _ in pending:
-                task.cancel()
 
     @staticmethod
-    async def _landed(piece: tuple[asyncio.Task, int | None], job: Job) -> None:
-        """Wait for a posted receive; report progress when it completes a read."""
-        task, complete = piece
-        await _bounded(task, job)
-        if complete is not None:
-            job.progress(complete)
+    async def _receive_pieces(ep: Any, job: Job, buf: np.ndarray) -> None:
+        """Receive every read's `read_chunks` pieces into `buf`, `WINDOW` receives posted ahead
+        (tagged messages match receives in posting order), reporting each read as it lands."""
+        pieces: list[tuple[int, int, int | None]] = []  # (start, end) in buf, bytes complete once in
+        for read, offset in zip(job.reads, job.offsets):
+            position = offset
+            for lo, hi in read_chunks(read):
+                n = int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) * read.itemsize
+                pieces.append((position, position + n, None))
+                position += n
+            pieces[-1] = (*pieces[-1][:2], offset + read.nbytes)
+        pending: deque[tuple[asyncio.Task, int | None]] = deque()
+
+        async def landed() -> None:
+            task, complete = pending.popleft()
+            await _bounded(task, job)
+            if complete is not None:
+                job.progress(complete)
+
+        try:
+            for start, end, complete in pieces:
+                pending.append((asyncio.ensure_future(ep.recv(buf[start:end])), complete))
+                if len(pending) >= WINDOW:
+                    await landed()
+            while pending:
+                await landed()
+        finally:  # a failed transfer: its receives end with the endpoint, dropped next
+            for task, _ in pending:
+                task.cancel()
+            await asyncio.gather(*(task for task, _ in pending), return_exceptions=True)
 
     async def _drop(self, endpoint: str) -> None:
         ep = self._peers.pop(endpoint, None)
