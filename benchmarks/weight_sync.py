@@ -14,6 +14,11 @@ versions after warm-up versions (one per staging slot):
   received with `recv_into` straight into its tensors (no protocol, no staging), measured
   again right before each configuration with as many subscribers ("raw sock/s" is the
   fraction of that speed reached);
+- for the ucx rows, UCX's own limit: `ucx_perftest` (the tag bandwidth test of the libucx
+  wheel ucxx installs) between as many sender/receiver process pairs, over the same `UCX_TLS`
+  (default `tcp,sm,self`) with endpoint error handling on, the faster of its polling and
+  sleeping modes, measured right before each version ("ucx/perftest" is the median of the
+  paired ratios; `UCX_TLS=tcp .venv/bin/python benchmarks/weight_sync.py ...` picks others);
 - what a team would otherwise use: `torch.save` to /dev/shm then `torch.load` (plain, and
   with `mmap=True`) and copy into the model, in every subscriber; Ray's object store
   (`ray.put` of the state dict, `ray.get` and copy in every subscriber, as Ray actors; up to
@@ -26,6 +31,7 @@ table and writes results/weight_sync-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync.py                    # 1 GiB (~5 minutes)
     .venv/bin/python benchmarks/weight_sync.py --sizes 1GiB,4GiB  # and 4 GiB (~10 minutes)
     .venv/bin/python benchmarks/weight_sync.py --quick            # 256 MiB, 3 repeats (~1.5 minutes)
+    .venv/bin/python benchmarks/weight_sync.py --quick --reps 5 --transports ucx --no-baselines  # ucx vs ucx_perftest
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import gbps, median, print_table, write_record  # noqa: E402
-from benchmarks._ucx import perftest, perftest_binary  # noqa: E402
+from benchmarks._ucx import limit as ucx_limit  #
+from benchmarks._ucx import perftest_binary  # noqa: E402
 
 DEFAULT_TLS = "tcp,sm,self"
 """The `ucx` transport's UCX_TLS when the environment sets none."""
@@ -359,7 +366,7 @@ def run_size(size: str, workers: Workers, reps: int, version: list[int], baselin
         raw = raw_socket(state, workers, 1, n)[0]  # the limit, right before this configuration
         label = f"{name}{'' if sub_kwargs.get('pipelined', True) else ' unpipelined'} x{n}"
         # UCX's own test over the same UCX transports, right before each version (paired)
-        limit = partial(perftest, nbytes, ucx_tls(), n, 1) if name == "ucx" and perftest_binary() is not None else None
+        limit = partial(ucx_limit, nbytes, ucx_tls(), n) if name == "ucx" and perftest_binary() is not None else None
         res[label] = channel(state, floor, workers, n, name, reps, version, slots, sub_kwargs, limit)
         res[label]["raw_socket"] = raw
         gc.collect()
@@ -452,7 +459,7 @@ def main() -> None:
             print_table(f"{title} ({size})", header, size_rows)
             rows += size_rows
             if ucx := summarize_ucx(size, records[size]):
-                print_table(f"ucx transport vs ucx_perftest (tag_bw, error handling on) in this run ({size})", UCX_HEADER, ucx)
+                print_table(f"ucx transport vs ucx_perftest (tag_bw, faster of polling and sleeping, error handling on) in this run ({size})", UCX_HEADER, ucx)
                 ucx_rows += ucx
     finally:
         workers.close()
