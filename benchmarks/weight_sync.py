@@ -14,6 +14,11 @@ versions after warm-up versions (one per staging slot):
   received with `recv_into` straight into its tensors (no protocol, no staging), measured
   again right before each configuration with as many subscribers ("raw sock/s" is the
   fraction of that speed reached);
+- for the ucx rows, UCX's own limit: `ucx_perftest` (the tag bandwidth test of the libucx
+  wheel ucxx installs) between as many sender/receiver process pairs, over the same `UCX_TLS`
+  (default `tcp,sm,self`) with endpoint error handling on, the faster of its polling and
+  sleeping modes, measured right before each version ("ucx/perftest" is the median of the
+  paired ratios; `UCX_TLS=tcp .venv/bin/python benchmarks/weight_sync.py ...` picks others);
 - what a team would otherwise use: `torch.save` to /dev/shm then `torch.load` (plain, and
   with `mmap=True`) and copy into the model, in every subscriber; Ray's object store
   (`ray.put` of the state dict, `ray.get` and copy in every subscriber, as Ray actors; up to
@@ -26,6 +31,7 @@ table and writes results/weight_sync-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync.py                    # 1 GiB (~5 minutes)
     .venv/bin/python benchmarks/weight_sync.py --sizes 1GiB,4GiB  # and 4 GiB (~10 minutes)
     .venv/bin/python benchmarks/weight_sync.py --quick            # 256 MiB, 3 repeats (~1.5 minutes)
+    .venv/bin/python benchmarks/weight_sync.py --quick --reps 5 --transports ucx --no-baselines  # ucx vs ucx_perftest
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,6 +53,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import gbps, median, print_table, write_record  # noqa: E402
+from benchmarks._ucx import limit as ucx_limit  #
+from benchmarks._ucx import perftest_binary  # noqa: E402
+
+DEFAULT_TLS = "tcp,sm,self"
+"""The `ucx` transport's UCX_TLS when the environment sets none."""
+UCX_HEADER = ["size", "what", "UCX_TLS", "ucx GB/s each", "ucx_perftest GB/s each", "ucx/perftest"]
 
 GIB = 1 << 30
 WARMUP = 2
@@ -243,10 +257,12 @@ def channel(
     version: list[int],
     slots: int,
     sub_kwargs: dict,
+    limit: Callable[[], float] | None = None,
 ) -> dict:  # noqa: ANN001
     """Publish `WARMUP` + `reps` versions to `n` subscribers; per measured version: seconds to the
     last subscriber's apply, seconds after `publish` returned, publish blocking seconds, the
-    slowest apply, and a memcpy of the state taken just before (paired, for ratios)."""
+    slowest apply, and a memcpy of the state taken just before (paired, for ratios); with
+    `limit`, its seconds measured just before each version too ("limit", paired)."""
     from weight_sync import TorchTransport, WeightPublisher
 
     transport = TorchTransport(world_size=n + 1) if name == "torch" else name
@@ -257,6 +273,8 @@ def channel(
         workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs)
         assert workers.recv(n) == ["ready"] * n
         for i, v in enumerate(versions):
+            if limit is not None and i >= WARMUP:
+                out.setdefault("limit", []).append(limit())
             copy = floor.seconds()
             t0 = time.monotonic()
             pub.publish(state, v)
@@ -345,7 +363,9 @@ def _ray_available() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
-def run_size(size: str, workers: Workers, reps: int, version: list[int], baselines: bool) -> dict:
+def run_size(
+    size: str, workers: Workers, reps: int, version: list[int], baselines: bool, transports: set[str] | None
+) -> dict:
     """Every measurement for one state-dict size. Above 2 GiB only what fits in 24 GiB beside
     the trainer's copy runs: shm to 1 and 2 subscribers, tcp to 1, and the mmap'd
     torch.save/load to 1 (one staging slot; a model only in the processes that take part)."""
@@ -364,11 +384,14 @@ def run_size(size: str, workers: Workers, reps: int, version: list[int], baselin
         configs = [("shm", {}, 1), ("shm", {}, 2), ("tcp", {}, 1), ("tcp", {}, 2), ("tcp", {"pipelined": False}, 1)]
         configs += [("ucx", {}, 1), ("ucx", {}, 2)] if _ucx_available() else []
         configs += [("torch", {}, 1), ("torch", {}, 2)]
+    configs = [c for c in configs if transports is None or c[0] in transports]
     for name, sub_kwargs, n in configs:
         workers.hold(shapes, n if big else 2)
         raw = raw_socket(state, workers, 1, n)[0]  # the limit, right before this configuration
         label = f"{name}{'' if sub_kwargs.get('pipelined', True) else ' unpipelined'} x{n}"
-        res[label] = channel(state, floor, workers, n, name, reps, version, slots, sub_kwargs)
+        # UCX's own test over the same UCX transports, right before each version (paired)
+        limit = partial(ucx_limit, nbytes, ucx_tls(), n) if name == "ucx" and perftest_binary() is not None else None
+        res[label] = channel(state, floor, workers, n, name, reps, version, slots, sub_kwargs, limit)
         res[label]["raw_socket"] = raw
         gc.collect()
     if baselines:
@@ -385,6 +408,25 @@ def run_size(size: str, workers: Workers, reps: int, version: list[int], baselin
     workers.hold({}, 0)
     gc.collect()
     return {"bytes": nbytes, "tensors": len(shapes), "results": res}
+
+
+def ucx_tls() -> str:
+    """The UCX transports the `ucx` rows and their `ucx_perftest` limit run over (main sets
+    `UCX_TLS` before the subscriber processes start, so every process uses the same)."""
+    return os.environ["UCX_TLS"]
+
+
+def summarize_ucx(size: str, record: dict) -> list[list]:
+    """Table rows: the `ucx` transport's GB/s into each subscriber next to `ucx_perftest`'s
+    over the same UCX transports with as many sender/receiver pairs at once, measured right
+    before each version, and the median of their paired ratios."""
+    rows = []
+    for label, f in record["results"].items():
+        if "limit" in f:
+            f["ucx_perftest_gbps"] = gbps(record["bytes"], median(f["limit"]))
+            f["over_ucx_perftest"] = median(p / s for p, s in zip(f["limit"], f["seconds"]))
+            rows.append([size, label, ucx_tls(), f["gbps_each"], f["ucx_perftest_gbps"], f["over_ucx_perftest"]])
+    return rows
 
 
 def summarize(size: str, record: dict) -> list[list]:
@@ -439,14 +481,18 @@ def main() -> None:
         "--reps", type=int, default=None, help="measured versions per configuration (default 5, quick 3)"
     )
     parser.add_argument("--no-baselines", action="store_true", help="skip torch.save/load and Ray")
+    parser.add_argument("--transports", default=None, help="comma-separated transports to run (default all)")
     args = parser.parse_args()
+    transports = set(args.transports.split(",")) if args.transports else None
+    os.environ.setdefault("UCX_TLS", DEFAULT_TLS)  # before the subscriber processes start
     torch.set_num_threads(1)  # the trainer's copies run on one core, like the services'
     sizes = (args.sizes or ("256MiB" if args.quick else "1GiB")).split(",")
     reps = args.reps or (3 if args.quick else 5)
     workers = Workers(2)
     version = [0]
     records = {}
-    rows = []
+    rows: list[list] = []
+    ucx_rows: list[list] = []
     start = time.monotonic()
     header = [
         "size",
@@ -462,14 +508,23 @@ def main() -> None:
     title = f"weight sync: medians of {reps} versions; ratios against limits measured in this run"
     try:
         for size in sizes:
-            records[size] = run_size(size, workers, reps, version, not args.no_baselines)
+            records[size] = run_size(size, workers, reps, version, not args.no_baselines, transports)
             size_rows = summarize(size, records[size])
             print_table(f"{title} ({size})", header, size_rows)
             rows += size_rows
+            if ucx := summarize_ucx(size, records[size]):
+                print_table(
+                    f"ucx transport vs ucx_perftest (tag_bw, faster of polling and sleeping, error handling on) in this run ({size})",
+                    UCX_HEADER,
+                    ucx,
+                )
+                ucx_rows += ucx
     finally:
         workers.close()
         if rows:
             table = print_table(title, header, rows)
+            if ucx_rows:
+                table += "\n" + print_table("ucx transport vs ucx_perftest", UCX_HEADER, ucx_rows)
             path = write_record(
                 "weight_sync",
                 {"sizes": records, "reps": reps, "table": table, "wall_seconds": time.monotonic() - start},

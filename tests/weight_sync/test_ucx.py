@@ -1,0 +1,58 @@
+"""The ucx transport's own promises, over real processes: it waits for peers without spinning a
+core, and the last transport of a process to close takes ucxx's threads with it (a new one
+starts them again)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from weight_sync import UcxTransport, WeightPublisher
+
+from ..waiting import eventually
+from .harness import Subscribers, check
+from .workers import BUCKET, weights
+
+pytestmark = pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
+
+UCX_THREADS = {"sluice-ws-ucx", "UCX-Py Async Notifier Thread"}
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+def test_a_publisher_waiting_for_requests_spends_no_cpu():
+    """A subscriber holds its endpoint open and sends no request (nothing newer is published):
+    the publisher's handler waits on a future, not by polling its receive (ucxx's default, a
+    busy core for as long as any subscriber stays connected)."""
+    pub = WeightPublisher(None, transport="ucx", bucket_bytes=BUCKET)
+    subs = Subscribers(1, pub.endpoint, "ucx")
+    try:
+        pub.publish(weights(1), 1)
+        subs.wait_applied(1)
+        cpu, wall = time.process_time(), time.monotonic()
+        threading.Event().wait(1.0)  # the window whose CPU time is measured, not a wait for state
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        assert cpu < 0.2 * wall, f"the publisher's process used {cpu:.2f} s of CPU in {wall:.2f} s idle"
+        (summary,) = subs.finish().values()
+        check(summary, 1)
+    finally:
+        pub.close()
+
+
+def test_the_last_transport_to_close_ends_the_ucx_threads_and_a_new_one_restarts_them():
+    for version in (1, 2):  # the second round runs on a freshly initialised ucxx
+        pub = WeightPublisher(None, transport="ucx", bucket_bytes=BUCKET)
+        subs = Subscribers(1, pub.endpoint, "ucx")
+        try:
+            pub.publish(weights(version), version)
+            subs.wait_applied(version)
+            assert _threads() >= UCX_THREADS
+            (summary,) = subs.finish().values()
+            check(summary, version)
+        finally:
+            pub.close()
+        eventually(lambda: not UCX_THREADS & _threads(), 10, "ucx threads gone")
