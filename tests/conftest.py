@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import glob
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import transfer_queue as tq
+
+MakeCluster = Callable[..., "tq.Cluster"]
 
 
 @pytest.fixture
@@ -28,3 +32,22 @@ def shared_cluster():
     """One cluster for a module's tests that do not depend on a fresh state."""
     with tq.init(num_storage_units=2, storage_capacity="256MiB") as c:
         yield c
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[MakeCluster]:
+    """`make_cluster(**init_kwargs)` starts a one-unit cluster; every one is shut down (and
+    checked to leave no shared memory behind) when the test ends."""
+    started: list[tq.Cluster] = []
+
+    def make(**kwargs: Any) -> tq.Cluster:
+        kwargs.setdefault("num_storage_units", 1)
+        kwargs.setdefault("storage_capacity", "64MiB")
+        cluster = tq.init(**kwargs)
+        started.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in started:
+        cluster.shutdown()
+        assert not glob.glob(f"/dev/shm/sluice-{cluster.cluster_id}-*")

@@ -77,15 +77,11 @@ class _InFlight:
         self.flow, self.calls, self.sent, self.result, self.since = flow, calls, sent, result, since
 
 
-class SyncDriver:
-    """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
-    `ControlClient`. A failed, timed-out or interrupted step is withdrawn at every service it
-    reached (`Cancel`, and what a reply granted meanwhile is given back), then thrown into the
-    flow so that its own clean-up runs before the error propagates."""
+class _Driver:
+    """What both drivers hold: the flows' core, one channel per service address, open or closed."""
 
     def __init__(self, core: ControlCore):
         self._core = core
-        self._channels: dict[str, Channel] = {}
         self._state = _State.OPEN
 
     @property
@@ -96,6 +92,17 @@ class SyncDriver:
     @property
     def closed(self) -> bool:
         return self._state is _State.CLOSED
+
+
+class SyncDriver(_Driver):
+    """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
+    `ControlClient`. A failed, timed-out or interrupted step is withdrawn at every service it
+    reached (`Cancel`, and what a reply granted meanwhile is given back), then thrown into the
+    flow so that its own clean-up runs before the error propagates."""
+
+    def __init__(self, core: ControlCore):
+        super().__init__(core)
+        self._channels: dict[str, Channel] = {}
 
     def _channel(self, target: int) -> Channel:
         address = self._core.target_address(target)
@@ -185,24 +192,14 @@ def follow(driver: SyncDriver, after: int, timeout: float) -> Iterator[int]:
             after = version
 
 
-class AsyncDriver:
+class AsyncDriver(_Driver):
     """Drives flows over one `rpc.AsyncChannel` per service (the asyncio twin of
     `_control.SyncDriver`): a failed, timed-out or cancelled step is withdrawn at every service
     it reached, then thrown into the flow so that its clean-up runs before the error propagates."""
 
     def __init__(self, core: ControlCore):
-        self._core = core
+        super().__init__(core)
         self._channels: dict[str, AsyncChannel] = {}
-        self._state = _State.OPEN
-
-    @property
-    def address(self) -> str:
-        """The controller's endpoint."""
-        return self._core.address
-
-    @property
-    def closed(self) -> bool:
-        return self._state is _State.CLOSED
 
     def _channel(self, target: int) -> AsyncChannel:
         address = self._core.target_address(target)

@@ -1,4 +1,4 @@
-"""Samplers and placement as pure functions (the service-level behaviour is in tests/integration)."""
+"""Samplers and placement as pure functions (the service-level behaviour is in tests/controllers/test_scheduling.py)."""
 
 from __future__ import annotations
 

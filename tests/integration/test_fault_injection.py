@@ -21,8 +21,7 @@ from collections import Counter
 import pytest
 
 import transfer_queue as tq
-
-from .faults import ROOT, eventually, unit_status
+from tests.faults import ROOT, eventually, unit_status
 
 
 class Worker:

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
+from tests.helpers import eventually
 from weight_sync import TcpTransport, UcxTransport, WeightPublisher
 
-from ..waiting import eventually
 from .harness import CTX, Subscribers, check, no_segments_left, publisher_transport
 from .workers import BUCKET, kill, publisher, transport_of, weights
 

@@ -8,11 +8,11 @@ import socket
 import pytest
 import torch
 
+from tests.helpers import eventually
 from transfer_queue._auth import CREDENTIALS_ENV, Credentials
 from transfer_queue._errors import SchemaError, WeightSyncError
 from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
 
-from ..waiting import eventually
 from .workers import BUCKET, SHAPES, weights
 
 

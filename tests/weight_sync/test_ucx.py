@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from tests.helpers import eventually
 from weight_sync import UcxTransport, WeightPublisher
 
-from ..waiting import eventually
 from .harness import Subscribers, check
 from .workers import BUCKET, weights
 

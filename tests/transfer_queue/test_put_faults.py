@@ -12,11 +12,10 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.faults import eventually, rss_bytes, stalled_producer, unit_status
+from tests.peers import ask, peer, raw
 from transfer_queue._messages import BeginPut, CommitPut, RowInfo
 from transfer_queue._meta import FieldSpec
-
-from ..peers import ask, peer, raw
-from .faults import eventually, rss_bytes, stalled_producer, unit_status
 
 
 def _td(n: int, width: int = 4) -> TensorDict:

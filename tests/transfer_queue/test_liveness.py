@@ -17,10 +17,9 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.faults import ROOT, eventually
+from tests.peers import ask, peer
 from transfer_queue._messages import RegisterUnit, UnitInfo
-
-from ..peers import ask, peer
-from .faults import ROOT, eventually
 
 
 def _td(n: int) -> TensorDict:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 import transfer_queue as tq
-
-from ._util import rows
+from tests.helpers import rows
 
 # (ppo_mini_batch_size, require_batches, trigger_parameter_sync_step, staleness_threshold) -> max
 # samples per sync, worked out by hand. The first rows are the settings of verl's fully-async docs

@@ -13,8 +13,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-
-from ..waiting import eventually
+from tests.helpers import eventually
 
 
 def _td(n: int, start: int = 0, **extra) -> TensorDict:

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import transfer_queue as tq
-
-from ._util import rows
+from tests.helpers import rows
 
 BATCH = 4
 GRANTED_QUOTA = 24

@@ -8,8 +8,7 @@ import threading
 import pytest
 
 import transfer_queue as tq
-
-from ._util import rows, until
+from tests.helpers import eventually, rows
 
 SEQUENCE = [1, 2, 3, 5, 8, 9, 10, 20, 21, 22]
 """Versions a trainer sets in the tests, with jumps (a version may skip numbers)."""
@@ -146,7 +145,7 @@ def test_a_rollout_worker_pauses_swaps_and_resumes_on_a_version_event(make_clust
 
         thread = threading.Thread(target=rollout)
         thread.start()
-        until(lambda: trainer.status()["admission"]["running"] == 4)  # generating under version 0
+        eventually(lambda: trainer.status()["admission"]["running"] == 4)  # generating under version 0
         trainer.set_version(1)
         thread.join(30)
         assert result["meta"].version_spans == [(0, 1)] * 4

@@ -17,8 +17,16 @@ import time
 import pytest
 
 import transfer_queue as tq
+from tests.helpers import eventually, rows
 
-from ._util import admission, budget_limit, rows, until
+
+def admission(client: tq.Client) -> dict:
+    return client.status()["admission"]
+
+
+def budget_limit(status: dict, eta: float, batch: int) -> int:
+    """AReaL's cap on accepted + running at the status's version."""
+    return int((eta + status["version"] + 1) * batch + 1e-9)
 
 
 def test_grants_exactly_eta_plus_one_batches_at_version_zero(make_cluster):
@@ -56,7 +64,7 @@ def test_acquire_waits_for_a_version_bump_and_gets_the_new_version(make_cluster)
 
         thread = threading.Thread(target=wait)
         thread.start()
-        until(lambda: admission(trainer)["waiting"] == 1)
+        eventually(lambda: admission(trainer)["waiting"] == 1)
         assert thread.is_alive()
         trainer.set_version(1)
         thread.join(30)
@@ -108,7 +116,7 @@ def test_a_waiter_that_times_out_at_the_head_lets_the_next_one_through(make_clus
 
         thread = threading.Thread(target=ask_big)
         thread.start()
-        until(lambda: admission(holder)["waiting"] == 1)
+        eventually(lambda: admission(holder)["waiting"] == 1)
         result: dict[str, tq.Grant] = {}
 
         def ask_small() -> None:
@@ -159,7 +167,7 @@ def test_dropping_stale_samples_opens_budget_for_a_waiting_producer(make_cluster
         result: dict[str, tq.Grant] = {}
         thread = threading.Thread(target=lambda: result.setdefault("g", waiter.acquire(4, timeout=30)))
         thread.start()
-        until(lambda: admission(trainer)["waiting"] == 1)
+        eventually(lambda: admission(trainer)["waiting"] == 1)
         # the version-0 samples are 2 versions old: dropped when the trainer asks, to be generated again
         meta = trainer.get_meta(["x"], 4, task="train", partition="train", timeout=0.3, allow_partial=True)
         assert len(meta) == 0

@@ -7,7 +7,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -66,12 +66,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_status_and_clean_stop():
     serve = _sluice("serve", "--units", "2", "--capacity", "64MiB", "--max-staleness", "1")
     try:
@@ -119,7 +113,7 @@ def test_serve_status_and_clean_stop():
 
 def test_bad_address_is_a_one_line_error():
     started = time.monotonic()
-    runs = [_sluice("status", f"tcp://127.0.0.1:{_free_port()}"), _sluice("status", "not-an-address")]
+    runs = [_sluice("status", f"tcp://127.0.0.1:{free_port()}"), _sluice("status", "not-an-address")]
     for run in runs:
         out, err = run.communicate(timeout=60)
         assert run.returncode == 1

@@ -8,9 +8,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-
-from ..waiting import eventually
-from ._util import rows
+from tests.helpers import eventually, rows
 
 
 def _take(client: tq.Client, task: str, n: int, partition: str = "train", **kwargs) -> tq.BatchMeta:

@@ -14,10 +14,9 @@ import zmq
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.faults import eventually, unit_status
+from tests.peers import peer, raw
 from transfer_queue.rpc import pack_prefix
-
-from ..peers import peer, raw
-from .faults import eventually, unit_status
 
 
 def _td(n: int, **fields) -> TensorDict:

@@ -12,9 +12,8 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.peers import peer, raw
 from transfer_queue.rpc import pack_prefix
-
-from ..peers import peer, raw
 
 
 def _td(n: int = 2) -> TensorDict:

@@ -15,8 +15,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-
-from .faults import eventually
+from tests.faults import eventually
 
 
 def _batch(first: int, n: int = 8) -> TensorDict:

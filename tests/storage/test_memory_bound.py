@@ -13,8 +13,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-
-from .faults import eventually, unit_status
+from tests.faults import eventually, unit_status
 
 CAPACITY = 64 << 20
 BATCH = 4 << 20  # 6% of the capacity per put

@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import eventually
+from tests.peers import peer
 from transfer_queue._messages import UnitStatus
-
-from ..peers import peer
-from ..waiting import eventually
 
 __all__ = ["ROOT", "eventually", "unit_status", "rss_bytes", "stalled_producer"]
 
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def unit_status(address: str, timeout: float = 10.0) -> dict:

@@ -8,8 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import transfer_queue as tq
-
-from ._util import free_port, rows
+from tests.helpers import free_port, rows
 
 
 def _scenario(client: tq.Client) -> None:

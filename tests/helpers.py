@@ -1,0 +1,38 @@
+"""What many tests share: waiting on observable state (a status counter, a queue event), never
+on a fixed sleep; a small batch builder; a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["eventually", "rows", "free_port"]
+
+
+def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Wait until `check()` (a look at observable state) is truthy and return it; fail after
+    `timeout` s. It looks every 20 ms: the wait ends as soon as the state is reached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.02)
+
+
+def rows(n: int, start: int = 0) -> TensorDict:
+    """`n` samples with one int64 field `x` = start, start+1, ..."""
+    return TensorDict({"x": torch.arange(start, start + n, dtype=torch.int64)}, batch_size=[n])
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
