@@ -8,8 +8,8 @@ ones (`fanout` direct children per node: 1 makes a chain, 2 a binary tree), and 
 bytes as they arrive, so the trainer's link carries every byte `fanout` times, not once per
 subscriber. Sockets bind to 127.0.0.1 unless told otherwise.
 
-Every connection opens with the server's greeting (magic, whether it requires credentials, a
-nonce). With the cluster's credentials (`SLUICE_CREDENTIALS`, the same CurveZMQ credentials
+Every connection opens with the handshake of `handshake.py`: the server's greeting (magic,
+whether it requires credentials, a nonce). With the cluster's credentials (`SLUICE_CREDENTIALS`, the same CurveZMQ credentials
 the services use, or `credentials=`) a server admits only peers that prove they hold them, and
 proves it holds them too: an HMAC-SHA256 challenge-response over both nonces, keyed by the
 cluster's client secret, so neither the trainer's weights nor a subscriber's buffer is open to
@@ -19,9 +19,6 @@ Binding beyond loopback without credentials is refused. The bytes themselves are
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import socket
 import threading
 
@@ -32,6 +29,7 @@ from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, is_loopback
 from transfer_queue.rpc import credentials_from_env as from_env
 
 from ..protocol import Pull, RelayPull
+from . import handshake
 from .base import Job, Source, Transport, register
 from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, status_header
 
@@ -40,8 +38,6 @@ __all__ = ["TcpTransport"]
 _SOCKET_BUFFER = 4 << 20
 _PROGRESS_STEP = 8 << 20
 """Report received bytes (to relays waiting on them) at least this often."""
-_MAGIC = b"SLUICEW1"
-_NONCE = 32
 _HANDSHAKE_TIMEOUT = 10.0
 """Seconds a server waits for a peer's proof before dropping the connection."""
 
@@ -52,61 +48,38 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
 
 
-def _key(credentials: Credentials | None) -> bytes | None:
-    """The handshake key of a cluster's credentials (both halves hold its client secret)."""
-    if credentials is None:
-        return None
-    return hashlib.sha256(
-        b"sluice-weights\0" + credentials.client_secret.encode() + credentials.server_public.encode()
-    ).digest()
-
-
-def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, role + first + second, hashlib.sha256).digest()
-
-
 def _greet(conn: socket.socket, key: bytes | None) -> bool:
     """Server side of the handshake; False if the peer failed it."""
-    nonce = os.urandom(_NONCE)
-    conn.sendall(_MAGIC + (b"\1" if key else b"\0") + nonce)
-    if key is None:
+    server = handshake.Server(key)
+    conn.sendall(server.greeting())
+    if not server.required:
         return True
     conn.settimeout(_HANDSHAKE_TIMEOUT)
-    answer = bytearray(2 * _NONCE)
+    answer = bytearray(handshake.ANSWER_BYTES)
     _recv_exact(conn, memoryview(answer))
-    theirs, proof = bytes(answer[:_NONCE]), bytes(answer[_NONCE:])
-    if not hmac.compare_digest(proof, _proof(key, b"client", nonce, theirs)):
+    proof = server.check(bytes(answer))
+    if proof is None:
         return False
-    conn.sendall(_proof(key, b"server", theirs, nonce))
+    conn.sendall(proof)
     conn.settimeout(None)
     return True
 
 
 def _join(sock: socket.socket, key: bytes | None, endpoint: str) -> None:
     """Client side of the handshake; `WeightSyncError` saying why it failed."""
-    greeting = bytearray(len(_MAGIC) + 1 + _NONCE)
+    client = handshake.Client(key, endpoint, "tcp")
+    greeting = bytearray(handshake.GREETING_BYTES)
     _recv_exact(sock, memoryview(greeting))
-    if bytes(greeting[: len(_MAGIC)]) != _MAGIC:
-        raise WeightSyncError(f"{endpoint} is not a Sluice tcp weight endpoint")
-    required, nonce = greeting[len(_MAGIC)] == 1, bytes(greeting[len(_MAGIC) + 1 :])
-    if not required:
-        if key is not None and not is_loopback(endpoint.rsplit(":", 1)[0]):
-            raise WeightSyncError(f"{endpoint} serves weights without the cluster's credentials; refusing it")
+    answer = client.answer(bytes(greeting))
+    if answer is None:
         return
-    if key is None:
-        raise WeightSyncError(
-            f"{endpoint} admits only holders of the cluster's credentials: set {CREDENTIALS_ENV} "
-            "(what `sluice serve` printed) or pass credentials= to the tcp transport"
-        )
-    mine = os.urandom(_NONCE)
-    sock.sendall(mine + _proof(key, b"client", nonce, mine))
-    proof = bytearray(_NONCE)
+    sock.sendall(answer)
+    proof = bytearray(handshake.PROOF_BYTES)
     try:
         _recv_exact(sock, memoryview(proof))
     except WeightSyncError:
-        raise WeightSyncError(f"{endpoint} refused this subscriber's credentials (another cluster's?)") from None
-    if not hmac.compare_digest(bytes(proof), _proof(key, b"server", mine, nonce)):
-        raise WeightSyncError(f"{endpoint} could not prove it holds the cluster's credentials; refusing it")
+        raise client.refused() from None
+    client.verify(bytes(proof))
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, progress=None, base: int = 0) -> None:
@@ -135,7 +108,7 @@ class TcpTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2, credentials: Credentials | None = None):
         self.host = host
         self.fanout = fanout
-        self._key = _key(credentials if credentials is not None else from_env())
+        self._key = handshake.key_of(credentials if credentials is not None else from_env())
         self.auth_refused = 0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []

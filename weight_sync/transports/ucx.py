@@ -38,9 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer_queue import SluiceError, WeightSyncError
+from transfer_queue import SchemaError, SluiceError, WeightSyncError
+from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, credentials_from_env, is_loopback
 
 from ..protocol import Pull, RelayPull
+from . import handshake
 from .base import Job, Source, Transport, register
 from .stream import STATUS, decode_request, encode_request, raise_status, read_chunks, status_header
 
@@ -56,6 +58,10 @@ Eager sends for every size: each piece streams at once instead of waiting for a 
 round trip, and lands in its receive, posted in advance (1.5x the throughput over tcp)."""
 
 _STATUS_TAG = 1
+_AUTH_TAG = 2
+"""Tag of the handshake's three messages, before any request."""
+_HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a server waits for a peer's proof before dropping the endpoint."""
 """Tag of a reply's status header (and error text): apart from the pieces, whose receives the
 subscriber posts before the status arrives."""
 
@@ -128,13 +134,20 @@ _runtime = _Runtime()
 
 @register
 class UcxTransport(Transport):
-    """Pull over ucxx; one listener per publisher rank, one endpoint per peer."""
+    """Pull over ucxx; one listener per publisher rank, one endpoint per peer.
+
+    `credentials` default to `SLUICE_CREDENTIALS`; with them every endpoint is authenticated both
+    ways before its first request (`handshake.py`; refusals counted in `auth_refused`), and
+    without them serving on a host beyond loopback raises `SchemaError`. UCX's listener takes
+    connections on every interface, so give a publisher that other machines can reach credentials."""
 
     name = "ucx"
     mode = "reads"  # no relaying (fanout None): every subscriber pulls from the rank
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", credentials: Credentials | None = None):
         self.host = host
+        self._key = handshake.key_of(credentials if credentials is not None else credentials_from_env())
+        self.auth_refused = 0
         self._listener: Any = None
         self._peers: dict[str, Any] = {}
         self._handlers: set[asyncio.Task] = set()
@@ -156,6 +169,11 @@ class UcxTransport(Transport):
     # -- serving -------------------------------------------------------------------------
 
     def serve(self, source: Source) -> str:
+        if self._key is None and not is_loopback(self.host):
+            raise SchemaError(
+                f"refusing to serve weights on {self.host} without the cluster's credentials: set {CREDENTIALS_ENV} "
+                "(or pass credentials=), or bind 127.0.0.1"
+            )
         self._sources = ThreadPoolExecutor(thread_name_prefix="sluice-ws-ucx-source")
 
         async def listen() -> int:
@@ -171,9 +189,30 @@ class UcxTransport(Transport):
 
         return f"{self.host}:{self._run(listen())}"
 
+    async def _greet(self, ep: Any) -> bool:
+        """Server side of the handshake; False if the peer failed it."""
+        server = handshake.Server(self._key)
+        await ep.send(np.frombuffer(server.greeting(), dtype=np.uint8), tag=_AUTH_TAG)
+        if not server.required:
+            return True
+        answer = np.empty(handshake.ANSWER_BYTES, dtype=np.uint8)
+        await asyncio.wait_for(ep.recv(answer, tag=_AUTH_TAG), _HANDSHAKE_TIMEOUT)
+        proof = server.check(answer.tobytes())
+        if proof is None:
+            return False
+        await ep.send(np.frombuffer(proof, dtype=np.uint8), tag=_AUTH_TAG)
+        return True
+
     async def _serve_ep(self, ep: Any, source: Source) -> None:
         loop = asyncio.get_running_loop()
         try:
+            try:
+                admitted = await self._greet(ep)
+            except Exception:  # noqa: BLE001 - a peer that broke off the handshake (or timed out)
+                admitted = False
+            if not admitted:
+                self.auth_refused += 1
+                return
             while True:
                 head = np.empty(1, dtype=np.uint64)
                 await ep.recv(head)
@@ -223,6 +262,7 @@ class UcxTransport(Transport):
                 ep = self._peers[job.endpoint] = await _bounded(
                     ucxx.create_endpoint(host, int(port), endpoint_error_handling=True), job
                 )
+                await self._join(ep, job)
             body = encode_request(request)
             await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
             await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
@@ -235,6 +275,22 @@ class UcxTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - ucxx raises its own hierarchy
             await self._drop(job.endpoint)
             raise WeightSyncError(f"ucx transfer from {job.endpoint} failed: {exc}") from exc
+
+    async def _join(self, ep: Any, job: Job) -> None:
+        """Client side of the handshake; `WeightSyncError` saying why it failed."""
+        client = handshake.Client(self._key, job.endpoint, "ucx")
+        greeting = np.empty(handshake.GREETING_BYTES, dtype=np.uint8)
+        await _bounded(ep.recv(greeting, tag=_AUTH_TAG), job)
+        answer = client.answer(greeting.tobytes())
+        if answer is None:
+            return
+        await _bounded(ep.send(np.frombuffer(answer, dtype=np.uint8), tag=_AUTH_TAG), job)
+        proof = np.empty(handshake.PROOF_BYTES, dtype=np.uint8)
+        try:
+            await _bounded(ep.recv(proof, tag=_AUTH_TAG), job)
+        except Exception:  # noqa: BLE001 - the server hangs up on a wrong proof
+            raise client.refused() from None
+        client.verify(proof.tobytes())
 
     @staticmethod
     async def _receive_pieces(ep: Any, job: Job, buf: np.ndarray) -> None:
