@@ -411,7 +411,7 @@ def report(record: dict[str, Any]) -> None:
     rows = []
     for r in record["rows"]:
         c = r["stream_cpu_s_per_gb"]
-        if not c:
+        if not c or not c["total"]:  # a quick run can be shorter than a clock tick
             continue
         units = sum(v for k, v in c.items() if k.startswith("unit"))
         ceiling = ncores / c["total"]
