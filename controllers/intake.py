@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
 from transfer_queue._errors import CapacityError
-from transfer_queue._messages import PutPlan
+from transfer_queue._messages import PutPlan, UnitInfo
 
 __all__ = ["Intake", "WINDOW_SHARE"]
 
@@ -46,13 +46,18 @@ class Intake:
         """Puts waiting for room."""
         return len(self._queue)
 
-    def fits(self, shares: Mapping[int, int], framed: Mapping[int, int], room: Mapping[int, tuple[int, int]]) -> bool:
-        """Whether a put of `shares` bytes per unit (`framed` of them as frames) fits now.
-
-        `room[unit]` is (bytes in use, capacity)."""
+    def fits(
+        self,
+        shares: Mapping[int, int],
+        framed: Mapping[int, int],
+        used: Mapping[int, int],
+        units: Mapping[int, UnitInfo],
+    ) -> bool:
+        """Whether a put of `shares` bytes per unit (`framed` of them as frames) fits now, with
+        `used[unit]` bytes in use of `units[unit].capacity`."""
         for unit_id, nbytes in shares.items():
-            used, capacity = room[unit_id]
-            if used + nbytes > capacity:
+            capacity = units[unit_id].capacity
+            if used[unit_id] + nbytes > capacity:
                 return False
             sent = framed.get(unit_id, 0)
             flying = self.in_flight.get(unit_id, 0)

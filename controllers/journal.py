@@ -66,13 +66,14 @@ class Retired(_Rec, tag="retired"):
 
 
 class Placed(_Rec, tag="placed"):
-    """New rows of a BeginPut: indexes first..first+n-1 on `units`, not committed yet."""
+    """New rows first..first+n-1 on `units`: a BeginPut's (committed later) or keys' (committed)."""
 
     partition: str
     first: int
     units: list[int]
     row_bytes: int
     fields: dict[str, FieldSpec]
+    committed: bool = False
 
 
 class Committed(_Rec, tag="committed"):
@@ -240,7 +241,10 @@ def _apply(ctl: Controller, rec: Record) -> None:
             ctl._retire_unit(rec.unit_id)
     elif isinstance(rec, Placed):
         part = ctl._partition(rec.partition)
-        ctl._append_rows(part, rec.first, np.asarray(rec.units, np.int64), rec.row_bytes, rec.fields)
+        units = np.asarray(rec.units, np.int64)
+        ctl._append_rows(
+            part, rec.first, units, rec.row_bytes, rec.fields, ctl._shares(units, rec.row_bytes), rec.committed
+        )
         ctl._next_index = max(ctl._next_index, rec.first + len(rec.units))
     elif isinstance(rec, Committed):
         ctl._commit(rec.put)

@@ -109,13 +109,9 @@ class KeyService:
         """New rows without fields for `keys`, spread evenly over the storage units."""
         if not self.ctl.units:
             raise SchemaError("the cluster has no storage units registered yet")
-        part = index.part
         n = len(keys)
         units = place_rows(self.ctl.unit_bytes, n, 0)
-        first = self.ctl._next_index
-        self.ctl._next_index += n
-        rows = part.append(first, n, units, 0)
-        part.committed[rows] = True
+        first = self.ctl.new_rows(index.part, units, 0, {}, {}, committed=True)
         for key, gidx in zip(keys, range(first, first + n)):
             index.add(key, gidx)
 

@@ -336,7 +336,6 @@ class Controller(Service):
         """Place the put's rows now, or None while one of its units has no room."""
         part = self._partition(msg.partition)
         part.check_schema(msg.fields)
-        room = {u: (used, self.units[u].capacity) for u, used in self.unit_bytes.items()}
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not self.units:
@@ -344,23 +343,47 @@ class Controller(Service):
         units = place_rows(self.unit_bytes, msg.n, msg.row_bytes)
         shares = self._shares(units, msg.row_bytes)
         framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
-        if not self.intake.fits(shares, framed, room):
+        if not self.intake.fits(shares, framed, self.unit_bytes, self.units):
             return None
-        first = self._next_index
-        self._next_index += msg.n
-        self._append_rows(part, first, units, msg.row_bytes, msg.fields)
-        self._record(Placed(part.name, first, units.tolist(), msg.row_bytes, msg.fields))
+        first = self.new_rows(part, units, msg.row_bytes, msg.fields, shares)
         self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire_put, first)
         self.open_puts[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed)
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
-    def _append_rows(self, part: Partition, first: int, units: np.ndarray, row_bytes: int, fields: dict) -> None:
-        """Register new, uncommitted rows first.. on `units` and count their bytes."""
+    def new_rows(
+        self,
+        part: Partition,
+        units: np.ndarray,
+        row_bytes: int,
+        fields: dict,
+        shares: dict[int, int],
+        committed: bool = False,
+    ) -> int:
+        """New rows on `units` (uncommitted: a put's, until its commit; committed: keys'), under
+        fresh global indexes, journaled; returns the first index."""
+        first = self._next_index
+        self._next_index += len(units)
+        self._append_rows(part, first, units, row_bytes, fields, shares, committed)
+        self._record(Placed(part.name, first, units.tolist(), row_bytes, fields, committed))
+        return first
+
+    def _append_rows(
+        self,
+        part: Partition,
+        first: int,
+        units: np.ndarray,
+        row_bytes: int,
+        fields: dict,
+        shares: dict[int, int],
+        committed: bool,
+    ) -> None:
+        """Register rows first.. on `units` (`shares`: their bytes per unit) and count their bytes."""
         part.add_fields(fields)
-        part.append(first, len(units), units, row_bytes)
-        for unit_id, nbytes in self._shares(units, row_bytes).items():
+        rows = part.append(first, len(units), units, row_bytes)
+        part.committed[rows] = committed
+        for unit_id, nbytes in shares.items():
             self.unit_bytes[unit_id] += nbytes
 
     def _widen(self, part: Partition, rows: np.ndarray, row_bytes: int, fields: dict) -> None:
@@ -550,9 +573,9 @@ class Controller(Service):
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
+        self._drop_partition(msg.partition)  # first: the puts ended below then have no rows left to free
         for first in [k for k, put in self.open_puts.items() if put.partition == msg.partition]:
             self._end_put(first, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight"))
-        self._drop_partition(msg.partition)
         self._record(Dropped(msg.partition))
         return Ok()
 

@@ -17,6 +17,7 @@ from transfer_queue._messages import (
     ClearPartition,
     ClusterConfig,
     CommitPut,
+    KvResolve,
     RegisterUnit,
     RowInfo,
     Seal,
@@ -62,6 +63,8 @@ async def _fill(ctl: Controller) -> None:
             rows = RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4)
             ctl.on_commit_put(CommitPut(part, plan.indexes, SPECS, rows), [])
     ctl.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
+    keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
+    ctl.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
     ctl.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
     ctl.on_seal(Seal("b"), [])
