@@ -56,8 +56,6 @@ from benchmarks._common import gbps, median, print_table, write_record  # noqa: 
 from benchmarks._ucx import limit as ucx_limit  #
 from benchmarks._ucx import perftest_binary  # noqa: E402
 
-DEFAULT_TLS = "tcp,sm,self"
-"""The `ucx` transport's UCX_TLS when the environment sets none."""
 UCX_HEADER = ["size", "what", "UCX_TLS", "ucx GB/s each", "ucx_perftest GB/s each", "ucx/perftest"]
 
 GIB = 1 << 30
@@ -484,6 +482,8 @@ def main() -> None:
     parser.add_argument("--transports", default=None, help="comma-separated transports to run (default all)")
     args = parser.parse_args()
     transports = set(args.transports.split(",")) if args.transports else None
+    from weight_sync.transports.ucx import DEFAULT_TLS
+
     os.environ.setdefault("UCX_TLS", DEFAULT_TLS)  # before the subscriber processes start
     torch.set_num_threads(1)  # the trainer's copies run on one core, like the services'
     sizes = (args.sizes or ("256MiB" if args.quick else "1GiB")).split(",")

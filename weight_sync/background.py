@@ -31,7 +31,7 @@ from .ranks import PublisherRanks
 from .receivers import Receiver, ReceiveSettings, Targets
 from .staging import Slot, SlotTable
 from .transports import Job, Source
-from .transports.stream import read_chunks
+from .transports.stream import as_bytes, read_chunks
 
 __all__ = ["BackgroundReceiver", "ReadsReceiver", "ImageReceiver", "RelaySource"]
 
@@ -331,7 +331,7 @@ class RelaySource(Source):
                 position = c.recv
                 for lo, hi in read_chunks(c.read):
                     n = c.read.itemsize * numel(lo, hi)
-                    yield memoryview(buffer[position : position + n].numpy()).cast("B")
+                    yield as_bytes(buffer[position : position + n])
                     position += n
 
         return views(), lambda ok: rx.table.release(lease)

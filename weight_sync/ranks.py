@@ -50,9 +50,6 @@ class PublisherRanks:
         self._manifests: dict[int, object] = {}
         self._plans: dict[tuple[int, ...], Plan] = {}
 
-    def __len__(self) -> int:
-        return len(self.info)
-
     def call(self, rank: int, msg: object, timeout: float | None = None) -> object:
         """Send `msg` to rank `rank`'s control server and return its reply.
 

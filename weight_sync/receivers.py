@@ -31,10 +31,9 @@ __all__ = ["Targets", "ReceiveSettings", "Receiver", "MappedReceiver"]
 
 
 class Targets:
-    """The subscriber's tensors and the version they hold."""
+    """The version the subscriber's tensors hold, and how it was applied."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self) -> None:
         self.version = -1
         """The version the tensors hold (-1: none applied yet)."""
         self.apply_seconds = 0.0

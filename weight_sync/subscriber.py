@@ -94,7 +94,7 @@ class WeightSubscriber:
         self._offered = resolve(transport)
         self._client = tq.ControlClient(address) if address is not None else None
         self._publisher = publisher
-        self._held = Targets(self.targets)
+        self._held = Targets()
         self._signature = _signature(self.targets, self.shard, self.mapping)
         self._ranks: PublisherRanks | None = None
         self._receiver: Receiver | None = None
@@ -160,9 +160,10 @@ class WeightSubscriber:
             return
         self._closed = True
         if self._receiver is not None:
-            self._receiver.close()
-        for transport in self._offered:
-            transport.close()
+            self._receiver.close()  # closes the chosen transport
+        else:
+            for transport in self._offered:
+                transport.close()
         if self._ranks is not None:
             self._ranks.close()
         if self._client is not None:

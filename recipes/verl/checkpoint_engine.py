@@ -32,6 +32,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 import transfer_queue as tq
 from weight_sync import WeightPublisher, WeightSubscriber
+from weight_sync.manifest import dtype_name, dtype_of
 
 __all__ = ["SluiceCheckpointEngine"]
 
@@ -118,7 +119,7 @@ class SluiceCheckpointEngine(CheckpointEngine):
             self._publisher = WeightPublisher(
                 self.address, self.transport, name=self.name, bucket_bytes=max(self.bucket_size, 1 << 20)
             )
-            shapes = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()}
+            shapes = {n: [dtype_name(t.dtype), list(t.shape)] for n, t in tensors.items()}
             with tq.connect(self.address) as client:
                 client.announce(_shapes_key(self.name), msgspec.msgpack.encode(shapes))
         await asyncio.to_thread(self._publisher.publish, tensors, version)
@@ -146,7 +147,7 @@ class SluiceCheckpointEngine(CheckpointEngine):
         if raw is None:
             raise tq.TimeoutError(f"no trainer published weights {self.name!r} within {self.timeout} s")
         shapes = msgspec.msgpack.decode(raw)
-        self._targets = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (dtype, shape) in shapes.items()}
+        self._targets = {n: torch.empty(shape, dtype=dtype_of(dtype)) for n, (dtype, shape) in shapes.items()}
         self._subscriber = WeightSubscriber(
             self.address, self._targets, transport=self.transport, name=self.name, timeout=self.timeout
         )

@@ -13,7 +13,7 @@ from transfer_queue._errors import WeightSyncError
 from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
 
 from .harness import CTX, Subscribers, check
-from .workers import BUCKET, SHAPES, publisher, weights
+from .workers import BUCKET, SHAPES, publisher, weights, zeros
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -66,10 +66,6 @@ def test_two_trainer_tp_ranks_feed_tp1_and_tp2_subscribers(transport):
             proc.join(10)
 
 
-def _zeros() -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
-
-
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_validation_names_a_tensor_corrupted_in_staging(transport):
     """A byte flipped in the publisher's staged snapshot is caught before it is applied;
@@ -79,7 +75,7 @@ def test_validation_names_a_tensor_corrupted_in_staging(transport):
         slot = _staged(pub, 1)
         entry = next(e for e in slot.manifest.entries if e.name.endswith("down_proj.weight"))
         slot.segment.tensor[slot.manifest.start(entry) + 5] ^= 0xFF
-        mine = _zeros()
+        mine = zeros()
         with WeightSubscriber(None, mine, transport=transport, publisher=pub.endpoint, validate=True) as sub:
             with pytest.raises(WeightSyncError, match=r"down_proj\.weight"):
                 sub.wait(1, timeout=10)
@@ -112,7 +108,7 @@ class _FlippingTcp(TcpTransport):
 def test_validation_names_a_tensor_corrupted_in_transit():
     with (
         WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True) as pub,
-        WeightSubscriber(None, _zeros(), transport=_FlippingTcp(), publisher=pub.endpoint, validate=True) as sub,
+        WeightSubscriber(None, zeros(), transport=_FlippingTcp(), publisher=pub.endpoint, validate=True) as sub,
     ):
         pub.publish(weights(1), 1)
         first = next(iter(SHAPES))

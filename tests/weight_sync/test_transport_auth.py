@@ -13,16 +13,12 @@ from transfer_queue import SchemaError, WeightSyncError
 from transfer_queue.rpc import CREDENTIALS_ENV, Credentials
 from weight_sync import TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
 
-from .workers import BUCKET, SHAPES, weights
+from .workers import BUCKET, weights, zeros
 
 TRANSPORTS = [
     TcpTransport,
     pytest.param(UcxTransport, marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx not installed")),
 ]
-
-
-def _zeros() -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -36,12 +32,12 @@ def test_only_holders_of_the_credentials_pull_weights(kind):
     served = kind(credentials=creds)
     with WeightPublisher(None, transport=served, bucket_bytes=BUCKET) as pub:
         pub.publish(weights(1), 1)
-        model = _zeros()
+        model = zeros()
         with WeightSubscriber(None, model, transport=kind(credentials=creds), publisher=pub.endpoint) as sub:
             sub.wait(1, timeout=30)
             assert all(torch.equal(model[k], v) for k, v in weights(1).items())
         for intruder in (kind(), kind(credentials=Credentials.generate().for_clients())):
-            with WeightSubscriber(None, _zeros(), transport=intruder, publisher=pub.endpoint, timeout=10) as sub:
+            with WeightSubscriber(None, zeros(), transport=intruder, publisher=pub.endpoint, timeout=10) as sub:
                 with pytest.raises(WeightSyncError, match=r"admits only holders|refused this subscriber's credentials"):
                     sub.wait(1, timeout=10)
                 assert sub.version == -1

@@ -38,6 +38,11 @@ def weights(version: int, dtype: torch.dtype = torch.bfloat16, shapes: dict = SH
     return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
 
 
+def zeros(shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
+    """Zeroed bf16 tensors of `shapes` (a subscriber's targets before any version)."""
+    return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+
+
 def transport_of(spec: str | tuple):
     """A transport from a picklable spec: a name, or (name, kwargs)."""
     from weight_sync.transports import get
@@ -56,7 +61,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
 
     tp = kwargs.pop("tp", None)
     shapes = kwargs.pop("shapes", SHAPES)
-    mine = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    mine = zeros(shapes)
     if tp is not None:
         from weight_sync import LLAMA, TPShard
 

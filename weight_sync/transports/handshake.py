@@ -15,25 +15,40 @@ import hashlib
 import hmac
 import os
 
-from transfer_queue import WeightSyncError
-from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, is_loopback
+from transfer_queue import SchemaError, WeightSyncError
+from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, credentials_from_env, is_loopback
 
-__all__ = ["GREETING_BYTES", "ANSWER_BYTES", "PROOF_BYTES", "key_of", "Server", "Client"]
+__all__ = ["GREETING_BYTES", "ANSWER_BYTES", "PROOF_BYTES", "TIMEOUT", "key_of", "check_serve", "Server", "Client"]
 
 _MAGIC = b"SLUICEW1"
 _NONCE = 32
 GREETING_BYTES = len(_MAGIC) + 1 + _NONCE
 ANSWER_BYTES = 2 * _NONCE
 PROOF_BYTES = 32
+TIMEOUT = 10.0
+"""Seconds a server waits for a peer's proof before dropping the connection (or UCX endpoint)."""
 
 
 def key_of(credentials: Credentials | None) -> bytes | None:
-    """The handshake key of a cluster's credentials (both halves hold its client secret)."""
+    """The handshake key of a cluster's credentials (both halves hold its client secret);
+    `credentials` default to `SLUICE_CREDENTIALS`, and None without them."""
+    if credentials is None:
+        credentials = credentials_from_env()
     if credentials is None:
         return None
     return hashlib.sha256(
         b"sluice-weights\0" + credentials.client_secret.encode() + credentials.server_public.encode()
     ).digest()
+
+
+def check_serve(key: bytes | None, host: str) -> None:
+    """Raise `SchemaError` unless a transport with handshake key `key` may serve on `host`:
+    beyond loopback only with the cluster's credentials."""
+    if key is None and not is_loopback(host):
+        raise SchemaError(
+            f"refusing to serve weights on {host} without the cluster's credentials: set {CREDENTIALS_ENV} "
+            "(or pass credentials=), or bind 127.0.0.1"
+        )
 
 
 def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

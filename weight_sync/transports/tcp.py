@@ -24,9 +24,8 @@ import threading
 
 import torch
 
-from transfer_queue import SchemaError, SluiceError, WeightSyncError
-from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, is_loopback
-from transfer_queue.rpc import credentials_from_env as from_env
+from transfer_queue import SluiceError, WeightSyncError
+from transfer_queue.rpc import Credentials
 
 from ..protocol import Pull, RelayPull
 from . import handshake
@@ -38,8 +37,6 @@ __all__ = ["TcpTransport"]
 _SOCKET_BUFFER = 4 << 20
 _PROGRESS_STEP = 8 << 20
 """Report received bytes (to relays waiting on them) at least this often."""
-_HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a server waits for a peer's proof before dropping the connection."""
 
 
 def _tune(sock: socket.socket) -> None:
@@ -54,7 +51,7 @@ def _greet(conn: socket.socket, key: bytes | None) -> bool:
     conn.sendall(server.greeting())
     if not server.required:
         return True
-    conn.settimeout(_HANDSHAKE_TIMEOUT)
+    conn.settimeout(handshake.TIMEOUT)
     answer = bytearray(handshake.ANSWER_BYTES)
     _recv_exact(conn, memoryview(answer))
     proof = server.check(bytes(answer))
@@ -108,7 +105,7 @@ class TcpTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2, credentials: Credentials | None = None):
         self.host = host
         self.fanout = fanout
-        self._key = handshake.key_of(credentials if credentials is not None else from_env())
+        self._key = handshake.key_of(credentials)
         self.auth_refused = 0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -120,11 +117,7 @@ class TcpTransport(Transport):
     # -- serving -------------------------------------------------------------------------
 
     def serve(self, source: Source) -> str:
-        if self._key is None and not is_loopback(self.host):
-            raise SchemaError(
-                f"refusing to serve weights on {self.host} without the cluster's credentials: set {CREDENTIALS_ENV} "
-                "(or pass credentials=), or bind 127.0.0.1"
-            )
+        handshake.check_serve(self._key, self.host)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((self.host, 0))

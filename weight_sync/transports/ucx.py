@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer_queue import SchemaError, SluiceError, WeightSyncError
-from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, credentials_from_env, is_loopback
+from transfer_queue import SluiceError, WeightSyncError
+from transfer_queue.rpc import Credentials
 
+from ..layout import numel
 from ..protocol import Pull, RelayPull
 from . import handshake
 from .base import Job, Source, Transport, register
@@ -58,12 +59,10 @@ Eager sends for every size: each piece streams at once instead of waiting for a 
 round trip, and lands in its receive, posted in advance (1.5x the throughput over tcp)."""
 
 _STATUS_TAG = 1
-_AUTH_TAG = 2
-"""Tag of the handshake's three messages, before any request."""
-_HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a server waits for a peer's proof before dropping the endpoint."""
 """Tag of a reply's status header (and error text): apart from the pieces, whose receives the
 subscriber posts before the status arrives."""
+_AUTH_TAG = 2
+"""Tag of the handshake's three messages, before any request."""
 
 
 class _Runtime:
@@ -146,7 +145,7 @@ class UcxTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1", credentials: Credentials | None = None):
         self.host = host
-        self._key = handshake.key_of(credentials if credentials is not None else credentials_from_env())
+        self._key = handshake.key_of(credentials)
         self.auth_refused = 0
         self._listener: Any = None
         self._peers: dict[str, Any] = {}
@@ -169,11 +168,7 @@ class UcxTransport(Transport):
     # -- serving -------------------------------------------------------------------------
 
     def serve(self, source: Source) -> str:
-        if self._key is None and not is_loopback(self.host):
-            raise SchemaError(
-                f"refusing to serve weights on {self.host} without the cluster's credentials: set {CREDENTIALS_ENV} "
-                "(or pass credentials=), or bind 127.0.0.1"
-            )
+        handshake.check_serve(self._key, self.host)
         self._sources = ThreadPoolExecutor(thread_name_prefix="sluice-ws-ucx-source")
 
         async def listen() -> int:
@@ -196,7 +191,7 @@ class UcxTransport(Transport):
         if not server.required:
             return True
         answer = np.empty(handshake.ANSWER_BYTES, dtype=np.uint8)
-        await asyncio.wait_for(ep.recv(answer, tag=_AUTH_TAG), _HANDSHAKE_TIMEOUT)
+        await asyncio.wait_for(ep.recv(answer, tag=_AUTH_TAG), handshake.TIMEOUT)
         proof = server.check(answer.tobytes())
         if proof is None:
             return False
@@ -301,7 +296,7 @@ class UcxTransport(Transport):
         for read, offset in zip(job.reads, job.offsets):
             position = offset
             for lo, hi in read_chunks(read):
-                n = int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) * read.itemsize
+                n = numel(lo, hi) * read.itemsize
                 pieces.append((position, position + n, None))
                 position += n
             pieces[-1] = (*pieces[-1][:2], offset + read.nbytes)
