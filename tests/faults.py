@@ -12,7 +12,7 @@ from tests.helpers import eventually
 from tests.peers import peer
 from transfer_queue._messages import UnitStatus
 
-__all__ = ["ROOT", "eventually", "unit_status", "rss_bytes", "stalled_producer"]
+__all__ = ["ROOT", "eventually", "unit_status", "stalled_producer"]
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -24,14 +24,6 @@ def unit_status(address: str, timeout: float = 10.0) -> dict:
         return channel.call(UnitStatus(), timeout).status
     finally:
         channel.close()
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 STALLED_PRODUCER = r"""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-__all__ = ["eventually", "rows", "free_port"]
+__all__ = ["eventually", "rows", "free_port", "status_bytes"]
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
@@ -29,6 +29,15 @@ def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "con
 def rows(n: int, start: int = 0) -> TensorDict:
     """`n` samples with one int64 field `x` = start, start+1, ..."""
     return TensorDict({"x": torch.arange(start, start + n, dtype=torch.int64)}, batch_size=[n])
+
+
+def status_bytes(pid: int, key: str = "VmRSS") -> int:
+    """A size line (`VmRSS`, `VmHWM`, ...) of `/proc/<pid>/status`, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} for pid {pid}")
 
 
 def free_port() -> int:

@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from ._errors import SchemaError
+
 __all__ = ["CREDENTIALS_ENV", "Credentials", "from_env", "is_loopback", "secure_client", "secure_server"]
 
 CREDENTIALS_ENV = "SLUICE_CREDENTIALS"
@@ -53,11 +55,11 @@ class Credentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_token(cls, token: str) -> Credentials:
-        """Parse `token()`; `ValueError` for anything else."""
+        """Parse `token()`; `SchemaError` (a `ValueError`) for anything else."""
         try:
             return msgspec.json.decode(base64.urlsafe_b64decode(token.encode()), type=cls)
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ValueError(f"{CREDENTIALS_ENV} does not hold Sluice credentials: {exc}") from None
+            raise SchemaError(f"{CREDENTIALS_ENV} does not hold Sluice credentials: {exc}") from None
 
 
 def from_env() -> Credentials | None:
@@ -95,7 +97,7 @@ def secure_server(sock: zmq.Socket, creds: Credentials) -> tuple[Any, zmq.Socket
     Returns the ZAP thread (stop it with the socket) and a monitor socket that receives one
     event per refused handshake (of `sock`'s kind: asyncio or blocking)."""
     if not creds.server_secret:
-        raise ValueError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
+        raise SchemaError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(zmq.Context.shadow(sock.context.underlying))

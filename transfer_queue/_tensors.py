@@ -135,7 +135,7 @@ class Columns:
                     values, offsets = values[offsets[0] : offsets[-1]], offsets - offsets[0]
                 self.columns[name] = _Column(spec, values=values, offsets=offsets)
             else:
-                if tensor.dim() == 0 or tensor.shape[0] != self.n:
+                if tensor.shape[0] != self.n:
                     raise SchemaError(f"field {name!r} has shape {list(tensor.shape)}, the batch has {self.n} samples")
                 self.columns[name] = _Column(spec, dense=tensor.contiguous())
 

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -85,17 +86,24 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
             f"{source} is not a Sluice KV checkpoint (format {meta.get('format')!r}, expected {_FORMAT!r})"
         )
     for path in sorted(source.glob("partition-*.msgpack")):
-        record = unpack(path.read_bytes())
-        partition, keys = record["partition"], record["keys"]
+        try:
+            record = unpack(path.read_bytes())
+            partition, keys = record["partition"], record["keys"]
+            tags = record["tags"] if keys else None
+            groups: list[tuple[list[str], TensorDict]] = []
+            for group in record["groups"]:
+                group_keys = [keys[p] for p in group["positions"]]
+                data = {name: _column_from(col, len(group_keys)) for name, col in group["fields"].items()}
+                groups.append((group_keys, TensorDict(data, batch_size=[len(group_keys)])))
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
+            raise SchemaError(f"{path} is not a Sluice KV checkpoint partition: {exc}") from exc
         current = client.kv_list(partition).get(partition, {})
         if current:
             client.kv_clear(list(current), partition)
-        for group in record["groups"]:
-            group_keys = [keys[p] for p in group["positions"]]
-            data = {name: _column_from(col, len(group_keys)) for name, col in group["fields"].items()}
-            client.kv_batch_put(group_keys, partition, TensorDict(data, batch_size=[len(group_keys)]), None)
+        for group_keys, batch in groups:
+            client.kv_batch_put(group_keys, partition, batch, None)
         if keys:
-            client.kv_batch_put(keys, partition, None, record["tags"])
+            client.kv_batch_put(keys, partition, None, tags)
 
 
 def _partition_record(client: Any, partition: str, tags_of: dict[str, dict]) -> dict[str, Any]:

@@ -244,7 +244,7 @@ def _put(
     `partition_id`. Returns the metadata with the written fields added."""
     if metadata is None:
         if partition_id is None:
-            raise ValueError("put needs metadata or a partition_id")
+            raise SchemaError("put needs metadata or a partition_id")
         return (yield from core.put(as_rows(data), partition_id))
     if not len(metadata):
         return metadata
@@ -284,13 +284,14 @@ def _kv_batch_put(
     tags: list[dict] | None = None,
 ) -> Flow:
     """Create missing keys, write `fields`, then merge `tags`; returns the `KVBatchMeta`."""
+    if tags is not None:
+        _check_tags(keys, tags)
     resolved = yield from _resolve(core, keys, partition_id, True)
     meta = resolved.meta
     if fields is not None:
         meta = yield from core.put(as_rows(fields), meta=meta)
     merged = [dict(t) for t in resolved.tags]
     if tags is not None:
-        _check_tags(keys, tags)
         yield from core.one(CONTROLLER, KvTag(partition_id, list(keys), [dict(t) for t in tags]), Ok)
         for mine, new in zip(merged, tags):
             mine.update(new)

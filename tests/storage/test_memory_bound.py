@@ -14,24 +14,17 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.faults import eventually, unit_status
+from tests.helpers import status_bytes
 
 CAPACITY = 64 << 20
 BATCH = 4 << 20  # 6% of the capacity per put
-
-
-def _status_kib(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(key)
 
 
 def test_flooded_unit_stays_within_capacity_plus_ten_percent():
     with tq.init(num_storage_units=1, storage_capacity=CAPACITY) as cluster, cluster.connect() as client:
         pid = cluster.backend.procs[1].pid
         eventually(lambda: unit_status(client.units[0].address)["prefaulted"], 60, "arena pre-faulted")
-        base = _status_kib(pid, "VmRSS")  # interpreter + libraries + the whole (touched) arena
+        base = status_bytes(pid)  # interpreter + libraries + the whole (touched) arena
         stop = threading.Event()
         outcome = {"put": 0, "refused": 0}
         errors: list[BaseException] = []
@@ -63,7 +56,7 @@ def test_flooded_unit_stays_within_capacity_plus_ten_percent():
         stop.set()
         for t in threads:
             t.join(60)
-        peak = _status_kib(pid, "VmHWM")
+        peak = status_bytes(pid, "VmHWM")
         print(
             f"\nunit RSS: base {base >> 20} MiB (with the {CAPACITY >> 20} MiB arena), peak {peak >> 20} MiB "
             f"(+{(peak - base) / CAPACITY:.1%} of capacity); {outcome}"

@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from tests.faults import eventually, rss_bytes, stalled_producer, unit_status
+from tests.faults import eventually, stalled_producer, unit_status
+from tests.helpers import status_bytes
 from tests.peers import ask, peer, raw
 from transfer_queue._messages import BeginPut, CommitPut, RowInfo
 from transfer_queue._meta import FieldSpec
@@ -85,13 +86,13 @@ def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
 def test_tiny_message_cannot_make_the_controller_allocate(cluster):
     """An 87-byte BeginPut(n=2e7) is refused before anything is allocated."""
     pid = cluster.backend.procs[0].pid
-    before = rss_bytes(pid)
+    before = status_bytes(pid)
     channel = peer(cluster.address)
     frames = channel.codec.encode(1, BeginPut("train", {"x": FieldSpec("uint8", (1,))}, 20_000_000, 1))
     assert sum(len(f) for f in frames) < 128
     _, reply, _ = raw(channel, frames)
     channel.close()
     assert reply.code == "schema" and "at most" in reply.message, reply
-    assert rss_bytes(pid) - before < 20 << 20
+    assert status_bytes(pid) - before < 20 << 20
     with tq.connect(cluster.address) as client:
         assert "train" not in client.status()["partitions"] or client.status()["partitions"]["train"]["samples"] == 0

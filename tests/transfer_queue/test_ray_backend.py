@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.helpers import eventually
 from transfer_queue import _cluster
 
 ray = pytest.importorskip("ray")
@@ -104,10 +104,7 @@ def test_dead_actors_take_their_services_along_and_shutdown_still_cleans(ray_ses
     cluster = tq.init(backend="ray", num_storage_units=2, storage_capacity="32MiB")
     for actor in cluster.backend.actors:
         ray.kill(actor)
-    deadline = time.monotonic() + 10
-    while any(_running(s["pid"]) for s in cluster.services) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_running(s["pid"]) for s in cluster.services)
+    eventually(lambda: not any(_running(s["pid"]) for s in cluster.services), timeout=10, what="the services' exit")
     # Killed units cannot unlink their arenas; with no actor left on the node, shutdown sweeps it
     # with a task pinned there (the driver's own sweep is switched off to show that).
     monkeypatch.setattr(_cluster, "remove_shm", lambda cluster_id: None)

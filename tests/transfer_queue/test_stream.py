@@ -7,21 +7,16 @@ import threading
 import time
 
 import pytest
-import torch
-from tensordict import TensorDict
 
 import transfer_queue as tq
-
-
-def _td(start: int, n: int) -> TensorDict:
-    return TensorDict({"x": torch.arange(start, start + n)}, batch_size=[n])
+from tests.helpers import rows
 
 
 def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
     def produce():
         with tq.connect(cluster.address) as producer:
             for start in range(0, 50, 10):
-                producer.put(_td(start, 10))
+                producer.put(rows(10, start))
                 time.sleep(0.02)
             producer.seal()
 
@@ -39,7 +34,7 @@ def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
 
 
 def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
-    client.put(_td(0, 32))
+    client.put(rows(32))
     for _batch, meta in client.stream(["x"], 8, task="train", timeout=5):
         client.ack(meta)  # finished this one, then stop
         break
@@ -52,7 +47,7 @@ def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
 async def test_async_stream_prefetches_and_drains(cluster):
     client = await tq.connect_async(cluster.address)
     for start in range(0, 40, 8):
-        await client.put(_td(start, 8))
+        await client.put(rows(8, start))
     await client.seal()
     seen = []
     async for batch, _meta in client.stream(["x"], 16, task="train", timeout=10):
@@ -67,7 +62,7 @@ async def test_async_client_serves_concurrent_coroutines(cluster):
     while (await client.status())["counters"]["parked_get_meta"] < 1:
         pass  # each status() is a round trip to the controller: this waits for the request to park
     assert not waiter.done()
-    await client.put(_td(0, 4))  # same client, while its other request is parked
+    await client.put(rows(4))  # same client, while its other request is parked
     meta = await asyncio.wait_for(waiter, 5)
     assert len(meta) == 4
     batch = await client.get_data(meta)
@@ -79,7 +74,7 @@ async def test_async_client_serves_concurrent_coroutines(cluster):
     pending.cancel()
     while (await client.status())["counters"]["parked_get_meta"] > 0:
         pass  # the cancel is withdrawn at the controller
-    await client.put(_td(4, 4))
+    await client.put(rows(4, 4))
     again = await client.get_meta(["x"], 8, task="u", timeout=5)
     assert sorted((await client.get_data(again))["x"].tolist()) == list(range(8))
     with pytest.raises(tq.SchemaError):

@@ -204,6 +204,20 @@ def test_checkpoint_round_trip_restores_keys_tags_and_data(face, tmp_path):
     assert tq.kv_batch_get("k2", "ck", "ids")["ids"].tolist() == [[0, 1, 2]]
 
 
+def test_load_of_a_corrupt_checkpoint_partition_is_a_schema_error(face, tmp_path):
+    from transfer_queue._objects import pack
+
+    tq.kv_put("c0", "corrupt", tag={"x": 1})
+    tq.save_checkpoint(tmp_path / "ckpt")
+    first = sorted((tmp_path / "ckpt").glob("partition-*.msgpack"))[0]
+    before = tq.kv_list()
+    for bad in (b"\xc1 not msgpack", pack({"partition": "corrupt"}), pack([1, 2])):
+        first.write_bytes(bad)
+        with pytest.raises(tq.SchemaError, match="is not a Sluice KV checkpoint"):
+            tq.load_checkpoint(tmp_path / "ckpt")
+    assert tq.kv_list() == before
+
+
 def test_another_process_attaches_through_the_environment(face):
     tq.kv_put("from-parent", "env", fields={"x": torch.tensor([1.5])})
     code = (
