@@ -286,7 +286,6 @@ class AsyncChannel(_Peer):
         )
         self._waiting: dict[int, asyncio.Future] = {}
         self._on_reply = on_reply
-        self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, for sends that never wait
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -319,14 +318,14 @@ class AsyncChannel(_Peer):
             raise self._unreachable() from None
         return rid
 
-    def post(self, msg: Message) -> bool:
-        """Send a request whose reply nobody awaits (it goes to `on_reply`), without blocking;
-        False when the peer takes no message now (not connected, or its queue is full)."""
-        try:
-            self._plain.send_multipart(self.codec.encode_now(next(self._ids), msg), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+    def post(self, msg: Message) -> None:
+        """Send a request whose reply nobody awaits (it goes to `on_reply`) without blocking: at
+        once when the peer takes it, else queued on the socket, in order, until it does (or the
+        channel closes). Nothing posted is dropped (a lost `Free` would leak a unit's bytes, a
+        lost `Ping` make a busy unit look dead), and the send goes through the asyncio socket so
+        that it never swallows the readiness event the reader waits on."""
+        sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg))
+        sent.add_done_callback(_retrieve)
 
     async def reply(
         self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
@@ -378,3 +377,9 @@ class AsyncChannel(_Peer):
     def close(self) -> None:
         self._reader.cancel()
         self.sock.close(linger=0)
+
+
+def _retrieve(sent: asyncio.Future) -> None:
+    """Done-callback of a posted send: one ended by `close()` has nothing to report."""
+    if not sent.cancelled():
+        sent.exception()
