@@ -123,9 +123,10 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
         done = 0
         while done < total:
             n = min(put_batch, total - done)
-            plan = ctl.on_begin_put(BeginPut(part, specs, n, 8), [])  # room at once: no wait
+            plan = ctl.puts.on_begin_put(BeginPut(part, specs, n, 8), [])  # room at once: no wait
+            ctl.puts.landed(plan.indexes[0], 0)  # what unit 0 would report of the put's write
             rows = RowInfo([0] * n, [0] * n, list(range(n)), [0] * n, 0, "", "", [])
-            ctl.on_commit_put(CommitPut(part, plan.indexes, specs, rows), [])
+            ctl.puts.on_commit_put(CommitPut(part, plan.indexes, specs, rows), [])
             done += n
         put_rate = total / (time.perf_counter() - t0)
         ctl.on_seal(Seal(part), [])

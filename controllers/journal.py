@@ -240,24 +240,24 @@ def _apply(ctl: Controller, rec: Record) -> None:
         if rec.unit_id in ctl.units:
             ctl._retire_unit(rec.unit_id)
     elif isinstance(rec, Placed):
-        part = ctl._partition(rec.partition)
+        part = ctl.partition(rec.partition)
         units = np.asarray(rec.units, np.int64)
         ctl._append_rows(
-            part, rec.first, units, rec.row_bytes, rec.fields, ctl._shares(units, rec.row_bytes), rec.committed
+            part, rec.first, units, rec.row_bytes, rec.fields, ctl.shares(units, rec.row_bytes), rec.committed
         )
         ctl._next_index = max(ctl._next_index, rec.first + len(rec.units))
     elif isinstance(rec, Committed):
-        ctl._commit(rec.put)
+        ctl.puts.apply(rec.put)
     elif isinstance(rec, Freed):
         part = ctl.partitions.get(rec.partition)
         if part is not None:
-            ctl._free_rows(part, part.rows_of(rec.indexes, alive=False))
+            ctl.free_rows(part, part.rows_of(rec.indexes, alive=False))
     elif isinstance(rec, Acked):
         part = ctl.partitions.get(rec.partition)
         if part is not None:
             ctl.scheduler.ack(part, rec.task, rec.indexes)
     elif isinstance(rec, Sealed):
-        ctl._partition(rec.partition).sealed = True
+        ctl.partition(rec.partition).sealed = True
     elif isinstance(rec, Dropped):
         ctl._drop_partition(rec.partition)
     elif isinstance(rec, Version):
@@ -272,7 +272,7 @@ def _finish(ctl: Controller) -> None:
     for part in ctl.partitions.values():
         rows = np.flatnonzero(part.alive[: part.n] & ~part.committed[: part.n])
         if len(rows):
-            ctl._free_rows(part, rows)
+            ctl.free_rows(part, rows)
 
 
 def _snapshot(ctl: Controller) -> Iterator[Record]:

@@ -99,7 +99,7 @@ class KeyService:
         if part is None:
             if not create:
                 return None
-            part = self.ctl._partition(partition)
+            part = self.ctl.partition(partition)
         index = self.indexes.get(partition)
         if index is None or index.part is not part:
             index = self.indexes[partition] = KeyIndex(part)
@@ -191,6 +191,6 @@ class KeyService:
             index.drop(index.key_of[gidx])
         if found:
             part = index.part
-            self.ctl._free_rows(part, part.rows_of(found, alive=False))
+            self.ctl.free_rows(part, part.rows_of(found, alive=False))
             self.ctl.scheduler.wake(part.name)
         return Ok()

@@ -7,6 +7,9 @@ the client fills through its own mapping and then commits (`writes`). A full are
 in a FIFO until space frees up or their timeout passes (`space`). Reads answer with arena runs,
 and with zero-copy frames of them unless the client maps the arena itself.
 
+A write of an open put's new rows (`Write.put`) also reports its outcome to the controller, which
+waits for it (`AwaitWrite`) to commit the put (`landings`).
+
 Handlers answer at once when they can; only a write that must wait for space becomes a task.
 """
 
@@ -15,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, TimeoutError
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
+    AwaitWrite,
     CommitWrite,
     Free,
     Ok,
@@ -37,6 +41,7 @@ from transfer_queue._messages import (
 from transfer_queue.rpc import MAX_DATA_FRAMES, Codec, Credentials, Handled, Service
 
 from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
+from .landings import Landings
 from .space import SpaceQueue, Ticket
 from .table import Table
 from .writes import Reservation, check_frames, field_sizes
@@ -78,6 +83,7 @@ class StorageUnit(Service):
         self.table = Table(self.arena, unit_id)
         self.space = SpaceQueue(self.arena, self._full_message)
         self.reservations: dict[int, Reservation] = {}
+        self.landings = Landings(unit_id)
         self._expired: OrderedDict[int, float] = OrderedDict()
         self._next_token = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -85,6 +91,7 @@ class StorageUnit(Service):
         self._closed = False
         self.route(Write, self._on_write)
         self.route(CommitWrite, self._on_commit)
+        self.route(AwaitWrite, self._on_await_write)
         self.route(Read, self._on_read)
         self.route(Free, self._on_free)
         self.route(UnitStatus, self._on_status)
@@ -126,7 +133,33 @@ class StorageUnit(Service):
 
     # -- Write / CommitWrite -------------------------------------------------------------
 
-    def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled]:
+    def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled]:
+        """Store (or reserve) a write; one of an open put reports how it ended (`_land`)."""
+        try:
+            handled = self._write(msg, frames)
+        except SluiceError as exc:
+            self._land(msg, exc)
+            raise
+        if msg.put < 0 or not isinstance(handled, Ticket):
+            return handled
+        return self._reported(msg, handled)
+
+    async def _reported(self, msg: Write, ticket: Ticket[Handled]) -> Handled:
+        """A put's write waiting for space: its failure or withdrawal is reported too."""
+        try:
+            return await ticket
+        except SluiceError as exc:
+            self._land(msg, exc)
+            raise
+        except asyncio.CancelledError:
+            self._land(msg, ServiceError(f"the write to storage unit {self.unit_id} was withdrawn by its producer"))
+            raise
+
+    def _land(self, msg: Write, error: SluiceError | None = None) -> None:
+        if msg.put >= 0:
+            self.landings.landed((msg.partition, msg.put), error)
+
+    def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled]:
         sizes = field_sizes(msg)
         check_frames(msg, frames, sizes)
         self.table.check_specs(msg.partition, msg.fields)
@@ -158,8 +191,9 @@ class StorageUnit(Service):
             return self._reserve(msg, chunks)
         try:
             self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
-        except SchemaError:
+        except SchemaError as exc:
             self.space.release(chunks)
+            self._land(msg, exc)
             raise
         array = self.arena.array
         for chunk, frame in zip(chunks, frames):
@@ -173,6 +207,7 @@ class StorageUnit(Service):
             lengths = msg.lengths.get(name) if spec.ragged else None
             self.table.insert(msg.partition, name, spec, msg.indexes, chunk, lengths)
         self.space.release(chunks)  # the creator's references; replaced rows may have freed space
+        self._land(msg)
 
     def _reserve(self, msg: Write, chunks: list[Chunk]) -> WriteReply:
         token = self._next_token
@@ -190,6 +225,7 @@ class StorageUnit(Service):
         while len(self._expired) > _EXPIRED_KEPT:
             self._expired.popitem(last=False)
         self.space.release(res.chunks)
+        self._land(res.msg, TimeoutError(f"reservation {token} on storage unit {self.unit_id} was never committed"))
 
     def _on_commit(self, msg: CommitWrite, frames: list[Any]) -> Handled:
         _no_frames(msg, frames)
@@ -209,14 +245,20 @@ class StorageUnit(Service):
         res.timer.cancel()
         if msg.abort:
             self.space.release(res.chunks)
+            self._land(res.msg, ServiceError(f"the write to storage unit {self.unit_id} was aborted by its producer"))
             return Ok()
         try:
             self.table.check_specs(res.msg.partition, res.msg.fields)
-        except SchemaError:
+        except SchemaError as exc:
             self.space.release(res.chunks)
+            self._land(res.msg, exc)
             raise
         self._register(res.msg, res.chunks)
         return Ok()
+
+    def _on_await_write(self, msg: AwaitWrite, frames: list[Any]) -> Handled | Awaitable[Handled]:
+        _no_frames(msg, frames)
+        return self.landings.wait((msg.partition, msg.put), msg.timeout)
 
     # -- Read ----------------------------------------------------------------------------
 
@@ -297,6 +339,7 @@ class StorageUnit(Service):
             "pending_bytes": self.space.held,
             "reservations": len(self.reservations),
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
+            "awaited_writes": len(self.landings),
             "rejected": self.rejected,
             "auth_refused": self.auth_refused,
             "served": self.served,

@@ -36,10 +36,13 @@ from transfer_queue._messages import CommitPut
 client = tq.connect(sys.argv[1], use_shm=sys.argv[2] == "shm")
 flow = client._core.put(TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)
 calls = next(flow)
-while not isinstance(calls[0].msg, CommitPut):  # drive the put up to its CommitPut: the data sits on the units
-    sent = [(client._channel(c.target), c) for c in calls]
+while True:  # drive the put up to its CommitPut and send all but that: the data sits on the units
+    sent = [(client._channel(c.target), c) for c in calls if not isinstance(c.msg, CommitPut)]
     rids = [channel.send(c.msg, c.data) for channel, c in sent]
-    calls = flow.send([channel.reply(rid) for (channel, _), rid in zip(sent, rids)])
+    replies = [channel.reply(rid) for (channel, _), rid in zip(sent, rids)]
+    if len(sent) < len(calls):
+        break
+    calls = flow.send(replies)
 print("WRITTEN", flush=True)
 sys.stdin.read()
 """

@@ -164,8 +164,10 @@ class ClientCore(ControlCore):
         source: BatchMeta | None = None,
         timeout: float = 30.0,
     ) -> Flow:
-        """The flow of `Client.put`: new rows (`BeginPut`, the units' writes, `CommitPut`), or
-        new columns of `meta`'s rows (the writes, `CommitPut`); a failed new-rows put is aborted."""
+        """The flow of `Client.put`. New rows: `BeginPut`, then the units' writes together with
+        `CommitPut`, which the controller applies once the units report the writes stored (a
+        write through a mapped arena first reserves its space); a failed put is aborted. New
+        columns of `meta`'s rows: the writes, then `CommitPut`."""
         cols = Columns(data)
         if meta is not None:
             if len(meta) != cols.n:
@@ -182,17 +184,17 @@ class ClientCore(ControlCore):
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped)
         plan = yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
+        commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
-            yield from self._write(partition, cols, plan.indexes, units, timeout)
+            yield from self._write(partition, cols, plan.indexes, units, timeout, commit)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
-        except BaseException:  # a failed write, a driver timeout, a cancel: free the rows now
+        except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
             try:
                 yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
             except SluiceError:  # the controller's put deadline frees them anyway
                 pass
             raise
-        yield from self.one(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), Ok)
         return BatchMeta(
             partition=partition,
             indexes=plan.indexes,
@@ -203,10 +205,21 @@ class ClientCore(ControlCore):
             fields=cols.specs,
         )
 
-    def _write(self, partition: str, cols: Columns, indexes: list[int], units: np.ndarray, timeout: float):
-        """Send each unit its rows: raw frames, or straight into its mapped arena."""
+    def _write(
+        self,
+        partition: str,
+        cols: Columns,
+        indexes: list[int],
+        units: np.ndarray,
+        timeout: float,
+        commit: Call | None = None,
+    ):
+        """Send each unit its rows: raw frames, or straight into its mapped arena (space reserved
+        first). `commit`, an open put's `CommitPut`, goes with the last writes: the controller
+        waits for the units' reports (`Write.put`), so the put costs no round trip of its own."""
         idx = np.asarray(indexes, np.int64)
-        calls, shm_jobs = [], []
+        put = -1 if commit is None else indexes[0]
+        calls, jobs = [], []
         for unit_id in np.unique(units).tolist():
             positions = np.flatnonzero(units == unit_id)
             buffers, lengths = cols.slice(positions)
@@ -217,32 +230,29 @@ class ClientCore(ControlCore):
                     f"of {self.units[unit_id].capacity} bytes; put smaller batches or raise storage_capacity"
                 )
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
-            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout)
+            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put)
             data = [b.numpy() for b in buffers] if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE))
-            shm_jobs.append((unit_id, via, buffers))
+            jobs.append((unit_id, via, buffers))
+        if commit is not None and all(via == "frames" for _, via, _ in jobs):
+            calls.append(commit)  # every write carries its bytes: commit along with them
+            commit = None
         replies = yield calls
-        errors, commits = [], []
-        for (unit_id, via, buffers), (reply, _) in zip(shm_jobs, replies):
-            try:
-                reply = check(reply, WriteReply)
-            except Exception as exc:  # noqa: BLE001 - collect, then raise the first
-                errors.append(exc)
-                continue
-            if via == "shm":
-                arena = self._arenas[unit_id][1]
+        errors = [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
+        commits = []
+        for (unit_id, via, buffers), (reply, _) in zip(jobs, replies):
+            if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
                 if not errors:
+                    arena = self._arenas[unit_id][1]
                     for name, buf in zip(cols.specs, buffers):
                         off = reply.offsets[name]
                         arena[off : off + buf.numel()].copy_(buf)
                 commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors))))
+        if commit is not None and not errors:
+            commits.append(commit)
         if commits:
             replies = yield commits
-            for reply, _ in replies:
-                try:
-                    check(reply, Ok)
-                except Exception as exc:  # noqa: BLE001
-                    errors.append(exc)
+            errors += [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
         if errors:
             raise errors[0]
 
@@ -457,6 +467,17 @@ class ClientCore(ControlCore):
             if state.sealed:
                 yield from self.one(CONTROLLER, Seal(name), Ok)
         return restored
+
+
+def _failure(reply: Any) -> BaseException | None:
+    """The error a write's or a commit's reply stands for, or None."""
+    if isinstance(reply, (WriteReply, Ok)):
+        return None
+    try:
+        check(reply, WriteReply)
+    except Exception as exc:  # noqa: BLE001 - collected; the flow raises the first
+        return exc
+    return None
 
 
 def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:

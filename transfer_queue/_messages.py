@@ -52,6 +52,7 @@ __all__ = [
     # storage requests
     "Write",
     "CommitWrite",
+    "AwaitWrite",
     "Read",
     "Free",
     "UnitStatus",
@@ -155,9 +156,10 @@ class BeginPut(_Msg, tag="begin_put"):
 
 
 class CommitPut(_Msg, tag="commit_put"):
-    """The units hold the data: mark `fields` ready for `indexes`. With `rows`, it registers the
-    new rows of an open put; without, the fields are new columns of existing rows (checked
-    against the schema here, `row_bytes` more per row)."""
+    """Mark `fields` ready for `indexes`. With `rows`, it registers the new rows of an open put,
+    once every unit of the put reported its write stored (it may be sent with the writes);
+    without, the fields are new columns of existing rows the units already hold (checked against
+    the schema here, `row_bytes` more per row)."""
 
     partition: str
     indexes: list[int]
@@ -340,11 +342,23 @@ class Write(_Msg, tag="write"):
     lengths: dict[str, list[int]] = {}
     via: Via = "frames"
     timeout: float = 30.0
+    put: int = -1
+    """The first index of the open put these rows belong to, whose outcome the unit reports to
+    the controller (`AwaitWrite`); -1 for new columns of existing rows."""
 
 
 class CommitWrite(_Msg, tag="commit_write"):
     token: int
     abort: bool = False
+
+
+class AwaitWrite(_Msg, tag="await_write"):
+    """From the controller: answer `Ok` once the write of open put `put` (`Write.put`) is stored
+    in `partition`, or its error if it failed; `TimeoutError` if none came within `timeout`."""
+
+    partition: str
+    put: int
+    timeout: float
 
 
 class Read(_Msg, tag="read"):
@@ -367,7 +381,7 @@ class UnitStatus(_Msg, tag="unit_status"):
     pass
 
 
-StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
+StorageRequest = Union[Cancel, Write, CommitWrite, AwaitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from transfer_queue._messages import (
     ClusterConfig,
     CommitPut,
     KvResolve,
+    Ok,
+    PutPlan,
     RegisterUnit,
     RowInfo,
     Seal,
@@ -54,18 +56,24 @@ def _state(ctl: Controller) -> dict:
     return out
 
 
+def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
+    """A put of 4 rows on unit 0, which reports its write stored (there is no unit process here)."""
+    plan = ctl.puts.on_begin_put(BeginPut(part, SPECS, 4, 8), [])
+    ctl.puts.landed(plan.indexes[0], 0)
+    assert ctl.puts.on_commit_put(CommitPut(part, plan.indexes, SPECS, rows), []) == Ok()
+    return plan
+
+
 async def _fill(ctl: Controller) -> None:
     ctl.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
     ctl.on_set_version(SetVersion(2), [])
     for part in ("a", "b"):
         for _ in range(3):
-            plan = ctl.on_begin_put(BeginPut(part, SPECS, 4, 8), [])
-            rows = RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4)
-            ctl.on_commit_put(CommitPut(part, plan.indexes, SPECS, rows), [])
-    ctl.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
+            plan = _put(ctl, part, RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4))
+    ctl.puts.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
     keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
-    ctl.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
-    ctl.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
+    ctl.puts.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
+    ctl.puts.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
     ctl.on_seal(Seal("b"), [])
 
@@ -107,8 +115,7 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     await _fill(ctl)
     ctl.on_clear_partition(ClearPartition("b"), [])
     for _ in range(20):  # grows past the threshold again and again: compacted each time
-        plan = ctl.on_begin_put(BeginPut("c", SPECS, 4, 8), [])
-        ctl.on_commit_put(CommitPut("c", plan.indexes, SPECS, RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4)), [])
+        _put(ctl, "c", RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4))
     size = os.path.getsize(path)
     assert size < 2 * 4096, size
     before = _state(ctl)

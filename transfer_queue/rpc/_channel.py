@@ -308,6 +308,8 @@ class AsyncChannel(_Peer):
 
     async def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
         """Send a request; returns its id (see `Channel.send`)."""
+        if self.sock.closed:
+            raise self.lost(f"the channel to {self.name} was closed")
         rid = next(self._ids)
         frames = self.codec.encode(rid, msg, data)
         self._waiting[rid] = asyncio.get_running_loop().create_future()
@@ -351,10 +353,15 @@ class AsyncChannel(_Peer):
                 return fut.result()
 
     async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
-        """Send `msg` and return its reply (see `Channel.call`)."""
+        """Send `msg` and return its reply (see `Channel.call`); a call cancelled by its caller
+        withdraws its request at the service (`Cancel`), so nothing parked there outlives it."""
         rid = await self.send(msg, data)
         try:
             reply, _ = await self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        except asyncio.CancelledError:
+            if not self.dead and not self.sock.closed and not isinstance(msg, Cancel):
+                self.post(Cancel(rid))
+            raise
         finally:
             self._waiting.pop(rid, None)
         if isinstance(reply, ErrorReply):
@@ -375,8 +382,12 @@ class AsyncChannel(_Peer):
         self._waiting.pop(rid, None)
 
     def close(self) -> None:
+        """Close the socket; requests still awaiting replies fail with `lost` at once."""
         self._reader.cancel()
         self.sock.close(linger=0)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(self.lost(f"the channel to {self.name} was closed"))
 
 
 def _retrieve(sent: asyncio.Future) -> None:

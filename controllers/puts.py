@@ -1,0 +1,328 @@
+"""Puts: admission and placement of new rows, the units' reports of their writes, commit, abort
+and expiry.
+
+A put of new rows takes its producer two round trips:
+
+1. `BeginPut`: `intake` admits the put once its units have room, `placement` picks the units,
+   and the rows are registered uncommitted under fresh global indexes. Each unit of the put is
+   asked at once to report the outcome of its write (`AwaitWrite`).
+2. The producer sends its writes to the units and its `CommitPut` here together. The commit
+   waits until every unit reported its write stored, then records the rows' facts and marks
+   their fields ready, so no consumer ever sees a sample whose bytes are not all in place. A unit
+   that reports a failed write ends the put: its rows are freed and the commit answers with the
+   unit's error.
+
+An open put that is neither committed nor aborted within 2 x its timeout + a grace (its producer
+died or stalled) expires and its rows are freed; sealing or clearing its partition, or the death
+of one of its units, ends it too, and a late commit learns why. New columns of existing rows
+(`put(td, meta=...)`) are no open puts: the producer writes them first, then commits them here,
+where they are checked against the schema and accounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from transfer_queue._errors import CapacityError, SchemaError, SealedError, SluiceError, TimeoutError
+from transfer_queue._messages import AbortPut, AwaitWrite, BeginPut, CommitPut, Ok, PutPlan
+from transfer_queue.rpc import MAX_BATCH
+
+from .intake import Intake
+from .journal import Committed
+from .placement import place_rows
+from .table import Partition
+
+if TYPE_CHECKING:
+    from .service import Controller
+
+__all__ = ["Puts"]
+
+_PUT_GRACE = 5.0
+"""Seconds an open put may outlive 2 x its timeout (one wait for space, one shm reservation)."""
+_ENDED_KEPT = 4096  # ended puts remembered, so a late CommitPut learns why its rows are gone
+
+
+@dataclass
+class _OpenPut:
+    """New rows placed by `BeginPut` and not yet committed (or aborted)."""
+
+    partition: str
+    first: int
+    n: int
+    lifetime: float
+    timer: asyncio.TimerHandle
+    framed: dict[int, int]
+    """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
+    unlanded: set[int]
+    """Units that have not reported the put's write stored yet."""
+    reports: list[asyncio.Task] = field(default_factory=list)
+    landed: asyncio.Future | None = None
+    """Set when `unlanded` empties or the put ends, for a commit that waits."""
+
+
+class Puts:
+    """The put handlers of a `Controller` and its open puts."""
+
+    def __init__(self, controller: Controller):
+        self.ctl = controller
+        self.open: dict[int, _OpenPut] = {}
+        self.intake = Intake()
+        self.expired = 0
+        self.samples = 0
+        """Samples committed as new rows."""
+        self._ended: OrderedDict[int, SluiceError] = OrderedDict()
+        for msg_type, handler in {
+            BeginPut: self.on_begin_put,
+            CommitPut: self.on_commit_put,
+            AbortPut: self.on_abort_put,
+        }.items():
+            controller.route(msg_type, handler)
+
+    # -- BeginPut ----------------------------------------------------------------------
+
+    def on_begin_put(self, msg: BeginPut, data) -> PutPlan | Awaitable[PutPlan]:
+        """Place a put's rows now, or once its units have room (see `intake`); `CapacityError`
+        if none comes within the put's timeout."""
+        if msg.n <= 0:
+            raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
+        if msg.n > MAX_BATCH:
+            raise SchemaError(f"a put may hold at most {MAX_BATCH} samples, got {msg.n}; split it")
+        if msg.row_bytes < 0 or not math.isfinite(msg.timeout) or msg.timeout < 0:
+            raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
+        if msg.n * msg.row_bytes > self.ctl.config.storage_capacity:
+            raise CapacityError(
+                f"a put of {msg.n} samples x {msg.row_bytes} bytes exceeds the whole capacity of the "
+                f"cluster's storage, {self.ctl.config.storage_capacity} bytes; put smaller batches or raise storage_capacity"
+            )
+        if not msg.fields:
+            raise SchemaError("a put needs at least one field")
+        return self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
+
+    def _place(self, msg: BeginPut) -> PutPlan | None:
+        """Place the put's rows now, or None while one of its units has no room."""
+        ctl = self.ctl
+        part = ctl.partition(msg.partition)
+        part.check_schema(msg.fields)
+        if part.sealed:
+            raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
+        if not ctl.units:
+            raise SchemaError("the cluster has no storage units registered yet")
+        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes)
+        shares = ctl.shares(units, msg.row_bytes)
+        framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
+        if not self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):
+            return None
+        first = ctl.new_rows(part, units, msg.row_bytes, msg.fields, shares)
+        self.intake.opened(framed)
+        lifetime = 2 * msg.timeout + _PUT_GRACE
+        timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
+        put = self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares))
+        put.reports = [asyncio.ensure_future(self._await_write(put, unit_id)) for unit_id in shares]
+        return PutPlan(list(range(first, first + msg.n)), units.tolist())
+
+    def _full(self, msg: BeginPut) -> str:
+        ctl = self.ctl
+        held = ", ".join(f"unit {u}: {ctl.unit_bytes[u]} of {ctl.units[u].capacity}" for u in sorted(ctl.unit_bytes))
+        return (
+            f"storage stayed full for {msg.timeout:g} s: a put of {msg.n} samples x {msg.row_bytes} bytes found no "
+            f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
+        )
+
+    async def _await_write(self, put: _OpenPut, unit_id: int) -> None:
+        """Wait for `unit_id`'s report of the put's write: stored, or the put ends with its error."""
+        try:
+            channel = self.ctl.unit_channel(unit_id)
+            await channel.call(AwaitWrite(put.partition, put.first, put.lifetime), put.lifetime)
+        except SluiceError as exc:
+            self.end(put.first, exc)
+            return
+        self.landed(put.first, unit_id)
+
+    def landed(self, first: int, unit_id: int) -> None:
+        """`unit_id` reported the write of open put `first` stored; a commit waiting for the last
+        report goes on."""
+        put = self.open.get(first)
+        if put is None:
+            return
+        put.unlanded.discard(unit_id)
+        if not put.unlanded and put.landed is not None and not put.landed.done():
+            put.landed.set_result(None)
+
+    # -- CommitPut ---------------------------------------------------------------------
+
+    def on_commit_put(self, msg: CommitPut, data) -> Ok | Awaitable[Ok]:
+        """Commit new columns at once, or an open put's new rows once all its writes are stored."""
+        if msg.rows is None:
+            self.apply(msg)
+            self.ctl.record(Committed(msg))
+            return Ok()
+        put = self._open_put(msg)
+        if put.unlanded:
+            return self._commit_when_landed(put, msg)
+        return self._commit(put, msg)
+
+    async def _commit_when_landed(self, put: _OpenPut, msg: CommitPut) -> Ok:
+        if put.unlanded:  # checked again: the last report may have come before this task ran
+            if put.landed is None:
+                put.landed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(put.landed)  # a withdrawn commit leaves the put open
+        return self._commit(self._open_put(msg), msg)  # raises why the put ended meanwhile
+
+    def _commit(self, put: _OpenPut, msg: CommitPut) -> Ok:
+        try:
+            self.apply(msg)
+        except SluiceError as exc:
+            self.end(put.first, exc)
+            raise
+        self._close(put)
+        self.ctl.record(Committed(msg))
+        return Ok()
+
+    def apply(self, msg: CommitPut) -> None:
+        """Mark `msg.fields` ready, with new rows' facts, or new columns of existing rows checked
+        and accounted for; wake the consumers. (The journal replays commits through here.)
+
+        Raises:
+            SchemaError: the facts do not match the rows, or new columns clash with the schema."""
+        info = msg.rows
+        if info is None:
+            part, rows = self._new_columns(msg)
+        else:
+            part = self.ctl.partition(msg.partition)
+            rows = part.rows_of(msg.indexes)
+            n = len(rows)
+            for name, values in (
+                ("versions_first", info.versions_first),
+                ("versions_last", info.versions_last),
+                ("groups", info.groups),
+                ("seqlens", info.seqlens),
+            ):
+                if len(values) != n:
+                    raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
+            if info.source_partition and len(info.source_indexes) != n:
+                raise SchemaError(f"source_indexes has {len(info.source_indexes)} entries for {n} samples")
+            part.v_first[rows] = info.versions_first
+            part.v_last[rows] = info.versions_last
+            part.group[rows] = info.groups
+            part.seqlen[rows] = info.seqlens
+            if info.source_partition:
+                ref = (info.source_partition, info.source_task)
+                if ref not in part.sources:
+                    part.sources.append(ref)
+                part.source[rows] = part.sources.index(ref)
+                part.source_index[rows] = info.source_indexes
+            part.committed[rows] = True
+            part.granted[rows] = bool(info.grant_id)
+            part.versioned[rows] = info.versioned
+            if info.grant_id:
+                self.ctl.admission.used(info.grant_id, n)
+            self.samples += n
+        part.mark_ready(rows, list(msg.fields))
+        self.ctl.scheduler.wake(part.name)
+
+    def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
+        """Check and account for new columns of existing rows (a put with `meta=`)."""
+        if not msg.fields:
+            raise SchemaError("a put needs at least one field")
+        if not msg.indexes or len(msg.indexes) > MAX_BATCH or msg.row_bytes < 0:
+            raise SchemaError(f"a put of new columns needs 1..{MAX_BATCH} indexes and row_bytes >= 0")
+        part = self.ctl.existing(msg.partition)
+        rows = part.rows_of(msg.indexes)
+        part.check_schema(msg.fields)
+        part.add_fields(msg.fields)
+        part.row_bytes[rows] += msg.row_bytes
+        for unit_id, nbytes in self.ctl.shares(part.unit[rows], msg.row_bytes).items():
+            self.ctl.unit_bytes[unit_id] += nbytes
+        return part, rows
+
+    def _open_put(self, msg: CommitPut) -> _OpenPut:
+        """The open put that `msg` commits; raises why it ended if it did."""
+        first = msg.indexes[0] if msg.indexes else -1
+        put = self.open.get(first)
+        if (
+            put is None
+            or put.partition != msg.partition
+            or put.n != len(msg.indexes)
+            or msg.indexes[-1] != first + put.n - 1
+        ):
+            ended = self._ended.get(first)
+            if ended is not None:
+                raise type(ended)(str(ended))
+            raise SchemaError(
+                f"no open put of partition {msg.partition!r} starts at index {first} with {len(msg.indexes)} samples"
+            )
+        return put
+
+    def _close(self, put: _OpenPut) -> None:
+        """Take a put off the clock and out of the frame window (committed or ended)."""
+        del self.open[put.first]
+        put.timer.cancel()
+        for task in put.reports:
+            task.cancel()
+        if put.landed is not None and not put.landed.done():
+            put.landed.set_result(None)
+        self.intake.closed(put.framed)
+
+    # -- ends --------------------------------------------------------------------------
+
+    def end(self, first: int, why: SluiceError) -> None:
+        """Drop an open put: free its rows (never committed ones only) and remember why."""
+        put = self.open.get(first)
+        if put is None:
+            return
+        self._close(put)
+        self._ended[first] = why
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
+        part = self.ctl.partitions.get(put.partition)
+        if part is not None:
+            rows = part.rows_of(range(first, first + put.n), alive=False)
+            self.ctl.free_rows(part, rows[~part.committed[rows]])
+            self.ctl.scheduler.wake(part.name)
+
+    def end_in(self, partition: str, why: SluiceError) -> None:
+        """End every open put of `partition` (sealed or cleared)."""
+        for first in [k for k, put in self.open.items() if put.partition == partition]:
+            self.end(first, why)
+
+    def end_on(self, unit_id: int, why: SluiceError) -> None:
+        """End every open put with rows on `unit_id` (it died)."""
+        for first, put in list(self.open.items()):
+            part = self.ctl.partitions.get(put.partition)
+            if part is not None and np.any(
+                part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id
+            ):
+                self.end(first, why)
+
+    def _expire(self, first: int) -> None:
+        put = self.open.get(first)
+        if put is None:
+            return
+        self.expired += 1
+        self.end(
+            first,
+            TimeoutError(
+                f"the put of {put.n} samples into partition {put.partition!r} was not committed within "
+                f"{put.lifetime:g} s (its producer stalled or died); its rows were freed: put again"
+            ),
+        )
+
+    def on_abort_put(self, msg: AbortPut, data) -> Ok:
+        """Free rows of a put that failed; committed rows are never touched (clear them instead)."""
+        part = self.ctl.partitions.get(msg.partition)
+        if part is None or not msg.indexes:
+            return Ok()
+        first = msg.indexes[0]
+        if first in self.open:
+            self.end(first, SchemaError(f"the put starting at index {first} was aborted by its producer"))
+        else:
+            rows = part.rows_of(msg.indexes, alive=False)
+            self.ctl.free_rows(part, rows[~part.committed[rows]])
+        return Ok()

@@ -1,0 +1,92 @@
+"""A put of new rows takes two round trips: the producer sends its writes and its `CommitPut`
+together, and the controller commits only once every unit reported its write stored, so no
+consumer sees rows whose bytes are not all in place; a unit that fails the write ends the put."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import transfer_queue as tq
+from tests.faults import eventually, unit_status
+from tests.peers import ask, peer
+from transfer_queue._messages import BeginPut, CommitPut, ErrorReply, Ok, RowInfo, Status, Write, WriteReply
+from transfer_queue._meta import FieldSpec
+
+SPEC = {"x": FieldSpec("float32", (4,))}
+
+
+def _rounds(client: tq.Client, td: TensorDict) -> list[list[str]]:
+    """Drive one put's flow by hand; the requests of each round trip, by message type."""
+    flow = client._core.put(td)
+    rounds, replies = [], None
+    while True:
+        try:
+            calls = next(flow) if replies is None else flow.send(replies)
+        except StopIteration:
+            return rounds
+        rounds.append([type(c.msg).__name__ for c in calls])
+        sent = [(client._channel(c.target), c) for c in calls]
+        rids = [channel.send(c.msg, c.data) for channel, c in sent]
+        replies = [channel.reply(rid) for (channel, _), rid in zip(sent, rids)]
+
+
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_a_put_of_new_rows_takes_two_round_trips(make_cluster, use_shm):
+    cluster = make_cluster(num_storage_units=2)
+    with tq.connect(cluster.address, use_shm=use_shm) as client:
+        rounds = _rounds(client, TensorDict({"x": torch.ones(8, 4)}, batch_size=[8]))
+        if use_shm:  # a mapped arena is reserved first, filled, then committed with the put
+            assert rounds == [["BeginPut"], ["Write", "Write"], ["CommitWrite", "CommitWrite", "CommitPut"]]
+        else:
+            assert rounds == [["BeginPut"], ["Write", "Write", "CommitPut"]]
+        meta = client.get_meta(["x"], 8, task="t", timeout=5)
+        assert client.get_data(meta)["x"].sum().item() == 32
+
+
+def test_the_commit_waits_for_the_write(make_cluster):
+    """A commit that arrives before the write is parked: its rows stay invisible until the unit
+    reports the bytes stored, then the commit answers."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 2, 16))
+        rows = RowInfo([0, 0], [0, 0], [0, 1], [1, 1])
+        commit = controller.send(CommitPut("train", plan.indexes, SPEC, rows))
+        # asked after the commit on the same connection, so answered after the commit was handled
+        status = controller.call(Status()).status
+        assert controller.ready(commit) is None, "the commit was answered before the data landed"
+        assert status["partitions"]["train"]["committed"] == 0
+        with pytest.raises(tq.TimeoutError):
+            client.get_meta(["x"], 2, task="t", timeout=0.5)
+        unit = peer(client.units[0].address)
+        write = Write("train", plan.indexes, SPEC, put=plan.indexes[0])
+        assert ask(unit, write, [np.arange(8, dtype=np.float32)]) == WriteReply()
+        assert controller.reply(commit, 10)[0] == Ok()
+        meta = client.get_meta(["x"], 2, task="t", timeout=5)
+        assert client.get_data(meta)["x"].flatten().tolist() == list(range(8))
+        unit.close()
+        controller.close()
+
+
+def test_a_failed_write_ends_the_put(make_cluster):
+    """The unit refuses the write (its frame is short): the commit waiting for it answers with
+    the unit's error, and the put's rows are freed without the producer's abort."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 2, 16))
+        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        unit = peer(client.units[0].address)
+        refused = ask(unit, Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(3, np.float32)])
+        assert isinstance(refused, ErrorReply)
+        answer = controller.reply(commit, 10)[0]
+        assert isinstance(answer, ErrorReply) and answer.code == refused.code, (answer, refused)
+        status = client.status()
+        assert status["partitions"]["train"]["samples"] == 0 and status["counters"]["open_puts"] == 0
+        assert status["bytes"] == 0
+        eventually(lambda: unit_status(client.units[0].address)["awaited_writes"] == 0, 10, "the unit's wait ended")
+        unit.close()
+        controller.close()
