@@ -33,22 +33,26 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
 
         def produce(lane: int) -> None:
             next_id = lane << 32
-            client = cluster.connect()
+            client = None
             while not stop.is_set():
                 try:
+                    client = client or cluster.connect()
                     client.put(_batch(next_id), timeout=2.0)
                     acked_puts.update(range(next_id, next_id + 8))
-                except tq.SluiceError:  # the controller is gone: reconnect and go on
+                except tq.SluiceError:  # the controller is gone: reconnect (until it is back) and go on
                     failures["producer"] += 1
-                    client.close()
-                    client = cluster.connect()
+                    if client is not None:
+                        client.close()
+                    client = None
                 next_id += 8
-            client.close()
+            if client is not None:
+                client.close()
 
         def consume() -> None:
-            client = cluster.connect()
+            client = None
             while not stop.is_set():
                 try:
+                    client = client or cluster.connect()
                     meta = client.get_meta(["id", "x"], 8, task="train", timeout=0.5, allow_partial=True)
                     if not len(meta):
                         continue
@@ -57,9 +61,11 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
                     acked.extend(ids)
                 except tq.SluiceError:
                     failures["consumer"] += 1
-                    client.close()
-                    client = cluster.connect()
-            client.close()
+                    if client is not None:
+                        client.close()
+                    client = None
+            if client is not None:
+                client.close()
 
         threads = [threading.Thread(target=produce, args=(k,)) for k in range(2)] + [threading.Thread(target=consume)]
         with cluster.connect() as client:
@@ -75,7 +81,9 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
             lambda: failures["producer"] >= 2 and failures["consumer"] >= 1, 30, "clients saw the controller die"
         )
         cluster.restart_controller()
+        consumed_at = len(acked)
         eventually(lambda: len(acked_puts) >= killed_at + 400, 60, "puts after the restart")
+        eventually(lambda: len(acked) > consumed_at, 60, "acks after the restart")
         stop.set()
         for t in threads:
             t.join(60)

@@ -325,7 +325,10 @@ class AsyncChannel(_Peer):
         once when the peer takes it, else queued on the socket, in order, until it does (or the
         channel closes). Nothing posted is dropped (a lost `Free` would leak a unit's bytes, a
         lost `Ping` make a busy unit look dead), and the send goes through the asyncio socket so
-        that it never swallows the readiness event the reader waits on."""
+        that it never swallows the readiness event the reader waits on. A closed channel drops it:
+        its peer is gone."""
+        if self.sock.closed:
+            return
         sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg))
         sent.add_done_callback(_retrieve)
 
