@@ -235,10 +235,10 @@ def _apply(ctl: Controller, rec: Record) -> None:
         ctl.cluster_id = rec.cluster_id
         ctl._next_index = max(ctl._next_index, rec.next_index)
     elif isinstance(rec, Unit):
-        ctl.add_unit(rec.info)
+        ctl.links.add(rec.info)
     elif isinstance(rec, Retired):
         if rec.unit_id in ctl.units:
-            ctl._retire_unit(rec.unit_id)
+            ctl.links.retire(rec.unit_id)
     elif isinstance(rec, Placed):
         part = ctl.partition(rec.partition)
         units = np.asarray(rec.units, np.int64)

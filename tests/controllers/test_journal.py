@@ -79,10 +79,10 @@ async def _fill(ctl: Controller) -> None:
 
 
 def _stop(ctl: Controller) -> None:
-    if ctl._pinger is not None:
-        ctl._pinger.cancel()
+    if ctl.links.pinger is not None:
+        ctl.links.pinger.cancel()
     ctl.journal.close()
-    for channel in ctl._unit_channels.values():
+    for channel in ctl.links.channels.values():
         channel.close()
     ctl.sock.close(linger=0)
 
