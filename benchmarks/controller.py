@@ -115,8 +115,8 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
         ctl = Controller(
             ClusterConfig(num_storage_units=1, storage_capacity=1 << 30), "tcp://127.0.0.1:*", secret="bench"
         )
-        ctl.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30, "", ""), "bench"), [])
-        ctl._pinger.cancel()  # no unit process answers liveness pings in this in-process run
+        ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30, "", ""), "bench"), [])
+        ctl.links.pinger.cancel()  # no unit process answers liveness pings in this in-process run
         specs = {FIELD: FieldSpec("int64", ())}
         part = "bench"
         t0 = time.perf_counter()

@@ -11,9 +11,9 @@ On start the controller replays the file (`replay`): storage units (which keep s
 the controller is down, and are pinged and retired as usual if they died too), placed and
 committed rows, readiness of every field, per-task consumption, seals, cleared partitions, the
 version and the next sample index. A torn last record (the process died mid-write) is cut off.
-Not journaled, like a checkpoint: leases (leased samples are delivered again), admission
-grants (producers acquire again), parked requests, stale-requeue marks and the key index of the
-TransferQueue face.
+the keys and tags of the TransferQueue face. Not journaled, like a checkpoint: leases (leased
+samples are delivered again), admission grants (producers acquire again), parked requests and
+stale-requeue marks.
 
 Growth is bounded: when the file exceeds twice its size after the last compaction (and at least
 `_COMPACT_BYTES`), it is rewritten as one snapshot of the live state (`Table` records) into a
@@ -26,7 +26,7 @@ import asyncio
 import os
 import struct
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 import numpy as np
@@ -99,6 +99,22 @@ class Dropped(_Rec, tag="dropped"):
     partition: str
 
 
+class Keyed(_Rec, tag="keyed"):
+    """TransferQueue keys given to the rows at global `indexes` (their rows are `Placed`)."""
+
+    partition: str
+    keys: list[str]
+    indexes: list[int]
+
+
+class Tagged(_Rec, tag="tagged"):
+    """Tags merged into `keys`' tags (dict update), one per key."""
+
+    partition: str
+    keys: list[str]
+    tags: list[dict[str, Any]]
+
+
 class Version(_Rec, tag="version"):
     version: int
 
@@ -118,7 +134,7 @@ class Table(_Rec, tag="table"):
     """Task -> 0/1 per live row."""
 
 
-Record = Union[Header, Unit, Retired, Placed, Committed, Freed, Acked, Sealed, Dropped, Version, Table]
+Record = Union[Header, Unit, Retired, Placed, Committed, Freed, Acked, Sealed, Dropped, Keyed, Tagged, Version, Table]
 
 
 class Journal:
@@ -235,10 +251,10 @@ def _apply(ctl: Controller, rec: Record) -> None:
         ctl.cluster_id = rec.cluster_id
         ctl._next_index = max(ctl._next_index, rec.next_index)
     elif isinstance(rec, Unit):
-        ctl.add_unit(rec.info)
+        ctl.links.add(rec.info)
     elif isinstance(rec, Retired):
         if rec.unit_id in ctl.units:
-            ctl._retire_unit(rec.unit_id)
+            ctl.links.retire(rec.unit_id)
     elif isinstance(rec, Placed):
         part = ctl.partition(rec.partition)
         units = np.asarray(rec.units, np.int64)
@@ -260,6 +276,10 @@ def _apply(ctl: Controller, rec: Record) -> None:
         ctl.partition(rec.partition).sealed = True
     elif isinstance(rec, Dropped):
         ctl._drop_partition(rec.partition)
+    elif isinstance(rec, Keyed):
+        ctl.keys.restore(rec.partition, rec.keys, rec.indexes)
+    elif isinstance(rec, Tagged):
+        ctl.keys.tag(rec.partition, rec.keys, rec.tags)
     elif isinstance(rec, Version):
         ctl.clock.set(max(rec.version, ctl.clock.current))
     elif isinstance(rec, Table):
@@ -291,6 +311,12 @@ def _snapshot(ctl: Controller) -> Iterator[Record]:
             ready={name: arr[rows].astype(np.int64).tolist() for name, arr in part.ready.items()},
             consumed={name: task.consumed[rows].astype(np.int64).tolist() for name, task in part.tasks.items()},
         )
+    for name, index in ctl.keys.live().items():
+        keys = index.live_keys()
+        yield Keyed(name, keys, [index.index[k] for k in keys])
+        tagged = [k for k in keys if index.tags[k]]
+        if tagged:
+            yield Tagged(name, tagged, [index.tags[k] for k in tagged])
 
 
 def _restore_table(ctl: Controller, rec: Table) -> None:

@@ -34,6 +34,7 @@ from transfer_queue._messages import (
 )
 from transfer_queue._meta import BatchMeta
 
+from .journal import Keyed, Tagged
 from .placement import place_rows
 from .table import Partition
 
@@ -114,6 +115,17 @@ class KeyService:
         first = self.ctl.new_rows(index.part, units, 0, {}, {}, committed=True)
         for key, gidx in zip(keys, range(first, first + n)):
             index.add(key, gidx)
+        self.ctl.record(Keyed(index.part.name, keys, list(range(first, first + n))))
+
+    def restore(self, partition: str, keys: list[str], indexes: list[int]) -> None:
+        """Give `keys` to rows already in the table (journal replay)."""
+        index = self._index(partition, True)
+        for key, gidx in zip(keys, indexes):
+            index.add(key, gidx)
+
+    def live(self) -> dict[str, KeyIndex]:
+        """The key index of each partition that still exists."""
+        return {name: i for name, i in self.indexes.items() if self.ctl.partitions.get(name) is i.part}
 
     def on_resolve(self, msg: KvResolve, data) -> KvMetaReply:
         if len(set(msg.keys)) != len(msg.keys):
@@ -158,9 +170,17 @@ class KeyService:
         _, missing = index.lookup(msg.keys) if index is not None else ([], msg.keys)
         if missing:
             raise SchemaError(f"partition {msg.partition!r} has no key(s) {missing[:5]}; put them first")
-        for key, tag in zip(msg.keys, msg.tags):
-            index.tags[key].update(tag)
+        self.tag(msg.partition, msg.keys, msg.tags)
+        self.ctl.record(Tagged(msg.partition, msg.keys, msg.tags))
         return Ok()
+
+    def tag(self, partition: str, keys: list[str], tags: list[dict[str, Any]]) -> None:
+        """Merge `tags` into the tags of `keys`, which `partition` has."""
+        index = self._index(partition, False)
+        if index is None:
+            return
+        for key, tag in zip(keys, tags):
+            index.tags[key].update(tag)
 
     def on_list(self, msg: KvList, data) -> KvListReply:
         names = list(self.indexes) if msg.partition is None else [msg.partition]

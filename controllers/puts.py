@@ -138,7 +138,7 @@ class Puts:
     async def _await_write(self, put: _OpenPut, unit_id: int) -> None:
         """Wait for `unit_id`'s report of the put's write: stored, or the put ends with its error."""
         try:
-            channel = self.ctl.unit_channel(unit_id)
+            channel = self.ctl.links.channel(unit_id)
             await channel.call(AwaitWrite(put.partition, put.first, put.lifetime), put.lifetime)
         except SluiceError as exc:
             self.end(put.first, exc)

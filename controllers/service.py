@@ -1,14 +1,15 @@
 """The controller service: one handler per request type over the sample tables.
 
-It owns the partitions (`table.Partition`), the version clock, admission control and the
-scheduler. It never touches tensor bytes: producers and consumers move those straight to and
-from the storage units; the controller only tells units which rows to free.
+It owns the partitions (`table.Partition`), the units' byte counts, the version clock, admission
+control and the scheduler; components add their own handlers over the same tables: `puts`
+(placement, commit, abort, expiry), `units` (registration, liveness, frees) and `keys`
+(TransferQueue keys). It never touches tensor bytes: producers and consumers move those straight
+to and from the storage units; the controller only tells units which rows to free.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -18,10 +19,8 @@ import msgspec
 import numpy as np
 
 from transfer_queue._errors import (
-    ProtocolError,
     SchemaError,
     SealedError,
-    ServiceError,
 )
 from transfer_queue._messages import (
     Ack,
@@ -33,8 +32,6 @@ from transfer_queue._messages import (
     ControllerRequest,
     Export,
     ExportReply,
-    ExportRows,
-    Free,
     GetMeta,
     GrantReply,
     Hello,
@@ -44,10 +41,7 @@ from transfer_queue._messages import (
     MetaReply,
     Nack,
     Ok,
-    Ping,
-    RegisterUnit,
     Release,
-    Reply,
     Seal,
     SetVersion,
     Status,
@@ -56,17 +50,17 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
-from transfer_queue._meta import BatchMeta
-from transfer_queue.rpc import MAX_BATCH, AsyncChannel, Codec, Credentials, Service
+from transfer_queue.rpc import MAX_BATCH, Codec, Credentials, Service
 
 from .admission import Admission
-from .journal import Acked, Dropped, Freed, Journal, Placed, Record, Retired, Sealed, Unit, Version
+from .journal import Acked, Dropped, Freed, Journal, Placed, Record, Sealed, Version
 from .keys import KeyService
 from .puts import Puts
 from .samplers import SamplerRegistry
 from .scheduling import Scheduler
 from .status import ClusterStatus, Counters, RetiredUnitStatus, UnitStatus
 from .table import Partition
+from .units import UnitLinks
 from .versions import VersionClock
 
 __all__ = ["Controller"]
@@ -74,10 +68,6 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
-_UNIT_PING = 1.0
-"""Seconds between the controller's liveness pings to each storage unit."""
-_UNIT_DEAD_AFTER = 5.0
-"""Seconds of silence after which a storage unit is retired and its samples counted lost."""
 
 
 class Controller(Service):
@@ -95,19 +85,10 @@ class Controller(Service):
         self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
-        self._secret = secret or secrets.token_hex(16)
-        self.registrations_refused = 0
         self.started = time.time()
         self.partitions: dict[str, Partition] = {}
         self.units: dict[int, UnitInfo] = {}
         self.unit_bytes: dict[int, int] = {}
-        self.unit_heard: dict[int, float] = {}  # unit id -> monotonic time of its last message
-        self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
-        self.samples_lost = 0
-        self._pinger: asyncio.TimerHandle | None = None
-        self._last_ping = 0.0
-        self._unit_channels: dict[int, AsyncChannel] = {}
-        self._unit_codec = Codec(Reply)
         self._next_index = 0
         self.clock = VersionClock()
         self.admission = Admission(
@@ -121,7 +102,6 @@ class Controller(Service):
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         for msg_type, handler in {
             Hello: self.on_hello,
-            RegisterUnit: self.on_register_unit,
             GetMeta: self.on_get_meta,
             Ack: self.on_ack,
             Nack: self.on_nack,
@@ -138,6 +118,7 @@ class Controller(Service):
             Export: self.on_export,
         }.items():
             self.route(msg_type, handler)
+        self.links = UnitLinks(self, secret or secrets.token_hex(16), credentials)
         self.puts = Puts(self)
         self.keys = KeyService(self)
         self.journal: Journal | None = None
@@ -151,117 +132,14 @@ class Controller(Service):
         if self.journal is not None:
             self.journal.append(rec)
 
-    # -- membership --------------------------------------------------------------------
+    # -- rows ------------------------------------------------------------------------------
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
         units = [self.units[k] for k in sorted(self.units)]
         return HelloReply(self.cluster_id, self.config, units, self.clock.current)
 
-    def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
-        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired.
-
-        Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
-        or replace a live one, and with it redirect clients' data."""
-        if not hmac.compare_digest(msg.secret.encode(), self._secret.encode()):
-            self.registrations_refused += 1
-            raise ProtocolError(
-                f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
-                "(start units with SLUICE_SECRET set to it)"
-            )
-        self.add_unit(msg.unit)
-        return Ok()
-
-    def add_unit(self, unit: UnitInfo) -> None:
-        """Serve `unit`: place rows on it, ping it, send it frees."""
-        self.units[unit.unit_id] = unit
-        self.retired.pop(unit.unit_id, None)
-        self.unit_bytes.setdefault(unit.unit_id, 0)
-        self.unit_heard[unit.unit_id] = time.monotonic()
-        if self._pinger is None:
-            self._last_ping = time.monotonic()
-            self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
-        old = self._unit_channels.pop(unit.unit_id, None)
-        if old is not None:
-            old.close()
-        self._unit_channels[unit.unit_id] = AsyncChannel(
-            unit.address,
-            self._unit_codec,
-            name=f"storage unit {unit.unit_id} at {unit.address}",
-            credentials=self.credentials,
-            on_reply=lambda reply, uid=unit.unit_id: self._unit_replied(uid, reply),
-        )
-        self.puts.intake.wake()
-        self.record(Unit(unit))
-
-    def _ping_units(self) -> None:
-        """Loop timer: ping every unit; retire those silent for `_UNIT_DEAD_AFTER` seconds.
-
-        A tick that comes late means this controller was stalled (CPU starved, suspended) and
-        could hear nobody meanwhile: every unit then gets a fresh window instead of being retired
-        for the controller's own silence."""
-        now = time.monotonic()
-        if now - self._last_ping > 2 * _UNIT_PING:
-            for unit_id in self.unit_heard:
-                self.unit_heard[unit_id] = max(self.unit_heard[unit_id], now - _UNIT_PING)
-        self._last_ping = now
-        for unit_id in list(self.units):
-            if now - self.unit_heard.get(unit_id, now) > _UNIT_DEAD_AFTER:
-                self._retire_unit(unit_id)
-                continue
-            self._unit_channels[unit_id].post(Ping())
-        self._pinger = asyncio.get_running_loop().call_later(_UNIT_PING, self._ping_units)
-
-    def _retire_unit(self, unit_id: int) -> None:
-        """A unit died: never place or serve its rows again. Puts in flight on it fail; its
-        samples are counted lost, and the prompts of those that have a source are requeued."""
-        unit = self.retired[unit_id] = self.units.pop(unit_id)
-        self.unit_bytes.pop(unit_id, None)
-        self.unit_heard.pop(unit_id, None)
-        self.puts.end_on(
-            unit_id,
-            ServiceError(
-                f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
-                "none of its samples were stored: put again"
-            ),
-        )
-        channel = self._unit_channels.pop(unit_id, None)
-        if channel is not None:
-            channel.close()
-        lost = 0
-        for part in self.partitions.values():
-            rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
-            if len(rows):
-                lost += len(rows)
-                self.scheduler.lose(part, rows)
-        self.samples_lost += lost
-        self.puts.intake.forget(unit_id)
-        self.record(Retired(unit_id))
-        log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
-
-    def _unit_replied(self, unit_id: int, reply: object) -> None:
-        """A unit answered a ping or a `Free`: it is alive (a refused free is logged)."""
-        self.unit_heard[unit_id] = time.monotonic()
-        if not isinstance(reply, Ok):
-            log.warning("unit %d refused a free: %s", unit_id, reply)
-
-    def unit_channel(self, unit_id: int) -> AsyncChannel:
-        """The channel to a live unit.
-
-        Raises:
-            ServiceError: the unit was retired."""
-        channel = self._unit_channels.get(unit_id)
-        if channel is None:
-            raise ServiceError(f"storage unit {unit_id} was retired")
-        return channel
-
-    def _tell_units(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
-        targets = self._unit_channels if rows_by_unit is None else rows_by_unit
-        for unit_id in targets:
-            channel = self._unit_channels.get(unit_id)
-            if channel is not None:
-                channel.post(Free(partition, None if rows_by_unit is None else rows_by_unit[unit_id]))
-
     def free_rows(self, part: Partition, rows: np.ndarray) -> None:
+        """Free `rows` (those still alive): uncount their bytes, tell their units, journal it."""
         rows = rows[part.alive[rows]]
         if not len(rows):
             return
@@ -272,11 +150,9 @@ class Controller(Service):
             by_unit[unit_id] = part.gidx[picked].tolist()
             if unit_id in self.unit_bytes:  # not a retired unit
                 self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
-        self._tell_units(part.name, by_unit)
+        self.links.tell_free(part.name, by_unit)
         self.record(Freed(part.name, part.gidx[rows].tolist()))
         self.puts.intake.wake()
-
-    # -- puts --------------------------------------------------------------------------
 
     def partition(self, name: str) -> Partition:
         part = self.partitions.get(name)
@@ -389,7 +265,7 @@ class Controller(Service):
                 if unit_id in self.unit_bytes:
                     self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
             self.scheduler.forget_partition(name)
-            self._tell_units(name, None)
+            self.links.tell_free(name, None)
             self.puts.intake.wake()
 
     def on_seal(self, msg: Seal, data) -> Ok:
@@ -455,36 +331,7 @@ class Controller(Service):
 
     def on_export(self, msg: Export, data) -> ExportReply:
         """What a checkpoint needs of a partition (see `ExportReply`)."""
-        part = self.existing(msg.partition)
-        rows = np.flatnonzero(part.alive[: part.n] & part.committed[: part.n])
-        names = list(part.schema)
-        key = np.zeros(len(rows), np.int64)
-        for bit, name in enumerate(names):
-            key |= part.ready[name][rows].astype(np.int64) << bit
-        batches, details = [], []
-        for value in np.unique(key).tolist():
-            picked = rows[key == value]
-            fields = {name: part.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
-            batches.append(
-                BatchMeta(
-                    partition=part.name,
-                    indexes=part.gidx[picked].tolist(),
-                    policy_versions=part.v_first[picked].tolist(),
-                    version_last=part.v_last[picked].tolist(),
-                    groups=part.group[picked].tolist(),
-                    units=part.unit[picked].tolist(),
-                    fields=fields,
-                )
-            )
-            details.append(
-                ExportRows(
-                    part.versioned[picked].tolist(),
-                    (part.source[picked].astype(np.int64) - 1).tolist(),
-                    part.source_index[picked].tolist(),
-                )
-            )
-        consumed = {name: part.gidx[rows[task.consumed[rows]]].tolist() for name, task in part.tasks.items()}
-        return ExportReply(batches, consumed, part.sealed, details, list(part.sources[1:]))
+        return self.existing(msg.partition).export()
 
     # -- status ------------------------------------------------------------------------
 
@@ -502,7 +349,7 @@ class Controller(Service):
                 str(k): UnitStatus(u.address, u.capacity, self.unit_bytes.get(k, 0))
                 for k, u in sorted(self.units.items())
             },
-            retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.retired.items())},
+            retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.links.retired.items())},
             bytes=sum(self.unit_bytes.values()),
             staleness=self.scheduler.stale.status(),
             admission=self.admission.status(),
@@ -515,8 +362,8 @@ class Controller(Service):
                 open_puts=len(self.puts.open),
                 puts_waiting_for_room=len(self.puts.intake),
                 puts_expired=self.puts.expired,
-                samples_lost=self.samples_lost,
-                registrations_refused=self.registrations_refused,
+                samples_lost=self.links.samples_lost,
+                registrations_refused=self.links.registrations_refused,
                 auth_refused=self.auth_refused,
                 requests_served=self.served,
                 requests_rejected=self.rejected,

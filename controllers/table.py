@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from transfer_queue._errors import SchemaError
-from transfer_queue._meta import FieldSpec
+from transfer_queue._messages import ExportReply, ExportRows
+from transfer_queue._meta import BatchMeta, FieldSpec
 
 from .status import FieldStatus, PartitionStatus, TaskStatus
 
@@ -181,6 +182,39 @@ class Partition:
         )
 
     # -- tasks -------------------------------------------------------------------------
+
+    def export(self) -> ExportReply:
+        """What a checkpoint needs of this partition: its committed samples grouped by the fields
+        they have ready, their facts, each task's consumed ones (see `ExportReply`)."""
+        rows = np.flatnonzero(self.alive[: self.n] & self.committed[: self.n])
+        names = list(self.schema)
+        key = np.zeros(len(rows), np.int64)
+        for bit, name in enumerate(names):
+            key |= self.ready[name][rows].astype(np.int64) << bit
+        batches, details = [], []
+        for value in np.unique(key).tolist():
+            picked = rows[key == value]
+            fields = {name: self.schema[name] for bit, name in enumerate(names) if value >> bit & 1}
+            batches.append(
+                BatchMeta(
+                    partition=self.name,
+                    indexes=self.gidx[picked].tolist(),
+                    policy_versions=self.v_first[picked].tolist(),
+                    version_last=self.v_last[picked].tolist(),
+                    groups=self.group[picked].tolist(),
+                    units=self.unit[picked].tolist(),
+                    fields=fields,
+                )
+            )
+            details.append(
+                ExportRows(
+                    self.versioned[picked].tolist(),
+                    (self.source[picked].astype(np.int64) - 1).tolist(),
+                    self.source_index[picked].tolist(),
+                )
+            )
+        consumed = {name: self.gidx[rows[task.consumed[rows]]].tolist() for name, task in self.tasks.items()}
+        return ExportReply(batches, consumed, self.sealed, details, list(self.sources[1:]))
 
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)

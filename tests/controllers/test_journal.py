@@ -18,6 +18,7 @@ from transfer_queue._messages import (
     ClusterConfig,
     CommitPut,
     KvResolve,
+    KvTag,
     Ok,
     PutPlan,
     RegisterUnit,
@@ -53,6 +54,9 @@ def _state(ctl: Controller) -> dict:
             "ready": {f: r[live].tolist() for f, r in part.ready.items()},
             "consumed": {t: s.consumed[live].tolist() for t, s in part.tasks.items()},
         }
+    out["keys"] = {
+        name: {k: (index.index[k], index.tags[k]) for k in index.live_keys()} for name, index in ctl.keys.live().items()
+    }
     return out
 
 
@@ -65,13 +69,14 @@ def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
 
 
 async def _fill(ctl: Controller) -> None:
-    ctl.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
+    ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
     ctl.on_set_version(SetVersion(2), [])
     for part in ("a", "b"):
         for _ in range(3):
             plan = _put(ctl, part, RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4))
     ctl.puts.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
     keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
+    ctl.keys.on_tag(KvTag("k", ["p1"], [{"status": "finished", "n": 2}]), [])
     ctl.puts.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
     ctl.puts.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
@@ -79,10 +84,10 @@ async def _fill(ctl: Controller) -> None:
 
 
 def _stop(ctl: Controller) -> None:
-    if ctl._pinger is not None:
-        ctl._pinger.cancel()
+    if ctl.links.pinger is not None:
+        ctl.links.pinger.cancel()
     ctl.journal.close()
-    for channel in ctl._unit_channels.values():
+    for channel in ctl.links.channels.values():
         channel.close()
     ctl.sock.close(linger=0)
 
@@ -103,6 +108,7 @@ async def test_replay_restores_the_tables(tmp_path) -> None:
     before["a"]["v"] = tuple(v[:-2] for v in before["a"]["v"])
     before["bytes"] = {0: before["bytes"][0] - 16}
     assert after == before
+    assert sorted(after["keys"]["k"]) == ["p0", "p1"], "the key index of the TransferQueue face came back"
     assert after["b"]["sealed"] and after["version"] == 2 and after["a"]["consumed"]["t"][:4] == [True] * 3 + [False]
     _stop(again)
 
@@ -125,6 +131,7 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     again = _controller(path)
     after = _state(again)
     assert "b" not in after and after["c"] == before["c"] and after["next"] >= before["next"]
+    assert after["keys"] == before["keys"] and after["keys"]["k"]["p1"][1] == {"status": "finished", "n": 2}
     _stop(again)
 
 

@@ -1,0 +1,162 @@
+"""The controller's links to its storage units: registration, liveness, retirement, frees.
+
+Units register with the cluster secret (`RegisterUnit`). The controller pings each one every
+`PING` seconds over its own channel and retires one silent for `DEAD_AFTER`: its samples are
+counted lost, puts in flight on it end, and its rows are never placed or served again (a unit
+that restarts registers afresh). Frees and the put-write reports (`controllers/puts.py`) travel
+over the same channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from transfer_queue._errors import ProtocolError, ServiceError
+from transfer_queue._messages import Free, Ok, Ping, RegisterUnit, Reply, UnitInfo
+from transfer_queue.rpc import AsyncChannel, Codec, Credentials
+
+from .journal import Retired, Unit
+
+if TYPE_CHECKING:
+    from .service import Controller
+
+__all__ = ["UnitLinks"]
+
+log = logging.getLogger("sluice.controller")
+
+PING = 1.0
+"""Seconds between the controller's liveness pings to each storage unit."""
+DEAD_AFTER = 5.0
+"""Seconds of silence after which a storage unit is retired and its samples counted lost."""
+
+
+class UnitLinks:
+    """A `Controller`'s storage units as live peers (the tables of units and their bytes stay on
+    the controller: placement, intake and keys read them)."""
+
+    def __init__(self, controller: Controller, secret: str, credentials: Credentials | None):
+        self.ctl = controller
+        self._secret = secret
+        self._credentials = credentials
+        self._codec = Codec(Reply)
+        self.channels: dict[int, AsyncChannel] = {}
+        self.heard: dict[int, float] = {}  # unit id -> monotonic time of its last message
+        self.retired: dict[int, UnitInfo] = {}  # units that stopped answering, until they register again
+        self.samples_lost = 0
+        self.registrations_refused = 0
+        self.pinger: asyncio.TimerHandle | None = None
+        self._last_ping = 0.0
+        controller.route(RegisterUnit, self.on_register_unit)
+
+    def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
+        """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired.
+
+        Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
+        or replace a live one, and with it redirect clients' data."""
+        if not hmac.compare_digest(msg.secret.encode(), self._secret.encode()):
+            self.registrations_refused += 1
+            raise ProtocolError(
+                f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
+                "(start units with SLUICE_SECRET set to it)"
+            )
+        self.add(msg.unit)
+        return Ok()
+
+    def add(self, unit: UnitInfo) -> None:
+        """Serve `unit`: place rows on it, ping it, send it frees."""
+        ctl = self.ctl
+        ctl.units[unit.unit_id] = unit
+        self.retired.pop(unit.unit_id, None)
+        ctl.unit_bytes.setdefault(unit.unit_id, 0)
+        self.heard[unit.unit_id] = time.monotonic()
+        if self.pinger is None:
+            self._last_ping = time.monotonic()
+            self.pinger = asyncio.get_running_loop().call_later(PING, self._ping)
+        old = self.channels.pop(unit.unit_id, None)
+        if old is not None:
+            old.close()
+        self.channels[unit.unit_id] = AsyncChannel(
+            unit.address,
+            self._codec,
+            name=f"storage unit {unit.unit_id} at {unit.address}",
+            credentials=self._credentials,
+            on_reply=lambda reply, uid=unit.unit_id: self._replied(uid, reply),
+        )
+        ctl.puts.intake.wake()
+        ctl.record(Unit(unit))
+
+    def _ping(self) -> None:
+        """Loop timer: ping every unit; retire those silent for `DEAD_AFTER` seconds.
+
+        A tick that comes late means this controller was stalled (CPU starved, suspended) and
+        could hear nobody meanwhile: every unit then gets a fresh window instead of being retired
+        for the controller's own silence."""
+        ctl = self.ctl
+        now = time.monotonic()
+        if now - self._last_ping > 2 * PING:
+            for unit_id in self.heard:
+                self.heard[unit_id] = max(self.heard[unit_id], now - PING)
+        self._last_ping = now
+        for unit_id in list(ctl.units):
+            if now - self.heard.get(unit_id, now) > DEAD_AFTER:
+                self.retire(unit_id)
+                continue
+            self.channels[unit_id].post(Ping())
+        self.pinger = asyncio.get_running_loop().call_later(PING, self._ping)
+
+    def retire(self, unit_id: int) -> None:
+        """A unit died: never place or serve its rows again. Puts in flight on it fail; its
+        samples are counted lost, and the prompts of those that have a source are requeued."""
+        ctl = self.ctl
+        unit = self.retired[unit_id] = ctl.units.pop(unit_id)
+        ctl.unit_bytes.pop(unit_id, None)
+        self.heard.pop(unit_id, None)
+        ctl.puts.end_on(
+            unit_id,
+            ServiceError(
+                f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
+                "none of its samples were stored: put again"
+            ),
+        )
+        channel = self.channels.pop(unit_id, None)
+        if channel is not None:
+            channel.close()
+        lost = 0
+        for part in ctl.partitions.values():
+            rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
+            if len(rows):
+                lost += len(rows)
+                ctl.scheduler.lose(part, rows)
+        self.samples_lost += lost
+        ctl.puts.intake.forget(unit_id)
+        ctl.record(Retired(unit_id))
+        log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
+
+    def _replied(self, unit_id: int, reply: object) -> None:
+        """A unit answered a ping or a `Free`: it is alive (a refused free is logged)."""
+        self.heard[unit_id] = time.monotonic()
+        if not isinstance(reply, Ok):
+            log.warning("unit %d refused a free: %s", unit_id, reply)
+
+    def channel(self, unit_id: int) -> AsyncChannel:
+        """The channel to a live unit.
+
+        Raises:
+            ServiceError: the unit was retired."""
+        channel = self.channels.get(unit_id)
+        if channel is None:
+            raise ServiceError(f"storage unit {unit_id} was retired")
+        return channel
+
+    def tell_free(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
+        targets = self.channels if rows_by_unit is None else rows_by_unit
+        for unit_id in targets:
+            channel = self.channels.get(unit_id)
+            if channel is not None:
+                channel.post(Free(partition, None if rows_by_unit is None else rows_by_unit[unit_id]))
