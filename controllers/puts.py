@@ -4,10 +4,10 @@ and expiry.
 A put of new rows takes its producer two round trips:
 
 1. `BeginPut`: `intake` admits the put once its units have room, `placement` picks the units,
-   and the rows are registered uncommitted under fresh global indexes. Each unit of the put is
-   asked at once to report the outcome of its write (`AwaitWrite`).
-2. The producer sends its writes to the units and its `CommitPut` here together. The commit
-   waits until every unit reported its write stored, then records the rows' facts and marks
+   and the rows are registered uncommitted under fresh global indexes.
+2. The producer sends its writes to the units and its `CommitPut` here together. Each unit
+   reports how its write ended (`WriteLanded`, signed with the cluster secret); the commit waits
+   until every unit of the put reported its write stored, then records the rows' facts and marks
    their fields ready, so no consumer ever sees a sample whose bytes are not all in place. A unit
    that reports a failed write ends the put: its rows are freed and the commit answers with the
    unit's error.
@@ -25,14 +25,14 @@ import asyncio
 import math
 from collections import OrderedDict
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from transfer_queue._errors import CapacityError, SchemaError, SealedError, SluiceError, TimeoutError
-from transfer_queue._messages import AbortPut, AwaitWrite, BeginPut, CommitPut, Ok, PutPlan
-from transfer_queue.rpc import MAX_BATCH
+from transfer_queue._messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
+from transfer_queue.rpc import MAX_BATCH, error_from_code
 
 from .intake import Intake
 from .journal import Committed
@@ -62,7 +62,6 @@ class _OpenPut:
     """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
     unlanded: set[int]
     """Units that have not reported the put's write stored yet."""
-    reports: list[asyncio.Task] = field(default_factory=list)
     landed: asyncio.Future | None = None
     """Set when `unlanded` empties or the put ends, for a commit that waits."""
 
@@ -81,6 +80,7 @@ class Puts:
         for msg_type, handler in {
             BeginPut: self.on_begin_put,
             CommitPut: self.on_commit_put,
+            WriteLanded: self.on_write_landed,
             AbortPut: self.on_abort_put,
         }.items():
             controller.route(msg_type, handler)
@@ -123,8 +123,7 @@ class Puts:
         self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
-        put = self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares))
-        put.reports = [asyncio.ensure_future(self._await_write(put, unit_id)) for unit_id in shares]
+        self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares))
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
     def _full(self, msg: BeginPut) -> str:
@@ -135,15 +134,18 @@ class Puts:
             f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
         )
 
-    async def _await_write(self, put: _OpenPut, unit_id: int) -> None:
-        """Wait for `unit_id`'s report of the put's write: stored, or the put ends with its error."""
-        try:
-            channel = self.ctl.links.channel(unit_id)
-            await channel.call(AwaitWrite(put.partition, put.first, put.lifetime), put.lifetime)
-        except SluiceError as exc:
-            self.end(put.first, exc)
-            return
-        self.landed(put.first, unit_id)
+    def on_write_landed(self, msg: WriteLanded, data) -> None:
+        """A unit's report of a put's write: stored, or failed (which ends the put). A notice:
+        answered only when refused.
+
+        Raises:
+            ProtocolError: the report does not carry the cluster secret (counted with refused
+                registrations)."""
+        self.ctl.links.authenticate(msg.secret, f"a write report of storage unit {msg.unit_id}")
+        if msg.code:
+            self.end(msg.put, error_from_code(msg.code, msg.message))
+        else:
+            self.landed(msg.put, msg.unit_id)
 
     def landed(self, first: int, unit_id: int) -> None:
         """`unit_id` reported the write of open put `first` stored; a commit waiting for the last
@@ -264,8 +266,6 @@ class Puts:
         """Take a put off the clock and out of the frame window (committed or ended)."""
         del self.open[put.first]
         put.timer.cancel()
-        for task in put.reports:
-            task.cancel()
         if put.landed is not None and not put.landed.done():
             put.landed.set_result(None)
         self.intake.closed(put.framed)

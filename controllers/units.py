@@ -3,8 +3,8 @@
 Units register with the cluster secret (`RegisterUnit`). The controller pings each one every
 `PING` seconds over its own channel and retires one silent for `DEAD_AFTER`: its samples are
 counted lost, puts in flight on it end, and its rows are never placed or served again (a unit
-that restarts registers afresh). Frees and the put-write reports (`controllers/puts.py`) travel
-over the same channels.
+that restarts registers afresh). Frees travel over the same channels; a unit's messages to the
+controller (registration, reports of put writes) carry the cluster secret (`authenticate`).
 """
 
 from __future__ import annotations
@@ -59,14 +59,20 @@ class UnitLinks:
 
         Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
         or replace a live one, and with it redirect clients' data."""
-        if not hmac.compare_digest(msg.secret.encode(), self._secret.encode()):
-            self.registrations_refused += 1
-            raise ProtocolError(
-                f"RegisterUnit of unit {msg.unit.unit_id} refused: it does not carry this cluster's secret "
-                "(start units with SLUICE_SECRET set to it)"
-            )
+        self.authenticate(msg.secret, f"RegisterUnit of unit {msg.unit.unit_id}")
         self.add(msg.unit)
         return Ok()
+
+    def authenticate(self, secret: str, what: str) -> None:
+        """Check that a unit's message carries the cluster secret.
+
+        Raises:
+            ProtocolError: it does not (counted in `registrations_refused`)."""
+        if not hmac.compare_digest(secret.encode(), self._secret.encode()):
+            self.registrations_refused += 1
+            raise ProtocolError(
+                f"{what} refused: it does not carry this cluster's secret (start units with SLUICE_SECRET set to it)"
+            )
 
     def add(self, unit: UnitInfo) -> None:
         """Serve `unit`: place rows on it, ping it, send it frees."""

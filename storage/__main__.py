@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from .arena import PAGE_BYTES
 from .service import StorageUnit
 
 ANNOUNCE = "SLUICE_STORAGE"
+log = logging.getLogger("sluice.storage")
 
 
 class StartupError(Exception):
@@ -43,8 +45,8 @@ class StartupError(Exception):
 async def register(
     unit: StorageUnit, controller: str, timeout: float, secret: str, credentials: Credentials | None
 ) -> None:
-    """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`;
-    `StartupError` otherwise."""
+    """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`,
+    then keep the channel for the unit's reports of put writes; `StartupError` otherwise."""
     info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
     channel = AsyncChannel(
         controller,
@@ -54,17 +56,27 @@ async def register(
         timeout=timeout,
         connect_timeout=timeout,
         dead_after=timeout,
+        on_reply=_refused,
     )
     try:
         await channel.call(RegisterUnit(info, secret))
     except (ServiceError, TimeoutError) as exc:  # unreachable, silent or late
+        channel.close()
         raise StartupError(
             f"controller {controller} did not answer the registration within {timeout} s ({exc})"
         ) from exc
     except SluiceError as exc:
-        raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {exc.code}: {exc}") from exc
-    finally:
         channel.close()
+        raise StartupError(f"controller {controller} refused storage unit {unit.unit_id}: {exc.code}: {exc}") from exc
+    except BaseException:
+        channel.close()
+        raise
+    unit.report_to(channel, secret)
+
+
+def _refused(reply: object) -> None:
+    """The controller answers a posted report only to refuse it."""
+    log.warning("the controller refused a report of this unit: %s", reply)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,9 @@ the client fills through its own mapping and then commits (`writes`). A full are
 in a FIFO until space frees up or their timeout passes (`space`). Reads answer with arena runs,
 and with zero-copy frames of them unless the client maps the arena itself.
 
-A write of an open put's new rows (`Write.put`) also reports its outcome to the controller, which
-waits for it (`AwaitWrite`) to commit the put (`landings`).
+A write of an open put's new rows (`Write.put`) also reports its outcome to the controller
+(`WriteLanded`, posted over the channel the unit registered on), which commits the put once every
+unit of it reported the bytes stored.
 
 Handlers answer at once when they can; only a write that must wait for space becomes a task.
 """
@@ -26,7 +27,6 @@ import zmq
 
 from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from transfer_queue._messages import (
-    AwaitWrite,
     CommitWrite,
     Free,
     Ok,
@@ -36,12 +36,12 @@ from transfer_queue._messages import (
     StorageRequest,
     UnitStatus,
     Write,
+    WriteLanded,
     WriteReply,
 )
-from transfer_queue.rpc import MAX_DATA_FRAMES, Codec, Credentials, Handled, Service
+from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service
 
 from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
-from .landings import Landings
 from .space import SpaceQueue, Ticket
 from .table import Table
 from .writes import Reservation, check_frames, field_sizes
@@ -83,7 +83,7 @@ class StorageUnit(Service):
         self.table = Table(self.arena, unit_id)
         self.space = SpaceQueue(self.arena, self._full_message)
         self.reservations: dict[int, Reservation] = {}
-        self.landings = Landings(unit_id)
+        self._controller: tuple[AsyncChannel, str] | None = None
         self._expired: OrderedDict[int, float] = OrderedDict()
         self._next_token = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +91,6 @@ class StorageUnit(Service):
         self._closed = False
         self.route(Write, self._on_write)
         self.route(CommitWrite, self._on_commit)
-        self.route(AwaitWrite, self._on_await_write)
         self.route(Read, self._on_read)
         self.route(Free, self._on_free)
         self.route(UnitStatus, self._on_status)
@@ -122,6 +121,8 @@ class StorageUnit(Service):
         self.reservations.clear()
         if not self.sock.closed:
             self.sock.close(linger=0)
+        if self._controller is not None:
+            self._controller[0].close()
         self.arena.close()
 
     def _trim(self, served_before: int) -> None:
@@ -155,9 +156,20 @@ class StorageUnit(Service):
             self._land(msg, ServiceError(f"the write to storage unit {self.unit_id} was withdrawn by its producer"))
             raise
 
+    def report_to(self, controller: AsyncChannel, secret: str) -> None:
+        """Report the outcome of put writes to `controller` (the channel the unit registered on)."""
+        self._controller = controller, secret
+
     def _land(self, msg: Write, error: SluiceError | None = None) -> None:
-        if msg.put >= 0:
-            self.landings.landed((msg.partition, msg.put), error)
+        """Tell the controller how a put's write ended (new columns need no report), once the
+        handler returned: its commit lets the controller admit the next put to this unit, whose
+        frames must not arrive while this write's are still held (see `_LATE_REPLY_BYTES`)."""
+        if msg.put < 0 or self._controller is None:
+            return
+        channel, secret = self._controller
+        code, message = ("", "") if error is None else (error.code, str(error))
+        report = WriteLanded(self.unit_id, msg.partition, msg.put, secret, code, message)
+        asyncio.get_running_loop().call_soon(channel.post, report)
 
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled]:
         sizes = field_sizes(msg)
@@ -256,10 +268,6 @@ class StorageUnit(Service):
         self._register(res.msg, res.chunks)
         return Ok()
 
-    def _on_await_write(self, msg: AwaitWrite, frames: list[Any]) -> Handled | Awaitable[Handled]:
-        _no_frames(msg, frames)
-        return self.landings.wait((msg.partition, msg.put), msg.timeout)
-
     # -- Read ----------------------------------------------------------------------------
 
     def _on_read(self, msg: Read, frames: list[Any]) -> Handled:
@@ -339,7 +347,6 @@ class StorageUnit(Service):
             "pending_bytes": self.space.held,
             "reservations": len(self.reservations),
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
-            "awaited_writes": len(self.landings),
             "rejected": self.rejected,
             "auth_refused": self.auth_refused,
             "served": self.served,

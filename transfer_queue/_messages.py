@@ -28,6 +28,7 @@ __all__ = [
     "RegisterUnit",
     "BeginPut",
     "CommitPut",
+    "WriteLanded",
     "AbortPut",
     "GetMeta",
     "Ack",
@@ -52,7 +53,6 @@ __all__ = [
     # storage requests
     "Write",
     "CommitWrite",
-    "AwaitWrite",
     "Read",
     "Free",
     "UnitStatus",
@@ -166,6 +166,19 @@ class CommitPut(_Msg, tag="commit_put"):
     fields: dict[str, FieldSpec]
     rows: RowInfo | None = None
     row_bytes: int = 0
+
+
+class WriteLanded(_Msg, tag="write_landed"):
+    """From a storage unit: its write of open put `put` (`Write.put`) was stored (`code` empty)
+    or failed with the error `code`/`message`. A notice: the controller answers only a refusal.
+    Carries the cluster secret: nobody else may declare a put's bytes in place."""
+
+    unit_id: int
+    partition: str
+    put: int
+    secret: str
+    code: str = ""
+    message: str = ""
 
 
 class AbortPut(_Msg, tag="abort_put"):
@@ -303,6 +316,7 @@ ControllerRequest = Union[
     RegisterUnit,
     BeginPut,
     CommitPut,
+    WriteLanded,
     AbortPut,
     GetMeta,
     Ack,
@@ -343,22 +357,14 @@ class Write(_Msg, tag="write"):
     via: Via = "frames"
     timeout: float = 30.0
     put: int = -1
-    """The first index of the open put these rows belong to, whose outcome the unit reports to
-    the controller (`AwaitWrite`); -1 for new columns of existing rows."""
+    """The first index of the open put these rows belong to: the unit reports the write's outcome
+    to the controller (`WriteLanded`), which commits the put once all its units did; -1 for new
+    columns of existing rows."""
 
 
 class CommitWrite(_Msg, tag="commit_write"):
     token: int
     abort: bool = False
-
-
-class AwaitWrite(_Msg, tag="await_write"):
-    """From the controller: answer `Ok` once the write of open put `put` (`Write.put`) is stored
-    in `partition`, or its error if it failed; `TimeoutError` if none came within `timeout`."""
-
-    partition: str
-    put: int
-    timeout: float
 
 
 class Read(_Msg, tag="read"):
@@ -381,7 +387,7 @@ class UnitStatus(_Msg, tag="unit_status"):
     pass
 
 
-StorageRequest = Union[Cancel, Write, CommitWrite, AwaitWrite, Read, Free, UnitStatus, Ping]
+StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 
 # -- replies -----------------------------------------------------------------------------
 

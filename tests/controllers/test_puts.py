@@ -10,9 +10,18 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from tests.faults import eventually, unit_status
 from tests.peers import ask, peer
-from transfer_queue._messages import BeginPut, CommitPut, ErrorReply, Ok, RowInfo, Status, Write, WriteReply
+from transfer_queue._messages import (
+    BeginPut,
+    CommitPut,
+    ErrorReply,
+    Ok,
+    RowInfo,
+    Status,
+    Write,
+    WriteLanded,
+    WriteReply,
+)
 from transfer_queue._meta import FieldSpec
 
 SPEC = {"x": FieldSpec("float32", (4,))}
@@ -71,6 +80,26 @@ def test_the_commit_waits_for_the_write(make_cluster):
         controller.close()
 
 
+def test_a_write_report_needs_the_cluster_secret(make_cluster):
+    """Only a storage unit may declare a put's bytes in place: a report without the cluster
+    secret is refused (and counted), and the commit keeps waiting for the real one."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 2, 16))
+        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        forged = ask(controller, WriteLanded(0, "train", plan.indexes[0], "guess"))
+        assert isinstance(forged, ErrorReply) and forged.code == "protocol", forged
+        assert controller.ready(commit) is None
+        status = client.status()
+        assert status["partitions"]["train"]["committed"] == 0 and status["counters"]["registrations_refused"] == 1
+        unit = peer(client.units[0].address)
+        ask(unit, Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        assert controller.reply(commit, 10)[0] == Ok()
+        unit.close()
+        controller.close()
+
+
 def test_a_failed_write_ends_the_put(make_cluster):
     """The unit refuses the write (its frame is short): the commit waiting for it answers with
     the unit's error, and the put's rows are freed without the producer's abort."""
@@ -87,6 +116,5 @@ def test_a_failed_write_ends_the_put(make_cluster):
         status = client.status()
         assert status["partitions"]["train"]["samples"] == 0 and status["counters"]["open_puts"] == 0
         assert status["bytes"] == 0
-        eventually(lambda: unit_status(client.units[0].address)["awaited_writes"] == 0, 10, "the unit's wait ended")
         unit.close()
         controller.close()

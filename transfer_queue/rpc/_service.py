@@ -21,7 +21,7 @@ from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_u
 # -- asyncio service -----------------------------------------------------------------------
 
 Handled = Message | tuple[Message, list[Any]]
-Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled]]
+Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled] | None]
 
 
 class Service:
@@ -29,7 +29,8 @@ class Service:
 
     A handler returns a reply (optionally with data frames) at once, or a coroutine when it must
     wait (for samples, budget, space): that coroutine runs as its own task, so a parked request
-    never delays anyone else, and a `Cancel` from its client cancels it. Malformed input gets an
+    never delays anyone else, and a `Cancel` from its client cancels it. A handler of a notice
+    (a message its sender posts and needs no answer to) returns None: only a refusal is answered. Malformed input gets an
     `ErrorReply` and is counted (`rejected`). With `credentials` it is a CurveZMQ server
     admitting only the cluster's clients (refused handshakes counted in `auth_refused`).
 
@@ -158,7 +159,9 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply(identity, request_id, error_reply(exc))
             return
-        if inspect.isawaitable(result):
+        if result is None:  # a notice, taken
+            self.served += 1
+        elif inspect.isawaitable(result):
             key = (identity.bytes, request_id)
             task = asyncio.ensure_future(self._finish(identity, request_id, result))
             self._tasks[key] = task
