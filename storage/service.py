@@ -50,9 +50,10 @@ __all__ = ["StorageUnit"]
 
 _TRIM_EVERY = 1.0  # seconds between checks for freed frame memory to give back
 _LATE_REPLY_BYTES = 1 << 20
-"""Writes of this many frame bytes or more are answered after their frames were dropped: the reply
-lets the producer commit and the controller admit the next put to this unit, whose frames must not
-arrive while these are still held (a unit thread preempted between replying and dropping them)."""
+"""Writes of this many frame bytes or more are answered after their frames were dropped: the answer
+(a reply, or a put write's report to the controller) lets the controller admit the next put to this
+unit, whose frames must not arrive while these are still held (a unit thread preempted between
+answering and dropping them)."""
 _HELD_SHARE = 20  # frames waiting for space stay within capacity / _HELD_SHARE bytes (or one write)
 _EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
 
@@ -134,8 +135,9 @@ class StorageUnit(Service):
 
     # -- Write / CommitWrite -------------------------------------------------------------
 
-    def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled]:
-        """Store (or reserve) a write; one of an open put reports how it ended (`_land`)."""
+    def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled | None] | None:
+        """Store (or reserve) a write. One of an open put's new rows is a notice: it reports how it
+        ended to the controller (`_land`), and its producer hears only a refusal."""
         try:
             handled = self._write(msg, frames)
         except SluiceError as exc:
@@ -145,7 +147,7 @@ class StorageUnit(Service):
             return handled
         return self._reported(msg, handled)
 
-    async def _reported(self, msg: Write, ticket: Ticket[Handled]) -> Handled:
+    async def _reported(self, msg: Write, ticket: Ticket[Handled | None]) -> Handled | None:
         """A put's write waiting for space: its failure or withdrawal is reported too."""
         try:
             return await ticket
@@ -171,7 +173,7 @@ class StorageUnit(Service):
         report = WriteLanded(self.unit_id, msg.partition, msg.put, secret, code, message)
         asyncio.get_running_loop().call_soon(channel.post, report)
 
-    def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled]:
+    def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)
         check_frames(msg, frames, sizes)
         self.table.check_specs(msg.partition, msg.fields)
@@ -184,7 +186,7 @@ class StorageUnit(Service):
         chunks = self.space.alloc_now(sizes)
         if chunks is not None:
             reply = self._store(msg, frames, chunks)
-            if msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
+            if reply is not None and msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
                 return _Answer(reply)  # the frames go before the reply, not after the next put's arrive
             return reply
         # Wait for space, in line. Waiting writes keep their frames in memory outside the arena,
@@ -197,7 +199,7 @@ class StorageUnit(Service):
             raise CapacityError(self._full_message(need, why))
         return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
-    def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled:
+    def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled | None:
         """Copy frames into freshly allocated chunks and register the rows, or reserve them."""
         if msg.via == "shm":
             return self._reserve(msg, chunks)
@@ -212,7 +214,7 @@ class StorageUnit(Service):
             if chunk.nbytes:
                 array[chunk.offset : chunk.offset + chunk.nbytes] = np.frombuffer(frame, dtype=np.uint8)
         self._register(msg, chunks)
-        return WriteReply()
+        return _answer(msg, WriteReply())
 
     def _register(self, msg: Write, chunks: Sequence[Chunk]) -> None:
         for (name, spec), chunk in zip(msg.fields.items(), chunks):
@@ -239,7 +241,9 @@ class StorageUnit(Service):
         self.space.release(res.chunks)
         self._land(res.msg, TimeoutError(f"reservation {token} on storage unit {self.unit_id} was never committed"))
 
-    def _on_commit(self, msg: CommitWrite, frames: list[Any]) -> Handled:
+    def _on_commit(self, msg: CommitWrite, frames: list[Any]) -> Handled | None:
+        """Register a filled reservation, or drop it (`abort`); for an open put's rows a notice
+        (reported to the controller instead)."""
         _no_frames(msg, frames)
         res = self.reservations.pop(msg.token, None)
         if res is None:
@@ -258,7 +262,7 @@ class StorageUnit(Service):
         if msg.abort:
             self.space.release(res.chunks)
             self._land(res.msg, ServiceError(f"the write to storage unit {self.unit_id} was aborted by its producer"))
-            return Ok()
+            return _answer(res.msg, Ok())
         try:
             self.table.check_specs(res.msg.partition, res.msg.fields)
         except SchemaError as exc:
@@ -266,7 +270,7 @@ class StorageUnit(Service):
             self._land(res.msg, exc)
             raise
         self._register(res.msg, res.chunks)
-        return Ok()
+        return _answer(res.msg, Ok())
 
     # -- Read ----------------------------------------------------------------------------
 
@@ -373,6 +377,11 @@ class _Answer:
     def __await__(self) -> Generator[Any, None, Handled]:
         return self.reply
         yield  # a generator: returns at once
+
+
+def _answer(msg: Write, reply: Handled) -> Handled | None:
+    """`reply`, or None for the rows of an open put: the controller hears of them (`WriteLanded`)."""
+    return None if msg.put >= 0 else reply
 
 
 def _no_frames(msg: Any, frames: list[Any]) -> None:

@@ -37,12 +37,20 @@ client = tq.connect(sys.argv[1], use_shm=sys.argv[2] == "shm")
 flow = client._core.put(TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)
 calls = next(flow)
 while True:  # drive the put up to its CommitPut and send all but that: the data sits on the units
-    sent = [(client._channel(c.target), c) for c in calls if not isinstance(c.msg, CommitPut)]
-    rids = [channel.send(c.msg, c.data) for channel, c in sent]
-    replies = [channel.reply(rid) for (channel, _), rid in zip(sent, rids)]
-    if len(sent) < len(calls):
-        break
-    calls = flow.send(replies)
+    replies = []
+    for c in calls:
+        channel = client._channel(c.target)
+        if isinstance(c.msg, CommitPut):
+            break
+        if c.notice:
+            channel.post(c.msg, c.data)
+            replies.append((None, []))
+        else:
+            replies.append(channel.reply(channel.send(c.msg, c.data)))
+    else:
+        calls = flow.send(replies)
+        continue
+    break
 print("WRITTEN", flush=True)
 sys.stdin.read()
 """

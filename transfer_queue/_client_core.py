@@ -215,8 +215,9 @@ class ClientCore(ControlCore):
         commit: Call | None = None,
     ):
         """Send each unit its rows: raw frames, or straight into its mapped arena (space reserved
-        first). `commit`, an open put's `CommitPut`, goes with the last writes: the controller
-        waits for the units' reports (`Write.put`), so the put costs no round trip of its own."""
+        first). With `commit`, an open put's `CommitPut`: it goes with the writes, which are
+        notices (`Write.put`): each unit reports its write to the controller, whose answer to the
+        commit says how all of them went, so the put costs no round trip of its own."""
         idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
         calls, jobs = [], []
@@ -232,7 +233,7 @@ class ClientCore(ControlCore):
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put)
             data = [b.numpy() for b in buffers] if via == "frames" else ()
-            calls.append(Call(unit_id, msg, data, timeout + GRACE))
+            calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers))
         if commit is not None and all(via == "frames" for _, via, _ in jobs):
             calls.append(commit)  # every write carries its bytes: commit along with them
@@ -247,7 +248,7 @@ class ClientCore(ControlCore):
                     for name, buf in zip(cols.specs, buffers):
                         off = reply.offsets[name]
                         arena[off : off + buf.numel()].copy_(buf)
-                commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors))))
+                commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
         if commit is not None and not errors:
             commits.append(commit)
         if commits:
@@ -470,8 +471,8 @@ class ClientCore(ControlCore):
 
 
 def _failure(reply: Any) -> BaseException | None:
-    """The error a write's or a commit's reply stands for, or None."""
-    if isinstance(reply, (WriteReply, Ok)):
+    """The error a write's or a commit's reply stands for, or None (a notice has no reply)."""
+    if reply is None or isinstance(reply, (WriteReply, Ok)):
         return None
     try:
         check(reply, WriteReply)

@@ -39,9 +39,15 @@ class Call:
     data: Sequence[Any] = ()
     wait: float | None = GRACE
     """Seconds to wait for the reply (None: as long as the service is alive)."""
+    notice: bool = False
+    """Posted, not awaited: the service answers only a refusal, and reports that its own way
+    (a put's write fails its commit). Its reply in the flow is `(None, [])`."""
 
 
 Flow = Generator[list[Call], list[tuple[Any, list[Any]]], Any]
+
+_NOTICED: tuple[Any, list[Any]] = (None, [])
+"""The reply a flow gets for a notice."""
 
 
 def foreign_error(exc: BaseException) -> BaseException:
@@ -70,7 +76,7 @@ class _InFlight:
         self,
         flow: Flow,
         calls: list[Call] | None,
-        sent: list[tuple[Channel, int]],
+        sent: list[tuple[Channel, int | None]],
         result: Any = None,
         since: float = 0.0,
     ):
@@ -132,11 +138,15 @@ class SyncDriver(_Driver):
         except StopIteration as stop:
             return _InFlight(flow, None, [], stop.value)
         since = time.monotonic()
-        sent = []
+        sent: list[tuple[Channel, int | None]] = []
         try:
             for call in calls:
                 channel = self._channel(call.target)
-                sent.append((channel, channel.send(call.msg, call.data)))
+                if call.notice:
+                    channel.post(call.msg, call.data)
+                    sent.append((channel, None))
+                else:
+                    sent.append((channel, channel.send(call.msg, call.data)))
         except BaseException as exc:
             self._abandon(_InFlight(flow, calls[: len(sent)], sent), close=False)
             return self._start(flow, error=exc)
@@ -146,7 +156,7 @@ class SyncDriver(_Driver):
         while inflight.calls is not None:
             try:
                 replies = [
-                    channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
+                    _NOTICED if rid is None else channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
                     for call, (channel, rid) in zip(inflight.calls, inflight.sent)
                 ]
             except BaseException as exc:  # a timeout, a dead service, Ctrl-C: let the flow clean up
@@ -161,6 +171,8 @@ class SyncDriver(_Driver):
         they were granted meanwhile; with `close`, end the flow too."""
         if inflight.calls is not None and self._state is _State.OPEN:
             for call, (channel, rid) in zip(inflight.calls, inflight.sent):
+                if rid is None:  # a notice: nothing to withdraw
+                    continue
                 if channel.dead:
                     channel.forget(rid)
                     continue
@@ -212,6 +224,9 @@ class AsyncDriver(_Driver):
 
     async def _call(self, call: Call) -> tuple[Any, list[Any]]:
         channel = self._channel(call.target)
+        if call.notice:
+            channel.post(call.msg, call.data)
+            return _NOTICED
         rid = await channel.send(call.msg, call.data)
         try:
             return await channel.reply(rid, call.wait, what=type(call.msg).__name__)

@@ -20,7 +20,6 @@ from transfer_queue._messages import (
     Status,
     Write,
     WriteLanded,
-    WriteReply,
 )
 from transfer_queue._meta import FieldSpec
 
@@ -28,18 +27,22 @@ SPEC = {"x": FieldSpec("float32", (4,))}
 
 
 def _rounds(client: tq.Client, td: TensorDict) -> list[list[str]]:
-    """Drive one put's flow by hand; the requests of each round trip, by message type."""
-    flow = client._core.put(td)
-    rounds, replies = [], None
-    while True:
-        try:
-            calls = next(flow) if replies is None else flow.send(replies)
-        except StopIteration:
-            return rounds
-        rounds.append([type(c.msg).__name__ for c in calls])
-        sent = [(client._channel(c.target), c) for c in calls]
-        rids = [channel.send(c.msg, c.data) for channel, c in sent]
-        replies = [channel.reply(rid) for (channel, _), rid in zip(sent, rids)]
+    """Run one put, recording the requests of each round trip by message type (a notice, sent
+    without awaiting an answer, marked `!`)."""
+    rounds: list[list[str]] = []
+
+    def watched(flow):
+        replies = None
+        while True:
+            try:
+                calls = next(flow) if replies is None else flow.send(replies)
+            except StopIteration as stop:
+                return stop.value
+            rounds.append([type(c.msg).__name__ + ("!" if c.notice else "") for c in calls])
+            replies = yield calls
+
+    client._run(watched(client._core.put(td)))
+    return rounds
 
 
 @pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
@@ -47,10 +50,12 @@ def test_a_put_of_new_rows_takes_two_round_trips(make_cluster, use_shm):
     cluster = make_cluster(num_storage_units=2)
     with tq.connect(cluster.address, use_shm=use_shm) as client:
         rounds = _rounds(client, TensorDict({"x": torch.ones(8, 4)}, batch_size=[8]))
-        if use_shm:  # a mapped arena is reserved first, filled, then committed with the put
-            assert rounds == [["BeginPut"], ["Write", "Write"], ["CommitWrite", "CommitWrite", "CommitPut"]]
+        # writes carrying their bytes are notices the units report to the controller; a mapped
+        # arena is reserved first, filled, then committed with the put
+        if use_shm:
+            assert rounds == [["BeginPut"], ["Write", "Write"], ["CommitWrite!", "CommitWrite!", "CommitPut"]]
         else:
-            assert rounds == [["BeginPut"], ["Write", "Write", "CommitPut"]]
+            assert rounds == [["BeginPut"], ["Write!", "Write!", "CommitPut"]]
         meta = client.get_meta(["x"], 8, task="t", timeout=5)
         assert client.get_data(meta)["x"].sum().item() == 32
 
@@ -72,7 +77,7 @@ def test_the_commit_waits_for_the_write(make_cluster):
             client.get_meta(["x"], 2, task="t", timeout=0.5)
         unit = peer(client.units[0].address)
         write = Write("train", plan.indexes, SPEC, put=plan.indexes[0])
-        assert ask(unit, write, [np.arange(8, dtype=np.float32)]) == WriteReply()
+        unit.post(write, [np.arange(8, dtype=np.float32)])  # a notice: the unit tells the controller
         assert controller.reply(commit, 10)[0] == Ok()
         meta = client.get_meta(["x"], 2, task="t", timeout=5)
         assert client.get_data(meta)["x"].flatten().tolist() == list(range(8))
@@ -94,15 +99,16 @@ def test_a_write_report_needs_the_cluster_secret(make_cluster):
         status = client.status()
         assert status["partitions"]["train"]["committed"] == 0 and status["counters"]["registrations_refused"] == 1
         unit = peer(client.units[0].address)
-        ask(unit, Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
         assert controller.reply(commit, 10)[0] == Ok()
         unit.close()
         controller.close()
 
 
 def test_a_failed_write_ends_the_put(make_cluster):
-    """The unit refuses the write (its frame is short): the commit waiting for it answers with
-    the unit's error, and the put's rows are freed without the producer's abort."""
+    """The unit refuses the write (its frame is short): its producer hears the refusal, the
+    commit waiting for it answers with the unit's error, and the put's rows are freed without
+    the producer's abort."""
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)

@@ -30,6 +30,8 @@ def test_killed_producer_mid_put_leaves_nothing(cluster, client, via):
     proc = stalled_producer(cluster.address, via)
     part = client.status()["partitions"]["train"]
     assert part["samples"] == 16 and part["committed"] == 0
+    units = list(client.units.values())
+    eventually(lambda: sum(unit_status(u.address)["used"] for u in units) > 0, 10, "the put's bytes on the units")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     eventually(lambda: client.status()["partitions"]["train"]["samples"] == 0, 20, "expiry of the dead put")

@@ -135,7 +135,7 @@ class Channel(_Peer):
             late=late,
         )
         self._stash: dict[int, tuple[Any, list[Any]]] = {}
-        self._pings: set[int] = set()  # ids of liveness pings whose Ok is dropped on arrival
+        self._expected: set[int] = set()  # ids of requests `send` made; other replies are dropped
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._monitor = None
@@ -159,7 +159,21 @@ class Channel(_Peer):
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise self._unreachable() from None
+        self._expected.add(rid)
         return rid
+
+    def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
+        """Send a notice: a request nobody awaits an answer to (a refusal, if one comes, is
+        dropped; the service reports it its own way).
+
+        Raises:
+            SchemaError: `msg` cannot be encoded.
+            SluiceError: (`lost`) no connection to the peer within `connect_timeout`.
+        """
+        try:
+            self.sock.send_multipart(self.codec.encode_now(next(self._ids), msg, data), copy=False)
+        except zmq.Again:
+            raise self._unreachable() from None
 
     def reply(
         self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
@@ -183,6 +197,7 @@ class Channel(_Peer):
                 raise self.lost(f"{self.name} dropped the connection (gone?)")
             while self.sock.poll(0):
                 self._take(self.sock.recv_multipart(copy=False))
+        self._expected.discard(rid)
         return self._stash.pop(rid)
 
     def ready(self, rid: int | None = None, wait: float = 0.0) -> int | None:
@@ -218,15 +233,16 @@ class Channel(_Peer):
             SluiceError: as `send` and `reply` (the peer is gone: its own timers free what it held).
         """
         self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
+        self._expected.discard(rid)
         return self._stash.pop(rid, None)
 
     def forget(self, rid: int) -> None:
         """Drop `rid`'s reply if it came (the request was abandoned without a cancel)."""
+        self._expected.discard(rid)
         self._stash.pop(rid, None)
 
     def _ping(self) -> None:
-        rid = next(self._ids)
-        self._pings.add(rid)
+        rid = next(self._ids)  # not expected: its Ok is dropped on arrival
         try:
             self.sock.send_multipart(self.codec.encode_now(rid, Ping()), zmq.NOBLOCK)
         except zmq.Again:
@@ -239,9 +255,7 @@ class Channel(_Peer):
         except ProtocolError:
             log.warning("%s sent an undecodable reply", self.name)
             return
-        if rid in self._pings:
-            self._pings.discard(rid)
-        else:
+        if rid in self._expected:
             self._stash[rid] = (msg, data)
 
     def close(self) -> None:
@@ -320,7 +334,7 @@ class AsyncChannel(_Peer):
             raise self._unreachable() from None
         return rid
 
-    def post(self, msg: Message) -> None:
+    def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
         """Send a request whose reply nobody awaits (it goes to `on_reply`) without blocking: at
         once when the peer takes it, else queued on the socket, in order, until it does (or the
         channel closes). Nothing posted is dropped (a lost `Free` would leak a unit's bytes, a
@@ -329,7 +343,7 @@ class AsyncChannel(_Peer):
         its peer is gone."""
         if self.sock.closed:
             return
-        sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg))
+        sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg, data), copy=False)
         sent.add_done_callback(_retrieve)
 
     async def reply(

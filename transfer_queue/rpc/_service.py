@@ -21,7 +21,7 @@ from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_u
 # -- asyncio service -----------------------------------------------------------------------
 
 Handled = Message | tuple[Message, list[Any]]
-Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled] | None]
+Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled | None] | None]
 
 
 class Service:
@@ -169,14 +169,15 @@ class Service:
         else:
             self._reply(identity, request_id, result)
 
-    async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled]) -> None:
+    async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled | None]) -> None:
         try:
             result = await pending
         except asyncio.CancelledError:
             return  # withdrawn by the client (Cancel) or the service is stopping: no answer
         except Exception as exc:  # noqa: BLE001
             result = error_reply(exc)
-        self._reply(identity, request_id, result)
+        if result is not None:  # None: a notice, taken
+            self._reply(identity, request_id, result)
 
     def _reply(self, identity: Any, request_id: int, result: Handled) -> None:
         msg, data = result if isinstance(result, tuple) else (result, [])
