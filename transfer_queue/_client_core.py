@@ -356,7 +356,7 @@ class ClientCore(ControlCore):
             else:
                 arena = self._arenas[unit_id][1]
                 runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
-            assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs)
+            assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs, owned=bool(frames))
         return assembler.result()
 
     def ack(self, meta: BatchMeta) -> Flow:

@@ -281,7 +281,10 @@ class Assembler:
     Call `add_unit` once per unit with the batch positions its rows fill (in request order),
     the per-row lengths of ragged fields, and per field the byte runs (frame or arena slices);
     `result()` then returns dense tensors and jagged nested tensors in batch order. Output
-    tensors come from `pool` when given (reused warm memory), else from `torch.empty`.
+    tensors come from `pool` when given (reused warm memory), else from `torch.empty`; a field
+    whose every row arrived in one buffer the batch may keep (`owned`: a received frame, not an
+    arena view), in batch order, is returned on that buffer's memory instead of copied out (its
+    tensor's storage is then not resizable, as with `torch.frombuffer`).
     """
 
     def __init__(self, specs: Mapping[str, FieldSpec], batch_size: int, pool: BufferPool | None = None):
@@ -289,9 +292,19 @@ class Assembler:
         self.n = batch_size
         self._empty = pool.empty if pool is not None else _plain_empty
         self._parts: list[tuple[np.ndarray, Mapping[str, list[int]], Mapping[str, list[Any]]]] = []
+        self._owned = True  # every run is a private buffer the result may keep
 
-    def add_unit(self, positions: np.ndarray, lengths: Mapping[str, list[int]], runs: Mapping[str, list[Any]]) -> None:
+    def add_unit(
+        self,
+        positions: np.ndarray,
+        lengths: Mapping[str, list[int]],
+        runs: Mapping[str, list[Any]],
+        owned: bool = False,
+    ) -> None:
+        """Add one unit's rows; `owned`: its runs are buffers nobody else uses or reuses (received
+        frames), which the result may keep instead of copying them."""
         self._parts.append((positions, lengths, runs))
+        self._owned = self._owned and owned
 
     def result(self) -> TensorDict:
         out: dict[str, torch.Tensor] = {}
@@ -302,8 +315,25 @@ class Assembler:
                 out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
         return TensorDict(out, batch_size=[self.n])
 
+    def _whole(self, name: str, nbytes: int) -> torch.Tensor | None:
+        """The one owned run holding all `nbytes` of field `name`'s rows in batch order, or None."""
+        if not self._owned or len(self._parts) != 1:
+            return None
+        positions, _, runs = self._parts[0]
+        srcs = runs[name]
+        if len(srcs) != 1 or len(positions) != self.n or not _consecutive(positions) or int(positions[0]) != 0:
+            return None
+        src = srcs[0]
+        return src if src.numel() == nbytes else None
+
     def _dense(self, name: str, spec: FieldSpec) -> torch.Tensor:
-        out = self._empty((self.n, *spec.shape), torch_dtype(spec.dtype))
+        dtype = torch_dtype(spec.dtype)
+        whole = self._whole(name, self.n * spec.row_bytes)
+        if whole is not None:
+            kept = _on_bytes(whole, (self.n, *spec.shape), dtype)
+            if kept is not None:
+                return kept
+        out = self._empty((self.n, *spec.shape), dtype)
         rb = spec.row_bytes
         flat = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8).reshape(-1)
         for positions, _, runs in self._parts:
@@ -327,7 +357,13 @@ class Assembler:
         offsets = np.zeros(self.n + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         inner = spec.shape[1:]
-        values = self._empty((int(offsets[-1]), *inner), torch_dtype(spec.dtype))
+        dtype = torch_dtype(spec.dtype)
+        whole = self._whole(name, int(offsets[-1]) * spec.row_bytes)
+        if whole is not None:
+            kept = _on_bytes(whole, (int(offsets[-1]), *inner), dtype)
+            if kept is not None:
+                return kept, offsets
+        values = self._empty((int(offsets[-1]), *inner), dtype)
         eb = spec.row_bytes
         flat = values.view(-1).view(torch.uint8) if values.numel() else values.view(torch.uint8).reshape(-1)
         for positions, lens, runs in self._parts:
@@ -355,6 +391,15 @@ def _objects_of(spec: FieldSpec, values: torch.Tensor, offsets: np.ndarray) -> A
         if all(raw[int(a) : int(b)] == first for a, b in zip(offsets[1:-1], offsets[2:])):
             return NonTensorData(rows[0], batch_size=[len(rows)])
     return NonTensorStack(*(NonTensorData(v) for v in rows), stack_dim=0) if rows else NonTensorStack.from_list([])
+
+
+def _on_bytes(src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A tensor of `shape` and `dtype` on the memory of the uint8 tensor `src` (no copy; not a
+    view, so it looks like a fresh tensor), or None when `src` is not aligned for `dtype`."""
+    itemsize = _ITEMSIZES[dtype]
+    if src.storage_offset() % itemsize or src.data_ptr() % itemsize:
+        return None
+    return torch.empty(0, dtype=dtype).set_(src.untyped_storage(), src.storage_offset() // itemsize, shape)
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -119,3 +119,40 @@ def test_get_data_of_a_subset_of_fields(client):
     meta = client.get_meta(["a", "b"], 4, task="t", timeout=5)
     batch = client.get_data(meta, fields=["b"])
     assert list(batch.keys()) == ["b"]
+
+
+def test_rows_of_one_unit_read_over_tcp_are_private_to_the_batch(shared_cluster):
+    """A read served by one unit keeps the received frames as the batch's memory (no copy out):
+    every dtype still comes back intact, and writing into one batch changes no later read."""
+    part = f"one-{uuid.uuid4().hex[:6]}"
+    lengths = [3, 0, 7, 1, 5, 2, 9, 4] * 64
+    data = {}
+    for dtype in DTYPES:
+        name = str(dtype).split(".")[-1]
+        data[f"dense_{name}"] = _random(dtype, (len(lengths), 64, 3))
+        data[f"ragged_{name}"] = _ragged(dtype, lengths, (2,))
+    td = TensorDict(data, batch_size=[len(lengths)])
+    with tq.connect(shared_cluster.address, use_shm=False) as client:
+        meta = client.put(td, partition=part)
+        unit = meta.units[0]
+        mine = [i for i, u in enumerate(meta.units) if u == unit]
+        assert 0 < len(mine) < len(meta), "the batch is spread over both units"
+        one = meta.select(mine)
+        first = client.get_data(one)
+        for name, tensor in data.items():
+            expected = tensor[torch.as_tensor(mine)] if not tensor.is_nested else None
+            if expected is not None:
+                _assert_same(expected, first[name])
+            else:
+                _assert_same(_ragged_rows(tensor, mine), first[name])
+        assert not first["dense_int64"].untyped_storage().resizable(), "the frame was copied out"
+        first["dense_int64"].fill_(-7)
+        first["ragged_float32"].values().fill_(-7.0)
+        again = client.get_data(one)
+        _assert_same(data["dense_int64"][torch.as_tensor(mine)], again["dense_int64"])
+        _assert_same(_ragged_rows(data["ragged_float32"], mine), again["ragged_float32"])
+        client.clear(meta)
+
+
+def _ragged_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return torch.nested.nested_tensor([tensor[i] for i in rows], layout=torch.jagged)
