@@ -1,16 +1,27 @@
-"""Where new rows go: fill the storage units with the fewest bytes first (water-filling)."""
+"""Where new rows go: a put whole to the storage unit with the fewest bytes, or spread over the
+emptiest units (water-filling) when it does not fit there."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
 __all__ = ["place_rows"]
 
 
-def place_rows(unit_bytes: dict[int, int], n: int, row_bytes: int) -> np.ndarray:
-    """Unit id per new row, in contiguous runs, so that the units' byte counts end up as even as
-    possible. Contiguous runs let a client send each unit one frame per field."""
+def place_rows(unit_bytes: Mapping[int, int], n: int, row_bytes: int, room: Mapping[int, int] | None = None) -> np.ndarray:
+    """Unit id per new row, in contiguous runs (a client sends each unit one frame per field).
+
+    Rows with bytes go whole to the unit holding the fewest bytes when they fit its `room` (free
+    bytes; no limit when not given): a consumer then reads a batch of them from one unit, one
+    frame per field that becomes the batch's memory without a copy, and the units stay within one
+    put of each other. Otherwise, and for rows with no bytes yet (keys), they are spread so that
+    the units' byte counts end up as even as possible."""
     ids = sorted(unit_bytes)
+    emptiest = min(ids, key=unit_bytes.__getitem__)
+    if row_bytes > 0 and (room is None or n * row_bytes <= room[emptiest]):
+        return np.full(n, emptiest, np.int64)
     used = np.array([unit_bytes[i] for i in ids], dtype=np.float64)
     per_row = max(row_bytes, 1)
     # level L with sum(max(0, L - used)) == n * per_row, then each unit takes its share of rows

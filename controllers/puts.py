@@ -114,7 +114,8 @@ class Puts:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
         if not ctl.units:
             raise SchemaError("the cluster has no storage units registered yet")
-        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes)
+        room = {u: ctl.units[u].capacity - used for u, used in ctl.unit_bytes.items()}
+        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room)
         shares = ctl.shares(units, msg.row_bytes)
         framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
         if not self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):

@@ -46,6 +46,11 @@ def test_seqlen_balanced_is_a_permutation_with_equal_counts(lengths, dp):
 def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_bytes):
     units = place_rows(used, n, row_bytes)
     assert len(units) == n
+    assert set(units.tolist()) == {min(used, key=lambda k: (used[k], k))}, "a put goes whole to the emptiest unit"
+    # without room there, it is spread
+    emptiest = units[0]
+    units = place_rows(used, n, row_bytes, {k: n * row_bytes - (k == emptiest) for k in used})
+    assert len(units) == n
     assert np.all(np.diff(units) >= 0), "contiguous runs per unit"
     after = {k: used[k] + row_bytes * int(np.sum(units == k)) for k in used}
     receivers = [k for k in used if np.any(units == k)]

@@ -60,14 +60,17 @@ def test_every_dtype_dense_and_ragged(shared_cluster, use_shm):
     td = TensorDict(data, batch_size=[8])
     with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
         assert bool(client.mapped_units) == use_shm
-        meta = client.put(td, partition=part)
-        assert len(meta) == 8 and set(meta.fields) == set(data)
-        assert len(set(meta.units)) == 2, "a batch is spread over both units"
-        got_meta = client.get_meta(list(data), 8, task="check", partition=part, timeout=5)
-        assert got_meta.indexes == meta.indexes
-        batch = client.get_data(got_meta)
+        metas = [client.put(td, partition=part) for _ in range(2)]  # a put goes whole to the emptiest unit
+        assert len(metas[0]) == 8 and set(metas[0].fields) == set(data)
+        assert [len(set(m.units)) for m in metas] == [1, 1] and metas[0].units != metas[1].units
+        got_meta = client.get_meta(list(data), 16, task="check", partition=part, timeout=5)
+        assert got_meta.indexes == metas[0].indexes + metas[1].indexes
+        batch = client.get_data(got_meta)  # assembled from both units
+        twice = list(range(8)) * 2
         for name, tensor in data.items():
-            _assert_same(tensor, batch[name])
+            _assert_same(
+                _ragged_rows(tensor, twice) if tensor.is_nested else tensor[torch.as_tensor(twice)], batch[name]
+            )
         client.ack(got_meta)
 
 
@@ -134,9 +137,8 @@ def test_rows_of_one_unit_read_over_tcp_are_private_to_the_batch(shared_cluster)
     td = TensorDict(data, batch_size=[len(lengths)])
     with tq.connect(shared_cluster.address, use_shm=False) as client:
         meta = client.put(td, partition=part)
-        unit = meta.units[0]
-        mine = [i for i, u in enumerate(meta.units) if u == unit]
-        assert 0 < len(mine) < len(meta), "the batch is spread over both units"
+        assert len(set(meta.units)) == 1, "a put goes whole to one unit"
+        mine = list(range(len(meta)))
         one = meta.select(mine)
         first = client.get_data(one)
         for name, tensor in data.items():
