@@ -125,14 +125,20 @@ def test_a_stalled_controller_keeps_its_live_units(cluster, client):
 
 
 def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, client):
-    client.put(_td(8), partition="prompts")
+    for _ in range(2):  # each put goes whole to the emptiest unit: one per unit
+        client.put(_td(4), partition="prompts")
     taken = client.get_meta(["x"], 8, task="rollout", partition="prompts", timeout=10)
     client.ack(taken)
-    responses = client.put(_td(8), partition="train", source=taken)
-    on_dead = [i for i, u in zip(responses.indexes, responses.units) if u == 1]
+    halves = [taken.select(list(range(4, 8))), taken.select(list(range(4)))]
+    puts = [(client.put(_td(4), partition="train", source=half), half) for half in halves]
+    on_dead = [i for r, _ in puts for i, u in zip(r.indexes, r.units) if u == 1]
     assert 0 < len(on_dead) < 8, "both units hold responses"
     dead_prompts = sum(1 for u in taken.units if u == 1)
-    live_sources = sum(1 for s, u in zip(taken.units, responses.units) if u == 1 and s == 0)
+    assert 0 < dead_prompts < 8, "both units hold prompts"
+    live_sources = sum(1 for r, half in puts for u, s in zip(r.units, half.units) if u == 1 and s == 0)
+    assert live_sources, "a response on the dead unit has its prompt on the live one"
+    responses = next(r for r, _ in puts if r.units[0] == 1)
+    survivors = [i for r, _ in puts for i in r.indexes if i not in on_dead]
     proc = _unit_proc(cluster, 1)
     proc.send_signal(signal.SIGKILL)
     started = time.monotonic()
@@ -146,7 +152,7 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
     assert len(again) == live_sources
     # the survivors are served and readable; the lost ones never again
     meta = client.get_meta(["x"], 8, task="t", timeout=2, allow_partial=True)
-    assert sorted(meta.indexes) == sorted(set(responses.indexes) - set(on_dead))
+    assert sorted(meta.indexes) == sorted(survivors)
     assert client.get_data(meta)["x"].shape == (len(meta), 4)
     client.ack(meta)
     # a client that still asks the dead unit hears a ServiceError naming it, within seconds
