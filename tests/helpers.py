@@ -3,6 +3,7 @@ on a fixed sleep; a small batch builder; a free loopback port."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Callable
@@ -24,6 +25,16 @@ def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "con
             return value
         assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
         time.sleep(0.02)
+
+
+async def eventually_async(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """`eventually` inside an event loop: the loop keeps running between looks."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (got := check()):
+        assert loop.time() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.01)
+    return got
 
 
 def rows(n: int, start: int = 0) -> TensorDict:

@@ -1,14 +1,17 @@
-"""The kernel's asyncio channel (`transfer_queue.rpc.AsyncChannel`) against a real peer socket."""
+"""The kernel's channels (`transfer_queue.rpc`) against a real peer socket or service."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
 
-from transfer_queue._messages import Reply, StorageRequest
-from transfer_queue.rpc import AsyncChannel, Codec, Ping
+from tests.helpers import eventually_async
+from transfer_queue._errors import SchemaError, ServiceError
+from transfer_queue._messages import Free, Read, Reply, StorageRequest, UnitStatus
+from transfer_queue.rpc import AsyncChannel, Channel, Codec, Ok, Ping, Service
 
 
 async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
@@ -34,3 +37,79 @@ async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
     finally:
         channel.close()
         peer.close()
+
+
+class _Parked(Service):
+    """A service whose `Read` parks until released, and whose `Free` is a notice refused for an
+    empty partition name."""
+
+    def __init__(self):
+        super().__init__(Codec(StorageRequest), "tcp://127.0.0.1:*")
+        self.parked: list[asyncio.Future] = []
+        self.cancelled = 0
+        self.route(Read, self._read)
+        self.route(Free, self._free)
+        self.route(UnitStatus, lambda msg, data: Ok())
+
+    async def _read(self, msg, data):
+        fut = asyncio.get_running_loop().create_future()
+        self.parked.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return Ok()
+
+    def _free(self, msg, data):
+        if not msg.partition:
+            raise SchemaError("no partition")
+
+
+async def test_a_cancelled_call_is_withdrawn_and_a_closed_channel_fails_its_calls():
+    service = _Parked()
+    serving = asyncio.ensure_future(service.serve())
+    channel = AsyncChannel(service.address, Codec(Reply))
+    try:
+        call = asyncio.ensure_future(channel.call(Read("p", [0], ["x"]), 30))
+        await eventually_async(lambda: len(service.parked) == 1)
+        call.cancel()
+        await eventually_async(lambda: service.cancelled == 1)  # the service heard the Cancel
+        second = asyncio.ensure_future(channel.call(Read("p", [0], ["x"]), 30))
+        await eventually_async(lambda: len(service.parked) == 2)
+        channel.close()
+        with pytest.raises(ServiceError, match="closed"):
+            await asyncio.wait_for(second, 5)
+        channel.post(Ping())  # dropped: the peer is gone as far as this channel knows
+    finally:
+        channel.close()
+        service.stop()
+        await serving
+
+
+async def test_notices_get_no_answer_and_a_refusal_is_dropped():
+    """A notice's handler returns None: nothing comes back (a raw socket sees the next request's
+    answer first). A refused notice is answered, and a blocking channel drops that answer
+    instead of keeping it for nobody."""
+    service = _Parked()
+    serving = asyncio.ensure_future(service.serve())
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(service.address)
+    requests, replies = Codec(StorageRequest), Codec(Reply)
+    channel = Channel(service.address, Codec(Reply))
+    try:
+        await raw.send_multipart(requests.encode(1, Free("p", [1])))
+        await raw.send_multipart(requests.encode(2, Free("", [1])))
+        await raw.send_multipart(requests.encode(3, UnitStatus()))
+        answers = [replies.decode(await asyncio.wait_for(raw.recv_multipart(), 10))[:2] for _ in range(2)]
+        assert [rid for rid, _ in answers] == [2, 3], "the taken notice got no answer"
+        assert answers[0][1].code == "schema"
+        channel.post(Free("", [1]))  # refused: its answer arrives and is dropped
+        await asyncio.to_thread(channel.call, UnitStatus())  # answered after the notice
+        assert channel._stash == {}
+    finally:
+        raw.close()
+        channel.close()
+        service.stop()
+        await serving

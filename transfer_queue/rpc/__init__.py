@@ -36,7 +36,8 @@ from __future__ import annotations
 from .._auth import CREDENTIALS_ENV, Credentials, is_loopback
 from .._auth import from_env as credentials_from_env
 from .._errors import error_code, error_from_code
-from ._channel import AsyncChannel, Channel
+from ._async_channel import AsyncChannel
+from ._channel import Channel
 from ._codec import (
     DEAD_AFTER,
     GRACE,

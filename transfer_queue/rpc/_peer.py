@@ -1,0 +1,90 @@
+"""What both client channels decide without I/O: ids, liveness pings, deadlines (`_Peer`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import zmq
+import zmq.asyncio
+
+from .._auth import Credentials, secure_client
+from .._errors import SluiceError
+from ._codec import PROBE_AFTER, Codec
+
+
+class _Peer:
+    """One DEALER to one endpoint, and what both channels decide without I/O: ids, liveness,
+    deadlines. `lost` is raised when the peer is unreachable or silent for `dead_after` s (pinged
+    after `PROBE_AFTER` s), `late` at a deadline."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None,
+        hint: str,
+        credentials: Credentials | None,
+        timeout: float,
+        connect_timeout: float,
+        dead_after: float,
+        lost: type[SluiceError],
+        late: type[SluiceError],
+    ):
+        self.endpoint = endpoint
+        self.name = name or f"the service at {endpoint}"
+        self.codec = replies
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.dead_after = dead_after
+        self.hint = hint
+        self.lost, self.late = lost, late
+        self.heard = 0.0  # monotonic time of the peer's last message
+        self.dead = False  # reported dead and silent since
+        self._pinged = float("-inf")
+        self._ids = itertools.count(1)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+        self.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout * 1000))  # ... and never block for it
+        if credentials is not None:
+            secure_client(self.sock, credentials)
+        self.sock.connect(endpoint)
+
+    def _heard(self) -> None:
+        self.heard = time.monotonic()
+        self.dead = False
+
+    def _unreachable(self) -> SluiceError:
+        self.dead = True
+        return self.lost(
+            f"{self.name} took no message for {self.connect_timeout:g} s: it is down, or it refused this "
+            "client's credentials (a cluster bound beyond loopback admits only clients given its "
+            "SLUICE_CREDENTIALS)"
+        )
+
+    def _step(self, since: float, deadline: float | None, what: str) -> tuple[bool, float]:
+        """While awaiting a reply since `since`: (ping the peer now?, seconds to wait next).
+
+        Raises `late` at `deadline`, `lost` once the peer is silent for `dead_after` s."""
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise self.late(f"{self.name} did not answer {what} within {deadline - since:g}s; is it still running?")
+        quiet = now - max(self.heard, since)
+        if quiet > self.dead_after:
+            self.dead = True
+            raise self.lost(
+                f"{self.name} has not answered for {quiet:.1f} s, pings included: it died or hangs{self.hint}, "
+                "or it refused this client's credentials (a cluster bound beyond loopback admits only "
+                "clients given its SLUICE_CREDENTIALS)"
+            )
+        ping = quiet >= PROBE_AFTER and now - self._pinged >= PROBE_AFTER
+        if ping:
+            self._pinged = now
+        left = PROBE_AFTER if deadline is None else min(PROBE_AFTER, deadline - now)
+        return ping, max(left, 0.0)
+
+    def _deadline(self, since: float, wait: float | None) -> float | None:
+        return None if wait is None else since + wait
