@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._drivers import SyncDriver, _InFlight, follow
+from ._drivers import SyncDriver
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
 from .rpc import Credentials
@@ -201,42 +201,20 @@ class Client(SyncDriver):
     ) -> Iterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
 
-        Taking the next batch acks the previous one (the ack is sent then; its answer is
-        collected with the next batch, costing no round trip of its own). While you work on a
-        batch, the request for the next is already waiting at the controller (the same fetch
-        flow as `AsyncClient`'s, which also reads its data meanwhile). Leaving the loop early
-        nacks the batch in hand (ack it yourself first if you finished it). `timeout=None`
+        While you work on a batch, the next one is already on its way: its lease is requested
+        when this one is handed to you, and its data as soon as the lease comes back, while
+        this client waits for anything (taking a batch, its ack, or your own calls meanwhile,
+        say a `clear` or a `put`: there is no background thread). The same prefetch as
+        `AsyncClient.stream`'s, whose next batch advances whenever you await. Taking the next
+        batch acks the previous one (sent then; its answer is collected when the batch after is
+        taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
+        yourself first if you finished it) and gives back the one prefetched. `timeout=None`
         waits indefinitely.
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
         """
-        wait = 1e9 if timeout is None else timeout
-        fetch = lambda: self._start(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))  # noqa: E731
-        nxt = fetch()
-        pending: _InFlight | None = nxt  # in flight until finished: abandoned if the loop is left
-        acking: _InFlight | None = None
-        meta = None
-        try:
-            while True:
-                batch, meta = self._finish(nxt)
-                pending = None
-                if acking is not None:
-                    done, acking = acking, None
-                    self._finish(done)
-                if not len(meta):
-                    meta = None
-                    return
-                nxt = pending = fetch()
-                yield batch, meta
-                acking, meta = self._start(self._core.ack(meta)), None
-        finally:
-            if acking is not None:
-                self._finish(acking)
-            if pending is not None:
-                self._abandon(pending)
-            if meta is not None:
-                self.nack(meta)
+        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
 
     # -- versions ----------------------------------------------------------------------
 
@@ -272,7 +250,7 @@ class Client(SyncDriver):
         Raises:
             TimeoutError: (from the iterator) no new version within `timeout` seconds.
         """
-        return follow(self, self.get_version() if after is None else after, timeout)
+        return self._iterate(self._core.versions(self.get_version() if after is None else after, timeout))
 
     # -- checkpoints, status, small shared values ----------------------------------------
 

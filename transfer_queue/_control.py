@@ -1,11 +1,11 @@
-"""What every client shares, without torch: what a flow is, the controller-only flows, and
-`ControlClient`.
+"""What every client shares, without torch: the controller-only flows and `ControlClient`.
 
-A client operation is a *flow*: a generator that yields a list of `Call`s (sent in parallel)
-and receives their decoded replies, until it returns the result. The flows are written once
-(`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them over blocking
-or asyncio channels. Neither driver runs a hidden event loop or thread. `ControlClient` is the controller-only face (status, versions, announce
-and lookup) for processes that have no business loading torch: the CLI, the weight channel.
+A client operation is a *flow* (`_flows`): a generator that yields a list of `Call`s (sent in
+parallel) and receives their decoded replies, until it returns the result. The flows are
+written once (`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them
+over blocking or asyncio channels. Neither driver runs a hidden event loop or thread.
+`ControlClient` is the controller-only face (status, versions, announce and lookup) for
+processes that have no business loading torch: the CLI, the weight channel.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import operator
 from collections.abc import Iterator
 from typing import Any
 
-from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
+from ._drivers import SyncDriver
 from ._errors import SchemaError
+from ._flows import CONTROLLER, Call, Flow, Give, Plan, Run
 from ._messages import (
     Announce,
     GrantReply,
@@ -106,6 +107,16 @@ class ControlCore:
         """Every version set after `after`, oldest first, waiting up to `timeout` for one."""
         return (yield from self.one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + GRACE)).history
 
+    def versions(self, after: int | None, timeout: float) -> Plan:
+        """The plan of the clients' `versions`: every version set after `after` (None: the
+        version when it starts), in order, none skipped."""
+        if after is None:
+            after = yield Run(self.get_version())
+        while True:
+            for version in (yield Run(self.versions_after(after, timeout))):
+                yield Give(version)
+                after = version
+
     def announce(self, key: str, value: bytes) -> Flow:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise SchemaError(f"announce takes bytes, got {type(value).__name__}; encode it (e.g. str.encode())")
@@ -180,7 +191,7 @@ class ControlClient(SyncDriver):
         Raises:
             TimeoutError: (from the iterator) no new version within `timeout` seconds.
         """
-        return follow(self, self.get_version() if after is None else after, timeout)
+        return self._iterate(self._core.versions(self.get_version() if after is None else after, timeout))
 
     def announce(self, key: str, value: bytes) -> None:
         """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
