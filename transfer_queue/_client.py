@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
+from ._control import ControlClient
 from ._drivers import SyncDriver
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
@@ -20,7 +21,7 @@ from .rpc import Credentials
 __all__ = ["Client"]
 
 
-class Client(SyncDriver):
+class Client(ControlClient):
     """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done.
 
     Every call raises `ServiceError` when a service it needs died or stays silent (the message
@@ -31,7 +32,7 @@ class Client(SyncDriver):
     _core: ClientCore
 
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
-        super().__init__(ClientCore(address, use_shm, credentials))
+        SyncDriver.__init__(self, ClientCore(address, use_shm, credentials))  # a ControlClient on a fuller core
         try:
             self._run(self._core.hello())
         except BaseException:
@@ -115,10 +116,6 @@ class Client(SyncDriver):
     def release(self, grant: Grant) -> None:
         """Return a grant's unused slots."""
         self._run(self._core.release(grant))
-
-    def seal(self, partition: str = "train") -> None:
-        """No more samples will come to `partition`; streams end once it is drained."""
-        self._run(self._core.seal(partition))
 
     # -- consumers ---------------------------------------------------------------------
 
@@ -216,43 +213,19 @@ class Client(SyncDriver):
         """
         return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
 
-    # -- versions ----------------------------------------------------------------------
+    # -- the controller-only calls: written once in `ControlClient`, named here -------------
 
-    def set_version(self, version: int) -> int:
-        """Record the trainer's new weight version; returns it.
+    status = ControlClient.status
+    version = ControlClient.version
+    get_version = ControlClient.get_version
+    set_version = ControlClient.set_version
+    wait_version = ControlClient.wait_version
+    versions = ControlClient.versions
+    announce = ControlClient.announce
+    lookup = ControlClient.lookup
+    seal = ControlClient.seal
 
-        Raises:
-            VersionError: `version` is below the current one (versions are monotone).
-        """
-        return self._run(self._core.set_version(version))
-
-    def get_version(self) -> int:
-        """The trainer's current weight version."""
-        return self._run(self._core.get_version())
-
-    @property
-    def version(self) -> int:
-        """The trainer's current weight version."""
-        return self.get_version()
-
-    def wait_version(self, version: int, timeout: float = 30.0) -> int:
-        """Block until the version is at least `version`; returns the current version.
-
-        Raises:
-            TimeoutError: it did not get there within `timeout` seconds.
-        """
-        return self._run(self._core.wait_version(version, timeout))
-
-    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
-        """Every version the trainer sets after `after` (default: the version at this call), in
-        order, none skipped.
-
-        Raises:
-            TimeoutError: (from the iterator) no new version within `timeout` seconds.
-        """
-        return self._iterate(self._core.versions(self.get_version() if after is None else after, timeout))
-
-    # -- checkpoints, status, small shared values ----------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike) -> int:
         """Write the cluster's samples and consumer progress to the directory `path`; returns the
@@ -275,22 +248,6 @@ class Client(SyncDriver):
         """
         return self._run(self._core.restore_checkpoint(path))
 
-    def status(self) -> dict:
-        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes."""
-        return self._run(self._core.status())
-
-    def announce(self, key: str, value: bytes) -> None:
-        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
-
-        Raises:
-            SchemaError: `value` is not bytes, or too large.
-        """
-        self._run(self._core.announce(key, value))
-
-    def lookup(self, key: str, timeout: float = 0.0) -> bytes | None:
-        """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
-        return self._run(self._core.lookup(key, timeout))
-
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
@@ -300,6 +257,3 @@ class Client(SyncDriver):
 
     def __enter__(self) -> Client:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

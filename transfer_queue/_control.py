@@ -128,7 +128,8 @@ class ControlCore:
 
 class ControlClient(SyncDriver):
     """A blocking client for the controller-only calls, without torch: status, versions,
-    announce/lookup, seal. Use it as a context manager or `close()` it.
+    announce/lookup, seal (`Client` adds the data plane to them). Use it as a context manager
+    or `close()` it.
 
     Args:
         address: the controller's endpoint (`cluster.address`).
@@ -151,7 +152,7 @@ class ControlClient(SyncDriver):
         self.close()
 
     def status(self) -> dict:
-        """The cluster's status dict (what `Client.status` returns).
+        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes.
 
         Raises:
             TimeoutError: the controller did not answer within the client's `timeout`.
