@@ -141,6 +141,9 @@ class SyncDriver(_Driver):
             except StopIteration as stop:
                 inflight.calls, inflight.sent, inflight.result = None, [], stop.value
                 return
+            except BaseException:  # the flow failed: it has ended, nothing of it is in flight
+                inflight.calls, inflight.sent = None, []
+                raise
             inflight.since = time.monotonic()
             inflight.calls, inflight.sent = calls, []
             try:
