@@ -9,8 +9,9 @@ Modes, each over the same data, alternating within one run:
 - stream (Client) and stream (AsyncClient): the next micro-batch's lease and data are fetched
   while the caller works on the current one.
 
-Reported: medians of GB/s (N x 81,920 B / wall time) and each stream's ratio to the sequential
-reads of the same repetition, so that the machine's load cancels out of the ratio.
+Reported: medians of GB/s (N x 81,920 B / wall time), each stream's ratio to the sequential
+reads of the same repetition (so that the machine's load cancels out of the ratio), and the
+median time the caller waits for a batch: what a prefetch hides.
 
     .venv/bin/python benchmarks/stream_prefetch.py                # tcp and shm, work 0 and 20 ms
     .venv/bin/python benchmarks/stream_prefetch.py --paths tcp --work-ms 5
@@ -45,47 +46,72 @@ def fill(client: tq.Client, samples: int, put_batch: int) -> str:
     return partition
 
 
-def sequential(client: tq.Client, partition: str, micro: int, work: float) -> float:
+def sequential(client: tq.Client, partition: str, micro: int, work: float) -> tuple[float, list[float]]:
+    """(wall time, the caller's wait for each batch: get_meta + get_data)."""
+    waits = []
     t0 = time.perf_counter()
-    while len(meta := client.get_meta(NAMES, micro, task="train", partition=partition, timeout=30)):
+    while True:
+        t1 = time.perf_counter()
+        meta = client.get_meta(NAMES, micro, task="train", partition=partition, timeout=30)
+        if not len(meta):
+            break
         client.get_data(meta)
+        waits.append(time.perf_counter() - t1)
         client.ack(meta)
         client.clear(meta)
         time.sleep(work)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, waits
 
 
-def stream(client: tq.Client, partition: str, micro: int, work: float) -> float:
-    prev = None
+def stream(client: tq.Client, partition: str, micro: int, work: float) -> tuple[float, list[float]]:
+    """(wall time, the caller's wait for each batch: taking it from the iterator)."""
+    batches = iter(client.stream(NAMES, micro, task="train", partition=partition, timeout=30))
+    prev, waits = None, []
     t0 = time.perf_counter()
-    for _batch, meta in client.stream(NAMES, micro, task="train", partition=partition, timeout=30):
+    while True:
+        t1 = time.perf_counter()
+        if (item := next(batches, None)) is None:
+            break
+        waits.append(time.perf_counter() - t1)
         if prev is not None:
             client.clear(prev)  # acked when this batch was taken
-        prev = meta
+        prev = item[1]
         time.sleep(work)
     elapsed = time.perf_counter() - t0
     client.clear(prev)
-    return elapsed
+    return elapsed, waits
 
 
-def stream_async(address: str, use_shm: bool | None, partition: str, micro: int, work: float) -> float:
-    async def consume() -> float:
+def stream_async(
+    address: str, use_shm: bool | None, partition: str, micro: int, work: float
+) -> tuple[float, list[float]]:
+    """As `stream`, with an `AsyncClient` (the work is an `asyncio.sleep`)."""
+
+    async def consume() -> tuple[float, list[float]]:
         client = await tq.connect_async(address, use_shm=use_shm)
         try:
-            prev = None
+            batches = aiter(client.stream(NAMES, micro, task="train", partition=partition, timeout=30))
+            prev, waits = None, []
             t0 = time.perf_counter()
-            async for _batch, meta in client.stream(NAMES, micro, task="train", partition=partition, timeout=30):
+            while True:
+                t1 = time.perf_counter()
+                if (item := await anext(batches, None)) is None:
+                    break
+                waits.append(time.perf_counter() - t1)
                 if prev is not None:
                     await client.clear(prev)
-                prev = meta
+                prev = item[1]
                 await asyncio.sleep(work)
             elapsed = time.perf_counter() - t0
             await client.clear(prev)
-            return elapsed
+            return elapsed, waits
         finally:
             await client.close()
 
     return asyncio.run(consume())
+
+
+MODES = ("seq", "stream", "astream")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,21 +127,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sequential(client, fill(client, args.samples, args.put_batch), args.micro, 0.0)  # warm-up
             for work_ms in args.work_ms:
                 work = work_ms / 1e3
-                runs: dict[str, list[float]] = {"seq": [], "stream": [], "astream": []}
+                runs: dict[str, list[tuple[float, list[float]]]] = {mode: [] for mode in MODES}
                 for _ in range(args.reps):
                     runs["seq"].append(sequential(client, fill(client, args.samples, args.put_batch), args.micro, work))
                     runs["stream"].append(stream(client, fill(client, args.samples, args.put_batch), args.micro, work))
                     part = fill(client, args.samples, args.put_batch)
                     runs["astream"].append(stream_async(cluster.address, use_shm, part, args.micro, work))
-                row = {"path": path, "work_ms": work_ms, "runs": runs}
-                for mode, times in runs.items():
-                    row[f"{mode}_gbps"] = median(gbps(nbytes, t) for t in times)
-                    row[f"{mode}_x_seq"] = median(s / t for s, t in zip(runs["seq"], times))
+                row: dict[str, Any] = {"path": path, "work_ms": work_ms, "runs": runs}
+                for mode, results in runs.items():
+                    row[f"{mode}_gbps"] = median(gbps(nbytes, t) for t, _ in results)
+                    row[f"{mode}_x_seq"] = median(s[0] / r[0] for s, r in zip(runs["seq"], results))
+                    row[f"{mode}_wait_ms"] = median(w * 1e3 for _, waits in results for w in waits)
                 rows.append(row)
                 print(
-                    f"  {path} work {work_ms:g} ms: seq {row['seq_gbps']:.2f}, stream {row['stream_gbps']:.2f} "
-                    f"(x{row['stream_x_seq']:.2f}), async stream {row['astream_gbps']:.2f} "
-                    f"(x{row['astream_x_seq']:.2f}) GB/s",
+                    f"  {path} work {work_ms:g} ms: "
+                    + ", ".join(
+                        f"{mode} {row[f'{mode}_gbps']:.2f} GB/s (x{row[f'{mode}_x_seq']:.2f}, "
+                        f"waits {row[f'{mode}_wait_ms']:.1f} ms)"
+                        for mode in MODES
+                    ),
                     flush=True,
                 )
     return {"args": vars(args), "sample_bytes": SAMPLE_BYTES, "rows": rows}
@@ -124,19 +154,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(record: dict[str, Any]) -> None:
     args = record["args"]
     print_table(
-        f"Consumer-paced reads, {args['samples']} samples x 81,920 B, micro-batch {args['micro']}, "
-        f"median of {args['reps']}; x seq = sequential time / stream time in the same repetition",
-        ["path", "work ms", "seq GB/s", "stream GB/s", "x seq", "async GB/s", "x seq"],
+        f"Consumer-paced reads, {args['samples']} samples x 81,920 B, micro-batch {args['micro']}, median of "
+        f"{args['reps']}. x seq = sequential time / this mode's time, in the same repetition; wait = median "
+        "time the caller waits for a batch (sequential: get_meta + get_data; streams: taking the next)",
+        ["path", "work ms"] + [f"{mode} {what}" for mode in MODES for what in ("GB/s", "x seq", "wait ms")],
         [
-            [
-                r["path"],
-                r["work_ms"],
-                f"{r['seq_gbps']:.2f}",
-                f"{r['stream_gbps']:.2f}",
-                f"{r['stream_x_seq']:.2f}",
-                f"{r['astream_gbps']:.2f}",
-                f"{r['astream_x_seq']:.2f}",
-            ]
+            [r["path"], r["work_ms"]] + [r[f"{mode}_{key}"] for mode in MODES for key in ("gbps", "x_seq", "wait_ms")]
             for r in record["rows"]
         ],
     )
