@@ -199,9 +199,9 @@ class Client(ControlClient):
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
 
         While you work on a batch, the next one is already on its way: its lease is requested
-        as this one is taken, and its data as soon as the lease comes back while this client
-        is busy anyway (taking a batch, or your own calls meanwhile, say a `clear` or a `put`:
-        there is no background thread). The same prefetch as
+        when this one is handed to you, and its data as soon as the lease comes back while this
+        client is busy anyway (your own calls meanwhile, say a `clear` or a `put`, or taking the
+        batch: there is no background thread). The same prefetch as
         `AsyncClient.stream`'s, whose next batch advances whenever you await. Taking the next
         batch acks the previous one (sent then; its answer is collected when the batch after is
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it

@@ -397,10 +397,11 @@ class ClientCore(ControlCore):
         options: dict[str, Any],
     ) -> Plan:
         """The plan of `Client.stream` and `AsyncClient.stream`: each batch handed out with the
-        next one already launched (launched as this one is taken, so that its lease and then
-        its data advance while the driver waits for anything); taking the next batch sends the
-        previous one's ack, whose answer is collected when the batch after is taken. Leaving
-        early withdraws the prefetched batch (giving its lease back) and nacks the one in hand."""
+        next one already launched (its lease, then its data, advancing while the driver waits
+        for anything; launched once this one is in hand, so that `timeout` counts from there);
+        taking the next batch sends the previous one's ack, whose answer is collected when the
+        batch after is taken. Leaving early withdraws the prefetched batch (giving its lease
+        back) and nacks the one in hand."""
         wait = 1e9 if timeout is None else timeout
 
         def fetch() -> Launch:
@@ -413,11 +414,12 @@ class ClientCore(ControlCore):
             while True:
                 while len(acks) > 1:  # its answer came long ago, while a batch was fetched
                     yield Finish(acks.pop(0))
-                taken, nxt = nxt, (yield fetch())
-                batch, meta = yield Finish(taken)
+                batch, meta = yield Finish(nxt)
+                nxt = None
                 if not len(meta):
                     meta = None
                     return
+                nxt = yield fetch()
                 yield Give((batch, meta))
                 acks.append((yield Launch(self.ack(meta))))
                 meta = None

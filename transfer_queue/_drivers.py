@@ -226,7 +226,7 @@ class SyncDriver(_Driver):
             value, error = None, None
             try:
                 if isinstance(step, Give):
-                    self._progress()  # what came while the item was made: the next batch's lease
+                    self._progress()  # what came while the item was made
                     yield step.item
                 elif isinstance(step, Run):
                     value = self._run(step.flow)
