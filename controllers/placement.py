@@ -10,7 +10,9 @@ import numpy as np
 __all__ = ["place_rows"]
 
 
-def place_rows(unit_bytes: Mapping[int, int], n: int, row_bytes: int, room: Mapping[int, int] | None = None) -> np.ndarray:
+def place_rows(
+    unit_bytes: Mapping[int, int], n: int, row_bytes: int, room: Mapping[int, int] | None = None
+) -> np.ndarray:
     """Unit id per new row, in contiguous runs (a client sends each unit one frame per field).
 
     Rows with bytes go whole to the unit holding the fewest bytes when they fit its `room` (free

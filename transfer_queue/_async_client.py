@@ -5,7 +5,6 @@ is given back."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -247,7 +246,7 @@ class AsyncClient(AsyncDriver):
         """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
         return await self._run(self._core.lookup(key, timeout))
 
-    async def stream(
+    def stream(
         self,
         fields: Sequence[str],
         batch_size: int,
@@ -258,49 +257,17 @@ class AsyncClient(AsyncDriver):
         **get_meta_options: Any,
     ) -> AsyncIterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` until the sealed partition is drained, fetching the next
-        micro-batch (metadata and data: the same fetch flow as `Client.stream`) while you work
-        on the current one. Taking the next batch acks the previous (sent then, its answer
-        collected with the next batch); leaving early nacks what is in hand.
+        micro-batch (its lease, then its data: the same prefetch as `Client.stream`'s) while you
+        work on the current one; it advances whenever you await. Taking the next batch acks the
+        previous (sent then, its answer collected when the batch after is taken); leaving early
+        nacks what is in hand and gives back the one prefetched.
 
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
         """
-        wait = 1e9 if timeout is None else timeout
+        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
 
-        def fetch() -> asyncio.Future:
-            return asyncio.ensure_future(
-                self._run(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))
-            )
-
-        nxt = fetch()
-        acking: asyncio.Future | None = None
-        meta = None
-        try:
-            while True:
-                batch, meta = await nxt
-                if acking is not None:
-                    done, acking = acking, None
-                    await done
-                if not len(meta):
-                    meta = None
-                    return
-                nxt = fetch()
-                yield batch, meta
-                acking, meta = asyncio.ensure_future(self.ack(meta)), None
-        finally:
-            if acking is not None:
-                await acking
-            if not nxt.done():
-                nxt.cancel()  # withdrawn at the services, the lease it may hold given back
-                await asyncio.gather(nxt, return_exceptions=True)
-            elif (
-                not nxt.cancelled() and nxt.exception() is None and len(nxt.result()[1]) and nxt.result()[1] is not meta
-            ):
-                await self.nack(nxt.result()[1])
-            if meta is not None:
-                await self.nack(meta)
-
-    async def versions(self, timeout: float = 1e9, after: int | None = None) -> AsyncIterator[int]:
+    def versions(self, timeout: float = 1e9, after: int | None = None) -> AsyncIterator[int]:
         """Every version the trainer sets after `after`, in order, none skipped. The default is
         the version when iteration starts (an async generator runs nothing before its first
         step): pass `after` to miss nothing set in between.
@@ -308,12 +275,7 @@ class AsyncClient(AsyncDriver):
         Raises:
             TimeoutError: no new version within `timeout` seconds.
         """
-        if after is None:
-            after = await self.get_version()
-        while True:
-            for version in await self._run(self._core.versions_after(after, timeout)):
-                yield version
-                after = version
+        return self._iterate(self._core.versions(after, timeout))
 
     # -- lifecycle ---------------------------------------------------------------------
 

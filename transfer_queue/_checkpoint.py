@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -23,7 +24,7 @@ from tensordict import TensorDict
 
 from ._errors import SchemaError
 from ._messages import ExportRows
-from ._meta import BatchMeta
+from ._meta import BatchMeta, FieldSpec
 from ._tensors import Assembler, Columns
 
 __all__ = [
@@ -31,6 +32,10 @@ __all__ = [
     "PartitionState",
     "write_batch",
     "read_batch",
+    "write_file",
+    "read_file",
+    "encode_columns",
+    "decode_columns",
     "write_manifest",
     "read_manifest",
     "restore_order",
@@ -39,6 +44,7 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<Q")
+_Header = TypeVar("_Header")
 
 
 class PartitionState(msgspec.Struct):
@@ -73,34 +79,76 @@ def write_batch(
     sources: list[tuple[str, str]] = (),
 ) -> None:
     """One batch file: header, then each field's bytes."""
-    cols = Columns(data)
-    buffers, lengths = cols.slice(np.arange(cols.n))
-    header = msgspec.msgpack.encode(BatchHeader(meta, [b.numel() for b in buffers], lengths, rows, list(sources)))
-    with open(path, "wb") as f:
-        f.write(_LEN.pack(len(header)))
-        f.write(header)
-        for buf in buffers:
-            f.write(buf.numpy().tobytes())
+    _, sizes, lengths, buffers = encode_columns(data)
+    write_file(path, BatchHeader(meta, sizes, lengths, rows, list(sources)), buffers)
 
 
 def read_batch(path: Path) -> tuple[BatchHeader, TensorDict]:
     """The batch file's header and samples; `SchemaError` if the file is not one."""
+    header, raw, offset = read_file(path, BatchHeader, "a Sluice checkpoint batch")
+    meta = header.meta
+    data, offset = decode_columns(path, meta.fields, len(meta), header.sizes, header.lengths, raw, offset)
+    if offset != len(raw):
+        raise SchemaError(f"{path} holds {len(raw)} bytes, its header describes {offset}")
+    return header, data
+
+
+# -- the file layout and the column encoding, shared with TransferQueue's KV checkpoint -------
+
+
+def write_file(path: Path, header: msgspec.Struct, buffers: list[torch.Tensor]) -> None:
+    """A little-endian u64 header length, the msgpack `header`, then the `buffers`' bytes."""
+    encoded = msgspec.msgpack.encode(header)
+    with open(path, "wb") as f:
+        f.write(_LEN.pack(len(encoded)))
+        f.write(encoded)
+        for buf in buffers:
+            f.write(buf.numpy().tobytes())
+
+
+def read_file(path: Path, kind: type[_Header], what: str) -> tuple[_Header, memoryview, int]:
+    """A file `write_file` wrote: its header (of type `kind`), all its bytes and where the
+    buffers start; `SchemaError` saying the file is not `what` otherwise."""
     raw = memoryview(Path(path).read_bytes())
     try:
         (size,) = _LEN.unpack(raw[: _LEN.size])
-        header = msgspec.msgpack.decode(raw[_LEN.size : _LEN.size + size], type=BatchHeader)
+        header = msgspec.msgpack.decode(raw[_LEN.size : _LEN.size + size], type=kind)
     except (struct.error, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise SchemaError(f"{path} is not a Sluice checkpoint batch: {exc}") from exc
-    meta, offset = header.meta, _LEN.size + size
+        raise SchemaError(f"{path} is not {what}: {exc}") from exc
+    return header, raw, _LEN.size + size
+
+
+def encode_columns(
+    data: TensorDict,
+) -> tuple[dict[str, FieldSpec], list[int], dict[str, list[int]], list[torch.Tensor]]:
+    """A batch's columns in their wire layout (never pickled; non-tensor fields as msgpack):
+    each field's schema, byte size and per-sample ragged lengths, and its bytes."""
+    cols = Columns(data)
+    buffers, lengths = cols.slice(np.arange(cols.n))
+    return cols.specs, [b.numel() for b in buffers], lengths, buffers
+
+
+def decode_columns(
+    path: Path,
+    fields: dict[str, FieldSpec],
+    n: int,
+    sizes: list[int],
+    lengths: dict[str, list[int]],
+    raw: memoryview,
+    offset: int,
+) -> tuple[TensorDict, int]:
+    """The `n` samples `encode_columns` laid out at `offset` of `raw` (the file `path`), and the
+    offset after them; `SchemaError` if the file is shorter than that."""
+    end = offset + sum(sizes)
+    if len(sizes) != len(fields) or end > len(raw):
+        raise SchemaError(f"{path} holds {len(raw)} bytes, its header describes {end} ({len(sizes)} fields)")
     runs = {}
-    for name, nbytes in zip(meta.fields, header.sizes):
+    for name, nbytes in zip(fields, sizes):
         runs[name] = [torch.frombuffer(bytearray(raw[offset : offset + nbytes]), dtype=torch.uint8)]
         offset += nbytes
-    if offset != len(raw):
-        raise SchemaError(f"{path} holds {len(raw)} bytes, its header describes {offset}")
-    assembler = Assembler(meta.fields, len(meta))
-    assembler.add_unit(np.arange(len(meta)), header.lengths, runs)
-    return header, assembler.result()
+    assembler = Assembler(fields, n)
+    assembler.add_unit(np.arange(n), lengths, runs)
+    return assembler.result(), offset
 
 
 def restore_order(manifest: Manifest) -> list[str]:

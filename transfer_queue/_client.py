@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._drivers import SyncDriver, _InFlight, follow
+from ._control import ControlClient
+from ._drivers import SyncDriver
 from ._messages import ClusterConfig, UnitInfo
 from ._meta import BatchMeta
 from .rpc import Credentials
@@ -20,7 +21,7 @@ from .rpc import Credentials
 __all__ = ["Client"]
 
 
-class Client(SyncDriver):
+class Client(ControlClient):
     """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done.
 
     Every call raises `ServiceError` when a service it needs died or stays silent (the message
@@ -31,7 +32,7 @@ class Client(SyncDriver):
     _core: ClientCore
 
     def __init__(self, address: str, use_shm: bool | None = None, credentials: Credentials | None = None):
-        super().__init__(ClientCore(address, use_shm, credentials))
+        SyncDriver.__init__(self, ClientCore(address, use_shm, credentials))  # a ControlClient on a fuller core
         try:
             self._run(self._core.hello())
         except BaseException:
@@ -116,10 +117,6 @@ class Client(SyncDriver):
         """Return a grant's unused slots."""
         self._run(self._core.release(grant))
 
-    def seal(self, partition: str = "train") -> None:
-        """No more samples will come to `partition`; streams end once it is drained."""
-        self._run(self._core.seal(partition))
-
     # -- consumers ---------------------------------------------------------------------
 
     def get_meta(
@@ -201,80 +198,34 @@ class Client(SyncDriver):
     ) -> Iterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
 
-        Taking the next batch acks the previous one (the ack is sent then; its answer is
-        collected with the next batch, costing no round trip of its own). While you work on a
-        batch, the request for the next is already waiting at the controller (the same fetch
-        flow as `AsyncClient`'s, which also reads its data meanwhile). Leaving the loop early
-        nacks the batch in hand (ack it yourself first if you finished it). `timeout=None`
+        While you work on a batch, the next one is already on its way: its lease is requested
+        when this one is handed to you, and its data as soon as the lease comes back while this
+        client is busy anyway (your own calls meanwhile, say a `clear` or a `put`, or taking the
+        batch: there is no background thread). The same prefetch as
+        `AsyncClient.stream`'s, whose next batch advances whenever you await. Taking the next
+        batch acks the previous one (sent then; its answer is collected when the batch after is
+        taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
+        yourself first if you finished it) and gives back the one prefetched. `timeout=None`
         waits indefinitely.
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
         """
-        wait = 1e9 if timeout is None else timeout
-        fetch = lambda: self._start(self._core.fetch(fields, batch_size, task, partition, wait, get_meta_options))  # noqa: E731
-        nxt = fetch()
-        pending: _InFlight | None = nxt  # in flight until finished: abandoned if the loop is left
-        acking: _InFlight | None = None
-        meta = None
-        try:
-            while True:
-                batch, meta = self._finish(nxt)
-                pending = None
-                if acking is not None:
-                    done, acking = acking, None
-                    self._finish(done)
-                if not len(meta):
-                    meta = None
-                    return
-                nxt = pending = fetch()
-                yield batch, meta
-                acking, meta = self._start(self._core.ack(meta)), None
-        finally:
-            if acking is not None:
-                self._finish(acking)
-            if pending is not None:
-                self._abandon(pending)
-            if meta is not None:
-                self.nack(meta)
+        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
 
-    # -- versions ----------------------------------------------------------------------
+    # -- the controller-only calls: written once in `ControlClient`, named here -------------
 
-    def set_version(self, version: int) -> int:
-        """Record the trainer's new weight version; returns it.
+    status = ControlClient.status
+    version = ControlClient.version
+    get_version = ControlClient.get_version
+    set_version = ControlClient.set_version
+    wait_version = ControlClient.wait_version
+    versions = ControlClient.versions
+    announce = ControlClient.announce
+    lookup = ControlClient.lookup
+    seal = ControlClient.seal
 
-        Raises:
-            VersionError: `version` is below the current one (versions are monotone).
-        """
-        return self._run(self._core.set_version(version))
-
-    def get_version(self) -> int:
-        """The trainer's current weight version."""
-        return self._run(self._core.get_version())
-
-    @property
-    def version(self) -> int:
-        """The trainer's current weight version."""
-        return self.get_version()
-
-    def wait_version(self, version: int, timeout: float = 30.0) -> int:
-        """Block until the version is at least `version`; returns the current version.
-
-        Raises:
-            TimeoutError: it did not get there within `timeout` seconds.
-        """
-        return self._run(self._core.wait_version(version, timeout))
-
-    def versions(self, timeout: float = 1e9, after: int | None = None) -> Iterator[int]:
-        """Every version the trainer sets after `after` (default: the version at this call), in
-        order, none skipped.
-
-        Raises:
-            TimeoutError: (from the iterator) no new version within `timeout` seconds.
-        """
-        return follow(self, self.get_version() if after is None else after, timeout)
-
-    # -- checkpoints, status, small shared values ----------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike) -> int:
         """Write the cluster's samples and consumer progress to the directory `path`; returns the
@@ -297,22 +248,6 @@ class Client(SyncDriver):
         """
         return self._run(self._core.restore_checkpoint(path))
 
-    def status(self) -> dict:
-        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes."""
-        return self._run(self._core.status())
-
-    def announce(self, key: str, value: bytes) -> None:
-        """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.
-
-        Raises:
-            SchemaError: `value` is not bytes, or too large.
-        """
-        self._run(self._core.announce(key, value))
-
-    def lookup(self, key: str, timeout: float = 0.0) -> bytes | None:
-        """The value announced under `key`, waiting up to `timeout` s for it; None if absent."""
-        return self._run(self._core.lookup(key, timeout))
-
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
@@ -322,6 +257,3 @@ class Client(SyncDriver):
 
     def __enter__(self) -> Client:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -28,8 +28,8 @@ from ._checkpoint import (
     write_manifest,
 )
 from ._control import INT64, ControlCore, as_int, count
-from ._drivers import CONTROLLER, Call, Flow
 from ._errors import CapacityError, SchemaError, SluiceError
+from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._messages import (
     AbortPut,
     Ack,
@@ -397,6 +397,52 @@ class ClientCore(ControlCore):
                 pass
             raise
         return data, meta
+
+    def stream(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str,
+        timeout: float | None,
+        options: dict[str, Any],
+    ) -> Plan:
+        """The plan of `Client.stream` and `AsyncClient.stream`: each batch handed out with the
+        next one already launched (its lease, then its data, advancing while the driver waits
+        for anything; launched once this one is in hand, so that `timeout` counts from there);
+        taking the next batch sends the previous one's ack, whose answer is collected when the
+        batch after is taken. Leaving early withdraws the prefetched batch (giving its lease
+        back) and nacks the one in hand."""
+        wait = 1e9 if timeout is None else timeout
+
+        def fetch() -> Launch:
+            return Launch(self.fetch(fields, batch_size, task, partition, wait, options))
+
+        nxt = yield fetch()  # in flight until taken: withdrawn if the loop is left
+        acks: list[Any] = []  # acks sent, their answers not yet collected
+        meta = None
+        try:
+            while True:
+                while len(acks) > 1:  # its answer came long ago, while a batch was fetched
+                    yield Finish(acks.pop(0))
+                batch, meta = yield Finish(nxt)
+                nxt = None
+                if not len(meta):
+                    meta = None
+                    return
+                nxt = yield fetch()
+                yield Give((batch, meta))
+                acks.append((yield Launch(self.ack(meta))))
+                meta = None
+        finally:
+            while acks:
+                yield Finish(acks.pop(0))
+            if nxt is not None:
+                held = yield Withdraw(nxt)
+                if held is not None and len(held[1]):
+                    yield Run(self.nack(held[1]))
+            if meta is not None:
+                yield Run(self.nack(meta))
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""What every client shares, without torch: what a flow is, the controller-only flows, and
-`ControlClient`.
+"""What every client shares, without torch: the controller-only flows and `ControlClient`.
 
-A client operation is a *flow*: a generator that yields a list of `Call`s (sent in parallel)
-and receives their decoded replies, until it returns the result. The flows are written once
-(`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them over blocking
-or asyncio channels. Neither driver runs a hidden event loop or thread. `ControlClient` is the controller-only face (status, versions, announce
-and lookup) for processes that have no business loading torch: the CLI, the weight channel.
+A client operation is a *flow* (`_flows`): a generator that yields a list of `Call`s (sent in
+parallel) and receives their decoded replies, until it returns the result. The flows are
+written once (`ControlCore` here, `ClientCore` adds the data plane); `_drivers` drives them
+over blocking or asyncio channels. Neither driver runs a hidden event loop or thread.
+`ControlClient` is the controller-only face (status, versions, announce and lookup) for
+processes that have no business loading torch: the CLI, the weight channel.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import operator
 from collections.abc import Iterator
 from typing import Any
 
-from ._drivers import CONTROLLER, Call, Flow, SyncDriver, follow
+from ._drivers import SyncDriver
 from ._errors import SchemaError
+from ._flows import CONTROLLER, Call, Flow, Give, Plan, Run
 from ._messages import (
     Announce,
     GrantReply,
@@ -106,6 +107,16 @@ class ControlCore:
         """Every version set after `after`, oldest first, waiting up to `timeout` for one."""
         return (yield from self.one(CONTROLLER, WaitVersion(after, timeout), VersionReply, timeout + GRACE)).history
 
+    def versions(self, after: int | None, timeout: float) -> Plan:
+        """The plan of the clients' `versions`: every version set after `after` (None: the
+        version when it starts), in order, none skipped."""
+        if after is None:
+            after = yield Run(self.get_version())
+        while True:
+            for version in (yield Run(self.versions_after(after, timeout))):
+                yield Give(version)
+                after = version
+
     def announce(self, key: str, value: bytes) -> Flow:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise SchemaError(f"announce takes bytes, got {type(value).__name__}; encode it (e.g. str.encode())")
@@ -117,7 +128,8 @@ class ControlCore:
 
 class ControlClient(SyncDriver):
     """A blocking client for the controller-only calls, without torch: status, versions,
-    announce/lookup, seal. Use it as a context manager or `close()` it.
+    announce/lookup, seal (`Client` adds the data plane to them). Use it as a context manager
+    or `close()` it.
 
     Args:
         address: the controller's endpoint (`cluster.address`).
@@ -140,7 +152,7 @@ class ControlClient(SyncDriver):
         self.close()
 
     def status(self) -> dict:
-        """The cluster's status dict (what `Client.status` returns).
+        """A dict: partitions with per-task counts, versions, staleness histogram, admission, bytes.
 
         Raises:
             TimeoutError: the controller did not answer within the client's `timeout`.
@@ -180,7 +192,7 @@ class ControlClient(SyncDriver):
         Raises:
             TimeoutError: (from the iterator) no new version within `timeout` seconds.
         """
-        return follow(self, self.get_version() if after is None else after, timeout)
+        return self._iterate(self._core.versions(self.get_version() if after is None else after, timeout))
 
     def announce(self, key: str, value: bytes) -> None:
         """Publish a small value (≤ 1 MiB) under `key` for other clients to `lookup`.

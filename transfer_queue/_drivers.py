@@ -1,10 +1,11 @@
-"""What a flow is (`Call`, `Flow`), and the two flow drivers side by side: `SyncDriver` over
-blocking `rpc.Channel`s and `AsyncDriver` over `rpc.AsyncChannel`s (one channel per service). They differ only where
-they touch the socket. A failed, timed-out or interrupted step is withdrawn at every service
-it reached (`Cancel`; what a reply granted meanwhile is given back with `ControlCore.undo`),
-then thrown into the flow so that its own clean-up runs before the error propagates. A closed
-driver raises `ClosedError`; ZeroMQ failures and builtin `ValueError`/`TypeError` become
-`tq.*` errors (`foreign_error`).
+"""The two drivers of flows and plans (`_flows`), side by side: `SyncDriver` over blocking `rpc.Channel`s and `AsyncDriver` over `rpc.AsyncChannel`s (one channel per service).
+They differ only where they touch the socket. A failed, timed-out or interrupted step is
+withdrawn at every service it reached (`Cancel`; what a reply granted meanwhile is given back
+with `ControlCore.undo`), then thrown into the flow so that its own clean-up runs before the
+error propagates. A flow may be launched and left in flight (a stream's next batch): an asyncio
+task in one driver, advanced whenever the blocking driver waits for anything in the other.
+A closed driver raises `ClosedError`; ZeroMQ failures and builtin `ValueError`/`TypeError`
+become `tq.*` errors (`foreign_error`).
 """
 
 from __future__ import annotations
@@ -12,42 +13,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ._errors import ClosedError, SchemaError, ServiceError, SluiceError
-from .rpc import GRACE, AsyncChannel, Channel, Message, Ok
+from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run
+from .rpc import AsyncChannel, Channel, Ok
 
 if TYPE_CHECKING:
     from ._control import ControlCore
 
-__all__ = ["CONTROLLER", "Call", "Flow", "SyncDriver", "AsyncDriver", "foreign_error", "follow"]
-
-CONTROLLER = -1
-"""`Call.target` of the controller; storage units are addressed by their unit id."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """One request of a flow: `msg` (and raw `data` frames) to `target`, awaited `wait` s."""
-
-    target: int
-    msg: Message
-    data: Sequence[Any] = ()
-    wait: float | None = GRACE
-    """Seconds to wait for the reply (None: as long as the service is alive)."""
-    notice: bool = False
-    """Posted, not awaited: the service answers only a refusal, and reports that its own way
-    (a put's write fails its commit). Its reply in the flow is `(None, [])`."""
-
-
-Flow = Generator[list[Call], list[tuple[Any, list[Any]]], Any]
-
-_NOTICED: tuple[Any, list[Any]] = (None, [])
-"""The reply a flow gets for a notice."""
+__all__ = ["SyncDriver", "AsyncDriver", "foreign_error"]
 
 
 def foreign_error(exc: BaseException) -> BaseException:
@@ -68,19 +46,23 @@ class _State(enum.Enum):
 
 
 class _InFlight:
-    """A flow whose current calls are on the wire: (channel, request id) per call."""
+    """A flow and its current calls on the wire, (channel, request id) each; once the flow has
+    ended, its `result` (or the `error` it failed with while nobody waited for it)."""
 
-    __slots__ = ("flow", "calls", "sent", "result", "since")
+    __slots__ = ("flow", "calls", "sent", "result", "error", "since")
 
-    def __init__(
-        self,
-        flow: Flow,
-        calls: list[Call] | None,
-        sent: list[tuple[Channel, int | None]],
-        result: Any = None,
-        since: float = 0.0,
-    ):
-        self.flow, self.calls, self.sent, self.result, self.since = flow, calls, sent, result, since
+    def __init__(self, flow: Flow):
+        self.flow = flow
+        self.calls: list[Call] | None = None
+        self.sent: list[tuple[Channel, int | None]] = []
+        """(channel, request id) per call; the id is None for a notice (nothing to await)."""
+        self.result: Any = None
+        self.error: Exception | None = None
+        self.since = 0.0
+
+
+class _Withdrawn(Exception):
+    """Thrown into a launched flow nobody waits for any more, so that its own clean-up runs."""
 
 
 class _Driver:
@@ -104,11 +86,17 @@ class SyncDriver(_Driver):
     """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
     `ControlClient`. A failed, timed-out or interrupted step is withdrawn at every service it
     reached (`Cancel`, and what a reply granted meanwhile is given back), then thrown into the
-    flow so that its own clean-up runs before the error propagates."""
+    flow so that its own clean-up runs before the error propagates.
+
+    A flow may also be left in flight (`_launch`: a stream's next batch, its acks). There is no
+    thread: such a flow advances whenever this driver takes a reply for anything else, without
+    waiting for its own, until `_finish` completes it or `_cancel` withdraws it."""
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
         self._channels: dict[str, Channel] = {}
+        self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
+        self._progressing = False
 
     def _channel(self, target: int) -> Channel:
         address = self._core.target_address(target)
@@ -126,82 +114,168 @@ class SyncDriver(_Driver):
                 raise
             raise mapped from exc
 
-    def _start(self, flow: Flow, replies: list | None = None, error: BaseException | None = None) -> _InFlight:
+    def _start(self, flow: Flow) -> _InFlight:
+        inflight = _InFlight(flow)
+        self._step(inflight)
+        return inflight
+
+    def _launch(self, flow: Flow) -> _InFlight:
+        """Start `flow` and leave it in flight; `_finish` or `_cancel` it."""
+        inflight = self._start(flow)
+        if inflight.calls is not None:
+            self._ahead.append(inflight)
+        return inflight
+
+    def _step(self, inflight: _InFlight, replies: list | None = None, error: BaseException | None = None) -> None:
+        """Send the flow its `replies` (or throw `error` into it) and put the calls it yields
+        next on the wire; a call that cannot be sent withdraws those sent and is thrown in."""
+        flow = inflight.flow
         if self._state is _State.CLOSED:
             flow.close()
             raise ClosedError("this client was closed; connect a new one")
-        try:
-            if error is not None:
-                calls = flow.throw(error)
-            else:
-                calls = next(flow) if replies is None else flow.send(replies)
-        except StopIteration as stop:
-            return _InFlight(flow, None, [], stop.value)
-        since = time.monotonic()
-        sent: list[tuple[Channel, int | None]] = []
-        try:
-            for call in calls:
-                channel = self._channel(call.target)
-                if call.notice:
-                    channel.post(call.msg, call.data)
-                    sent.append((channel, None))
+        while True:
+            try:
+                if error is not None:
+                    calls = flow.throw(error)
                 else:
-                    sent.append((channel, channel.send(call.msg, call.data)))
-        except BaseException as exc:
-            self._abandon(_InFlight(flow, calls[: len(sent)], sent), close=False)
-            return self._start(flow, error=exc)
-        return _InFlight(flow, calls, sent, since=since)
+                    calls = next(flow) if replies is None else flow.send(replies)
+            except StopIteration as stop:
+                inflight.calls, inflight.sent, inflight.result = None, [], stop.value
+                return
+            except BaseException:  # the flow failed: it has ended, nothing of it is in flight
+                inflight.calls, inflight.sent = None, []
+                raise
+            inflight.since = time.monotonic()
+            inflight.calls, inflight.sent = calls, []
+            try:
+                for call in calls:
+                    channel = self._channel(call.target)
+                    if call.notice:
+                        channel.post(call.msg, call.data)
+                        inflight.sent.append((channel, None))
+                    else:
+                        inflight.sent.append((channel, channel.send(call.msg, call.data)))
+                return
+            except BaseException as exc:
+                inflight.calls = calls[: len(inflight.sent)]
+                self._abandon(inflight)
+                replies, error = None, exc
 
     def _finish(self, inflight: _InFlight) -> Any:
+        """Drive `inflight` to its end, advancing launched flows as replies come; its result.
+
+        Raises:
+            SluiceError: what the flow raised (or raised while it was left in flight).
+        """
+        if inflight in self._ahead:
+            self._ahead.remove(inflight)
         while inflight.calls is not None:
             try:
                 replies = [
-                    _NOTICED if rid is None else channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
+                    NOTICED if rid is None else channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
                     for call, (channel, rid) in zip(inflight.calls, inflight.sent)
                 ]
             except BaseException as exc:  # a timeout, a dead service, Ctrl-C: let the flow clean up
-                self._abandon(inflight, close=False)
-                inflight = self._start(inflight.flow, error=exc)
+                self._abandon(inflight)
+                self._step(inflight, error=exc)
                 continue
-            inflight = self._start(inflight.flow, replies)
+            self._progress()
+            self._step(inflight, replies)
+        if inflight.error is not None:
+            raise inflight.error
         return inflight.result
 
-    def _abandon(self, inflight: _InFlight, close: bool = True) -> None:
-        """Withdraw calls still in flight (skipping services reported dead); give back anything
-        they were granted meanwhile; with `close`, end the flow too."""
-        if inflight.calls is not None and self._state is _State.OPEN:
-            for call, (channel, rid) in zip(inflight.calls, inflight.sent):
-                if rid is None:  # a notice: nothing to withdraw
-                    continue
-                if channel.dead:
-                    channel.forget(rid)
-                    continue
-                try:
-                    got = channel.cancel(rid)
-                    undo = None if got is None else self._core.undo(got[0])
-                    if undo is not None:
-                        self._run(self._core.one(call.target, undo, Ok))
-                except SluiceError:  # that service is gone; its own timers free what it held
-                    channel.forget(rid)
-        if close:
-            inflight.flow.close()
+    def _progress(self) -> None:
+        """Advance the launched flows whose replies have all come, without waiting; a flow that
+        fails keeps its error for `_finish`."""
+        if self._progressing or self._state is _State.CLOSED:
+            return
+        self._progressing = True
+        try:
+            for inflight in list(self._ahead):
+                while inflight.calls is not None and all(
+                    rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
+                ):
+                    replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
+                    try:
+                        self._step(inflight, replies)
+                    except Exception as exc:  # noqa: BLE001 - raised by `_finish`
+                        inflight.calls, inflight.error = None, exc
+                if inflight.calls is None:
+                    self._ahead.remove(inflight)
+        finally:
+            self._progressing = False
+
+    def _cancel(self, inflight: _InFlight) -> Any:
+        """Withdraw a launched flow nobody waits for any more, letting its own clean-up run (a
+        lease it won is given back); the result if it had already ended, else None."""
+        if inflight in self._ahead:
+            self._ahead.remove(inflight)
+        if inflight.calls is None:
+            return None if inflight.error is not None else inflight.result
+        self._abandon(inflight)
+        try:
+            self._step(inflight, error=_Withdrawn())
+            self._finish(inflight)
+        except (_Withdrawn, SluiceError):  # withdrawn; or a service is gone and its timers free the rest
+            pass
+        return None
+
+    def _iterate(self, plan: Plan) -> Iterator[Any]:
+        """Drive `plan`, yielding what it gives; an error of a step is thrown into it."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.send(value) if error is None else plan.throw(error)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                if isinstance(step, Give):
+                    self._progress()  # what came while the item was made
+                    yield step.item
+                elif isinstance(step, Run):
+                    value = self._run(step.flow)
+                elif isinstance(step, Launch):
+                    value = self._launch(step.flow)
+                elif isinstance(step, Finish):
+                    value = self._finish(step.task)
+                else:
+                    value = self._cancel(step.task)
+            except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
+                error = exc
+
+    def _abandon(self, inflight: _InFlight) -> None:
+        """Withdraw the flow's calls still in flight (skipping services reported dead) and give
+        back anything they were granted meanwhile."""
+        if inflight.calls is None or self._state is _State.CLOSED:
+            return
+        for call, (channel, rid) in zip(inflight.calls, inflight.sent):
+            if rid is None:  # a notice: nothing to withdraw
+                continue
+            if channel.dead:
+                channel.forget(rid)
+                continue
+            try:
+                got = channel.cancel(rid)
+                undo = None if got is None else self._core.undo(got[0])
+                if undo is not None:
+                    self._run(self._core.one(call.target, undo, Ok))
+            except SluiceError:  # that service is gone; its own timers free what it held
+                channel.forget(rid)
 
     def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        for inflight in self._ahead:
+            inflight.flow.close()
+        self._ahead.clear()
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
-
-
-def follow(driver: SyncDriver, after: int, timeout: float) -> Iterator[int]:
-    """The blocking `versions` iterator, for `ControlClient` and `Client`."""
-    while True:
-        for version in driver._run(driver._core.versions_after(after, timeout)):
-            yield version
-            after = version
 
 
 class AsyncDriver(_Driver):
@@ -226,7 +300,7 @@ class AsyncDriver(_Driver):
         channel = self._channel(call.target)
         if call.notice:
             channel.post(call.msg, call.data)
-            return _NOTICED
+            return NOTICED
         rid = await channel.send(call.msg, call.data)
         try:
             return await channel.reply(rid, call.wait, what=type(call.msg).__name__)
@@ -279,6 +353,47 @@ class AsyncDriver(_Driver):
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)  # each withdraws its call
                 replies, error = None, exc
+
+    def _launch(self, flow: Flow) -> asyncio.Future:
+        """Start `flow` as a task of its own; `_finish` or `_cancel` it (as `SyncDriver._launch`)."""
+        return asyncio.ensure_future(self._run(flow))
+
+    async def _finish(self, task: asyncio.Future) -> Any:
+        """The launched flow's result, once it has ended."""
+        return await task
+
+    async def _cancel(self, task: asyncio.Future) -> Any:
+        """Withdraw a launched flow nobody waits for any more, letting its own clean-up run (a
+        lease it won is given back); the result if it had already ended, else None."""
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return None if task.cancelled() or task.exception() is not None else task.result()
+
+    async def _iterate(self, plan: Plan) -> AsyncIterator[Any]:
+        """Drive `plan`, yielding what it gives (as `SyncDriver._iterate`)."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.send(value) if error is None else plan.throw(error)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                if isinstance(step, Give):
+                    yield step.item
+                elif isinstance(step, Run):
+                    value = await self._run(step.flow)
+                elif isinstance(step, Launch):
+                    value = self._launch(step.flow)
+                elif isinstance(step, Finish):
+                    value = await self._finish(step.task)
+                else:
+                    value = await self._cancel(step.task)
+            except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
+                error = exc
 
     async def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""

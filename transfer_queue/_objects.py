@@ -20,7 +20,7 @@ import numpy as np
 
 from ._errors import SchemaError
 
-__all__ = ["encode_values", "decode_values", "pack", "unpack", "ALLOWED"]
+__all__ = ["encode_values", "decode_values", "ALLOWED"]
 
 ALLOWED = "None, bool, int, float, str, bytes, numpy arrays and scalars, and lists/dicts of these"
 
@@ -87,13 +87,3 @@ def decode_values(buffer: memoryview | bytes, offsets: np.ndarray) -> list[Any]:
     """The values `encode_values` encoded, from the concatenated bytes and row offsets."""
     view = memoryview(buffer)
     return [_DECODER.decode(view[int(a) : int(b)]) for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-def pack(value: Any) -> bytes:
-    """One value (of the kinds above) as msgpack bytes; `TypeError` for anything else."""
-    return _ENCODER.encode(value)
-
-
-def unpack(data: bytes | memoryview) -> Any:
-    """The value `pack` encoded."""
-    return _DECODER.decode(data)

@@ -1,11 +1,12 @@
 """TransferQueue's `save_checkpoint` / `load_checkpoint` for the keyed samples, without pickle.
 
 A checkpoint is a directory: `metadata.json` (`{"format", "storage_saved", "user_metadata"}`,
-as TransferQueue writes it) and one `partition-<n>.msgpack` per partition that has keys: the
-keys, their tags, and their fields grouped by which fields each key has. Tensors are stored as
-raw bytes with dtype and shape (jagged fields as values and offsets), non-tensor fields as
-msgpack values (`_objects`). Saving replaces the directory atomically (written to `<dir>.tmp`,
-then renamed); loading replaces the keys of each saved partition with the saved ones.
+as TransferQueue writes it) and one `partition-<n>.bin` per partition that has keys, laid out
+as Sluice's own checkpoint batch files (`_checkpoint.write_file`): a msgpack header (`KvPartition`:
+the keys, their tags, and their fields grouped by which fields each key has, each group's
+columns described as `encode_columns` lays them out) followed by the groups' raw bytes (non-tensor
+fields as msgpack values, `_objects`). Saving replaces the directory atomically (written to
+`<dir>.tmp`, then renamed); loading replaces the keys of each saved partition with the saved ones.
 
 Only keyed samples are checkpointed: samples put through Sluice's own `put` without keys, leases
 and versions are not part of TransferQueue's KV state.
@@ -19,18 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import TensorDict
 
+from ._checkpoint import decode_columns, encode_columns, read_file, write_file
 from ._errors import SchemaError
-from ._objects import pack, unpack
-from ._tensors import as_bytes, dtype_name, torch_dtype
+from ._meta import FieldSpec
 from ._tq_face import get_client
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
-_FORMAT = "sluice-kv/1"
+_FORMAT = "sluice-kv/2"
 _METADATA = "metadata.json"
 
 
@@ -51,7 +51,8 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     try:
         for n, (partition, tags_of) in enumerate(sorted(client.kv_list().items())):
-            (tmp / f"partition-{n}.msgpack").write_bytes(pack(_partition_record(client, partition, tags_of)))
+            header, buffers = _partition(client, partition, tags_of)
+            write_file(tmp / f"partition-{n}.bin", header, buffers)
         meta = {"format": _FORMAT, "storage_saved": True, "user_metadata": metadata or {}}
         (tmp / _METADATA).write_text(json.dumps(meta, indent=2))
         if target.exists():
@@ -85,30 +86,52 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         raise SchemaError(
             f"{source} is not a Sluice KV checkpoint (format {meta.get('format')!r}, expected {_FORMAT!r})"
         )
-    for path in sorted(source.glob("partition-*.msgpack")):
+    for path in sorted(source.glob("partition-*.bin")):
+        header, raw, offset = read_file(path, KvPartition, "a Sluice KV checkpoint partition")
+        partition, keys = header.partition, header.keys
+        groups: list[tuple[list[str], TensorDict]] = []
         try:
-            record = unpack(path.read_bytes())
-            partition, keys = record["partition"], record["keys"]
-            tags = record["tags"] if keys else None
-            groups: list[tuple[list[str], TensorDict]] = []
-            for group in record["groups"]:
-                group_keys = [keys[p] for p in group["positions"]]
-                data = {name: _column_from(col, len(group_keys)) for name, col in group["fields"].items()}
-                groups.append((group_keys, TensorDict(data, batch_size=[len(group_keys)])))
-        except (msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
+            for group in header.groups:
+                group_keys = [keys[p] for p in group.positions]
+                data, offset = decode_columns(
+                    path, group.fields, len(group_keys), group.sizes, group.lengths, raw, offset
+                )
+                groups.append((group_keys, data))
+        except (IndexError, ValueError, RuntimeError) as exc:  # positions or lengths that do not fit
             raise SchemaError(f"{path} is not a Sluice KV checkpoint partition: {exc}") from exc
+        if offset != len(raw) or len(header.tags) != len(keys):
+            raise SchemaError(f"{path} is not a Sluice KV checkpoint partition: its header does not describe it")
         current = client.kv_list(partition).get(partition, {})
         if current:
             client.kv_clear(list(current), partition)
         for group_keys, batch in groups:
             client.kv_batch_put(group_keys, partition, batch, None)
         if keys:
-            client.kv_batch_put(keys, partition, None, tags)
+            client.kv_batch_put(keys, partition, None, header.tags)
 
 
-def _partition_record(client: Any, partition: str, tags_of: dict[str, dict]) -> dict[str, Any]:
+class KvGroup(msgspec.Struct):
+    """Keys (by position) that have the same fields, and how their columns lie in the file."""
+
+    positions: list[int]
+    fields: dict[str, FieldSpec]
+    sizes: list[int]
+    lengths: dict[str, list[int]]
+
+
+class KvPartition(msgspec.Struct):
+    """The header of a partition's file: its keys, their tags, their fields by group."""
+
+    partition: str
+    keys: list[str]
+    tags: list[dict]
+    groups: list[KvGroup]
+
+
+def _partition(client: Any, partition: str, tags_of: dict[str, dict]) -> tuple[KvPartition, list[torch.Tensor]]:
     keys = list(tags_of)
-    groups: list[dict[str, Any]] = []
+    groups: list[KvGroup] = []
+    buffers: list[torch.Tensor] = []
     if keys:
         reply = client.kv_resolve(keys, partition)
         have: list[set[str]] = [set(reply.meta.fields) for _ in keys]
@@ -122,47 +145,7 @@ def _partition_record(client: Any, partition: str, tags_of: dict[str, dict]) -> 
             if not names:
                 continue
             data = client.kv_batch_get([keys[p] for p in positions], partition, sorted(names))
-            groups.append({"positions": positions, "fields": {n: _column_record(v) for n, v in data.items()}})
-    return {"partition": partition, "keys": keys, "tags": [tags_of[k] for k in keys], "groups": groups}
-
-
-def _column_record(value: Any) -> dict[str, Any]:
-    if isinstance(value, NonTensorData):
-        return {"kind": "data", "value": value.data}
-    if isinstance(value, NonTensorStack):
-        return {"kind": "stack", "values": value.tolist()}
-    if value.is_nested:
-        values = value.values()
-        return {
-            "kind": "jagged",
-            "dtype": dtype_name(value.dtype),
-            "inner": list(values.shape[1:]),
-            "offsets": value.offsets().numpy().tobytes(),
-            "values": as_bytes(values).numpy().tobytes(),
-        }
-    return {
-        "kind": "dense",
-        "dtype": dtype_name(value.dtype),
-        "shape": list(value.shape),
-        "data": as_bytes(value).numpy().tobytes(),
-    }
-
-
-def _column_from(record: dict[str, Any], n: int) -> Any:
-    kind = record["kind"]
-    if kind == "data":
-        return NonTensorData(record["value"], batch_size=[n])
-    if kind == "stack":
-        return NonTensorStack(*(NonTensorData(v) for v in record["values"]), stack_dim=0)
-    dtype = torch_dtype(record["dtype"])
-    if kind == "jagged":
-        values = _tensor(record["values"], dtype).reshape(-1, *record["inner"])
-        offsets = torch.from_numpy(np.frombuffer(record["offsets"], np.int64).copy())
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
-    return _tensor(record["data"], dtype).reshape(record["shape"])
-
-
-def _tensor(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
-    if not raw:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+            fields, sizes, lengths, columns = encode_columns(data)
+            groups.append(KvGroup(positions, fields, sizes, lengths))
+            buffers.extend(columns)
+    return KvPartition(partition, keys, [tags_of[k] for k in keys], groups), buffers

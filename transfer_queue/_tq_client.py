@@ -28,8 +28,8 @@ from ._async_client import AsyncClient
 from ._auth import Credentials
 from ._client import Client
 from ._client_core import ClientCore
-from ._drivers import CONTROLLER, Flow
 from ._errors import SchemaError
+from ._flows import CONTROLLER, Flow
 from ._kv_meta import KVBatchMeta
 from ._messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
 from ._meta import BatchMeta

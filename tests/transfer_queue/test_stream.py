@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
 import pytest
 
 import transfer_queue as tq
-from tests.helpers import rows
+from tests.helpers import eventually, rows
 
 
 def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
@@ -44,6 +45,36 @@ def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
     assert sorted(client.get_data(rest)["x"].tolist()) == list(range(8, 32))
 
 
+def test_sync_stream_reads_the_next_batch_before_it_is_taken(make_cluster):
+    """The batch after the one in hand is leased and read while the caller works (here its work
+    is a status call, which lets the prefetch advance): taking it then needs nothing from the
+    storage unit, which is stopped meanwhile; leaving early gives the prefetched lease back."""
+    cluster = make_cluster()
+    unit_proc = cluster.backend.procs[1]
+    with tq.connect(cluster.address, use_shm=False) as client:
+        client.put(rows(32))
+        client.seal()
+        batches = client.stream(["x"], 8, task="train", timeout=10)
+        batch, _meta = next(batches)
+        assert batch["x"].tolist() == list(range(8))
+        task = lambda: client.status()["partitions"]["train"]["tasks"]["train"]  # noqa: E731
+        # each status call lets the prefetch advance, until nothing the stream launched is in flight
+        read_ahead = lambda: task() and not client._ahead  # noqa: E731
+        eventually(read_ahead, 10, "the next batch's data requested before it is taken")
+        assert task()["leased"] == 16
+        unit_proc.send_signal(signal.SIGSTOP)
+        try:
+            batch, _meta = next(batches)  # the unit cannot answer: its data is already here
+        finally:
+            unit_proc.send_signal(signal.SIGCONT)
+        assert batch["x"].tolist() == list(range(8, 16))
+        eventually(read_ahead, 10, "batch 3's data requested while batch 2 is in hand")
+        batches.close()  # leave early: batch 2 nacked, the prefetched batch 3 given back
+        assert task()["leased"] == 0 and task()["consumed"] == 8
+        rest = client.get_meta(["x"], 24, task="train", timeout=5)
+        assert sorted(client.get_data(rest)["x"].tolist()) == list(range(8, 32))
+
+
 async def test_async_stream_prefetches_and_drains(cluster):
     client = await tq.connect_async(cluster.address)
     for start in range(0, 40, 8):
@@ -53,6 +84,21 @@ async def test_async_stream_prefetches_and_drains(cluster):
     async for batch, _meta in client.stream(["x"], 16, task="train", timeout=10):
         seen.extend(batch["x"].tolist())
     assert sorted(seen) == list(range(40))
+    await client.close()
+
+
+async def test_async_stream_left_early_gives_back_the_prefetched_batch(cluster):
+    client = await tq.connect_async(cluster.address)
+    await client.put(rows(32))
+    await client.seal()
+    batches = client.stream(["x"], 8, task="train", timeout=10)
+    batch, _meta = await anext(batches)
+    assert batch["x"].tolist() == list(range(8))
+    while (await client.status())["partitions"]["train"]["tasks"]["train"]["leased"] < 16:
+        pass  # each status() awaits a round trip, while the next batch is leased (and read)
+    await batches.aclose()
+    task = (await client.status())["partitions"]["train"]["tasks"]["train"]
+    assert task["leased"] == 0 and task["consumed"] == 0
     await client.close()
 
 

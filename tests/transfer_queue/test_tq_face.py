@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -205,13 +206,14 @@ def test_checkpoint_round_trip_restores_keys_tags_and_data(face, tmp_path):
 
 
 def test_load_of_a_corrupt_checkpoint_partition_is_a_schema_error(face, tmp_path):
-    from transfer_queue._objects import pack
-
     tq.kv_put("c0", "corrupt", tag={"x": 1})
+    tq.kv_batch_put(["c1"], "corrupt", TensorDict({"ids": torch.arange(4).view(1, 4)}, batch_size=[1]))
     tq.save_checkpoint(tmp_path / "ckpt")
-    first = sorted((tmp_path / "ckpt").glob("partition-*.msgpack"))[0]
+    first = sorted((tmp_path / "ckpt").glob("partition-*.bin"))[0]
+    whole = first.read_bytes()
     before = tq.kv_list()
-    for bad in (b"\xc1 not msgpack", pack({"partition": "corrupt"}), pack([1, 2])):
+    pack = msgspec.msgpack.encode
+    for bad in (b"\xc1 not msgpack", pack({"partition": "corrupt"}), pack([1, 2]), whole[:-8], whole + b"\0"):
         first.write_bytes(bad)
         with pytest.raises(tq.SchemaError, match="is not a Sluice KV checkpoint"):
             tq.load_checkpoint(tmp_path / "ckpt")
