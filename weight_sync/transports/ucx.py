@@ -10,6 +10,11 @@ What makes it fast (measured against `ucx_perftest` in `benchmarks/weight_sync.p
 - The receiver posts the receives of every piece before the first arrives, and UCX sends
   every piece eagerly (`UCX_OPTIONS`): pieces stream back to back into receives already
   waiting, with no rendezvous round trip per piece and nothing buffered as unexpected.
+- The publisher keeps up to `stream.IN_FLIGHT` sends posted per subscriber, so UCX goes from
+  one piece straight to the next instead of idling while Python learns of each completion.
+- A publisher deals its subscribers round one UCX worker per core (`_Runtime.worker`): one
+  worker's single progress thread does all of its endpoints' tcp copies, which capped two
+  subscribers at one pair's rate in total.
 - Requests complete as asyncio futures (ucxx's progress thread plus its notifier thread, one
   event loop thread per process for all transports) instead of ucxx's default of polling every
   pending request on the loop: no core spins while a transfer waits for its peer or while a
@@ -26,6 +31,7 @@ the environment says otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -141,6 +147,7 @@ class _Runtime:
             ctx = ApplicationContext(options, progress_mode="thread", enable_python_future=True)
             # ucxx starts one progress thread per event loop, ucxx's own worker's here: start this one's
             ThreadMode(ctx.worker, asyncio.get_running_loop())
+            ctx.worker.populate_python_futures_pool()  # before its notifier thread first does
             self._extra.append(ctx)
         return self._extra[index - 1]
 
@@ -172,7 +179,8 @@ _runtime = _Runtime()
 
 @register
 class UcxTransport(Transport):
-    """Pull over ucxx; one listener per publisher rank, one endpoint per peer.
+    """Pull over ucxx; per publisher rank one listener per UCX worker it serves from (subscribers
+    arrive at the first, the endpoint, and are moved to the others in turn), one endpoint per peer.
 
     `credentials` default to `SLUICE_CREDENTIALS`; with them every endpoint is authenticated both
     ways before its first request (`handshake.py`; refusals counted in `auth_refused`), and
@@ -240,6 +248,9 @@ class UcxTransport(Transport):
             if dealt:
                 port = await self._listen(dealt)
         await ep.send(np.array([port], dtype=np.uint32), tag=_MOVE_TAG)
+        if port:  # closing first could drop the message: the subscriber hangs up once it has it
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ep.recv(np.empty(1, dtype=np.uint8), tag=_MOVE_TAG), handshake.TIMEOUT)
         return not port
 
     async def _greet(self, ep: Any) -> bool:
