@@ -10,7 +10,7 @@ What makes it fast (measured against `ucx_perftest` in `benchmarks/weight_sync.p
 - The receiver posts the receives of every piece before the first arrives, and UCX sends
   every piece eagerly (`UCX_OPTIONS`): pieces stream back to back into receives already
   waiting, with no rendezvous round trip per piece and nothing buffered as unexpected.
-- The publisher keeps up to `stream.IN_FLIGHT` sends posted per subscriber, so UCX goes from
+- The publisher keeps up to `stream.IN_FLIGHT` (16) sends posted per subscriber, so UCX goes from
   one piece straight to the next instead of idling while Python learns of each completion.
 - A publisher deals its subscribers round one UCX worker per core (`_Runtime.worker`): one
   worker's single progress thread does all of its endpoints' tcp copies, which capped two
