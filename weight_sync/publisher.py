@@ -60,7 +60,7 @@ from .protocol import (
 )
 from .staging import SlotTable
 from .transports import Source, Transport, resolve
-from .transports.stream import gather, read_chunks
+from .transports.stream import Scratch, gather, read_chunks
 
 __all__ = ["WeightPublisher"]
 
@@ -394,7 +394,7 @@ class _SlotSource(Source):
             raise WeightSyncError(f"lease {request.lease} on version {request.version} is not held (expired?)")
 
         def views():  # noqa: ANN202
-            scratch: list[torch.Tensor] = []
+            scratch = Scratch()
             for read in request.reads:
                 slot.wait_filled(read.end, request.version, self.timeout)
                 for box in read_chunks(read):

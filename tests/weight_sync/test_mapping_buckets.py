@@ -16,7 +16,7 @@ from weight_sync import LLAMA, Layout, NameMapping, TPShard
 from weight_sync.buckets import ALIGN, layout_buckets, pack
 from weight_sync.plan import Read, build_plan
 from weight_sync.transports import Transport, names, register, resolve
-from weight_sync.transports.stream import read_chunks
+from weight_sync.transports.stream import IN_FLIGHT, Scratch, gather, read_chunks
 
 from .workers import local_targets, weights
 
@@ -157,6 +157,17 @@ def test_read_chunks_concatenate_to_the_box(shape, data):
     box = flat[tuple(slice(a, b) for a, b in zip(lo, hi))].reshape(-1)
     got = torch.cat([flat[tuple(slice(a, b) for a, b in zip(clo, chi))].reshape(-1) for clo, chi in chunks])
     assert torch.equal(got, box)
+
+
+def test_gathered_views_stay_valid_while_the_next_are_taken():
+    """Strided boxes are gathered into the stream's scratch; each one's bytes hold while
+    `IN_FLIGHT - 1` more are gathered (the ucx transport keeps that many sends in flight)."""
+    full = torch.arange(4 * IN_FLIGHT, dtype=torch.int16).view(4, IN_FLIGHT)
+    read = Read(0, tuple(full.shape), (0, 0), tuple(full.shape), 2)
+    scratch = Scratch()
+    views = [gather(full.view(-1).view(torch.uint8), read, ((0, k), (4, k + 1)), scratch) for k in range(IN_FLIGHT)]
+    for k, view in enumerate(views):  # one column each, none overwritten by the next
+        assert torch.equal(torch.frombuffer(view, dtype=torch.int16), full[:, k])
 
 
 def test_public_face_is_documented():

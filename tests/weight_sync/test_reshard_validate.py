@@ -10,16 +10,24 @@ import pytest
 import torch
 
 from transfer_queue._errors import WeightSyncError
-from weight_sync import TcpTransport, WeightPublisher, WeightSubscriber
+from weight_sync import TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
 
 from .harness import CTX, Subscribers, check
 from .workers import BUCKET, SHAPES, publisher, weights, zeros
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "shm",
+        "tcp",
+        pytest.param("ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")),
+    ],
+)
 def test_two_trainer_tp_ranks_feed_tp1_and_tp2_subscribers(transport):
     """Trainer TP=2 (HF names, unfused) to inference TP=1 and TP=2 (fused qkv/gate_up): each
-    subscriber pulls exactly its slices from both ranks and ends exact."""
+    subscriber pulls exactly its slices from both ranks and ends exact (over tcp and ucx, the
+    strided slices gathered on the sending side)."""
     commands = [CTX.Queue(), CTX.Queue()]
     outs = [CTX.Queue(), CTX.Queue()]
     kwargs = {"bucket_bytes": BUCKET, "world_size": 2}

@@ -1,6 +1,6 @@
 """The ucx transport's own promises, over real processes: it waits for peers without spinning a
-core, and the last transport of a process to close takes ucxx's threads with it (a new one
-starts them again)."""
+core, spreads its subscribers over several UCX workers, and the last transport of a process to
+close takes ucxx's threads with it (a new one starts them again)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import eventually
 from weight_sync import UcxTransport, WeightPublisher
+from weight_sync.transports import ucx
 
 from .harness import Subscribers, check
 from .workers import BUCKET, weights
@@ -39,6 +40,23 @@ def test_a_publisher_waiting_for_requests_spends_no_cpu():
         assert cpu < 0.2 * wall, f"the publisher's process used {cpu:.2f} s of CPU in {wall:.2f} s idle"
         (summary,) = subs.finish().values()
         check(summary, 1)
+    finally:
+        pub.close()
+
+
+def test_two_subscribers_pull_identical_exact_weights_through_different_workers():
+    """The second subscriber is moved to another worker's listener (one per core here, at most
+    `MAX_WORKERS`); both take every version exact and in place."""
+    served = UcxTransport()
+    pub = WeightPublisher(None, transport=served, bucket_bytes=BUCKET)
+    subs = Subscribers(2, pub.endpoint, "ucx")
+    try:
+        for version in (1, 2, 3):
+            pub.publish(weights(version), version)
+            subs.wait_applied(version)
+        assert len(served._listeners) == min(2, ucx._runtime.workers), "a listener per worker serving"
+        for summary in subs.finish().values():
+            check(summary, 3)
     finally:
         pub.close()
 

@@ -63,9 +63,9 @@ class Source(ABC):
 
     @abstractmethod
     def open(self, request: Pull | RelayPull) -> tuple[Iterator[memoryview], Callable[[bool], None]]:
-        """(the request's bytes as views, in `stream.read_chunks` order, each valid until the next is
-        taken; `done(ok)`, to call when the stream ended, completely or not). Raises
-        `WeightSyncError` if the request cannot be served."""
+        """(the request's bytes as views, in `stream.read_chunks` order, each valid until
+        `stream.IN_FLIGHT` more are taken; `done(ok)`, to call when the stream ended, completely
+        or not). Raises `WeightSyncError` if the request cannot be served."""
 
 
 class Transport(ABC):

@@ -10,6 +10,11 @@ What makes it fast (measured against `ucx_perftest` in `benchmarks/weight_sync.p
 - The receiver posts the receives of every piece before the first arrives, and UCX sends
   every piece eagerly (`UCX_OPTIONS`): pieces stream back to back into receives already
   waiting, with no rendezvous round trip per piece and nothing buffered as unexpected.
+- The publisher keeps up to `stream.IN_FLIGHT` (16) sends posted per subscriber, so UCX goes from
+  one piece straight to the next instead of idling while Python learns of each completion.
+- A publisher deals its subscribers round one UCX worker per core (`_Runtime.worker`): one
+  worker's single progress thread does all of its endpoints' tcp copies, which capped two
+  subscribers at one pair's rate in total.
 - Requests complete as asyncio futures (ucxx's progress thread plus its notifier thread, one
   event loop thread per process for all transports) instead of ucxx's default of polling every
   pending request on the loop: no core spins while a transfer waits for its peer or while a
@@ -26,12 +31,13 @@ the environment says otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,7 +51,7 @@ from ..layout import numel
 from ..protocol import Pull, RelayPull
 from . import handshake
 from .base import Job, Source, Transport, register
-from .stream import STATUS, decode_request, encode_request, raise_status, read_chunks, status_header
+from .stream import IN_FLIGHT, STATUS, decode_request, encode_request, raise_status, read_chunks, status_header
 
 __all__ = ["UcxTransport"]
 
@@ -58,23 +64,34 @@ UCX_OPTIONS = {"RNDV_THRESH": "inf"}
 Eager sends for every size: each piece streams at once instead of waiting for a rendezvous
 round trip, and lands in its receive, posted in advance (1.5x the throughput over tcp)."""
 
+MAX_WORKERS = 8
+"""Most UCX workers a process spreads its subscribers' endpoints over (one per core below)."""
+
 _STATUS_TAG = 1
 """Tag of a reply's status header (and error text): apart from the pieces, whose receives the
 subscriber posts before the status arrives."""
 _AUTH_TAG = 2
 """Tag of the handshake's three messages, before any request."""
+_MOVE_TAG = 3
+"""Tag of the message after the handshake: the port of the listener (of another worker) the
+subscriber is to connect to instead, or 0 to stay."""
 
 
 class _Runtime:
-    """The process's ucxx event loop thread, shared by every `UcxTransport` that is open.
+    """The process's ucxx event loop thread and UCX workers, shared by every `UcxTransport` that
+    is open.
 
-    ucxx has one context and worker per process, whose requests complete as futures of the
-    loop it was initialised on; so the transports share one loop. The first transport to use
-    it starts it and initialises ucxx (its progress thread drives UCX, its notifier thread
-    completes each request's asyncio future: ucxx's default instead has every pending request
-    poll on the loop, a busy core for as long as a publisher waits for its subscribers' next
-    request); the last to close resets ucxx and ends the threads. A process that initialised
-    ucxx itself keeps its settings and its ucxx."""
+    ucxx completes each request as a future of the loop its context was created on, so the
+    transports share one loop. The first transport to use it starts it and initialises ucxx (its
+    progress thread drives UCX, its notifier thread completes each request's asyncio future:
+    ucxx's default instead has every pending request poll on the loop, a busy core for as long as
+    a publisher waits for its subscribers' next request); the last to close resets ucxx and ends
+    the threads. A process that initialised ucxx itself keeps its settings and its ucxx.
+
+    One UCX worker moves one endpoint's bytes at a time on one progress thread, so a publisher
+    serving several subscribers spreads them over `worker(1..)`: more contexts of this process,
+    each with its own worker, progress and notifier threads, made on first need (only where this
+    runtime owns ucxx) and ended with it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -83,6 +100,14 @@ class _Runtime:
         self._users = 0
         self._owned = False
         """Whether this runtime initialised ucxx (and so resets it)."""
+        self._extra: list[Any] = []
+        """The contexts `worker(1..)` made, on this runtime's loop."""
+
+    @property
+    def workers(self) -> int:
+        """How many workers `worker` spreads endpoints over: one per core, at most `MAX_WORKERS`
+        (one, ucxx's own, in a process that initialised ucxx itself)."""
+        return min(MAX_WORKERS, os.cpu_count() or 1) if self._owned else 1
 
     def acquire(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -108,6 +133,24 @@ class _Runtime:
             self._thread.join(timeout=5)
             loop.close()
 
+    def worker(self, index: int) -> Any:
+        """The ucxx context of worker `index` (0: ucxx's own), made on first use; call on the loop."""
+        from ucxx import core
+
+        if index == 0 or index >= self.workers:
+            return core._get_ctx()
+        while len(self._extra) < index:
+            from ucxx._lib_async.application_context import ApplicationContext
+            from ucxx._lib_async.continuous_ucx_progress import ThreadMode
+
+            options = {k: os.environ.get(f"UCX_{k}", v) for k, v in UCX_OPTIONS.items()}
+            ctx = ApplicationContext(options, progress_mode="thread", enable_python_future=True)
+            # ucxx starts one progress thread per event loop, ucxx's own worker's here: start this one's
+            ThreadMode(ctx.worker, asyncio.get_running_loop())
+            ctx.worker.populate_python_futures_pool()  # before its notifier thread first does
+            self._extra.append(ctx)
+        return self._extra[index - 1]
+
     @staticmethod
     async def _init() -> bool:
         import ucxx
@@ -118,10 +161,13 @@ class _Runtime:
         ucxx.init(UCX_OPTIONS, env_takes_precedence=True, progress_mode="thread", enable_python_future=True)
         return True
 
-    @staticmethod
-    async def _reset() -> None:
+    async def _reset(self) -> None:
         import ucxx
 
+        for ctx in self._extra:  # their listeners and endpoints closed with their transports
+            ctx.stop_notifier_thread()
+            ctx.worker.stop_progress_thread()
+        self._extra.clear()
         try:
             ucxx.reset()
         except Exception as exc:  # noqa: BLE001 - an endpoint still referenced somewhere keeps ucxx alive
@@ -133,7 +179,8 @@ _runtime = _Runtime()
 
 @register
 class UcxTransport(Transport):
-    """Pull over ucxx; one listener per publisher rank, one endpoint per peer.
+    """Pull over ucxx; per publisher rank one listener per UCX worker it serves from (subscribers
+    arrive at the first, the endpoint, and are moved to the others in turn), one endpoint per peer.
 
     `credentials` default to `SLUICE_CREDENTIALS`; with them every endpoint is authenticated both
     ways before its first request (`handshake.py`; refusals counted in `auth_refused`), and
@@ -147,7 +194,11 @@ class UcxTransport(Transport):
         self.host = host
         self._key = handshake.key_of(credentials)
         self.auth_refused = 0
-        self._listener: Any = None
+        self._listeners: dict[int, Any] = {}
+        """Per worker index, its listener (worker 0's port is the endpoint subscribers are told)."""
+        self._routed = 0
+        """Subscribers dealt round the workers so far."""
+        self._source: Source | None = None
         self._peers: dict[str, Any] = {}
         self._handlers: set[asyncio.Task] = set()
         self._sources: ThreadPoolExecutor | None = None
@@ -170,19 +221,37 @@ class UcxTransport(Transport):
     def serve(self, source: Source) -> str:
         handshake.check_serve(self._key, self.host)
         self._sources = ThreadPoolExecutor(thread_name_prefix="sluice-ws-ucx-source")
+        self._source = source
+        return f"{self.host}:{self._run(self._listen(0))}"
 
-        async def listen() -> int:
-            import ucxx
+    async def _listen(self, worker: int) -> int:
+        """The port of worker `worker`'s listener, started on first need."""
+        if worker not in self._listeners:
 
             def accept(ep: Any) -> None:
-                task = asyncio.ensure_future(self._serve_ep(ep, source))
+                task = asyncio.ensure_future(self._serve_ep(ep, worker))
                 self._handlers.add(task)
                 task.add_done_callback(self._handlers.discard)
 
-            self._listener = ucxx.create_listener(accept, port=0, endpoint_error_handling=True)
-            return self._listener.port
+            ctx = _runtime.worker(worker)
+            self._listeners[worker] = ctx.create_listener(accept, port=0, endpoint_error_handling=True)
+        return self._listeners[worker].port
 
-        return f"{self.host}:{self._run(listen())}"
+    async def _route(self, ep: Any, worker: int) -> bool:
+        """Tell an admitted subscriber where to pull from; True if it stays on this endpoint.
+        Subscribers arrive at worker 0's listener (the endpoint) and are dealt round the workers
+        in turn, each but worker 0's told the port of that worker's listener."""
+        port = 0
+        if worker == 0:
+            dealt = self._routed % _runtime.workers
+            self._routed += 1
+            if dealt:
+                port = await self._listen(dealt)
+        await ep.send(np.array([port], dtype=np.uint32), tag=_MOVE_TAG)
+        if port:  # closing first could drop the message: the subscriber hangs up once it has it
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ep.recv(np.empty(1, dtype=np.uint8), tag=_MOVE_TAG), handshake.TIMEOUT)
+        return not port
 
     async def _greet(self, ep: Any) -> bool:
         """Server side of the handshake; False if the peer failed it."""
@@ -198,8 +267,8 @@ class UcxTransport(Transport):
         await ep.send(np.frombuffer(proof, dtype=np.uint8), tag=_AUTH_TAG)
         return True
 
-    async def _serve_ep(self, ep: Any, source: Source) -> None:
-        loop = asyncio.get_running_loop()
+    async def _serve_ep(self, ep: Any, worker: int) -> None:
+        source = self._source
         try:
             try:
                 admitted = await self._greet(ep)
@@ -207,6 +276,8 @@ class UcxTransport(Transport):
                 admitted = False
             if not admitted:
                 self.auth_refused += 1
+                return
+            if not await self._route(ep, worker):
                 return
             while True:
                 head = np.empty(1, dtype=np.uint64)
@@ -221,9 +292,7 @@ class UcxTransport(Transport):
                 ok = False
                 try:
                     await self._send_status(ep, None)
-                    # each view is valid until the next is taken: send one, then take the next
-                    while (view := await loop.run_in_executor(self._sources, next, views, None)) is not None:
-                        await ep.send(np.frombuffer(view, dtype=np.uint8))
+                    await self._send_views(ep, views)
                     ok = True
                 finally:
                     done(ok)
@@ -232,6 +301,24 @@ class UcxTransport(Transport):
         finally:
             if not ep.closed:
                 await ep.close()
+
+    async def _send_views(self, ep: Any, views: Iterator[memoryview]) -> None:
+        """Send each view as one message, keeping up to `IN_FLIGHT` sends posted (as many as the
+        `Source` keeps valid): the worker goes from one piece straight to the next instead of
+        idling while this loop learns of a completion and takes the next view."""
+        loop = asyncio.get_running_loop()
+        posted: deque[asyncio.Future] = deque()
+        try:
+            while (view := await loop.run_in_executor(self._sources, next, views, None)) is not None:
+                posted.append(asyncio.ensure_future(ep.send(np.frombuffer(view, dtype=np.uint8))))
+                if len(posted) == IN_FLIGHT:  # the next view taken may reuse the oldest's memory
+                    await posted.popleft()
+            while posted:
+                await posted.popleft()
+        finally:  # a failed send: the others end with the endpoint, closed by the handler
+            for send in posted:
+                send.cancel()
+            await asyncio.gather(*posted, return_exceptions=True)
 
     @staticmethod
     async def _send_status(ep: Any, exc: BaseException | None) -> None:
@@ -248,16 +335,10 @@ class UcxTransport(Transport):
         return self._run(self._pull(job, Pull(job.grant.lease, job.version, job.reads)))
 
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
-        import ucxx
-
         try:
             ep = self._peers.get(job.endpoint)
             if ep is None or ep.closed:
-                host, port = job.endpoint.rsplit(":", 1)
-                ep = self._peers[job.endpoint] = await _bounded(
-                    ucxx.create_endpoint(host, int(port), endpoint_error_handling=True), job
-                )
-                await self._join(ep, job)
+                ep = self._peers[job.endpoint] = await self._connect(job)
             body = encode_request(request)
             await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
             await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
@@ -270,6 +351,27 @@ class UcxTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - ucxx raises its own hierarchy
             await self._drop(job.endpoint)
             raise WeightSyncError(f"ucx transfer from {job.endpoint} failed: {exc}") from exc
+
+    async def _connect(self, job: Job) -> Any:
+        """An authenticated endpoint to the worker the publisher rank routes this subscriber to:
+        its endpoint's listener, or the one whose port that listener answers with."""
+        import ucxx
+
+        host, port = job.endpoint.rsplit(":", 1)
+        for _ in range(2):  # the endpoint, then at most the worker it moves this subscriber to
+            ep = await _bounded(ucxx.create_endpoint(host, int(port), endpoint_error_handling=True), job)
+            try:
+                await self._join(ep, job)
+                moved = np.empty(1, dtype=np.uint32)
+                await _bounded(ep.recv(moved, tag=_MOVE_TAG), job)
+            except BaseException:
+                await ep.close()
+                raise
+            if not moved[0]:
+                return ep
+            await ep.close()
+            port = str(moved[0])
+        raise WeightSyncError(f"{job.endpoint} moved this subscriber on twice (not a Sluice ucx endpoint?)")
 
     async def _join(self, ep: Any, job: Job) -> None:
         """Client side of the handshake; `WeightSyncError` saying why it failed."""
@@ -341,9 +443,9 @@ class UcxTransport(Transport):
             for task in handlers:
                 task.cancel()
             await asyncio.gather(*handlers, return_exceptions=True)  # their endpoints closed
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
+            for listener in self._listeners.values():
+                listener.close()
+            self._listeners.clear()
 
         self._run(shutdown())
         self._loop = None
