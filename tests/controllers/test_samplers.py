@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controllers.placement import place_rows
+from controllers.placement import PART_BYTES, place_rows
 from controllers.samplers import FifoSampler, GroupSampler, SampleView, SeqlenBalancedSampler
 from transfer_queue import SchemaError
 
@@ -45,11 +45,14 @@ def test_seqlen_balanced_is_a_permutation_with_equal_counts(lengths, dp):
 )
 def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_bytes):
     units = place_rows(used, n, row_bytes)
-    assert len(units) == n
-    assert set(units.tolist()) == {min(used, key=lambda k: (used[k], k))}, "a put goes whole to the emptiest unit"
-    # without room there, it is spread
-    emptiest = units[0]
-    units = place_rows(used, n, row_bytes, {k: n * row_bytes - (k == emptiest) for k in used})
+    assert len(units) == n and np.all(np.diff(units) >= 0)
+    parts = max(1, min(len(used), n * row_bytes // PART_BYTES))
+    emptiest = sorted(used, key=lambda k: (used[k], k))[:parts]
+    assert set(units.tolist()) <= set(emptiest), "a put fills the emptiest units, one per part"
+    if parts == 1:
+        assert set(units.tolist()) == set(emptiest), "a small put goes whole to the emptiest unit"
+    # without room there, every unit takes a share
+    units = place_rows(used, n, row_bytes, {k: n * row_bytes - (k in emptiest) for k in used})
     assert len(units) == n
     assert np.all(np.diff(units) >= 0), "contiguous runs per unit"
     after = {k: used[k] + row_bytes * int(np.sum(units == k)) for k in used}
