@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["place_rows"]
+__all__ = ["PART_BYTES", "place_rows"]
 
 
 PART_BYTES = 16 << 20
