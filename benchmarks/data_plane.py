@@ -249,17 +249,23 @@ def first_batch(client: tq.Client, producer: Producer, micro: int, trials: int, 
     return {"to_meta_s": to_meta[1:], "to_data_s": to_data[1:]}
 
 
+SMALL = 8
+"""Samples of the small put (1 KiB each): its latency is mostly round trips, not bytes."""
+
+
 def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
-    """Seconds one put of `n` new samples takes (each cleared after), one at a time; and one put
-    of a new 1 KiB-per-sample column for `n` existing samples (`put(td, meta=meta)`)."""
+    """Seconds one put of `n` new samples takes (each cleared after), one at a time, and one of
+    `SMALL` samples of 1 KiB (x 8 as many); and one put of a new 1 KiB-per-sample column for `n`
+    existing samples (`put(td, meta=meta)`)."""
     partition = part_name(f"lat-p{n}")
+    rows, small, columns = [], [], []
+    for td, out, times in ((make_batch(n, seed=n), rows, trials), (_small(), small, 8 * trials)):
+        for _ in range(times + 1):  # the first warms up
+            t0 = time.perf_counter()
+            meta = client.put(td, partition=f"{partition}-{td.batch_size[0]}")
+            out.append(time.perf_counter() - t0)
+            client.clear(meta)
     td = make_batch(n, seed=n)
-    rows, columns = [], []
-    for _ in range(trials + 1):  # the first warms up
-        t0 = time.perf_counter()
-        meta = client.put(td, partition=partition)
-        rows.append(time.perf_counter() - t0)
-        client.clear(meta)
     meta = client.put(td, partition=partition)
     for i in range(trials + 1):
         column = TensorDict({f"col{i}": torch.zeros(n, 256)}, batch_size=[n])
@@ -267,7 +273,11 @@ def put_latency(client: tq.Client, trials: int, n: int = 64) -> dict[str, Any]:
         client.put(column, meta=meta)
         columns.append(time.perf_counter() - t0)
     client.clear(meta)
-    return {"put_s": rows[1:], "put_columns_s": columns[1:], "n": n}
+    return {"put_s": rows[1:], "put_small_s": small[1:], "put_columns_s": columns[1:], "n": n}
+
+
+def _small() -> TensorDict:
+    return TensorDict({"x": torch.ones(SMALL, 256)}, batch_size=[SMALL])
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -488,9 +498,13 @@ def report(record: dict[str, Any]) -> None:
             rows.append([path, micro, rec["p50_ms"], rec["p99_ms"], rec["n"]])
     print_table("get_meta round trip of a ready batch (ms)", ["path", "micro", "p50", "p99", "calls"], rows)
     rows = [
-        [r["path"], what, r["n"], median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
+        [r["path"], what, n, median(r[key]) * 1e3, percentile(r[key], 90) * 1e3, len(r[key])]
         for r in record["put_latency"]
-        for what, key in (("new samples", "put_s"), ("new column", "put_columns_s"))
+        for what, key, n in (
+            ("new samples", "put_s", r["n"]),
+            ("new samples, 1 KiB", "put_small_s", SMALL),
+            ("new column", "put_columns_s", r["n"]),
+        )
     ]
     print_table("Latency of one put, one at a time (ms)", ["path", "put of", "samples", "p50", "p90", "puts"], rows)
     targets(record)
