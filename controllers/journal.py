@@ -10,8 +10,8 @@ so a machine crash loses at most the last second; a process crash loses nothing 
 On start the controller replays the file (`replay`): storage units (which keep serving while
 the controller is down, and are pinged and retired as usual if they died too), placed and
 committed rows, readiness of every field, per-task consumption, seals, cleared partitions, the
-version and the next sample index. A torn last record (the process died mid-write) is cut off.
-the keys and tags of the TransferQueue face. Not journaled, like a checkpoint: leases (leased
+keys and tags of the TransferQueue face, the version and the next sample index. A torn last
+record (the process died mid-write) is cut off. Not journaled, like a checkpoint: leases (leased
 samples are delivered again), admission grants (producers acquire again), parked requests and
 stale-requeue marks.
 

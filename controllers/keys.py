@@ -121,6 +121,8 @@ class KeyService:
         """Give `keys` to rows already in the table (journal replay)."""
         index = self._index(partition, True)
         for key, gidx in zip(keys, indexes):
+            if key in index.index:  # put again after its row was freed: the old entry goes
+                index.drop(key)
             index.add(key, gidx)
 
     def live(self) -> dict[str, KeyIndex]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from transfer_queue._errors import CapacityError, SchemaError, SealedError, SluiceError, TimeoutError
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, SluiceError, TimeoutError
 from transfer_queue._messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
 from transfer_queue.rpc import MAX_BATCH, error_from_code
 
@@ -74,6 +74,7 @@ class Puts:
         self.open: dict[int, _OpenPut] = {}
         self.intake = Intake()
         self.expired = 0
+        self.reports_refused = 0
         self.samples = 0
         """Samples committed as new rows."""
         self._ended: OrderedDict[int, SluiceError] = OrderedDict()
@@ -137,16 +138,43 @@ class Puts:
 
     def on_write_landed(self, msg: WriteLanded, data) -> None:
         """A unit's report of a put's write: stored, or failed (which ends the put). A notice:
-        answered only when refused.
+        answered only when refused. A report is taken only when its rows are exactly the open
+        put's rows on that unit (a write of part of them must not commit the put, a stray one
+        must not end it). Rows stored after their put ended (aborted, sealed, expired, another
+        unit failed) are freed on that unit again: its `Free` may have come before them.
 
         Raises:
-            ProtocolError: the report does not carry the cluster secret (counted with refused
-                registrations)."""
-        self.ctl.links.authenticate(msg.secret, f"a write report of storage unit {msg.unit_id}")
+            ProtocolError: the report does not carry the cluster secret (`reports_refused`)."""
+        try:
+            self.ctl.links.authenticate(msg.secret, f"a write report of storage unit {msg.unit_id}")
+        except ProtocolError:
+            self.reports_refused += 1
+            raise
+        put = self.open.get(msg.put)
+        if put is None or put.partition != msg.partition:
+            if not msg.code:
+                self._free_stray(msg)
+            return
+        part = self.ctl.partitions[put.partition]
+        rows = part.rows_of(range(put.first, put.first + put.n), alive=False)
+        if sorted(msg.indexes) != part.gidx[rows[part.unit[rows] == msg.unit_id]].tolist():
+            return  # not this put's write on that unit
         if msg.code:
             self.end(msg.put, error_from_code(msg.code, msg.message))
         else:
             self.landed(msg.put, msg.unit_id)
+
+    def _free_stray(self, msg: WriteLanded) -> None:
+        """Free on the unit the rows of a report that belong to no open put and are not alive."""
+        part = self.ctl.partitions.get(msg.partition)
+        stray = msg.indexes
+        if part is not None and part.n:
+            idx = np.asarray(msg.indexes, np.int64)
+            rows = np.minimum(np.searchsorted(part.gidx[: part.n], idx), part.n - 1)
+            alive = (part.gidx[rows] == idx) & part.alive[rows]
+            stray = idx[~alive].tolist()
+        if stray:
+            self.ctl.links.tell_free(msg.partition, {msg.unit_id: stray})
 
     def landed(self, first: int, unit_id: int) -> None:
         """`unit_id` reported the write of open put `first` stored; a commit waiting for the last

@@ -364,6 +364,7 @@ class Controller(Service):
                 puts_expired=self.puts.expired,
                 samples_lost=self.links.samples_lost,
                 registrations_refused=self.links.registrations_refused,
+                reports_refused=self.puts.reports_refused,
                 auth_refused=self.auth_refused,
                 requests_served=self.served,
                 requests_rejected=self.rejected,

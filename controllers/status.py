@@ -129,6 +129,8 @@ class Counters(msgspec.Struct):
     samples_lost: int
     """Samples whose storage unit died."""
     registrations_refused: int
+    reports_refused: int
+    """Put-write reports (`WriteLanded`) without the cluster secret."""
     auth_refused: int
     requests_served: int
     requests_rejected: int

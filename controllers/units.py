@@ -59,7 +59,11 @@ class UnitLinks:
 
         Raises `ProtocolError` (counted) without the cluster secret: nobody else may add a unit
         or replace a live one, and with it redirect clients' data."""
-        self.authenticate(msg.secret, f"RegisterUnit of unit {msg.unit.unit_id}")
+        try:
+            self.authenticate(msg.secret, f"RegisterUnit of unit {msg.unit.unit_id}")
+        except ProtocolError:
+            self.registrations_refused += 1
+            raise
         self.add(msg.unit)
         return Ok()
 
@@ -67,9 +71,8 @@ class UnitLinks:
         """Check that a unit's message carries the cluster secret.
 
         Raises:
-            ProtocolError: it does not (counted in `registrations_refused`)."""
+            ProtocolError: it does not."""
         if not hmac.compare_digest(secret.encode(), self._secret.encode()):
-            self.registrations_refused += 1
             raise ProtocolError(
                 f"{what} refused: it does not carry this cluster's secret (start units with SLUICE_SECRET set to it)"
             )

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import zmq
 
 from transfer_queue._errors import ServiceError, SluiceError, TimeoutError
-from transfer_queue._messages import RegisterUnit, Reply, UnitInfo
+from transfer_queue._messages import Ok, RegisterUnit, Reply, UnitInfo
 from transfer_queue._sizes import parse_bytes
 from transfer_queue.host import host_id, keep_freed_memory, reachable
 from transfer_queue.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
@@ -75,8 +75,9 @@ async def register(
 
 
 def _refused(reply: object) -> None:
-    """The controller answers a posted report only to refuse it."""
-    log.warning("the controller refused a report of this unit: %s", reply)
+    """The controller answers a posted report only to refuse it (an `Ok` answers a `Cancel`)."""
+    if not isinstance(reply, Ok):
+        log.warning("the controller refused a report of this unit: %s", reply)
 
 
 def build_parser() -> argparse.ArgumentParser:

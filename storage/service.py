@@ -143,6 +143,9 @@ class StorageUnit(Service):
         except SluiceError as exc:
             self._land(msg, exc)
             raise
+        except Exception as exc:  # noqa: BLE001 - reported as what the service answers with
+            self._land(msg, ServiceError(f"storage unit {self.unit_id} failed the write: {type(exc).__name__}: {exc}"))
+            raise
         if msg.put < 0 or not isinstance(handled, Ticket):
             return handled
         return self._reported(msg, handled)
@@ -164,13 +167,16 @@ class StorageUnit(Service):
 
     def _land(self, msg: Write, error: SluiceError | None = None) -> None:
         """Tell the controller how a put's write ended (new columns need no report), once the
-        handler returned: its commit lets the controller admit the next put to this unit, whose
-        frames must not arrive while this write's are still held (see `_LATE_REPLY_BYTES`)."""
+        handler returned and with it the last reference to the write's frames: the report lets
+        the controller commit the put and admit the next one to this unit, whose frames must not
+        arrive while this write's are still held (what `_LATE_REPLY_BYTES` does for replies). A
+        write refused before its handler ran (undecodable) cannot be reported: its put ends at
+        its producer's commit timeout."""
         if msg.put < 0 or self._controller is None:
             return
         channel, secret = self._controller
         code, message = ("", "") if error is None else (error.code, str(error))
-        report = WriteLanded(self.unit_id, msg.partition, msg.put, secret, code, message)
+        report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
         asyncio.get_running_loop().call_soon(channel.post, report)
 
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled | None] | None:
@@ -205,10 +211,9 @@ class StorageUnit(Service):
             return self._reserve(msg, chunks)
         try:
             self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
-        except SchemaError as exc:
+        except SchemaError:
             self.space.release(chunks)
-            self._land(msg, exc)
-            raise
+            raise  # reported by whoever called (`_on_write`, `_reported`)
         array = self.arena.array
         for chunk, frame in zip(chunks, frames):
             if chunk.nbytes:

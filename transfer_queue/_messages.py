@@ -169,13 +169,15 @@ class CommitPut(_Msg, tag="commit_put"):
 
 
 class WriteLanded(_Msg, tag="write_landed"):
-    """From a storage unit: its write of open put `put` (`Write.put`) was stored (`code` empty)
-    or failed with the error `code`/`message`. A notice: the controller answers only a refusal.
-    Carries the cluster secret: nobody else may declare a put's bytes in place."""
+    """From a storage unit: its write of `indexes` for open put `put` (`Write.put`) was stored
+    (`code` empty) or failed with the error `code`/`message`. A notice: the controller answers
+    only a refusal. Carries the cluster secret, so only a unit can report; the controller takes a
+    report only when `indexes` are exactly the put's rows on that unit."""
 
     unit_id: int
     partition: str
     put: int
+    indexes: list[int]
     secret: str
     code: str = ""
     message: str = ""

@@ -17,6 +17,8 @@ from transfer_queue._messages import (
     ClearPartition,
     ClusterConfig,
     CommitPut,
+    KvClear,
+    KvKeys,
     KvResolve,
     KvTag,
     Ok,
@@ -68,7 +70,8 @@ def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
     return plan
 
 
-async def _fill(ctl: Controller) -> None:
+async def _fill(ctl: Controller) -> list[int]:
+    """Changes of every kind; returns the indexes of a key's freed row (the key was put again)."""
     ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
     ctl.on_set_version(SetVersion(2), [])
     for part in ("a", "b"):
@@ -78,9 +81,14 @@ async def _fill(ctl: Controller) -> None:
     keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
     ctl.keys.on_tag(KvTag("k", ["p1"], [{"status": "finished", "n": 2}]), [])
     ctl.puts.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
+    ctl.keys.on_clear(KvClear("k", ["p2"]), [])  # no such key: ignored
+    gone = ctl.keys.on_resolve(KvResolve("k", ["p3"], create=True), []).meta.indexes
+    ctl.keys.on_clear(KvClear("k", ["p3"]), [])
+    ctl.keys.on_resolve(KvResolve("k", ["p3"], create=True), [])  # the key again, on a new row
     ctl.puts.on_begin_put(BeginPut("a", SPECS, 2, 8), [])  # placed, never committed: freed on replay
     ctl.on_ack(Ack("a", "t", [0, 1, 2]), [])
     ctl.on_seal(Seal("b"), [])
+    return gone
 
 
 def _stop(ctl: Controller) -> None:
@@ -95,7 +103,7 @@ def _stop(ctl: Controller) -> None:
 async def test_replay_restores_the_tables(tmp_path) -> None:
     path = tmp_path / "j"
     ctl = _controller(path)
-    await _fill(ctl)
+    gone = await _fill(ctl)
     before = _state(ctl)
     _stop(ctl)
     again = _controller(path)
@@ -108,7 +116,9 @@ async def test_replay_restores_the_tables(tmp_path) -> None:
     before["a"]["v"] = tuple(v[:-2] for v in before["a"]["v"])
     before["bytes"] = {0: before["bytes"][0] - 16}
     assert after == before
-    assert sorted(after["keys"]["k"]) == ["p0", "p1"], "the key index of the TransferQueue face came back"
+    assert sorted(after["keys"]["k"]) == ["p0", "p1", "p3"], "the key index of the TransferQueue face came back"
+    with pytest.raises(SchemaError):  # the freed row of a key put again has no key any more
+        again.keys.on_keys(KvKeys("k", gone), [])
     assert after["b"]["sealed"] and after["version"] == 2 and after["a"]["consumed"]["t"][:4] == [True] * 3 + [False]
     _stop(again)
 

@@ -10,8 +10,10 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.faults import eventually, unit_status
 from tests.peers import ask, peer
 from transfer_queue._messages import (
+    AbortPut,
     BeginPut,
     CommitPut,
     ErrorReply,
@@ -93,11 +95,11 @@ def test_a_write_report_needs_the_cluster_secret(make_cluster):
         controller = peer(cluster.address)
         plan = controller.call(BeginPut("train", SPEC, 2, 16))
         commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
-        forged = ask(controller, WriteLanded(0, "train", plan.indexes[0], "guess"))
+        forged = ask(controller, WriteLanded(0, "train", plan.indexes[0], plan.indexes, "guess"))
         assert isinstance(forged, ErrorReply) and forged.code == "protocol", forged
         assert controller.ready(commit) is None
         status = client.status()
-        assert status["partitions"]["train"]["committed"] == 0 and status["counters"]["registrations_refused"] == 1
+        assert status["partitions"]["train"]["committed"] == 0 and status["counters"]["reports_refused"] == 1
         unit = peer(client.units[0].address)
         unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
         assert controller.reply(commit, 10)[0] == Ok()
@@ -122,5 +124,48 @@ def test_a_failed_write_ends_the_put(make_cluster):
         status = client.status()
         assert status["partitions"]["train"]["samples"] == 0 and status["counters"]["open_puts"] == 0
         assert status["bytes"] == 0
+        unit.close()
+        controller.close()
+
+
+def test_a_write_of_part_of_a_put_does_not_commit_it(make_cluster):
+    """A unit's report counts only when it covers exactly the put's rows on that unit: a write
+    of one of two rows leaves the commit waiting (no consumer may see a row without its bytes)."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 2, 16))
+        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        unit = peer(client.units[0].address)
+        unit.post(Write("train", plan.indexes[:1], SPEC, put=plan.indexes[0]), [np.zeros(4, np.float32)])
+        eventually(lambda: unit_status(client.units[0].address)["rows"].get("train") == 1, 10, "the part stored")
+        status = controller.call(Status()).status  # after the partial write's report, if it counted
+        assert controller.ready(commit) is None and status["partitions"]["train"]["committed"] == 0
+        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        assert controller.reply(commit, 10)[0] == Ok()
+        unit.close()
+        controller.close()
+
+
+def test_a_write_that_lands_after_its_put_ended_is_freed(make_cluster):
+    """The producer does not wait for its writes, so an abort (or a seal, another unit's failure)
+    can free the rows before their bytes arrive: the unit's late report makes the controller
+    free them there again, and nothing is left."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 2, 16))
+        controller.call(AbortPut("train", plan.indexes))
+        address = client.units[0].address
+        served = unit_status(address)["served"]
+        unit = peer(address)
+        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+
+        def freed_after_it_landed() -> bool:
+            now = unit_status(address)  # the write, then the controller's Free again, were served
+            return now["served"] >= served + 3 and now["used"] == 0 and not now["rows"].get("train")
+
+        eventually(freed_after_it_landed, 10, "the late write freed")
+        assert client.status()["bytes"] == 0
         unit.close()
         controller.close()

@@ -83,6 +83,9 @@ class AsyncChannel(_Peer):
         except zmq.Again:
             self._waiting.pop(rid, None)
             raise self._unreachable() from None
+        except BaseException:  # cancelled, or the channel closed underneath
+            self._waiting.pop(rid, None)
+            raise
         return rid
 
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
@@ -156,6 +159,7 @@ class AsyncChannel(_Peer):
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self.lost(f"the channel to {self.name} was closed"))
+                fut.exception()  # retrieved: whoever still awaits it gets it, nobody else is warned
 
 
 def _retrieve(sent: asyncio.Future) -> None:
