@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from controllers.placement import PART_BYTES, place_rows
@@ -43,6 +43,7 @@ def test_seqlen_balanced_is_a_permutation_with_equal_counts(lengths, dp):
 @given(
     st.dictionaries(st.integers(0, 3), st.integers(0, 10**6), min_size=1), st.integers(1, 1000), st.integers(1, 10**5)
 )
+@example(used={0: 0, 1: 0, 2: 0}, n=503, row_bytes=66709)  # a put of two parts
 def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_bytes):
     units = place_rows(used, n, row_bytes)
     assert len(units) == n and np.all(np.diff(units) >= 0)
@@ -51,8 +52,8 @@ def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_byte
     assert set(units.tolist()) <= set(emptiest), "a put fills the emptiest units, one per part"
     if parts == 1:
         assert set(units.tolist()) == set(emptiest), "a small put goes whole to the emptiest unit"
-    # without room there, every unit takes a share
-    units = place_rows(used, n, row_bytes, {k: n * row_bytes - (k in emptiest) for k in used})
+    # without room in those, every unit takes a share
+    units = place_rows(used, n, row_bytes, {k: 0 if k in emptiest else n * row_bytes for k in used})
     assert len(units) == n
     assert np.all(np.diff(units) >= 0), "contiguous runs per unit"
     after = {k: used[k] + row_bytes * int(np.sum(units == k)) for k in used}
