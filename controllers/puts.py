@@ -168,11 +168,9 @@ class Puts:
         """Free on the unit the rows of a report that belong to no open put and are not alive."""
         part = self.ctl.partitions.get(msg.partition)
         stray = msg.indexes
-        if part is not None and part.n:
-            idx = np.asarray(msg.indexes, np.int64)
-            rows = np.minimum(np.searchsorted(part.gidx[: part.n], idx), part.n - 1)
-            alive = (part.gidx[rows] == idx) & part.alive[rows]
-            stray = idx[~alive].tolist()
+        if part is not None:
+            rows, known = part.locate(msg.indexes)
+            stray = np.asarray(msg.indexes)[~(known & part.alive[rows])].tolist()
         if stray:
             self.ctl.links.tell_free(msg.partition, {msg.unit_id: stray})
 

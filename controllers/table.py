@@ -113,12 +113,18 @@ class Partition:
             task.grow(capacity)
         self.capacity = capacity
 
+    def locate(self, indexes: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row numbers of global `indexes`, and which of them this partition has (the others'
+        row numbers mean nothing)."""
+        idx = np.asarray(indexes, dtype=np.int64)
+        rows = np.minimum(np.searchsorted(self.gidx[: self.n], idx), max(self.n - 1, 0))
+        return rows, (self.n > 0) & (self.gidx[rows] == idx)
+
     def rows_of(self, indexes: list[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
         """Row numbers of global `indexes`; `SchemaError` names any index this partition lacks."""
         idx = np.asarray(indexes, dtype=np.int64)
-        rows = np.searchsorted(self.gidx[: self.n], idx)
-        rows = np.minimum(rows, max(self.n - 1, 0))
-        bad = (self.n == 0) | (self.gidx[rows] != idx)
+        rows, known = self.locate(idx)
+        bad = ~known
         if alive:
             bad |= ~self.alive[rows]
         if np.any(bad):

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
+from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, TimeoutError
 from transfer_queue._messages import (
     CommitWrite,
     Free,
@@ -39,7 +39,7 @@ from transfer_queue._messages import (
     WriteLanded,
     WriteReply,
 )
-from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service
+from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
 
 from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
 from .space import SpaceQueue, Ticket
@@ -140,11 +140,8 @@ class StorageUnit(Service):
         ended to the controller (`_land`), and its producer hears only a refusal."""
         try:
             handled = self._write(msg, frames)
-        except SluiceError as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as the service answers it, then raised
             self._land(msg, exc)
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported as what the service answers with
-            self._land(msg, ServiceError(f"storage unit {self.unit_id} failed the write: {type(exc).__name__}: {exc}"))
             raise
         if msg.put < 0 or not isinstance(handled, Ticket):
             return handled
@@ -154,7 +151,7 @@ class StorageUnit(Service):
         """A put's write waiting for space: its failure or withdrawal is reported too."""
         try:
             return await ticket
-        except SluiceError as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as the service answers it, then raised
             self._land(msg, exc)
             raise
         except asyncio.CancelledError:
@@ -165,7 +162,7 @@ class StorageUnit(Service):
         """Report the outcome of put writes to `controller` (the channel the unit registered on)."""
         self._controller = controller, secret
 
-    def _land(self, msg: Write, error: SluiceError | None = None) -> None:
+    def _land(self, msg: Write, error: BaseException | None = None) -> None:
         """Tell the controller how a put's write ended (new columns need no report), once the
         handler returned and with it the last reference to the write's frames: the report lets
         the controller commit the put and admit the next one to this unit, whose frames must not
@@ -175,7 +172,8 @@ class StorageUnit(Service):
         if msg.put < 0 or self._controller is None:
             return
         channel, secret = self._controller
-        code, message = ("", "") if error is None else (error.code, str(error))
+        failed = None if error is None else error_reply(error)  # what the producer is answered
+        code, message = ("", "") if failed is None else (failed.code, failed.message)
         report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
         asyncio.get_running_loop().call_soon(channel.post, report)
 

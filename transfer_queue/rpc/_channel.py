@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from .._auth import Credentials
 from .._errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code

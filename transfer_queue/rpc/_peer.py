@@ -6,7 +6,6 @@ import itertools
 import time
 
 import zmq
-import zmq.asyncio
 
 from .._auth import Credentials, secure_client
 from .._errors import SluiceError
