@@ -290,9 +290,11 @@ class Puts:
         return put
 
     def _close(self, put: _OpenPut) -> None:
-        """Take a put off the clock and out of the frame window (committed or ended)."""
+        """Take a put off the clock and out of the frame window (committed or ended). A closed
+        put waits for no report: a commit whose task has not started yet must not wait either."""
         del self.open[put.first]
         put.timer.cancel()
+        put.unlanded.clear()
         if put.landed is not None and not put.landed.done():
             put.landed.set_result(None)
         self.intake.closed(put.framed)
