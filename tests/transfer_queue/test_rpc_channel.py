@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 
 import pytest
 import zmq
@@ -11,7 +13,7 @@ import zmq.asyncio
 from tests.helpers import eventually_async
 from transfer_queue._errors import SchemaError, ServiceError
 from transfer_queue._messages import Free, Read, Reply, StorageRequest, UnitStatus
-from transfer_queue.rpc import AsyncChannel, Channel, Codec, Ok, Ping, Service
+from transfer_queue.rpc import AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
 
 
 async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
@@ -113,3 +115,31 @@ async def test_notices_get_no_answer_and_a_refusal_is_dropped():
         channel.close()
         service.stop()
         await serving
+
+
+async def test_a_request_withdrawn_before_its_handler_starts_is_closed_unanswered():
+    """A parked request and its `Cancel` read in one drain: the handler's coroutine is cancelled
+    before its first step, is closed (never left "never awaited"), and gets no answer."""
+    service = _Parked()
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    requests, replies = Codec(StorageRequest), Codec(Reply)
+    raw.connect(service.address)
+    # queued before the connection is up, so they travel in one batch and arrive together
+    await raw.send_multipart(requests.encode(1, Read("p", [0], ["x"])))
+    await raw.send_multipart(requests.encode(2, Cancel(1)))
+    await asyncio.wait_for(service.sock.poll(), 10)  # both are in the service's queue: serve now
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        serving = asyncio.ensure_future(service.serve())
+        try:
+            await raw.send_multipart(requests.encode(3, UnitStatus()))
+            answers = [replies.decode(await asyncio.wait_for(raw.recv_multipart(), 10))[:2] for _ in range(2)]
+            assert [rid for rid, _ in answers] == [2, 3], "the withdrawn request got an answer"
+            assert service.parked == [] and service._tasks == {}  # never started, and forgotten
+        finally:
+            raw.close()
+            service.stop()
+            await serving
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]

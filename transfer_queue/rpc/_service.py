@@ -162,21 +162,25 @@ class Service:
         if result is None:  # a notice, taken
             self.served += 1
         elif inspect.isawaitable(result):
+            # the handler's coroutine is the task: a `Cancel` that comes before its first step
+            # still closes it (a wrapper task cancelled that early would leave it never awaited)
             key = (identity.bytes, request_id)
-            task = asyncio.ensure_future(self._finish(identity, request_id, result))
+            task = asyncio.ensure_future(result)
             self._tasks[key] = task
-            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+            task.add_done_callback(lambda done: self._finish(key, identity, request_id, done))
         else:
             self._reply(identity, request_id, result)
 
-    async def _finish(self, identity: Any, request_id: int, pending: Awaitable[Handled | None]) -> None:
-        try:
-            result = await pending
-        except asyncio.CancelledError:
-            return  # withdrawn by the client (Cancel) or the service is stopping: no answer
-        except Exception as exc:  # noqa: BLE001
-            result = error_reply(exc)
-        if result is not None:  # None: a notice, taken
+    def _finish(self, key: tuple[bytes, int], identity: Any, request_id: int, task: asyncio.Future) -> None:
+        """Answer a parked request once its task is done: with its result, or its error as an
+        `ErrorReply`; nothing when it was withdrawn (`Cancel`), the service stopped, or it
+        took a notice (None)."""
+        self._tasks.pop(key, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        result = task.result() if exc is None else error_reply(exc)
+        if result is not None:
             self._reply(identity, request_id, result)
 
     def _reply(self, identity: Any, request_id: int, result: Handled) -> None:
