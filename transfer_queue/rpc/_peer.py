@@ -9,7 +9,7 @@ import zmq
 
 from .._auth import Credentials, secure_client
 from .._errors import SluiceError
-from ._codec import PROBE_AFTER, Codec
+from ._codec import PROBE_AFTER, SOCKET_BUFFER_BYTES, Codec
 
 
 class _Peer:
@@ -46,6 +46,8 @@ class _Peer:
         self._ids = itertools.count(1)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
         self.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout * 1000))  # ... and never block for it
         if credentials is not None:

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from .._auth import Credentials, secure_server
 from .._errors import ProtocolError
-from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
+from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 
 # -- asyncio service -----------------------------------------------------------------------
 
@@ -49,6 +49,8 @@ class Service:
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if max_frame_bytes > 0:
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
