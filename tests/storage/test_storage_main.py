@@ -87,3 +87,15 @@ def test_a_second_unit_with_the_same_name_is_refused(units: Units, main_client: 
     assert b"exists" in proc.stderr
     assert os.path.exists(units.main.shm_path)  # the running unit's arena is untouched
     assert main_client.ok(UnitStatus())[0].status["unit_id"] == 0
+
+
+def test_a_unit_takes_a_write_and_serves_a_read_on_two_io_threads(units: Units) -> None:
+    """Two ZeroMQ I/O threads (created before any socket): a producer's frames arriving and a
+    consumer's leaving, on two connections, do not take turns on one thread."""
+    units.main.address  # announced: its sockets exist
+    tasks = f"/proc/{units.main.proc.pid}/task"
+    names = []
+    for tid in os.listdir(tasks):
+        with open(f"{tasks}/{tid}/comm") as f:
+            names.append(f.read().strip())
+    assert sorted(n for n in names if n.startswith("ZMQbg/IO")) == ["ZMQbg/IO/0", "ZMQbg/IO/1"], names

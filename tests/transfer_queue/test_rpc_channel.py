@@ -13,7 +13,7 @@ import zmq.asyncio
 from tests.helpers import eventually_async
 from transfer_queue._errors import SchemaError, ServiceError
 from transfer_queue._messages import Free, Read, Reply, StorageRequest, UnitStatus
-from transfer_queue.rpc import AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
+from transfer_queue.rpc import SOCKET_BUFFER_BYTES, AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
 
 
 async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
@@ -143,3 +143,17 @@ async def test_a_request_withdrawn_before_its_handler_starts_is_closed_unanswere
             await serving
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+async def test_channels_and_services_keep_their_socket_buffers_small():
+    """Every data-plane socket asks for `SOCKET_BUFFER_BYTES` (left to the kernel, loopback
+    buffers grow to 32 MiB and a streamed batch falls out of cache)."""
+    service = _Parked()
+    channels = [Channel(service.address, Codec(Reply)), AsyncChannel(service.address, Codec(Reply))]
+    try:
+        for sock in [service.sock, *(c.sock for c in channels)]:
+            assert (sock.getsockopt(zmq.SNDBUF), sock.getsockopt(zmq.RCVBUF)) == (SOCKET_BUFFER_BYTES,) * 2
+    finally:
+        for channel in channels:
+            channel.close()
+        service.sock.close(linger=0)

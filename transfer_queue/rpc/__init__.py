@@ -16,6 +16,7 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
   and `ErrorReply` (a typed error: `error_reply(exc)` builds it, `check(reply, Expected)`
   raises it again as the same `tq.*` class on the caller's side).
 - `Codec`: framing plus size limits (`MAX_BODY_BYTES`, `MAX_DATA_FRAMES`, `MAX_BATCH`);
+  every socket's kernel buffers are `SOCKET_BUFFER_BYTES`;
   malformed, oversized or unknown input is a `ProtocolError`, never anything else, and nothing
   is ever unpickled.
 - Servers: `Service` (asyncio: a handler returns a reply, or a coroutine that parks the request
@@ -46,6 +47,7 @@ from ._codec import (
     MAX_DATA_FRAMES,
     PROBE_AFTER,
     PROTOCOL_VERSION,
+    SOCKET_BUFFER_BYTES,
     Cancel,
     Codec,
     ErrorReply,
@@ -68,6 +70,7 @@ __all__ = [
     "PROBE_AFTER",
     "DEAD_AFTER",
     "GRACE",
+    "SOCKET_BUFFER_BYTES",
     "Credentials",
     "credentials_from_env",
     "CREDENTIALS_ENV",
