@@ -92,7 +92,7 @@ def test_a_second_unit_with_the_same_name_is_refused(units: Units, main_client: 
 def test_a_unit_takes_a_write_and_serves_a_read_on_two_io_threads(units: Units) -> None:
     """Two ZeroMQ I/O threads (created before any socket): a producer's frames arriving and a
     consumer's leaving, on two connections, do not take turns on one thread."""
-    units.main.address  # announced: its sockets exist
+    assert units.main.address  # announced: its sockets exist
     tasks = f"/proc/{units.main.proc.pid}/task"
     names = []
     for tid in os.listdir(tasks):
