@@ -7,13 +7,16 @@ A producer asks for generation slots before it generates. Slots are granted only
 where `accepted` counts samples put under a grant (less those dropped or requeued as stale, which
 must be generated again) and `running` the slots granted but not yet put. Requests wait in FIFO
 order without polling: a version bump or returned slots re-run `pump`. A grant that is not
-used up within `grant_timeout` (its producer died or gave up) returns its slots.
+used up within `grant_timeout` (its producer died or gave up) returns its slots. Grants live
+only as long as the controller: a put under a grant its predecessor made (before a restart) counts
+as accepted, like one under an expired grant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,7 +52,9 @@ class Admission:
         self.wait_seconds = 0.0
         self.expired = 0
         self._grants: dict[int, _Grant] = {}
-        self._ids = itertools.count(1)
+        # Grants are not journaled: a restarted controller knows none of its predecessor's, so its
+        # ids start at a random base lest a put under an old grant use up a new one with its id.
+        self._ids = itertools.count(secrets.randbits(48) + 1)
         self._queue: deque[tuple[int, asyncio.Future]] = deque()
 
     def budget(self) -> float:

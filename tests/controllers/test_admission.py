@@ -303,3 +303,22 @@ async def _until_async(cond, client: tq.AsyncClient, timeout: float = 20.0) -> d
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+def test_a_grant_from_before_a_controller_restart_is_not_one_made_after_it(make_cluster, tmp_path):
+    """Grants are not journaled, so a restarted controller knows none of its predecessor's: a put
+    under an old grant counts as accepted and must not use up a new grant that happens to carry
+    the same id (ids that restarted at 1 did, and admission then granted slots still held)."""
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=4, journal=tmp_path / "controller.journal")
+    with cluster.connect() as client:
+        old = client.acquire(4, timeout=5)
+    cluster.backend.procs[0].send_signal(signal.SIGKILL)
+    cluster.backend.procs[0].wait()
+    cluster.restart_controller()
+    with cluster.connect() as client:
+        new = client.acquire(4, timeout=5)
+        assert new.grant_id != old.grant_id
+        client.put(rows(4), partition="train", grant=old)
+        adm = admission(client)
+        assert adm["running"] == 4 and adm["open_grants"] == 1, adm  # the new grant keeps its slots
+        assert adm["accepted"] == 4 and adm["budget"] == 0, adm
