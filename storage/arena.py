@@ -150,14 +150,17 @@ class ExtentAllocator:
 
 
 class Chunk:
-    """One allocated extent: `nbytes` requested bytes at arena `offset`, and its reference count."""
+    """One allocated extent: `nbytes` requested bytes at arena `offset`, and its reference count.
+    `staged` holds the received bytes while they are not copied into the arena yet (see
+    `StorageUnit`); reads serve them from there."""
 
-    __slots__ = ("offset", "nbytes", "refs")
+    __slots__ = ("offset", "nbytes", "refs", "staged")
 
     def __init__(self, offset: int, nbytes: int):
         self.offset = offset
         self.nbytes = nbytes
         self.refs = 1  # the creator's reference; dropped once it has registered its rows
+        self.staged: np.ndarray | None = None
 
     def __repr__(self) -> str:
         return f"Chunk(offset={self.offset}, nbytes={self.nbytes}, refs={self.refs})"

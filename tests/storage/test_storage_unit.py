@@ -13,6 +13,7 @@ import pytest
 import torch
 from storage_harness import UnitClient, Units
 
+from tests.helpers import eventually
 from transfer_queue._errors import ProtocolError, SchemaError
 from transfer_queue._messages import (
     CommitWrite,
@@ -282,3 +283,45 @@ def test_garbage_pickle_and_unknown_messages_are_refused(main_client: UnitClient
     main_client.ok(Write("after", [0], {"x": FieldSpec("int8", ())}), [b"z"])
     assert main_client.ok(Read("after", [0], ["x"]))[1][0].bytes == b"z"
     main_client.ok(Free("after"))
+
+
+def test_a_large_field_is_served_from_its_frame_until_it_must_be_copied(units: Units, main_client: UnitClient) -> None:
+    """A written field of >= 1 MiB is staged: read back from the frame it arrived in, freed
+    without ever being copied into the arena, copied first when a mapped reader needs the
+    arena's bytes, and copied oldest first when staged frames exceed capacity / 20."""
+    big = np.random.default_rng(1).integers(0, 255, size=(6, 1 << 20), dtype=np.uint8)
+    spec = {"x": FieldSpec("uint8", (1 << 20,))}
+
+    def status() -> dict:
+        return main_client.ok(UnitStatus())[0].status
+
+    copied = status()["unstaged_bytes"]
+    main_client.ok(Write("staged", [0, 1], spec), [big[:2]])
+    assert status()["staged_bytes"] == 2 << 20
+    _, frames = main_client.ok(Read("staged", [1, 0], ["x"]))
+    assert _joined(frames) == big[[1, 0]].tobytes()
+    del frames
+    main_client.ok(Free("staged", [0, 1]))
+    eventually(lambda: status()["staged_bytes"] == 0, 10, "the freed frame dropped")  # once its reply left
+    assert status()["unstaged_bytes"] == copied, "a freed staged field was copied"
+
+    main_client.ok(Write("staged", [2, 3], spec), [big[2:4]])
+    read, _ = main_client.ok(Read("staged", [3], ["x"], via="shm"))  # a mapped reader: copied first
+    assert status()["unstaged_bytes"] == copied + (2 << 20) and status()["staged_bytes"] == 0
+    ((offset, n),) = read.runs["x"]
+    with open(units.main.shm_path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        assert mm[offset : offset + n] == big[3].tobytes()
+    finally:
+        mm.close()
+
+    limit = status()["capacity"] // 20
+    main_client.ok(Write("staged", [4, 5], spec), [big[4:6]])
+    main_client.ok(Write("staged", [6, 7], spec), [big[:2]])  # over the share: the older one is copied
+    now = status()
+    assert now["staged_bytes"] <= limit and now["unstaged_bytes"] == copied + (4 << 20), now
+    _, frames = main_client.ok(Read("staged", [7, 2, 5, 4, 6, 3], ["x"]))
+    assert _joined(frames) == big[[1, 2, 5, 4, 0, 3]].tobytes()
+    del frames
+    main_client.ok(Free("staged"))
