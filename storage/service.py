@@ -64,6 +64,11 @@ _STAGE_BYTES = 1 << 20
 as it is, and copied into the arena only when it must be (a mapped reader, a read spanning
 chunks, or staged frames over their share of memory). A batch consumed and freed soon after its
 put is then never copied: that copy costs ~20% of a TCP stream, in memory traffic."""
+_STAGE_SHARE = 64
+"""Only writes of at most capacity / _STAGE_SHARE bytes are staged (a third of the staged share):
+a larger one would push the ones before it out of the share at once, so staging it would only
+hold more memory (more fresh pages to fault in) before the same copies (measured: 84 MB puts
+streamed 0.88x when staged)."""
 _EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
 
 
@@ -231,8 +236,9 @@ class StorageUnit(Service):
             self.space.release(chunks)
             raise  # reported by whoever called (`_on_write`, `_reported`)
         array = self.arena.array
+        stage = sum(c.nbytes for c in chunks) <= self.arena.capacity // _STAGE_SHARE
         for chunk, frame in zip(chunks, frames):
-            if chunk.nbytes >= _STAGE_BYTES:
+            if stage and chunk.nbytes >= _STAGE_BYTES:
                 chunk.staged = np.frombuffer(frame, dtype=np.uint8)
                 self._staged[chunk] = None
                 self.staged_bytes += chunk.nbytes
