@@ -4,8 +4,8 @@ A unit holds tensor rows of any number of partitions in one shared-memory arena 
 indexed by (partition, field, global index) (`table`). Writes arrive as raw data frames (one per
 field) or, for co-located clients, as a reservation the client fills through its own mapping and
 then commits (`writes`). A large field's frame is staged: kept as received and served from there
-until it must be copied into the arena (`_STAGE_BYTES`), so a batch freed soon after its put
-costs no copy at all. A full arena parks writes
+until it must be copied into the arena (`staging`), so a batch freed soon after its put costs no
+copy at all. A full arena parks writes
 in a FIFO until space frees up or their timeout passes (`space`). Reads answer with arena runs,
 and with zero-copy frames of them unless the client maps the arena itself.
 
@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Generator, Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 
 from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, TimeoutError
@@ -45,6 +44,7 @@ from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials
 
 from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
 from .space import SpaceQueue, Ticket
+from .staging import Staging
 from .table import Table
 from .writes import Reservation, check_frames, field_sizes
 
@@ -59,16 +59,6 @@ answering and dropping them)."""
 _HELD_SHARE = 20
 """Received frames kept outside the arena (writes waiting for space, and staged frames) stay
 within capacity / _HELD_SHARE bytes (or one write)."""
-_STAGE_BYTES = 1 << 20
-"""A written field of this many bytes or more is staged: its received frame is kept and served
-as it is, and copied into the arena only when it must be (a mapped reader, a read spanning
-chunks, or staged frames over their share of memory). A batch consumed and freed soon after its
-put is then never copied: that copy costs ~20% of a TCP stream, in memory traffic."""
-_STAGE_SHARE = 64
-"""Only writes of at most capacity / _STAGE_SHARE bytes are staged (a third of the staged share):
-a larger one would push the ones before it out of the share at once, so staging it would only
-hold more memory (more fresh pages to fault in) before the same copies (measured: 84 MB puts
-streamed 0.88x when staged)."""
 _EXPIRED_KEPT = 4096  # expired reservation tokens remembered, to tell "expired" from "unknown"
 
 
@@ -104,10 +94,7 @@ class StorageUnit(Service):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trimmer: asyncio.TimerHandle | None = None
         self._closed = False
-        self._staged: OrderedDict[Chunk, None] = OrderedDict()  # oldest first
-        self.staged_bytes = 0
-        self.unstaged_bytes = 0
-        """Bytes of staged frames copied into the arena after all (the rest were freed uncopied)."""
+        self.staging = Staging(self.arena)
         self.route(Write, self._on_write)
         self.route(CommitWrite, self._on_commit)
         self.route(Read, self._on_read)
@@ -138,10 +125,7 @@ class StorageUnit(Service):
         for res in self.reservations.values():
             res.timer.cancel()
         self.reservations.clear()
-        for chunk in self._staged:
-            chunk.staged = None
-        self._staged.clear()
-        self.staged_bytes = 0
+        self.staging.clear()
         if not self.sock.closed:
             self.sock.close(linger=0)
         if self._controller is not None:
@@ -227,7 +211,7 @@ class StorageUnit(Service):
         return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
     def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled | None:
-        """Copy frames into freshly allocated chunks and register the rows, or reserve them."""
+        """Store frames into freshly allocated chunks (`staging`) and register the rows, or reserve them."""
         if msg.via == "shm":
             return self._reserve(msg, chunks)
         try:
@@ -235,41 +219,10 @@ class StorageUnit(Service):
         except SchemaError:
             self.space.release(chunks)
             raise  # reported by whoever called (`_on_write`, `_reported`)
-        array = self.arena.array
-        stage = sum(c.nbytes for c in chunks) <= self.arena.capacity // _STAGE_SHARE
-        for chunk, frame in zip(chunks, frames):
-            if stage and chunk.nbytes >= _STAGE_BYTES:
-                chunk.staged = np.frombuffer(frame, dtype=np.uint8)
-                self._staged[chunk] = None
-                self.staged_bytes += chunk.nbytes
-            elif chunk.nbytes:
-                array[chunk.offset : chunk.offset + chunk.nbytes] = np.frombuffer(frame, dtype=np.uint8)
+        self.staging.store(chunks, frames)
         self._register(msg, chunks)
-        self._unstage(self.arena.capacity // _HELD_SHARE - self.space.held)
+        self.staging.keep(self.arena.capacity // _HELD_SHARE - self.space.held)
         return _answer(msg, WriteReply())
-
-    def _unstage(self, keep: int, chunks: Sequence[Chunk] | None = None) -> None:
-        """Copy staged frames into the arena, oldest first, until at most `keep` bytes stay
-        staged (or those of `chunks`); a staged chunk already freed is dropped uncopied (its
-        extent may belong to another write by now)."""
-        if chunks is None:
-            self._drop_freed()
-        for chunk in list(self._staged) if chunks is None else [c for c in chunks if c.staged is not None]:
-            if chunks is None and self.staged_bytes <= keep:
-                return
-            if chunk.refs > 0:
-                self.arena.array[chunk.offset : chunk.offset + chunk.nbytes] = chunk.staged
-                self.unstaged_bytes += chunk.nbytes
-            chunk.staged = None
-            del self._staged[chunk]
-            self.staged_bytes -= chunk.nbytes
-
-    def _drop_freed(self) -> None:
-        """Forget the staged frames of chunks whose rows were all freed or replaced."""
-        for chunk in [c for c in self._staged if c.refs <= 0]:
-            chunk.staged = None
-            del self._staged[chunk]
-            self.staged_bytes -= chunk.nbytes
 
     def _register(self, msg: Write, chunks: Sequence[Chunk]) -> None:
         for (name, spec), chunk in zip(msg.fields.items(), chunks):
@@ -337,7 +290,7 @@ class StorageUnit(Service):
         reply = ReadReply(lengths=plan.lengths, runs=plan.runs)
         for chunks in plan.chunks:  # a mapped reader reads the arena; a run over chunks is one view of it
             if msg.via == "shm" or len(chunks) > 1:
-                self._unstage(0, chunks)
+                self.staging.copy(chunks)
         if msg.via == "shm":
             return reply
         if len(plan.chunks) > MAX_DATA_FRAMES:
@@ -381,14 +334,14 @@ class StorageUnit(Service):
     def _unpin(self, chunks: list[Chunk]) -> None:
         if not self._closed:
             self.space.release(chunks)
-            self._drop_freed()
+            self.staging.drop_freed()
 
     # -- Free / UnitStatus ---------------------------------------------------------------
 
     def _on_free(self, msg: Free, frames: list[Any]) -> Handled:
         _no_frames(msg, frames)
         if self.table.remove(msg.partition, msg.indexes):
-            self._drop_freed()
+            self.staging.drop_freed()
             self.space.wake()
         return Ok()
 
@@ -412,8 +365,8 @@ class StorageUnit(Service):
             "rows": self.table.row_counts(),
             "pending_writes": len(self.space),
             "pending_bytes": self.space.held,
-            "staged_bytes": self.staged_bytes,
-            "unstaged_bytes": self.unstaged_bytes,
+            "staged_bytes": self.staging.bytes,
+            "unstaged_bytes": self.staging.copied,
             "reservations": len(self.reservations),
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
             "rejected": self.rejected,
