@@ -18,6 +18,7 @@ from transfer_queue._messages import (
     CommitPut,
     ErrorReply,
     Ok,
+    PutPlan,
     RowInfo,
     Status,
     Write,
@@ -47,6 +48,13 @@ def _rounds(client: tq.Client, td: TensorDict) -> list[list[str]]:
     return rounds
 
 
+def _begin_and_commit(controller) -> tuple[PutPlan, int]:
+    """Open a put of two `SPEC` rows and send its commit at once (its writes still to come): the
+    put's plan, and the commit's request id."""
+    plan = controller.call(BeginPut("train", SPEC, 2, 16))
+    return plan, controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+
+
 @pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
 def test_a_put_of_new_rows_takes_two_round_trips(make_cluster, use_shm):
     cluster = make_cluster(num_storage_units=2)
@@ -68,9 +76,7 @@ def test_the_commit_waits_for_the_write(make_cluster):
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)
-        plan = controller.call(BeginPut("train", SPEC, 2, 16))
-        rows = RowInfo([0, 0], [0, 0], [0, 1], [1, 1])
-        commit = controller.send(CommitPut("train", plan.indexes, SPEC, rows))
+        plan, commit = _begin_and_commit(controller)
         # asked after the commit on the same connection, so answered after the commit was handled
         status = controller.call(Status()).status
         assert controller.ready(commit) is None, "the commit was answered before the data landed"
@@ -93,8 +99,7 @@ def test_a_write_report_needs_the_cluster_secret(make_cluster):
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)
-        plan = controller.call(BeginPut("train", SPEC, 2, 16))
-        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        plan, commit = _begin_and_commit(controller)
         forged = ask(controller, WriteLanded(0, "train", plan.indexes[0], plan.indexes, "guess"))
         assert isinstance(forged, ErrorReply) and forged.code == "protocol", forged
         assert controller.ready(commit) is None
@@ -114,8 +119,7 @@ def test_a_failed_write_ends_the_put(make_cluster):
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)
-        plan = controller.call(BeginPut("train", SPEC, 2, 16))
-        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        plan, commit = _begin_and_commit(controller)
         unit = peer(client.units[0].address)
         refused = ask(unit, Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(3, np.float32)])
         assert isinstance(refused, ErrorReply)
@@ -134,8 +138,7 @@ def test_a_write_of_part_of_a_put_does_not_commit_it(make_cluster):
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)
-        plan = controller.call(BeginPut("train", SPEC, 2, 16))
-        commit = controller.send(CommitPut("train", plan.indexes, SPEC, RowInfo([0, 0], [0, 0], [0, 1], [1, 1])))
+        plan, commit = _begin_and_commit(controller)
         unit = peer(client.units[0].address)
         unit.post(Write("train", plan.indexes[:1], SPEC, put=plan.indexes[0]), [np.zeros(4, np.float32)])
         eventually(lambda: unit_status(client.units[0].address)["rows"].get("train") == 1, 10, "the part stored")
