@@ -152,7 +152,7 @@ class ExtentAllocator:
 class Chunk:
     """One allocated extent: `nbytes` requested bytes at arena `offset`, and its reference count.
     `staged` holds the received bytes while they are not copied into the arena yet (see
-    `StorageUnit`); reads serve them from there."""
+    `staging`); reads serve them from there."""
 
     __slots__ = ("offset", "nbytes", "refs", "staged")
 

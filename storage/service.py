@@ -5,9 +5,9 @@ indexed by (partition, field, global index) (`table`). Writes arrive as raw data
 field) or, for co-located clients, as a reservation the client fills through its own mapping and
 then commits (`writes`). A large field's frame is staged: kept as received and served from there
 until it must be copied into the arena (`staging`), so a batch freed soon after its put costs no
-copy at all. A full arena parks writes
-in a FIFO until space frees up or their timeout passes (`space`). Reads answer with arena runs,
-and with zero-copy frames of them unless the client maps the arena itself.
+copy at all. A full arena parks writes in a FIFO until space frees up or their timeout passes
+(`space`). Reads answer with arena runs, and with zero-copy frames of them (or of staged frames)
+unless the client maps the arena itself.
 
 A write of an open put's new rows (`Write.put`) also reports its outcome to the controller
 (`WriteLanded`, posted over the channel the unit registered on), which commits the put once every
@@ -170,12 +170,11 @@ class StorageUnit(Service):
 
     def _land(self, msg: Write, error: BaseException | None = None) -> None:
         """Tell the controller how a put's write ended (new columns need no report), once the
-        handler returned and with it the write's frames (dropped, or staged within their share
-        of memory): the report lets
-        the controller commit the put and admit the next one to this unit, whose frames must not
-        arrive while this write's are still held (what `_LATE_REPLY_BYTES` does for replies). A
-        write refused before its handler ran (undecodable) cannot be reported: its put ends at
-        its producer's commit timeout."""
+        handler returned and with it the write's frames (dropped, or staged within their share of
+        memory): the report lets the controller commit the put and admit the next one to this
+        unit, whose frames must not arrive while this write's are still held (what
+        `_LATE_REPLY_BYTES` does for replies). A write refused before its handler ran
+        (undecodable) cannot be reported: its put ends at its producer's commit timeout."""
         if msg.put < 0 or self._controller is None:
             return
         channel, secret = self._controller
