@@ -93,6 +93,8 @@ class StorageUnit(Service):
         self._next_token = 1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trimmer: asyncio.TimerHandle | None = None
+        self._received = 0
+        """Bytes of write frames received."""
         self._closed = False
         self.staging = Staging(self.arena)
         self.route(Write, self._on_write)
@@ -109,7 +111,7 @@ class StorageUnit(Service):
         """Pre-fault the arena in the background, serve until `stop()`, then close the arena."""
         self._loop = asyncio.get_running_loop()
         self.arena.start_prefault()
-        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self.served)
+        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self._received, False)
         try:
             await super().serve()
         finally:
@@ -132,12 +134,15 @@ class StorageUnit(Service):
             self._controller[0].close()
         self.arena.close()
 
-    def _trim(self, served_before: int) -> None:
-        """Loop timer: after a second with traffic, give freed frame memory back to the system
-        (keeping 5% of capacity warm), so the unit's RSS stays within capacity + ~10%."""
-        if self.served != served_before:
+    def _trim(self, received_before: int, busy: bool) -> None:
+        """Loop timer: once a second without write frames follows traffic, give freed frame memory
+        back to the system if more than 5% of capacity of it is free, so that after a burst the
+        unit's RSS is again within capacity + ~10%. While frames keep coming they reuse the freed
+        blocks: trimming then only made them land in fresh pages (puts 2.7 -> 1.9 GB/s)."""
+        quiet = self._received == received_before
+        if quiet and busy:
             give_back_freed_memory(self.arena.capacity // 20)
-        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self.served)
+        self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self._received, not quiet)
 
     # -- Write / CommitWrite -------------------------------------------------------------
 
@@ -186,6 +191,8 @@ class StorageUnit(Service):
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)
         check_frames(msg, frames, sizes)
+        if frames:
+            self._received += sum(sizes)
         self.table.check_specs(msg.partition, msg.fields)
         need = self.space.need(sizes)
         if need > self.arena.capacity:
