@@ -114,8 +114,8 @@ def keep_freed_memory(trim_bytes: int, mmap_bytes: int = 32 << 20, *, one_heap: 
     With `one_heap` (a storage unit, before ZeroMQ starts its I/O threads), threads started later
     allocate from the main heap too. A thread's own malloc arena is a chain of 64 MiB heaps that
     glibc unmaps as soon as the blocks in one are freed, whatever the trim threshold, so frames
-    received there kept landing in fresh pages (puts of 21 MB batches: 1.8 -> 2.7 GB/s with one
-    heap). A client leaves its threads' arenas alone: they are its application's.
+    received there kept landing in fresh pages. A client leaves its threads' arenas alone: they
+    are its application's.
 
     Set `SLUICE_MALLOC_TUNING=0` to leave the allocator alone. Returns whether the allocator was
     tuned (False without glibc's `mallopt`, or when it was asked before in this process).
