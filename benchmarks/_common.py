@@ -83,29 +83,32 @@ def gbps(nbytes: float, seconds: float) -> float:
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds used so far by process `pid`, all its threads (Linux /proc)."""
+def cpu_seconds(pid: int) -> tuple[float, float, int]:
+    """(user, system) CPU seconds used so far by process `pid`, all its threads, and its minor
+    page faults (Linux /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return (float("nan"), float("nan"))
-    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+        return (float("nan"), float("nan"), 0)
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK, int(fields[7])
 
 
 class CpuMeter:
-    """CPU seconds that named processes spend between `start()` and `stop()`.
+    """CPU seconds and page faults of named processes between `start()` and `stop()`.
 
     On a shared machine a rate depends on what the neighbours do; the CPU a transfer costs per
-    GB does much less, so benchmarks report both (`per_gb`) and how many cores were busy.
+    GB does much less, so benchmarks report it too, and how many cores were busy. Page faults show
+    data landing in fresh memory (each costs more than copying its page).
     """
 
     def __init__(self, pids: dict[str, int]):
         self.pids = dict(pids)
         self._t0 = 0.0
-        self._c0: dict[str, tuple[float, float]] = {}
+        self._c0: dict[str, tuple[float, float, int]] = {}
         self.wall = 0.0
         self.used: dict[str, tuple[float, float]] = {}
+        self.faults: dict[str, int] = {}
 
     def start(self) -> CpuMeter:
         self._c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
@@ -115,20 +118,11 @@ class CpuMeter:
     def stop(self) -> CpuMeter:
         self.wall = time.perf_counter() - self._t0
         for k, p in self.pids.items():
-            u, s = cpu_seconds(p)
-            self.used[k] = (u - self._c0[k][0], s - self._c0[k][1])
+            u, s, f = cpu_seconds(p)
+            u0, s0, f0 = self._c0[k]
+            self.used[k] = (u - u0, s - s0)
+            self.faults[k] = f - f0
         return self
-
-    def per_gb(self, nbytes: float) -> dict[str, float]:
-        """CPU seconds per GB moved, per process and in total, and the cores busy meanwhile."""
-        gb = nbytes / 1e9
-        out = {k: (u + s) / gb for k, (u, s) in self.used.items()}
-        out["total"] = sum(u + s for u, s in self.used.values()) / gb
-        out["system_share"] = sum(s for _, s in self.used.values()) / max(
-            1e-9, sum(u + s for u, s in self.used.values())
-        )
-        out["cores_busy"] = sum(u + s for u, s in self.used.values()) / self.wall if self.wall else float("nan")
-        return out
 
 
 # -- output -------------------------------------------------------------------------------

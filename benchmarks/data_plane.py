@@ -17,6 +17,10 @@ micro-batches of 64 and 256.
   then completes the micro-batch. Measured from that put's return (in the producer) to the
   consumer holding its meta, and its data (negative: the consumer had it before the put returned).
 
+Every run also counts, per process, the share of the bytes moved that landed in fresh pages
+(minor page faults x the page size): data received into memory never touched before pays a
+fault and zeroing per page, more than the copy.
+
 The physical limits, raw loopback TCP (`sendall` -> `recv_into` a touched buffer, another
 process) and memcpy (torch `copy_` into a touched destination, one thread), are measured in the
 same run; every rate is also given as a ratio to both. Results go to results/data_plane-*.json.
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -48,11 +53,15 @@ from benchmarks._common import CpuMeter, gbps, median, percentile, physical_limi
 SEQ = 4096
 FIELDS = {"input_ids": torch.int64, "responses": torch.int64, "log_probs": torch.float32}
 SAMPLE_BYTES = sum(SEQ * torch.tensor([], dtype=dt).element_size() for dt in FIELDS.values())  # 81,920
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 NAMES = list(FIELDS)
 PATHS = {"tcp": False, "shm": None}
 
 
+@functools.cache
 def make_batch(n: int, seed: int = 0) -> TensorDict:
+    """`n` samples of the workload, made once per process (puts never change them), so that a
+    measured run allocates nothing of its own."""
     g = torch.Generator().manual_seed(seed)
     return TensorDict(
         {
@@ -174,6 +183,7 @@ def sequential(client: tq.Client, total: int, put_batch: int, micro: int) -> dic
         "get_gbps": gbps(nbytes, t_get),
         "e2e_gbps": gbps(nbytes, t_put + t_get),
         "get_meta_s": rtts[:-1],  # the last call answers "drained" with an empty batch
+        "bytes": nbytes,
     }
 
 
@@ -321,11 +331,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for micro in args.micro_batches:
                         runs = {"seq": [], "stream": [], "astream": []}
                         for _ in range(args.reps):
-                            runs["seq"].append(sequential(client, args.samples, put_batch, micro))
+                            meter = CpuMeter(pids).start()
+                            res = sequential(client, args.samples, put_batch, micro)
+                            res["faults"] = meter.stop().faults
+                            runs["seq"].append(res)
                             meter = CpuMeter(pids).start()
                             res = streaming(client, producer, args.samples, put_batch, micro)
                             meter.stop()
-                            res["cpu_s"], res["wall_s"] = meter.used, meter.wall
+                            res["cpu_s"], res["wall_s"], res["faults"] = meter.used, meter.wall, meter.faults
                             runs["stream"].append(res)
                             if args.async_stream:
                                 runs["astream"].append(
@@ -356,7 +369,17 @@ def summarize(path: str, put_batch: int, micro: int, runs: dict[str, list[dict[s
             row[f"{mode}_{key}"] = median(r[key] for r in runs[mode])
     row["get_meta_s"] = [x for r in runs["seq"] for x in r["get_meta_s"]]
     row["stream_cpu_s_per_gb"] = cpu_per_gb(runs["stream"])
+    row["fresh_pages"] = {mode: fresh_pages(runs[mode]) for mode in ("seq", "stream")}
     return row
+
+
+def fresh_pages(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per process, the share of the bytes moved over all `runs` that landed in fresh pages:
+    minor page faults x the page size / bytes."""
+    if not runs:
+        return {}
+    nbytes = len(runs) * runs[0]["bytes"]
+    return {k: sum(r["faults"][k] for r in runs) * PAGE_SIZE / nbytes for k in runs[0]["faults"]}
 
 
 def cpu_per_gb(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -463,6 +486,18 @@ def report(record: dict[str, Any]) -> None:
             "ceiling GB/s",
             "x ceiling",
         ],
+        rows,
+    )
+    rows = []
+    for r in record["rows"]:
+        for mode, fresh in r["fresh_pages"].items():
+            units = sum(v for k, v in fresh.items() if k.startswith("unit"))
+            rows.append([r["path"], r["put_batch"], r["micro"], mode, fresh["consumer"], fresh["producer"], units])
+    print_table(
+        "Fresh pages: the share of the bytes moved that landed in memory never touched before (minor page faults "
+        f"x {PAGE_SIZE} B / bytes; a fault and zeroing cost more than copying the page). seq: one process puts, "
+        "then gets (the consumer column)",
+        ["path", "put", "micro", "mode", "consumer", "producer", "units"],
         rows,
     )
     rows = []
