@@ -25,41 +25,12 @@ import numpy as np
 
 from transfer_queue.host import arena_path, map_file
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena", "give_back_freed_memory"]
+__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena"]
 
 PAGE_BYTES = 64 << 10
 """Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
 PREFAULT_STEP = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we skip pre-faulting
-
-
-def give_back_freed_memory(keep: int) -> bool:
-    """Return freed heap memory to the system (glibc `malloc_trim`) once more than `keep` bytes of
-    it are free; whether it did.
-
-    The trim threshold only trims the heap's top, so without this a burst of writes whose frames
-    were freed between live blocks stays resident long after it was stored. Below `keep` nothing
-    is returned: `malloc_trim` gives back every free page, and the frames that follow would land
-    in fresh pages (a page fault and zeroing each, more than the copy itself)."""
-    try:
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "mallinfo2"):  # glibc >= 2.33; older ones trim every time
-            libc.mallinfo2.restype = _MallInfo2
-            if libc.mallinfo2().fordblks <= keep:
-                return False
-        libc.malloc_trim(ctypes.c_size_t(keep))
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
-_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-
-
-class _MallInfo2(ctypes.Structure):
-    """glibc's `struct mallinfo2`: ten `size_t` counters, `fordblks` the free bytes."""
-
-    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 class ExtentAllocator:

@@ -40,9 +40,10 @@ from transfer_queue._messages import (
     WriteLanded,
     WriteReply,
 )
+from transfer_queue.host import give_back_freed_memory
 from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
 
-from .arena import PAGE_BYTES, Arena, Chunk, give_back_freed_memory
+from .arena import PAGE_BYTES, Arena, Chunk
 from .space import SpaceQueue, Ticket
 from .staging import Staging
 from .table import Table

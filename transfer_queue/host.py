@@ -25,6 +25,7 @@ __all__ = [
     "map_file",
     "unmap",
     "keep_freed_memory",
+    "give_back_freed_memory",
     "reachable",
 ]
 
@@ -131,6 +132,35 @@ def keep_freed_memory(trim_bytes: int, mmap_bytes: int = 32 << 20, *, one_heap: 
     mmap_bytes = max(mmap.PAGESIZE, min(mmap_bytes, 32 << 20))
     tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
     return tuned and (not one_heap or bool(mallopt(_M_ARENA_MAX, 1)))
+
+
+def give_back_freed_memory(keep: int) -> bool:
+    """Return freed heap memory to the system (glibc `malloc_trim`) once more than `keep` bytes of
+    it are free; whether it did.
+
+    The trim threshold only trims the heap's top, so without this a burst of writes whose frames
+    were freed between live blocks stays resident long after it was stored. Below `keep` nothing
+    is returned: `malloc_trim` gives back every free page, and the frames that follow would land
+    in fresh pages (a page fault and zeroing each, more than the copy itself)."""
+    try:
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mallinfo2"):  # glibc >= 2.33; older ones trim every time
+            libc.mallinfo2.restype = _MallInfo2
+            if libc.mallinfo2().fordblks <= keep:
+                return False
+        libc.malloc_trim(ctypes.c_size_t(keep))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2`: ten `size_t` counters, `fordblks` the free bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 _M_TRIM_THRESHOLD = -1

@@ -13,8 +13,7 @@ from storage_harness import REPO
 
 HEAP = r"""
 import ctypes, json, os, sys, tempfile, threading
-from transfer_queue.host import keep_freed_memory
-from storage.arena import give_back_freed_memory
+from transfer_queue.host import give_back_freed_memory, keep_freed_memory
 
 libc = ctypes.CDLL(None)
 libc.fdopen.restype = ctypes.c_void_p
