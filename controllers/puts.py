@@ -116,7 +116,7 @@ class Puts:
         if not ctl.units:
             raise SchemaError("the cluster has no storage units registered yet")
         room = {u: ctl.units[u].capacity - used for u, used in ctl.unit_bytes.items()}
-        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room)
+        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room, msg.stay)
         shares = ctl.shares(units, msg.row_bytes)
         framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
         if not self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):

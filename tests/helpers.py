@@ -1,5 +1,5 @@
 """What many tests share: waiting on observable state (a status counter, a queue event), never
-on a fixed sleep; a small batch builder; a free loopback port."""
+on a fixed sleep; a small batch builder; a put from a new producer; a free loopback port."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-__all__ = ["eventually", "rows", "free_port", "status_bytes"]
+import transfer_queue as tq
+
+__all__ = ["eventually", "rows", "put_anew", "free_port", "status_bytes"]
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
@@ -40,6 +42,14 @@ async def eventually_async(check: Callable[[], Any], timeout: float = 10.0, what
 def rows(n: int, start: int = 0) -> TensorDict:
     """`n` samples with one int64 field `x` = start, start+1, ..."""
     return TensorDict({"x": torch.arange(start, start + n, dtype=torch.int64)}, batch_size=[n])
+
+
+def put_anew(address: str, data: Any, use_shm: bool = False, **put: Any) -> tq.BatchMeta:
+    """Put `data` from a new producer, whose first put goes to the emptiest storage unit: one
+    producer's small puts stay on its unit (`controllers.placement`), so tests that need rows on
+    several units put them from several producers."""
+    with tq.connect(address, use_shm=use_shm) as producer:
+        return producer.put(data, **put)
 
 
 def status_bytes(pid: int, key: str = "VmRSS") -> int:

@@ -116,6 +116,7 @@ class ClientCore(ControlCore):
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self.grants: list[Grant] = []
+        self._stay = -1  # the unit of this producer's previous put (`BeginPut.stay`)
 
     # -- cluster -----------------------------------------------------------------------
 
@@ -181,9 +182,10 @@ class ClientCore(ControlCore):
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped)
+        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
         plan = yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
+        self._stay = plan.units[-1]
         commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout, commit)

@@ -153,6 +153,9 @@ class BeginPut(_Msg, tag="begin_put"):
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
     mapped: list[int] = []
     """Units the producer writes through its own mapping of their arenas (no data frames)."""
+    stay: int = -1
+    """The unit of the producer's previous put, which a small put keeps to while that unit is not
+    far ahead of the others (`controllers.placement`); -1: none."""
 
 
 class CommitPut(_Msg, tag="commit_put"):

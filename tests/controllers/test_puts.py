@@ -172,3 +172,20 @@ def test_a_write_that_lands_after_its_put_ended_is_freed(make_cluster):
         assert client.status()["bytes"] == 0
         unit.close()
         controller.close()
+
+
+def test_a_producers_puts_stay_on_its_unit_until_it_is_ahead(make_cluster):
+    """Small puts of one producer go to one unit (its process awake, its memory warm); a new
+    producer begins at the emptiest unit; a producer moves on once its unit holds more than
+    1/16 of its room beyond the emptiest one, so the units stay level."""
+    cluster = make_cluster(num_storage_units=2, storage_capacity="64MiB")  # 32 MiB a unit: 2 MiB ahead at most
+    row = TensorDict({"x": torch.zeros(1, 64 << 10)}, batch_size=[1])  # 256 KiB
+    with tq.connect(cluster.address, use_shm=False) as first, tq.connect(cluster.address, use_shm=False) as second:
+        mine = [first.put(row).units[0] for _ in range(4)]
+        assert len(set(mine)) == 1, "one producer, one unit"
+        other = second.put(row).units[0]
+        assert other != mine[0], "a new producer begins at the emptiest unit"
+        units = [first.put(row).units[0] for _ in range(16)]
+        assert units[:4] == [mine[0]] * 4 and other in units, "it stays, then moves on once far ahead"
+        held = [u["bytes"] for u in first.status()["units"].values()]
+        assert max(held) - min(held) <= (2 << 20) + (256 << 10), "the units stay within the bound"

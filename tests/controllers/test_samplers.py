@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from controllers.placement import PART_BYTES, place_rows
+from controllers.placement import PART_BYTES, STAY_SHARE, place_rows
 from controllers.samplers import FifoSampler, GroupSampler, SampleView, SeqlenBalancedSampler
 from transfer_queue import SchemaError
 
@@ -60,3 +60,30 @@ def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_byte
     receivers = [k for k in used if np.any(units == k)]
     if receivers:  # no unit that received rows ends up much fuller than any other unit
         assert max(after[k] for k in receivers) <= max(min(after.values()), max(used[k] for k in receivers)) + row_bytes
+
+
+@given(st.integers(2, 4), st.lists(st.integers(1, 2 * PART_BYTES - 1), min_size=1, max_size=200))
+def test_a_producers_puts_stay_on_one_unit_and_the_units_stay_level(nunits, sizes):
+    capacity = 2 << 30
+    used = dict.fromkeys(range(nunits), 0)
+    stay, switches = -1, 0
+    for nbytes in sizes:
+        room = {u: capacity - b for u, b in used.items()}
+        units = place_rows(used, 1, nbytes, room, stay)
+        (unit,) = units.tolist()
+        if stay >= 0 and unit != stay:
+            switches += 1
+            assert used[stay] - min(used.values()) > room[stay] // STAY_SHARE, "left a unit that was not ahead"
+        used[unit] += nbytes
+        stay = unit
+        assert max(used.values()) - min(used.values()) <= capacity // STAY_SHARE + 2 * PART_BYTES, "levels drift apart"
+    assert switches <= sum(sizes) // (capacity // STAY_SHARE // 2) + nunits, "a producer hops between units"
+
+
+def test_a_put_leaves_its_producers_unit_when_it_lacks_the_room():
+    used = {0: 50, 1: 0}  # unit 0 is 50 bytes ahead: within 1000 // STAY_SHARE
+    assert place_rows(used, 4, 10, {0: 1000, 1: 1000}, stay=0).tolist() == [0] * 4
+    assert place_rows(used, 4, 10, {0: 30, 1: 1000}, stay=0).tolist() == [1] * 4, "no room on unit 0"
+    assert place_rows(used, 4, 10, {0: 1000, 1: 1000}, stay=7).tolist() == [1] * 4, "a retired unit"
+    assert place_rows(used, 4, 10, None, stay=0).tolist() == [1] * 4, "unknown room: the emptiest"
+    assert place_rows(used, 4, 10, {0: 500, 1: 1000}, stay=0).tolist() == [1] * 4, "ahead by more than 500 // 16"

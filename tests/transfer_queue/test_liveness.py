@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.faults import ROOT, eventually
+from tests.helpers import put_anew
 from tests.peers import ask, peer
 from transfer_queue._messages import RegisterUnit, UnitInfo
 
@@ -125,12 +126,12 @@ def test_a_stalled_controller_keeps_its_live_units(cluster, client):
 
 
 def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, client):
-    for _ in range(2):  # each put goes whole to the emptiest unit: one per unit
-        client.put(_td(4), partition="prompts")
+    client.put(_td(4), partition="prompts")  # a put goes whole to the emptiest unit,
+    put_anew(cluster.address, _td(4), partition="prompts")  # a new producer's to the other one
     taken = client.get_meta(["x"], 8, task="rollout", partition="prompts", timeout=10)
     client.ack(taken)
     halves = [taken.select(list(range(4, 8))), taken.select(list(range(4)))]
-    puts = [(client.put(_td(4), partition="train", source=half), half) for half in halves]
+    puts = [(put_anew(cluster.address, _td(4), partition="train", source=half), half) for half in halves]
     on_dead = [i for r, _ in puts for i, u in zip(r.indexes, r.units) if u == 1]
     assert 0 < len(on_dead) < 8, "both units hold responses"
     dead_prompts = sum(1 for u in taken.units if u == 1)
@@ -197,13 +198,13 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
 
 
 def test_put_to_a_hung_unit_fails_fast_and_frees_its_rows(cluster, client):
-    client.put(_td(8))
+    client.put(_td(8))  # to unit 0, the emptiest
     proc = _unit_proc(cluster, 1)
     proc.send_signal(signal.SIGSTOP)
     try:
         started = time.monotonic()
         with pytest.raises(tq.ServiceError, match="storage unit 1"):
-            client.put(_td(8), timeout=600)
+            put_anew(cluster.address, _td(8), timeout=600)  # a new producer's first put: to unit 1
         assert time.monotonic() - started < 10
         status = client.status()
         assert status["counters"]["open_puts"] == 0

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from tests.helpers import eventually
+from tests.helpers import eventually, put_anew
 from transfer_queue import _cluster
 
 ray = pytest.importorskip("ray")
@@ -68,7 +68,7 @@ def test_round_trip_through_ray_launched_services(ray_session):
             assert sorted(status["units"]) == ["0", "1"]
             assert {u["address"] for u in status["units"].values()} == {s["address"] for s in cluster.services[1:]}
             td = TensorDict({"x": torch.arange(16), "r": torch.randn(16, 3)}, batch_size=[16])
-            metas = [client.put(td[:8], partition="train"), client.put(td[8:], partition="train")]
+            metas = [client.put(td[:8], partition="train"), put_anew(cluster.address, td[8:], partition="train")]
             assert {m.units[0] for m in metas} == {0, 1}, "puts go to both Ray-launched units"
             got = client.get_meta(["x", "r"], 16, task="check", partition="train", timeout=10)
             batch = client.get_data(got)

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
+from tests.helpers import put_anew
 
 DTYPES = [
     torch.bool,
@@ -60,7 +61,8 @@ def test_every_dtype_dense_and_ragged(shared_cluster, use_shm):
     td = TensorDict(data, batch_size=[8])
     with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
         assert bool(client.mapped_units) == use_shm
-        metas = [client.put(td, partition=part) for _ in range(2)]  # a put goes whole to the emptiest unit
+        # a put goes whole to the emptiest unit; a producer's next ones stay there: two producers
+        metas = [client.put(td, partition=part), put_anew(shared_cluster.address, td, use_shm, partition=part)]
         assert len(metas[0]) == 8 and set(metas[0].fields) == set(data)
         assert [len(set(m.units)) for m in metas] == [1, 1] and metas[0].units != metas[1].units
         got_meta = client.get_meta(list(data), 16, task="check", partition=part, timeout=5)
