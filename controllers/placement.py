@@ -23,8 +23,9 @@ STAY_SHARE = 16
 """A put that goes whole to one unit goes to the unit of its producer's previous put while that
 unit holds at most 1/STAY_SHARE of its room more than the emptiest unit: a producer's stream of
 puts then stays on one unit whose process is already awake and whose memory is warm, instead of
-alternating (measured here: a TCP stream of 21 MB puts over two units ran 1.08x faster, 30 runs
-each way), and the units' byte counts still stay within that share of each other."""
+alternating (measured here: the data-plane benchmark's TCP stream of 21 MB puts over two units
+ran 1.12x faster at 0.9x the CPU per byte; README, "what bounds the TCP stream"), and the units'
+byte counts still stay within that share of each other."""
 
 
 def place_rows(
