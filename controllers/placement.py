@@ -21,11 +21,12 @@ whole)."""
 
 STAY_SHARE = 16
 """A put that goes whole to one unit goes to the unit of its producer's previous put while that
-unit holds at most 1/STAY_SHARE of its room more than the emptiest unit: a producer's stream of
-puts then stays on one unit whose process is already awake and whose memory is warm, instead of
-alternating (measured here: the data-plane benchmark's TCP stream of 21 MB puts over two units
-ran 1.12x faster at 0.9x the CPU per byte; README, "what bounds the TCP stream"), and the units'
-byte counts still stay within that share of each other."""
+unit holds at most 1/STAY_SHARE of its free bytes more than the emptiest unit: a producer's
+stream of puts then stays on one unit, which serves a put's write and the read of the put before
+in the same turns of its loop, instead of alternating (measured here: the data-plane benchmark's
+TCP stream of 21 MB puts over two units ran 1.12x faster at 0.9x the CPU per byte; README, "what
+bounds the TCP stream"); the units' byte counts still stay within that share plus one put of
+each other."""
 
 
 def place_rows(
@@ -40,24 +41,23 @@ def place_rows(
     Rows with bytes fill the `n * row_bytes // PART_BYTES` (at least one) units holding the
     fewest bytes, evenly by bytes, when they fit those units' `room` (free bytes; no limit when
     not given); a put of one part goes to unit `stay` instead (its producer's previous unit)
-    while that unit has the room and is within `STAY_SHARE` of it of the emptiest. Otherwise,
-    and for rows with no bytes yet (keys), every unit takes a share, so that the units' byte
-    counts end up as even as possible."""
+    while that unit has the room and holds at most `room[stay] // STAY_SHARE` more bytes than
+    the emptiest. Otherwise, and for rows with no bytes yet (keys), every unit takes a share, so
+    that the units' byte counts end up as even as possible."""
     ids = sorted(unit_bytes, key=lambda u: (unit_bytes[u], u))  # the emptiest first
-    if row_bytes > 0 and n * row_bytes < 2 * PART_BYTES and _near(unit_bytes, stay, ids[0], n * row_bytes, room):
-        return np.full(n, stay, dtype=np.int64)
     if row_bytes > 0:
-        parts = _fill(
-            {u: unit_bytes[u] for u in ids[: max(1, min(len(ids), n * row_bytes // PART_BYTES))]}, n, row_bytes
-        )
+        count = max(1, min(len(ids), n * row_bytes // PART_BYTES))
+        if count == 1 and _near(unit_bytes, stay, ids[0], n * row_bytes, room):
+            return np.full(n, stay, dtype=np.int64)
+        parts = _fill({u: unit_bytes[u] for u in ids[:count]}, n, row_bytes)
         if room is None or all(int(np.sum(parts == u)) * row_bytes <= room[u] for u in np.unique(parts).tolist()):
             return parts
     return _fill(unit_bytes, n, row_bytes)
 
 
 def _near(unit_bytes: Mapping[int, int], stay: int, emptiest: int, nbytes: int, room: Mapping[int, int] | None) -> bool:
-    """Whether unit `stay` may take a put of `nbytes` whole: it has the `room` (known), and holds
-    at most 1/STAY_SHARE of it more than the `emptiest` unit."""
+    """Whether unit `stay` may take a put of `nbytes` whole: it has the `room` (free bytes, known)
+    and holds at most 1/STAY_SHARE of its free bytes more than the `emptiest` unit."""
     if room is None or stay not in unit_bytes or stay not in room:
         return False
     return nbytes <= room[stay] and unit_bytes[stay] - unit_bytes[emptiest] <= room[stay] // STAY_SHARE

@@ -116,10 +116,13 @@ class Puts:
         if not ctl.units:
             raise SchemaError("the cluster has no storage units registered yet")
         room = {u: ctl.units[u].capacity - used for u, used in ctl.unit_bytes.items()}
-        units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room, msg.stay)
-        shares = ctl.shares(units, msg.row_bytes)
-        framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
-        if not self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):
+        for stay in dict.fromkeys((msg.stay, -1)):  # the producer's unit, unless its frames must wait there
+            units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room, stay)
+            shares = ctl.shares(units, msg.row_bytes)
+            framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
+            if self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):
+                break
+        else:
             return None
         first = ctl.new_rows(part, units, msg.row_bytes, msg.fields, shares)
         self.intake.opened(framed)

@@ -185,7 +185,6 @@ class ClientCore(ControlCore):
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
         plan = yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
-        self._stay = plan.units[-1]
         commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
             yield from self._write(partition, cols, plan.indexes, units, timeout, commit)
@@ -197,6 +196,7 @@ class ClientCore(ControlCore):
             except SluiceError:  # the controller's put deadline frees them anyway
                 pass
             raise
+        self._stay = plan.units[-1]
         return BatchMeta(
             partition=partition,
             indexes=plan.indexes,

@@ -187,5 +187,21 @@ def test_a_producers_puts_stay_on_its_unit_until_it_is_ahead(make_cluster):
         assert other != mine[0], "a new producer begins at the emptiest unit"
         units = [first.put(row).units[0] for _ in range(16)]
         assert units[:4] == [mine[0]] * 4 and other in units, "it stays, then moves on once far ahead"
+        moved = units.index(other)
+        assert units[moved:] == [other] * (len(units) - moved), "and stays on the unit it moved to"
         held = [u["bytes"] for u in first.status()["units"].values()]
         assert max(held) - min(held) <= (2 << 20) + (256 << 10), "the units stay within the bound"
+
+
+def test_a_put_whose_frames_would_wait_on_its_producers_unit_goes_to_another(make_cluster):
+    """A producer's put stays on its unit only when its frames need not wait there: with another
+    open put filling that unit's frame window, it goes to the emptiest unit at once instead of
+    queueing (and holding up every put behind it)."""
+    cluster = make_cluster(num_storage_units=2)  # 32 MiB a unit: a frame window of 1 MiB
+    spec = {"x": FieldSpec("uint8", (256 << 10,))}
+    controller = peer(cluster.address)
+    first = controller.call(BeginPut("train", spec, 4, 256 << 10, timeout=2.0))  # 1 MiB of frames, left open
+    (unit,) = set(first.units)
+    second = ask(controller, BeginPut("train", spec, 4, 256 << 10, timeout=2.0, stay=unit))
+    assert isinstance(second, PutPlan) and set(second.units) == {1 - unit}, second
+    controller.close()

@@ -64,7 +64,7 @@ def test_placement_fills_the_emptiest_units_in_contiguous_runs(used, n, row_byte
 
 @given(st.integers(2, 4), st.lists(st.integers(1, 2 * PART_BYTES - 1), min_size=1, max_size=200))
 def test_a_producers_puts_stay_on_one_unit_and_the_units_stay_level(nunits, sizes):
-    capacity = 2 << 30
+    capacity = 8 << 30  # room for every put: only the lead makes a producer move
     used = dict.fromkeys(range(nunits), 0)
     stay, switches = -1, 0
     for nbytes in sizes:
@@ -87,3 +87,13 @@ def test_a_put_leaves_its_producers_unit_when_it_lacks_the_room():
     assert place_rows(used, 4, 10, {0: 1000, 1: 1000}, stay=7).tolist() == [1] * 4, "a retired unit"
     assert place_rows(used, 4, 10, None, stay=0).tolist() == [1] * 4, "unknown room: the emptiest"
     assert place_rows(used, 4, 10, {0: 500, 1: 1000}, stay=0).tolist() == [1] * 4, "ahead by more than 500 // 16"
+    assert place_rows(used, 4, 10, {0: 800, 1: 1000}, stay=0).tolist() == [0] * 4, "ahead by exactly 800 // 16"
+    level = {0: 0, 1: 0}
+    assert place_rows(level, 4, 0, {0: 1000, 1: 1000}, stay=0).tolist() == [0, 0, 1, 1], "keys: every unit a share"
+
+
+def test_a_put_of_two_parts_or_more_ignores_its_producers_unit():
+    used = {0: 0, 1: 0, 2: 1 << 30}
+    room = dict.fromkeys(used, 4 << 30)
+    units = place_rows(used, 4, PART_BYTES // 2, room, stay=2)  # 32 MiB: two parts
+    assert sorted(set(units.tolist())) == [0, 1], "split over the two emptiest, not the producer's unit"
