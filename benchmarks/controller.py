@@ -98,7 +98,7 @@ def drain_pipelined(address: str, partition: str, task: str, batch: int, total: 
 def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, Any]:
     """The controller's handlers driven directly: BeginPut/CommitPut to fill, GetMeta/Ack to drain."""
     from controllers.service import Controller
-    from transfer_queue._messages import (
+    from transfer_queue.wire.messages import (
         Ack,
         BeginPut,
         ClusterConfig,
@@ -109,7 +109,7 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
         Seal,
         UnitInfo,
     )
-    from transfer_queue._meta import FieldSpec
+    from transfer_queue.wire.meta import FieldSpec
 
     async def main() -> dict[str, Any]:
         ctl = Controller(

@@ -11,10 +11,10 @@ import os
 
 import msgspec
 
-from transfer_queue._auth import from_env
-from transfer_queue._messages import ClusterConfig
 from transfer_queue.host import reachable
-from transfer_queue.rpc import run_service
+from transfer_queue.wire.auth import from_env
+from transfer_queue.wire.messages import ClusterConfig
+from transfer_queue.wire.rpc import run_service
 
 from .metrics import serve_prometheus
 from .service import Controller

@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transfer_queue._errors import SchemaError, TimeoutError
-from transfer_queue._staleness import admission_limit
+from transfer_queue.wire.errors import SchemaError, TimeoutError
+from transfer_queue.wire.staleness import admission_limit
 
 from .status import AdmissionStatus
 

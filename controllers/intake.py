@@ -22,8 +22,8 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
-from transfer_queue._errors import CapacityError
-from transfer_queue._messages import PutPlan, UnitInfo
+from transfer_queue.wire.errors import CapacityError
+from transfer_queue.wire.messages import PutPlan, UnitInfo
 
 __all__ = ["Intake", "WINDOW_SHARE"]
 

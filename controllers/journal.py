@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Union
 import msgspec
 import numpy as np
 
-from transfer_queue._errors import SchemaError
-from transfer_queue._messages import CommitPut, UnitInfo
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import CommitPut, UnitInfo
+from transfer_queue.wire.meta import FieldSpec
 
 from .table import Partition
 

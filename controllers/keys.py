@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from transfer_queue._errors import SchemaError
-from transfer_queue._messages import (
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import (
     KvClear,
     KvKeys,
     KvKeysReply,
@@ -32,7 +32,7 @@ from transfer_queue._messages import (
     KvTag,
     Ok,
 )
-from transfer_queue._meta import BatchMeta
+from transfer_queue.wire.meta import BatchMeta
 
 from .journal import Keyed, Tagged
 from .placement import place_rows

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, SealedError, SluiceError, TimeoutError
-from transfer_queue._messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
-from transfer_queue.rpc import MAX_BATCH, error_from_code
+from transfer_queue.wire.errors import CapacityError, ProtocolError, SchemaError, SealedError, SluiceError, TimeoutError
+from transfer_queue.wire.messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
+from transfer_queue.wire.rpc import MAX_BATCH, error_from_code
 
 from .intake import Intake
 from .journal import Committed

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from transfer_queue._errors import SchemaError
+from transfer_queue.wire.errors import SchemaError
 
 __all__ = ["Sampler", "SampleView", "FifoSampler", "GroupSampler", "SeqlenBalancedSampler", "SamplerRegistry"]
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transfer_queue._errors import TimeoutError
-from transfer_queue._messages import ClusterConfig, GetMeta
-from transfer_queue._meta import BatchMeta
+from transfer_queue.wire.errors import TimeoutError
+from transfer_queue.wire.messages import ClusterConfig, GetMeta
+from transfer_queue.wire.meta import BatchMeta
 
 from .admission import Admission
 from .samplers import SamplerRegistry, SampleView

@@ -18,11 +18,11 @@ import uuid
 import msgspec
 import numpy as np
 
-from transfer_queue._errors import (
+from transfer_queue.wire.errors import (
     SchemaError,
     SealedError,
 )
-from transfer_queue._messages import (
+from transfer_queue.wire.messages import (
     Ack,
     Acquire,
     Announce,
@@ -50,7 +50,7 @@ from transfer_queue._messages import (
     VersionReply,
     WaitVersion,
 )
-from transfer_queue.rpc import MAX_BATCH, Codec, Credentials, Service
+from transfer_queue.wire.rpc import MAX_BATCH, Codec, Credentials, Service
 
 from .admission import Admission
 from .journal import Acked, Dropped, Freed, Journal, Placed, Record, Sealed, Version

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transfer_queue._errors import SchemaError
-from transfer_queue._messages import ExportReply, ExportRows
-from transfer_queue._meta import BatchMeta, FieldSpec
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import ExportReply, ExportRows
+from transfer_queue.wire.meta import BatchMeta, FieldSpec
 
 from .status import FieldStatus, PartitionStatus, TaskStatus
 

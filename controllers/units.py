@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from transfer_queue._errors import ProtocolError, ServiceError
-from transfer_queue._messages import Free, Ok, Ping, RegisterUnit, Reply, UnitInfo
-from transfer_queue.rpc import AsyncChannel, Codec, Credentials
+from transfer_queue.wire.errors import ProtocolError, ServiceError
+from transfer_queue.wire.messages import Free, Ok, Ping, RegisterUnit, Reply, UnitInfo
+from transfer_queue.wire.rpc import AsyncChannel, Codec, Credentials
 
 from .journal import Retired, Unit
 

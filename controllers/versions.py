@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections import deque
 
-from transfer_queue._errors import TimeoutError, VersionError
+from transfer_queue.wire.errors import TimeoutError, VersionError
 
 __all__ = ["VersionClock"]
 

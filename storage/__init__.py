@@ -7,7 +7,7 @@ Layout:
   space.py     backpressure: the FIFO of writes waiting for space, with timeouts
   service.py   `StorageUnit`: the ROUTER service, one handler per storage request
   __main__.py  `python -m storage`: start a unit, register it with the controller, serve
-Clients and the controller reach a unit only over the wire (transfer_queue._messages).
+Clients and the controller reach a unit only over the wire (transfer_queue.wire.messages).
 """
 
 from .service import StorageUnit

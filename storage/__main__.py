@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from transfer_queue._errors import ServiceError, SluiceError, TimeoutError
-from transfer_queue._messages import Ok, RegisterUnit, Reply, UnitInfo
-from transfer_queue._sizes import parse_bytes
 from transfer_queue.host import host_id, keep_freed_memory, reachable
-from transfer_queue.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
+from transfer_queue.wire.errors import ServiceError, SluiceError, TimeoutError
+from transfer_queue.wire.messages import Ok, RegisterUnit, Reply, UnitInfo
+from transfer_queue.wire.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
+from transfer_queue.wire.sizes import parse_bytes
 
 from .arena import PAGE_BYTES
 from .service import StorageUnit

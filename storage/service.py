@@ -26,8 +26,9 @@ from typing import Any
 
 import zmq
 
-from transfer_queue._errors import CapacityError, ProtocolError, SchemaError, ServiceError, TimeoutError
-from transfer_queue._messages import (
+from transfer_queue.host import give_back_freed_memory
+from transfer_queue.wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, TimeoutError
+from transfer_queue.wire.messages import (
     CommitWrite,
     Free,
     Ok,
@@ -40,8 +41,7 @@ from transfer_queue._messages import (
     WriteLanded,
     WriteReply,
 )
-from transfer_queue.host import give_back_freed_memory
-from transfer_queue.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
+from transfer_queue.wire.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
 
 from .arena import PAGE_BYTES, Arena, Chunk
 from .space import SpaceQueue, Ticket

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
-from transfer_queue._errors import CapacityError
+from transfer_queue.wire.errors import CapacityError
 
 from .arena import Arena, Chunk
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from transfer_queue._errors import SchemaError
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.meta import FieldSpec
 
 from .arena import Arena, Chunk
 

@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from transfer_queue._errors import SchemaError
-from transfer_queue._messages import Write
-from transfer_queue._meta import RAGGED, FieldSpec
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import Write
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 from .arena import Chunk
 

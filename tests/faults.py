@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.helpers import eventually
 from tests.peers import peer
-from transfer_queue._messages import UnitStatus
+from transfer_queue.wire.messages import UnitStatus
 
 __all__ = ["ROOT", "eventually", "unit_status", "stalled_producer"]
 
@@ -31,7 +31,7 @@ import sys
 import torch
 from tensordict import TensorDict
 import transfer_queue as tq
-from transfer_queue._messages import CommitPut
+from transfer_queue.wire.messages import CommitPut
 
 client = tq.connect(sys.argv[1], use_shm=sys.argv[2] == "shm")
 flow = client._core.put(TensorDict({"x": torch.ones(16, 4096)}, batch_size=[16]), timeout=1.0)

@@ -1,4 +1,4 @@
-"""Test peers of Sluice services, over the RPC kernel (`transfer_queue.rpc`).
+"""Test peers of Sluice services, over the RPC kernel (`transfer_queue.wire.rpc`).
 
 `peer(address)` is a `Channel` to any service (its replies are left unchecked by `reply`,
 raised as `tq.*` errors by `call`). `raw(channel, frames)` is the one way a fuzz test puts bytes
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from transfer_queue._messages import Reply
-from transfer_queue.rpc import Channel, Codec
+from transfer_queue.wire.messages import Reply
+from transfer_queue.wire.rpc import Channel, Codec
 
 __all__ = ["peer", "raw", "ask"]
 

@@ -1,24 +1,23 @@
 """Sluice's public face: start or reach a cluster, put and stream samples, control staleness.
 
-Layout: `rpc` (public) is the request/reply kernel every Sluice process uses: message base,
-framing and limits, error replies, the asyncio and thread service loops, blocking and asyncio
-channels. `_cluster` starts the services (controller, storage units) through a backend: local
-processes (`_launch`) or Ray actors (`_ray_backend`); `host` (public, torch-free) names and maps
-shared-memory files for every part. `_control` (torch-free) and `_client_core` hold every client
-operation as a socket-free flow, `_drivers` drives flows over blocking or asyncio channels, under
-the faces `_client` (`Client`), `_async_client` (`AsyncClient`) and `_control`'s `ControlClient`
-(controller-only calls, no torch); `_messages` are the wire messages; `_tensors` slices and
-assembles batches; `_meta` is `BatchMeta`; `_staleness` the staleness settings; `_errors` the
-exception tree; `_objects` carries non-tensor fields as msgpack.
+Four floors live here, each imported only from below:
 
-TransferQueue 0.1.11's API lives beside Sluice's (so verl runs unchanged): `_tq_face` holds its
-module functions (`init(conf)`, `kv_*` and their `async_` twins, `get_client`, `close`, ...) and
-the one `init` that dispatches between the two; `_tq_client` its `TransferQueueClient`;
-`_kv_meta` its `KVBatchMeta`; `_tq_checkpoint` its checkpoints. `BatchMeta` is one class for
-both: Sluice's struct, which also answers TransferQueue's `BatchMeta` operations.
+- `wire/` (public, torch-free): what processes agree on: messages, metadata, errors, staleness
+  settings, credentials, sizes and the request/reply kernel `wire.rpc`. Services and weight
+  transports import it and `host`, nothing else of this package.
+- `host` (public, torch-free): what every process needs of its machine: identity, shared-memory
+  files and their mappings, the heap policy that keeps received frames warm.
+- The clients: client operations are socket-free generator flows (`_flows`; the controller-only
+  ones in `_control`, the data plane's in `_client_core`) that `_drivers` runs over blocking or
+  asyncio channels, under the faces `Client` (`_client`), `AsyncClient` (`_async_client`) and the
+  torch-free `ControlClient` (`_control_client`). `_tensors` slices and assembles batches,
+  `_objects` carries non-tensor fields as msgpack, `_checkpoint` saves and restores a cluster.
+- The launchers: `_cluster` starts the services through a backend, local processes (`_launch`)
+  or Ray actors (`_ray_backend`); `cli` is the `sluice` command.
+- `compat/`: TransferQueue 0.1.11's API (`init(conf)`, `kv_*`, `KVBatchMeta`, ...), so verl runs
+  unchanged; `init` dispatches between Sluice's keyword form and TransferQueue's `conf` form.
 
-Names are imported on first use, so the services (which need only the wire protocol) start
-without loading torch and tensordict.
+Names are imported on first use, so the services start without loading torch and tensordict.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._errors import (
+from .wire.errors import (
     CapacityError,
     ClosedError,
     ProtocolError,
@@ -39,40 +38,40 @@ from ._errors import (
     VersionError,
     WeightSyncError,
 )
-from ._meta import RAGGED, BatchMeta, FieldSpec
+from .wire.meta import RAGGED, BatchMeta, FieldSpec
 
 _LAZY = {
-    "init": "_tq_face",
+    "init": "compat.face",
     "connect": "_cluster",
     "Cluster": "_cluster",
     "parse_bytes": "_cluster",
     "Client": "_client",
     "AsyncClient": "_async_client",
-    "ControlClient": "_control",
+    "ControlClient": "_control_client",
     "connect_async": "_async_client",
     "Grant": "_client_core",
-    "ClusterConfig": "_messages",
-    "StalenessConfig": "_staleness",
+    "ClusterConfig": "wire.messages",
+    "StalenessConfig": "wire.staleness",
     # TransferQueue 0.1.11's API
-    "close": "_tq_face",
-    "get_client": "_tq_face",
-    "get_metrics_endpoint": "_tq_face",
-    "kv_put": "_tq_face",
-    "kv_batch_put": "_tq_face",
-    "kv_batch_get": "_tq_face",
-    "kv_batch_get_by_meta": "_tq_face",
-    "kv_list": "_tq_face",
-    "kv_clear": "_tq_face",
-    "async_kv_put": "_tq_face",
-    "async_kv_batch_put": "_tq_face",
-    "async_kv_batch_get": "_tq_face",
-    "async_kv_batch_get_by_meta": "_tq_face",
-    "async_kv_list": "_tq_face",
-    "async_kv_clear": "_tq_face",
-    "save_checkpoint": "_tq_checkpoint",
-    "load_checkpoint": "_tq_checkpoint",
-    "KVBatchMeta": "_kv_meta",
-    "TransferQueueClient": "_tq_client",
+    "close": "compat.face",
+    "get_client": "compat.face",
+    "get_metrics_endpoint": "compat.face",
+    "kv_put": "compat.face",
+    "kv_batch_put": "compat.face",
+    "kv_batch_get": "compat.face",
+    "kv_batch_get_by_meta": "compat.face",
+    "kv_list": "compat.face",
+    "kv_clear": "compat.face",
+    "async_kv_put": "compat.face",
+    "async_kv_batch_put": "compat.face",
+    "async_kv_batch_get": "compat.face",
+    "async_kv_batch_get_by_meta": "compat.face",
+    "async_kv_list": "compat.face",
+    "async_kv_clear": "compat.face",
+    "save_checkpoint": "compat.checkpoint",
+    "load_checkpoint": "compat.checkpoint",
+    "KVBatchMeta": "compat.kv_meta",
+    "TransferQueueClient": "compat.client",
 }
 
 if TYPE_CHECKING:
@@ -80,13 +79,10 @@ if TYPE_CHECKING:
     from ._client import Client
     from ._client_core import Grant
     from ._cluster import Cluster, connect, parse_bytes
-    from ._control import ControlClient
-    from ._kv_meta import KVBatchMeta
-    from ._messages import ClusterConfig
-    from ._staleness import StalenessConfig
-    from ._tq_checkpoint import load_checkpoint, save_checkpoint
-    from ._tq_client import TransferQueueClient
-    from ._tq_face import (
+    from ._control_client import ControlClient
+    from .compat.checkpoint import load_checkpoint, save_checkpoint
+    from .compat.client import TransferQueueClient
+    from .compat.face import (
         async_kv_batch_get,
         async_kv_batch_get_by_meta,
         async_kv_batch_put,
@@ -104,6 +100,9 @@ if TYPE_CHECKING:
         kv_list,
         kv_put,
     )
+    from .compat.kv_meta import KVBatchMeta
+    from .wire.messages import ClusterConfig
+    from .wire.staleness import StalenessConfig
 
 __all__ = [
     "init",

@@ -14,9 +14,9 @@ from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
 from ._drivers import AsyncDriver
-from ._messages import ClusterConfig, UnitInfo
-from ._meta import BatchMeta
-from .rpc import Credentials
+from .wire.messages import ClusterConfig, UnitInfo
+from .wire.meta import BatchMeta
+from .wire.rpc import Credentials
 
 __all__ = ["AsyncClient", "connect_async"]
 

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._errors import SchemaError
-from ._messages import ExportRows
-from ._meta import BatchMeta, FieldSpec
 from ._tensors import Assembler, Columns
+from .wire.errors import SchemaError
+from .wire.messages import ExportRows
+from .wire.meta import BatchMeta, FieldSpec
 
 __all__ = [
     "Manifest",

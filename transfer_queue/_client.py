@@ -12,11 +12,11 @@ import torch
 from tensordict import TensorDict
 
 from ._client_core import ClientCore, Grant
-from ._control import ControlClient
+from ._control_client import ControlClient
 from ._drivers import SyncDriver
-from ._messages import ClusterConfig, UnitInfo
-from ._meta import BatchMeta
-from .rpc import Credentials
+from .wire.messages import ClusterConfig, UnitInfo
+from .wire.meta import BatchMeta
+from .wire.rpc import Credentials
 
 __all__ = ["Client"]
 

@@ -28,9 +28,11 @@ from ._checkpoint import (
     write_manifest,
 )
 from ._control import INT64, ControlCore, as_int, count
-from ._errors import CapacityError, SchemaError, SluiceError
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
-from ._messages import (
+from ._tensors import Assembler, BufferPool, Columns
+from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
+from .wire.errors import CapacityError, SchemaError, SluiceError
+from .wire.messages import (
     AbortPut,
     Ack,
     Acquire,
@@ -63,10 +65,8 @@ from ._messages import (
     Write,
     WriteReply,
 )
-from ._meta import BatchMeta
-from ._tensors import Assembler, BufferPool, Columns
-from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
-from .rpc import GRACE, Credentials, check
+from .wire.meta import BatchMeta
+from .wire.rpc import GRACE, Credentials, check
 
 __all__ = ["ClientCore", "Grant"]
 

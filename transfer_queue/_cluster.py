@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ._auth import Credentials, is_loopback
-from ._errors import SchemaError
 from ._launch import SECRET_ENV, Backend, LocalProcesses, remove_shm
-from ._messages import ClusterConfig
-from ._sizes import parse_bytes
-from ._staleness import StalenessConfig
+from .wire.auth import Credentials, is_loopback
+from .wire.errors import SchemaError
+from .wire.messages import ClusterConfig
+from .wire.sizes import parse_bytes
+from .wire.staleness import StalenessConfig
 
 if TYPE_CHECKING:  # imported on use: launching services (also from Ray actors) needs no torch
     from ._client import Client

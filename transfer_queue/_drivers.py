@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ._errors import ClosedError, SchemaError, ServiceError, SluiceError
 from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run
-from .rpc import AsyncChannel, Channel, Ok
+from .wire.errors import ClosedError, SchemaError, ServiceError, SluiceError
+from .wire.rpc import AsyncChannel, Channel, Ok
 
 if TYPE_CHECKING:
     from ._control import ControlCore

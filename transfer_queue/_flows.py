@@ -10,7 +10,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .rpc import GRACE, Message
+from .wire.rpc import GRACE, Message
 
 __all__ = ["CONTROLLER", "Call", "Flow", "Plan", "Run", "Launch", "Finish", "Withdraw", "Give"]
 

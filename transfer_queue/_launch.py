@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
-from ._auth import CREDENTIALS_ENV
-from ._errors import SchemaError, ServiceError
-from ._messages import ClusterConfig
 from .host import shm_prefix
+from .wire.auth import CREDENTIALS_ENV
+from .wire.errors import SchemaError, ServiceError
+from .wire.messages import ClusterConfig
 
 __all__ = [
     "Backend",

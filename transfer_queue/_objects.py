@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ._errors import SchemaError
+from .wire.errors import SchemaError
 
 __all__ = ["encode_values", "decode_values", "ALLOWED"]
 

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ._errors import ServiceError
 from ._launch import (
     ROOT,
     START_TIMEOUT,
@@ -49,7 +48,8 @@ from ._launch import (
     stop_processes,
     storage_command,
 )
-from ._messages import ClusterConfig
+from .wire.errors import ServiceError
+from .wire.messages import ClusterConfig
 
 if TYPE_CHECKING:
     from types import ModuleType

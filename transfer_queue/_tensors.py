@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._errors import SchemaError
-from ._meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 from ._objects import decode_values, encode_values
+from .wire.errors import SchemaError
+from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 
 # Received frames are read-only buffers; torch warns on viewing them although we only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)

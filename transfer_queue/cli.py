@@ -24,8 +24,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ._control import ControlClient
-from ._errors import SchemaError, SluiceError
+from ._control_client import ControlClient
+from .wire.errors import SchemaError, SluiceError
 
 __all__ = ["main"]
 

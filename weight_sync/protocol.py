@@ -28,7 +28,7 @@ from typing import Any, Union
 import msgspec
 
 from transfer_queue import WeightSyncError
-from transfer_queue.rpc import (
+from transfer_queue.wire.rpc import (
     Cancel,
     Channel,
     Codec,

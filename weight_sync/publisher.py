@@ -28,7 +28,7 @@ import torch
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
 from transfer_queue.host import host_id
-from transfer_queue.rpc import Credentials, credentials_from_env
+from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
 from .buckets import layout_buckets, pack
 from .checksum import Snapshot

@@ -10,8 +10,8 @@ import pytest
 
 from controllers import journal as journal_mod
 from controllers.service import Controller
-from transfer_queue._errors import SchemaError
-from transfer_queue._messages import (
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import (
     Ack,
     BeginPut,
     ClearPartition,
@@ -29,7 +29,7 @@ from transfer_queue._messages import (
     SetVersion,
     UnitInfo,
 )
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.meta import FieldSpec
 
 SPECS = {"x": FieldSpec("int64", ())}
 

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from tests.faults import eventually, unit_status
 from tests.peers import ask, peer
-from transfer_queue._messages import (
+from transfer_queue.wire.messages import (
     AbortPut,
     BeginPut,
     CommitPut,
@@ -24,7 +24,7 @@ from transfer_queue._messages import (
     Write,
     WriteLanded,
 )
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.meta import FieldSpec
 
 SPEC = {"x": FieldSpec("float32", (4,))}
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from storage_harness import UnitClient, Units
 
-from transfer_queue._messages import Free, UnitStatus
+from transfer_queue.wire.messages import Free, UnitStatus
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,9 @@ from typing import Any
 import zmq
 
 from tests.peers import raw
-from transfer_queue._errors import error_from_code
-from transfer_queue._messages import ErrorReply, Reply
-from transfer_queue.rpc import Channel, Codec
+from transfer_queue.wire.errors import error_from_code
+from transfer_queue.wire.messages import ErrorReply, Reply
+from transfer_queue.wire.rpc import Channel, Codec
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from storage_harness import UnitClient, raise_for
 
-from transfer_queue._errors import CapacityError, SchemaError, TimeoutError
-from transfer_queue._messages import Cancel, CommitWrite, Free, Read, UnitStatus, Write, WriteReply
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.errors import CapacityError, SchemaError, TimeoutError
+from transfer_queue.wire.messages import Cancel, CommitWrite, Free, Read, UnitStatus, Write, WriteReply
+from transfer_queue.wire.meta import FieldSpec
 
 KIB = 1 << 10
 CAPACITY = 1 << 20

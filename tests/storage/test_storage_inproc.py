@@ -12,9 +12,9 @@ import pytest
 
 from storage import StorageUnit
 from storage.space import Ticket
-from transfer_queue._errors import CapacityError
-from transfer_queue._messages import CommitWrite, Free, Read, Write, WriteReply
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.errors import CapacityError
+from transfer_queue.wire.messages import CommitWrite, Free, Read, Write, WriteReply
+from transfer_queue.wire.meta import FieldSpec
 
 ROW = 256 << 10  # above ZeroMQ's copy threshold: reads of it are zero-copy frames
 

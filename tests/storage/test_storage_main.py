@@ -12,9 +12,9 @@ import numpy as np
 import zmq
 from storage_harness import REPO, UnitClient, Units
 
-from transfer_queue._messages import ControllerRequest, ErrorReply, Ok, RegisterUnit, UnitStatus, Write
-from transfer_queue._meta import FieldSpec
-from transfer_queue.rpc import Codec, pack_prefix
+from transfer_queue.wire.messages import ControllerRequest, ErrorReply, Ok, RegisterUnit, UnitStatus, Write
+from transfer_queue.wire.meta import FieldSpec
+from transfer_queue.wire.rpc import Codec, pack_prefix
 
 
 def _registration(controller: zmq.Socket) -> tuple[list, RegisterUnit]:

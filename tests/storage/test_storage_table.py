@@ -9,8 +9,8 @@ import pytest
 
 from storage.arena import Arena
 from storage.table import Table
-from transfer_queue._errors import SchemaError
-from transfer_queue._meta import RAGGED, FieldSpec
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 PAGE = 64 << 10
 DENSE = FieldSpec("float32", (4,))  # 16 bytes per row

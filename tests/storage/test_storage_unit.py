@@ -14,8 +14,8 @@ import torch
 from storage_harness import UnitClient, Units
 
 from tests.helpers import eventually
-from transfer_queue._errors import ProtocolError, SchemaError
-from transfer_queue._messages import (
+from transfer_queue.wire.errors import ProtocolError, SchemaError
+from transfer_queue.wire.messages import (
     CommitWrite,
     ErrorReply,
     Free,
@@ -28,8 +28,8 @@ from transfer_queue._messages import (
     Write,
     WriteReply,
 )
-from transfer_queue._meta import RAGGED, FieldSpec
-from transfer_queue.rpc import pack_prefix
+from transfer_queue.wire.meta import RAGGED, FieldSpec
+from transfer_queue.wire.rpc import pack_prefix
 
 DTYPES = [
     torch.bool,

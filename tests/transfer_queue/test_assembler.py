@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfer_queue._meta import RAGGED, FieldSpec
 from transfer_queue._tensors import Assembler
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 DENSE = FieldSpec("int64", (4,))
 RAGGED_SPEC = FieldSpec("float32", (RAGGED, 2))

@@ -9,9 +9,9 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from transfer_queue._auth import CREDENTIALS_ENV, Credentials
-from transfer_queue._messages import ClusterConfig, ControllerRequest
-from transfer_queue.rpc import Codec, Service
+from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
+from transfer_queue.wire.messages import ClusterConfig, ControllerRequest
+from transfer_queue.wire.rpc import Codec, Service
 
 
 def test_a_cluster_on_all_interfaces_admits_only_its_clients(monkeypatch):

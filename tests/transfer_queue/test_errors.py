@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from tests.faults import eventually, unit_status
 from tests.peers import peer, raw
-from transfer_queue.rpc import pack_prefix
+from transfer_queue.wire.rpc import pack_prefix
 
 
 def _td(n: int, **fields) -> TensorDict:

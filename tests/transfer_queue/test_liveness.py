@@ -20,7 +20,7 @@ import transfer_queue as tq
 from tests.faults import ROOT, eventually
 from tests.helpers import put_anew
 from tests.peers import ask, peer
-from transfer_queue._messages import RegisterUnit, UnitInfo
+from transfer_queue.wire.messages import RegisterUnit, UnitInfo
 
 
 def _td(n: int) -> TensorDict:

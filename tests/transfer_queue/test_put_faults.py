@@ -15,8 +15,8 @@ import transfer_queue as tq
 from tests.faults import eventually, stalled_producer, unit_status
 from tests.helpers import status_bytes
 from tests.peers import ask, peer, raw
-from transfer_queue._messages import BeginPut, CommitPut, RowInfo
-from transfer_queue._meta import FieldSpec
+from transfer_queue.wire.messages import BeginPut, CommitPut, RowInfo
+from transfer_queue.wire.meta import FieldSpec
 
 
 def _td(n: int, width: int = 4) -> TensorDict:

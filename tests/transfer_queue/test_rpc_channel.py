@@ -1,4 +1,4 @@
-"""The kernel's channels (`transfer_queue.rpc`) against a real peer socket or service."""
+"""The kernel's channels (`transfer_queue.wire.rpc`) against a real peer socket or service."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import zmq
 import zmq.asyncio
 
 from tests.helpers import eventually_async
-from transfer_queue._errors import SchemaError, ServiceError
-from transfer_queue._messages import Free, Read, Reply, StorageRequest, UnitStatus
-from transfer_queue.rpc import SOCKET_BUFFER_BYTES, AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
+from transfer_queue.wire.errors import SchemaError, ServiceError
+from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
+from transfer_queue.wire.rpc import SOCKET_BUFFER_BYTES, AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
 
 
 async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():

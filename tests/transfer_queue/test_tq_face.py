@@ -15,7 +15,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import transfer_queue as tq
-from transfer_queue._tq_face import ENV_ADDRESS
+from transfer_queue.compat.face import ENV_ADDRESS
 
 TQ_NAMES = {
     "init",

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import transfer_queue as tq
-from transfer_queue._tq_face import ENV_ADDRESS
+from transfer_queue.compat.face import ENV_ADDRESS
 
 CONF = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}}, "sluice": {"storage_capacity": "16MiB"}}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transfer_queue as tq
-from transfer_queue._auth import CREDENTIALS_ENV, Credentials
+from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
 from weight_sync import WeightPublisher
 from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import weight_sync
-from transfer_queue._errors import SchemaError
+from transfer_queue.wire.errors import SchemaError
 from weight_sync import LLAMA, Layout, NameMapping, TPShard
 from weight_sync.buckets import ALIGN, layout_buckets, pack
 from weight_sync.plan import Read, build_plan

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_queue._errors import SchemaError
+from transfer_queue.wire.errors import SchemaError
 from weight_sync.buckets import layout_buckets, pack
 from weight_sync.layout import Layout, flat_boxes, intersect, numel, subtract
 from weight_sync.mapping import Binding, TPShard

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from transfer_queue._errors import WeightSyncError
+from transfer_queue.wire.errors import WeightSyncError
 from weight_sync import TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
 
 from .harness import CTX, Subscribers, check

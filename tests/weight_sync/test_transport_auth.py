@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import eventually
 from transfer_queue import SchemaError, WeightSyncError
-from transfer_queue.rpc import CREDENTIALS_ENV, Credentials
+from transfer_queue.wire.rpc import CREDENTIALS_ENV, Credentials
 from weight_sync import TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
 
 from .workers import BUCKET, weights, zeros

@@ -16,7 +16,7 @@ import hmac
 import os
 
 from transfer_queue import SchemaError, WeightSyncError
-from transfer_queue.rpc import CREDENTIALS_ENV, Credentials, credentials_from_env, is_loopback
+from transfer_queue.wire.rpc import CREDENTIALS_ENV, Credentials, credentials_from_env, is_loopback
 
 __all__ = ["GREETING_BYTES", "ANSWER_BYTES", "PROOF_BYTES", "TIMEOUT", "key_of", "check_serve", "Server", "Client"]
 

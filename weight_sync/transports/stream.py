@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from transfer_queue import WeightSyncError
-from transfer_queue.rpc import error_code, error_from_code
+from transfer_queue.wire.rpc import error_code, error_from_code
 
 from ..layout import Box
 from ..plan import Read

@@ -25,7 +25,7 @@ import threading
 import torch
 
 from transfer_queue import SluiceError, WeightSyncError
-from transfer_queue.rpc import Credentials
+from transfer_queue.wire.rpc import Credentials
 
 from ..protocol import Pull, RelayPull
 from . import handshake

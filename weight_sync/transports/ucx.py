@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from transfer_queue import SluiceError, WeightSyncError
-from transfer_queue.rpc import Credentials
+from transfer_queue.wire.rpc import Credentials
 
 from ..layout import numel
 from ..protocol import Pull, RelayPull

@@ -38,16 +38,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._auth import Credentials
-from ._errors import ClosedError, SchemaError
-from ._staleness import StalenessConfig
+from ..wire.auth import Credentials
+from ..wire.errors import ClosedError, SchemaError
+from ..wire.staleness import StalenessConfig
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    from ._cluster import Cluster
-    from ._kv_meta import KVBatchMeta
-    from ._tq_client import TransferQueueClient
+    from .._cluster import Cluster
+    from .client import TransferQueueClient
+    from .kv_meta import KVBatchMeta
 
 __all__ = [
     "init",
@@ -124,7 +124,7 @@ def init(*args: Any, **kwargs: Any) -> Any:
         return _tq_init(conf)
     if not args and not kwargs and _find() is not None:
         return _tq_init(None)
-    from ._cluster import init as sluice_init
+    from .._cluster import init as sluice_init
 
     return sluice_init(*args, **kwargs)
 
@@ -138,8 +138,8 @@ def _tq_init(conf: Mapping | None) -> Any:
     merged = _merge(_DEFAULTS, _plain(conf) if conf is not None else {})
     kwargs = _sluice_kwargs(merged)
     under_ray = _ray_connected()
-    from ._cluster import init as sluice_init
-    from ._tq_client import TransferQueueClient
+    from .._cluster import init as sluice_init
+    from .client import TransferQueueClient
 
     cluster = sluice_init(**kwargs, backend="ray" if under_ray else "local", host="auto" if under_ray else "127.0.0.1")
     merged["sluice"]["address"] = cluster.address
@@ -242,7 +242,7 @@ def _register_with_ray(address: str, conf: dict[str, Any], credentials: Credenti
     """The named registry actor for `address`; None if another process holds the name already."""
     import ray
 
-    from ._ray_backend import _runtime_env
+    from .._ray_backend import _runtime_env
 
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(_Registry)
     try:
@@ -273,7 +273,7 @@ def _find() -> _Face | None:
         found = address, json.loads(conf_json), token
     if found is None:
         return None
-    from ._tq_client import TransferQueueClient
+    from .client import TransferQueueClient
 
     address, conf, token = found
     creds = Credentials.from_token(token) if token else None
@@ -307,7 +307,7 @@ _STALENESS_KEYS = StalenessConfig.__struct_fields__
 
 def _sluice_kwargs(conf: dict[str, Any]) -> dict[str, Any]:
     """Sluice `init` keywords for a merged TransferQueue config."""
-    from ._cluster import init as sluice_init
+    from .._cluster import init as sluice_init
 
     backend = conf["backend"]["storage_backend"]
     if backend != "SimpleStorage":

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ._errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["CREDENTIALS_ENV", "Credentials", "from_env", "is_loopback", "secure_client", "secure_server"]
 

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from ._meta import BatchMeta, FieldSpec
-from ._staleness import StalenessConfig
+from .meta import BatchMeta, FieldSpec
 from .rpc import Cancel, ErrorReply, Message, Ok, Ping
+from .staleness import StalenessConfig
 
 __all__ = [
     "ClusterConfig",

@@ -8,8 +8,8 @@ from typing import Any
 
 import zmq
 
-from .._auth import Credentials
-from .._errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
+from ..auth import Credentials
+from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
 from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
 from ._peer import _Peer
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import zmq
 
-from .._auth import Credentials, secure_server
-from .._errors import ProtocolError, TimeoutError
+from ..auth import Credentials, secure_server
+from ..errors import ProtocolError, TimeoutError
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._service import refusals
 

@@ -24,16 +24,16 @@ import msgspec
 import torch
 from tensordict import TensorDict
 
-from ._async_client import AsyncClient
-from ._auth import Credentials
-from ._client import Client
-from ._client_core import ClientCore
-from ._errors import SchemaError
-from ._flows import CONTROLLER, Flow
-from ._kv_meta import KVBatchMeta
-from ._messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
-from ._meta import BatchMeta
-from ._tensors import is_non_tensor
+from .._async_client import AsyncClient
+from .._client import Client
+from .._client_core import ClientCore
+from .._flows import CONTROLLER, Flow
+from .._tensors import is_non_tensor
+from ..wire.auth import Credentials
+from ..wire.errors import SchemaError
+from ..wire.messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
+from ..wire.meta import BatchMeta
+from .kv_meta import KVBatchMeta
 
 __all__ = ["TransferQueueClient"]
 

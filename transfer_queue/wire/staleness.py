@@ -27,7 +27,7 @@ from typing import Annotated
 
 import msgspec
 
-from ._errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["StalenessConfig", "Checked", "admission_limit"]
 

@@ -34,9 +34,9 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
 
 from __future__ import annotations
 
-from .._auth import CREDENTIALS_ENV, Credentials, is_loopback
-from .._auth import from_env as credentials_from_env
-from .._errors import error_code, error_from_code
+from ..auth import CREDENTIALS_ENV, Credentials, is_loopback
+from ..auth import from_env as credentials_from_env
+from ..errors import error_code, error_from_code
 from ._async_channel import AsyncChannel
 from ._channel import Channel
 from ._codec import (

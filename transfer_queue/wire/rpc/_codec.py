@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from .._auth import Credentials, is_loopback
-from .._errors import ProtocolError, SchemaError, SluiceError, error_code, error_from_code
+from ..auth import Credentials, is_loopback
+from ..errors import ProtocolError, SchemaError, SluiceError, error_code, error_from_code
 
 log = logging.getLogger("sluice.rpc")
 

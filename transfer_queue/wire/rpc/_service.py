@@ -14,8 +14,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .._auth import Credentials, secure_server
-from .._errors import ProtocolError
+from ..auth import Credentials, secure_server
+from ..errors import ProtocolError
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 
 # -- asyncio service -----------------------------------------------------------------------

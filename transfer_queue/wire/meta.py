@@ -10,7 +10,7 @@ import math
 
 import msgspec
 
-from ._errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["FieldSpec", "BatchMeta", "RAGGED", "ITEMSIZE", "OBJECT_DTYPES"]
 

@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from .._auth import Credentials, secure_client
-from .._errors import SluiceError
+from ..auth import Credentials, secure_client
+from ..errors import SluiceError
 from ._codec import PROBE_AFTER, SOCKET_BUFFER_BYTES, Codec
 
 

@@ -23,10 +23,10 @@ import msgspec
 import torch
 from tensordict import TensorDict
 
-from ._checkpoint import decode_columns, encode_columns, read_file, write_file
-from ._errors import SchemaError
-from ._meta import FieldSpec
-from ._tq_face import get_client
+from .._checkpoint import decode_columns, encode_columns, read_file, write_file
+from ..wire.errors import SchemaError
+from ..wire.meta import FieldSpec
+from .face import get_client
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 

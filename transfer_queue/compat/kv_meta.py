@@ -11,7 +11,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from ._errors import SchemaError
+from ..wire.errors import SchemaError
 
 __all__ = ["KVBatchMeta"]
 

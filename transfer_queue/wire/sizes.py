@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ._errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["parse_bytes"]
 
