@@ -117,3 +117,47 @@ def test_control_client_imports_without_torch():
 
     code = "import sys, transfer_queue as tq; tq.ControlClient; import transfer_queue.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_init_overloads_follow_the_cluster_signature():
+    """`tq.init`'s typed keyword form is Sluice's `init` parameter for parameter, so the overload
+    users' checkers read cannot drift from what runs."""
+    import sys
+    import typing
+
+    import pytest
+
+    if sys.version_info < (3, 11):
+        pytest.skip("typing.get_overloads needs Python 3.11")
+    from transfer_queue import _cluster
+    from transfer_queue.compat import face
+
+    overloads = typing.get_overloads(face.init)
+    assert len(overloads) == 3
+    keyword_form = inspect.signature(overloads[-1])
+    cluster_init = inspect.signature(_cluster.init)
+    assert [(p.name, p.kind, p.default) for p in keyword_form.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in cluster_init.parameters.values()
+    ]
+    assert str(keyword_form.return_annotation) == "Cluster"
+
+
+def test_wire_imports_without_torch():
+    """The wire is the floor every service stands on: importing all of it loads neither torch nor tensordict."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, transfer_queue.wire.messages, transfer_queue.wire.rpc, transfer_queue.wire.auth, "
+        "transfer_queue.wire.sizes; assert not {'torch', 'tensordict'} & set(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_packages_ship_type_hints():
+    from pathlib import Path
+
+    import weight_sync
+
+    for package in (tq, weight_sync):
+        assert (Path(package.__file__).parent / "py.typed").is_file(), package.__name__

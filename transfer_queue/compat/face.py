@@ -36,7 +36,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..wire.auth import Credentials
 from ..wire.errors import ClosedError, SchemaError
@@ -102,8 +102,41 @@ _FACE: _Face | None = None
 # -- init / close ------------------------------------------------------------------------
 
 
+@overload
+def init(conf: Mapping[str, Any], /) -> Any: ...
+
+
+@overload
+def init(*, conf: Mapping[str, Any] | None) -> Any: ...
+
+
+@overload
+def init(
+    num_storage_units: int = 2,
+    storage_capacity: int | str = "2GiB",
+    *,
+    max_staleness: int | None = None,
+    consumer_batch_size: int = 64,
+    staleness: StalenessConfig | None = None,
+    lease_timeout: float = 300.0,
+    grant_timeout: float = 600.0,
+    stale_policy: Literal["drop", "keep", "requeue"] = "drop",
+    samplers: tuple[str, ...] = (),
+    metrics_port: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    backend: Literal["local", "ray"] = "local",
+    ray_address: str | None = None,
+    restore: str | os.PathLike | None = None,
+    journal: str | os.PathLike | None = None,
+) -> Cluster: ...
+
+
 def init(*args: Any, **kwargs: Any) -> Any:
     """Start or attach to Sluice: TransferQueue's `init(conf)` and Sluice's `init(...)` in one name.
+
+    Typed as two overloads: Sluice's keyword form (the parameters of `transfer_queue._cluster.init`)
+    returns a `Cluster`; TransferQueue's `conf` form returns the merged config.
 
     - `init(conf)` / `init(conf=...)` with a mapping (TransferQueue's config): TransferQueue's
       semantics; returns the merged config (a `DictConfig` when given one).
