@@ -25,7 +25,7 @@ class TaskRunner:
         from tensordict import TensorDict
 
         import transfer_queue as tq
-        from transfer_queue import _tq_face
+        from transfer_queue.compat import face
 
         conf = tq.init(CONF)
         tq.kv_batch_put(
@@ -34,7 +34,7 @@ class TaskRunner:
             TensorDict({"x": torch.arange(6).view(2, 3)}, batch_size=[2]),
             tags=[{"status": "finished"}, {"status": "finished"}],
         )
-        nodes = [s["node_id"] for s in _tq_face._FACE.cluster.services if s["service"].startswith("storage")]
+        nodes = [s["node_id"] for s in face._FACE.cluster.services if s["service"].startswith("storage")]
         return conf["sluice"]["address"], nodes
 
     def stop(self) -> None:
