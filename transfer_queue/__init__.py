@@ -5,19 +5,15 @@ Four floors live here, each imported only from below:
 - `wire/` (public, torch-free): what processes agree on: messages, metadata, errors, staleness
   settings, credentials, sizes and the request/reply kernel `wire.rpc`. Services and weight
   transports import it and `host`, nothing else of this package.
-- `host` (public, torch-free): what every process needs of its machine: identity, shared-memory
-  files and their mappings, the heap policy that keeps received frames warm.
-- The clients: client operations are socket-free generator flows (`_flows`; the controller-only
-  ones in `_control`, the data plane's in `_client_core`) that `_drivers` runs over blocking or
-  asyncio channels, under the faces `Client` (`_client`), `AsyncClient` (`_async_client`) and the
-  torch-free `ControlClient` (`_control_client`). `_tensors` slices and assembles batches,
-  `_objects` carries non-tensor fields as msgpack, `_checkpoint` saves and restores a cluster.
-- The launchers: `_cluster` starts the services through a backend, local processes (`_launch`)
-  or Ray actors (`_ray_backend`); `cli` is the `sluice` command.
+- `host` (public, torch-free): what every process needs of its machine.
+- The clients, `Client`, `AsyncClient` and the torch-free `ControlClient`: operations written
+  once as socket-free flows that drivers run over blocking or asyncio channels; and the
+  launchers: `init` starts the services as local processes or Ray actors; `cli` is `sluice`.
 - `compat/`: TransferQueue 0.1.11's API (`init(conf)`, `kv_*`, `KVBatchMeta`, ...), so verl runs
   unchanged; `init` dispatches between Sluice's keyword form and TransferQueue's `conf` form.
 
 Names are imported on first use, so the services start without loading torch and tensordict.
+One line per module: docs/architecture.md, "The module map".
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Sluice's weight-sync channel: trainer weights to every rollout worker, versioned and whole.
 
 The face is `WeightPublisher` (trainer side) and `WeightSubscriber` (rollout side). Behind it:
-
-- `layout`    boxes and `Layout`s: which elements of a global tensor a local shard holds
-- `mapping`   `TPShard`/`FlatShard` (who holds what), `NameMapping` (trainer names to inference
-              names, fusing q/k/v and gate/up: `LLAMA`, `QWEN`)
-- `manifest`  what a publisher rank stages: one `Entry` (name, dtype, layout, bucket, offset)
-              per tensor
-- `buckets`   assigning tensors to fixed-size buckets and packing them, bucket by bucket
-- `plan`      the reshard plan: intersections of what ranks hold and what a subscriber needs
-- `staging`   pre-faulted shared segments and the slots (with leases) that hold versions
-- `protocol`  control-plane messages and the ZeroMQ request/reply loop
-- `transports/`  shm, tcp, ucx, torch: one small interface and a registry (`base`), the
-              byte-stream protocol tcp and ucx share (`stream`)
-- `publisher`, `subscriber`  the two sides, built from the above; the subscriber's calls to
-              the publisher ranks are `ranks`, its receiver strategy per transport mode
-              is `receivers` (mapped) or `background` (reads, image)
+who holds what and how names map (`layout`, `mapping`), what a rank stages and how
+(`manifest`, `buckets`, `staging`), the reshard plan (`plan`), the control plane on the RPC
+kernel (`protocol`, `coordinator`), the subscriber's receivers (`ranks`, `receivers`,
+`background`), validation (`checksum`), and `transports/` behind one small interface. One line
+per module: docs/architecture.md, "The module map"; how to use it: docs/weight-sync.md.
 """
 
 from __future__ import annotations
