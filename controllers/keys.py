@@ -11,12 +11,13 @@ Tags are msgpack-typed metadata (None, bool, int, float, str, lists and dicts of
 are merged per key (dict update) and only after the data they describe is written, so a reader
 that sees a tag (verl's replay buffer polling `kv_list` for `status: finished`) finds the data.
 
-`KeyService` adds the handlers of the `Kv*` messages to a running `Controller`.
+`KeyService` answers the `Kv*` messages.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -34,12 +35,10 @@ from transfer_queue.wire.messages import (
 )
 from transfer_queue.wire.meta import BatchMeta
 
-from .journal import Keyed, Tagged
+from .ledger import Ledger
 from .placement import place_rows
+from .records import Keyed, Record, Tagged
 from .table import Partition
-
-if TYPE_CHECKING:
-    from .service import Controller
 
 __all__ = ["KeyIndex", "KeyService"]
 
@@ -81,26 +80,32 @@ class KeyIndex:
 
 
 class KeyService:
-    """Handlers for `KvResolve`, `KvTag`, `KvList`, `KvKeys` and `KvClear` on `controller`."""
+    """Handlers for `KvResolve`, `KvTag`, `KvList`, `KvKeys` and `KvClear`."""
 
-    def __init__(self, controller: Controller):
-        self.ctl = controller
+    def __init__(self, ledger: Ledger, wake: Callable[[str], None], record: Callable[[Record], None]):
+        """`wake` re-evaluates the consumers parked on a partition (`Scheduler.wake`); `record`
+        journals a change."""
+        self.ledger = ledger
+        self._wake = wake
+        self._record = record
         self.indexes: dict[str, KeyIndex] = {}
-        for msg_type, handler in {
+
+    def handlers(self) -> dict[type, Callable]:
+        """The requests this part answers, by message type."""
+        return {
             KvResolve: self.on_resolve,
             KvTag: self.on_tag,
             KvList: self.on_list,
             KvKeys: self.on_keys,
             KvClear: self.on_clear,
-        }.items():
-            controller.route(msg_type, handler)
+        }
 
     def _index(self, partition: str, create: bool) -> KeyIndex | None:
-        part = self.ctl.partitions.get(partition)
+        part = self.ledger.partitions.get(partition)
         if part is None:
             if not create:
                 return None
-            part = self.ctl.partition(partition)
+            part = self.ledger.partition(partition)
         index = self.indexes.get(partition)
         if index is None or index.part is not part:
             index = self.indexes[partition] = KeyIndex(part)
@@ -108,14 +113,14 @@ class KeyService:
 
     def _create_rows(self, index: KeyIndex, keys: list[str]) -> None:
         """New rows without fields for `keys`, spread evenly over the storage units."""
-        if not self.ctl.units:
+        if not self.ledger.units:
             raise SchemaError("the cluster has no storage units registered yet")
         n = len(keys)
-        units = place_rows(self.ctl.unit_bytes, n, 0)
-        first = self.ctl.new_rows(index.part, units, 0, {}, {}, committed=True)
+        units = place_rows(self.ledger.unit_bytes, n, 0)
+        first = self.ledger.new_rows(index.part, units, 0, {}, {}, committed=True)
         for key, gidx in zip(keys, range(first, first + n)):
             index.add(key, gidx)
-        self.ctl.record(Keyed(index.part.name, keys, list(range(first, first + n))))
+        self._record(Keyed(index.part.name, keys, list(range(first, first + n))))
 
     def restore(self, partition: str, keys: list[str], indexes: list[int]) -> None:
         """Give `keys` to rows already in the table (journal replay)."""
@@ -127,7 +132,7 @@ class KeyService:
 
     def live(self) -> dict[str, KeyIndex]:
         """The key index of each partition that still exists."""
-        return {name: i for name, i in self.indexes.items() if self.ctl.partitions.get(name) is i.part}
+        return {name: i for name, i in self.indexes.items() if self.ledger.partitions.get(name) is i.part}
 
     def on_resolve(self, msg: KvResolve, data) -> KvMetaReply:
         if len(set(msg.keys)) != len(msg.keys):
@@ -173,7 +178,7 @@ class KeyService:
         if missing:
             raise SchemaError(f"partition {msg.partition!r} has no key(s) {missing[:5]}; put them first")
         self.tag(msg.partition, msg.keys, msg.tags)
-        self.ctl.record(Tagged(msg.partition, msg.keys, msg.tags))
+        self._record(Tagged(msg.partition, msg.keys, msg.tags))
         return Ok()
 
     def tag(self, partition: str, keys: list[str], tags: list[dict[str, Any]]) -> None:
@@ -213,6 +218,6 @@ class KeyService:
             index.drop(index.key_of[gidx])
         if found:
             part = index.part
-            self.ctl.free_rows(part, part.rows_of(found, alive=False))
-            self.ctl.scheduler.wake(part.name)
+            self.ledger.free_rows(part, part.rows_of(found, alive=False))
+            self._wake(part.name)
         return Ok()

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,13 +33,13 @@ from transfer_queue.wire.errors import CapacityError, ProtocolError, SchemaError
 from transfer_queue.wire.messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
 from transfer_queue.wire.rpc import MAX_BATCH, error_from_code
 
+from .admission import Admission
 from .intake import Intake
-from .journal import Committed
+from .ledger import Ledger
 from .placement import place_rows
+from .records import Committed, Record
 from .table import Partition
-
-if TYPE_CHECKING:
-    from .service import Controller
+from .units import UnitLinks
 
 __all__ = ["Puts"]
 
@@ -67,24 +66,43 @@ class _OpenPut:
 
 
 class Puts:
-    """The put handlers of a `Controller` and its open puts."""
+    """The put handlers and the open puts."""
 
-    def __init__(self, controller: Controller):
-        self.ctl = controller
+    def __init__(
+        self,
+        ledger: Ledger,
+        links: UnitLinks,
+        intake: Intake,
+        admission: Admission,
+        wake: Callable[[str], None],
+        record: Callable[[Record], None],
+        storage_capacity: int,
+    ):
+        """`links` authenticates the units' reports and takes frees of stray rows; `wake`
+        re-evaluates the consumers parked on a partition (`Scheduler.wake`); `record` journals a
+        change; `storage_capacity` is the cluster's, which no put may exceed."""
+        self.ledger = ledger
+        self.links = links
+        self.intake = intake
+        self.admission = admission
+        self._wake = wake
+        self._record = record
+        self.storage_capacity = storage_capacity
         self.open: dict[int, _OpenPut] = {}
-        self.intake = Intake()
         self.expired = 0
         self.reports_refused = 0
         self.samples = 0
         """Samples committed as new rows."""
         self._ended: OrderedDict[int, SluiceError] = OrderedDict()
-        for msg_type, handler in {
+
+    def handlers(self) -> dict[type, Callable]:
+        """The requests this part answers, by message type."""
+        return {
             BeginPut: self.on_begin_put,
             CommitPut: self.on_commit_put,
             WriteLanded: self.on_write_landed,
             AbortPut: self.on_abort_put,
-        }.items():
-            controller.route(msg_type, handler)
+        }
 
     # -- BeginPut ----------------------------------------------------------------------
 
@@ -97,10 +115,10 @@ class Puts:
             raise SchemaError(f"a put may hold at most {MAX_BATCH} samples, got {msg.n}; split it")
         if msg.row_bytes < 0 or not math.isfinite(msg.timeout) or msg.timeout < 0:
             raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
-        if msg.n * msg.row_bytes > self.ctl.config.storage_capacity:
+        if msg.n * msg.row_bytes > self.storage_capacity:
             raise CapacityError(
                 f"a put of {msg.n} samples x {msg.row_bytes} bytes exceeds the whole capacity of the "
-                f"cluster's storage, {self.ctl.config.storage_capacity} bytes; put smaller batches or raise storage_capacity"
+                f"cluster's storage, {self.storage_capacity} bytes; put smaller batches or raise storage_capacity"
             )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
@@ -108,23 +126,23 @@ class Puts:
 
     def _place(self, msg: BeginPut) -> PutPlan | None:
         """Place the put's rows now, or None while one of its units has no room."""
-        ctl = self.ctl
-        part = ctl.partition(msg.partition)
+        ledger = self.ledger
+        part = ledger.partition(msg.partition)
         part.check_schema(msg.fields)
         if part.sealed:
             raise SealedError(f"partition {msg.partition!r} is sealed; no new samples may be put into it")
-        if not ctl.units:
+        if not ledger.units:
             raise SchemaError("the cluster has no storage units registered yet")
-        room = {u: ctl.units[u].capacity - used for u, used in ctl.unit_bytes.items()}
+        room = ledger.room()
         for stay in dict.fromkeys((msg.stay, -1)):  # the producer's unit, unless its frames must wait there
-            units = place_rows(ctl.unit_bytes, msg.n, msg.row_bytes, room, stay)
-            shares = ctl.shares(units, msg.row_bytes)
+            units = place_rows(ledger.unit_bytes, msg.n, msg.row_bytes, room, stay)
+            shares = ledger.shares(units, msg.row_bytes)
             framed = {u: nbytes for u, nbytes in shares.items() if u not in msg.mapped}
-            if self.intake.fits(shares, framed, ctl.unit_bytes, ctl.units):
+            if self.intake.fits(shares, framed, ledger.unit_bytes, ledger.units):
                 break
         else:
             return None
-        first = ctl.new_rows(part, units, msg.row_bytes, msg.fields, shares)
+        first = ledger.new_rows(part, units, msg.row_bytes, msg.fields, shares)
         self.intake.opened(framed)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
@@ -132,8 +150,10 @@ class Puts:
         return PutPlan(list(range(first, first + msg.n)), units.tolist())
 
     def _full(self, msg: BeginPut) -> str:
-        ctl = self.ctl
-        held = ", ".join(f"unit {u}: {ctl.unit_bytes[u]} of {ctl.units[u].capacity}" for u in sorted(ctl.unit_bytes))
+        ledger = self.ledger
+        held = ", ".join(
+            f"unit {u}: {ledger.unit_bytes[u]} of {ledger.units[u].capacity}" for u in sorted(ledger.unit_bytes)
+        )
         return (
             f"storage stayed full for {msg.timeout:g} s: a put of {msg.n} samples x {msg.row_bytes} bytes found no "
             f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
@@ -149,7 +169,7 @@ class Puts:
         Raises:
             ProtocolError: the report does not carry the cluster secret (`reports_refused`)."""
         try:
-            self.ctl.links.authenticate(msg.secret, f"a write report of storage unit {msg.unit_id}")
+            self.links.authenticate(msg.secret, f"a write report of storage unit {msg.unit_id}")
         except ProtocolError:
             self.reports_refused += 1
             raise
@@ -158,7 +178,7 @@ class Puts:
             if not msg.code:
                 self._free_stray(msg)
             return
-        part = self.ctl.partitions[put.partition]
+        part = self.ledger.partitions[put.partition]
         rows = part.rows_of(range(put.first, put.first + put.n), alive=False)
         if sorted(msg.indexes) != part.gidx[rows[part.unit[rows] == msg.unit_id]].tolist():
             return  # not this put's write on that unit
@@ -169,13 +189,13 @@ class Puts:
 
     def _free_stray(self, msg: WriteLanded) -> None:
         """Free on the unit the rows of a report that belong to no open put and are not alive."""
-        part = self.ctl.partitions.get(msg.partition)
+        part = self.ledger.partitions.get(msg.partition)
         stray = msg.indexes
         if part is not None:
             rows, known = part.locate(msg.indexes)
             stray = np.asarray(msg.indexes)[~(known & part.alive[rows])].tolist()
         if stray:
-            self.ctl.links.tell_free(msg.partition, {msg.unit_id: stray})
+            self.links.tell_free(msg.partition, {msg.unit_id: stray})
 
     def landed(self, first: int, unit_id: int) -> None:
         """`unit_id` reported the write of open put `first` stored; a commit waiting for the last
@@ -193,7 +213,7 @@ class Puts:
         """Commit new columns at once, or an open put's new rows once all its writes are stored."""
         if msg.rows is None:
             self.apply(msg)
-            self.ctl.record(Committed(msg))
+            self._record(Committed(msg))
             return Ok()
         put = self._open_put(msg)
         if put.unlanded:
@@ -214,7 +234,7 @@ class Puts:
             self.end(put.first, exc)
             raise
         self._close(put)
-        self.ctl.record(Committed(msg))
+        self._record(Committed(msg))
         return Ok()
 
     def apply(self, msg: CommitPut) -> None:
@@ -227,7 +247,7 @@ class Puts:
         if info is None:
             part, rows = self._new_columns(msg)
         else:
-            part = self.ctl.partition(msg.partition)
+            part = self.ledger.partition(msg.partition)
             rows = part.rows_of(msg.indexes)
             n = len(rows)
             for name, values in (
@@ -254,10 +274,10 @@ class Puts:
             part.granted[rows] = bool(info.grant_id)
             part.versioned[rows] = info.versioned
             if info.grant_id:
-                self.ctl.admission.used(info.grant_id, n)
+                self.admission.used(info.grant_id, n)
             self.samples += n
         part.mark_ready(rows, list(msg.fields))
-        self.ctl.scheduler.wake(part.name)
+        self._wake(part.name)
 
     def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
         """Check and account for new columns of existing rows (a put with `meta=`)."""
@@ -265,13 +285,11 @@ class Puts:
             raise SchemaError("a put needs at least one field")
         if not msg.indexes or len(msg.indexes) > MAX_BATCH or msg.row_bytes < 0:
             raise SchemaError(f"a put of new columns needs 1..{MAX_BATCH} indexes and row_bytes >= 0")
-        part = self.ctl.existing(msg.partition)
+        part = self.ledger.existing(msg.partition)
         rows = part.rows_of(msg.indexes)
         part.check_schema(msg.fields)
         part.add_fields(msg.fields)
-        part.row_bytes[rows] += msg.row_bytes
-        for unit_id, nbytes in self.ctl.shares(part.unit[rows], msg.row_bytes).items():
-            self.ctl.unit_bytes[unit_id] += nbytes
+        self.ledger.grow_rows(part, rows, msg.row_bytes)
         return part, rows
 
     def _open_put(self, msg: CommitPut) -> _OpenPut:
@@ -313,11 +331,11 @@ class Puts:
         self._ended[first] = why
         while len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
-        part = self.ctl.partitions.get(put.partition)
+        part = self.ledger.partitions.get(put.partition)
         if part is not None:
             rows = part.rows_of(range(first, first + put.n), alive=False)
-            self.ctl.free_rows(part, rows[~part.committed[rows]])
-            self.ctl.scheduler.wake(part.name)
+            self.ledger.free_rows(part, rows[~part.committed[rows]])
+            self._wake(part.name)
 
     def end_in(self, partition: str, why: SluiceError) -> None:
         """End every open put of `partition` (sealed or cleared)."""
@@ -327,7 +345,7 @@ class Puts:
     def end_on(self, unit_id: int, why: SluiceError) -> None:
         """End every open put with rows on `unit_id` (it died)."""
         for first, put in list(self.open.items()):
-            part = self.ctl.partitions.get(put.partition)
+            part = self.ledger.partitions.get(put.partition)
             if part is not None and np.any(
                 part.unit[part.rows_of(range(first, first + put.n), alive=False)] == unit_id
             ):
@@ -348,7 +366,7 @@ class Puts:
 
     def on_abort_put(self, msg: AbortPut, data) -> Ok:
         """Free rows of a put that failed; committed rows are never touched (clear them instead)."""
-        part = self.ctl.partitions.get(msg.partition)
+        part = self.ledger.partitions.get(msg.partition)
         if part is None or not msg.indexes:
             return Ok()
         first = msg.indexes[0]
@@ -356,5 +374,5 @@ class Puts:
             self.end(first, SchemaError(f"the put starting at index {first} was aborted by its producer"))
         else:
             rows = part.rows_of(msg.indexes, alive=False)
-            self.ctl.free_rows(part, rows[~part.committed[rows]])
+            self.ledger.free_rows(part, rows[~part.committed[rows]])
         return Ok()

@@ -1,10 +1,12 @@
 """The controller service: one handler per request type over the sample tables.
 
-It owns the partitions (`table.Partition`), the units' byte counts, the version clock, admission
-control and the scheduler; components add their own handlers over the same tables: `puts`
-(placement, commit, abort, expiry), `units` (registration, liveness, frees) and `keys`
-(TransferQueue keys). It never touches tensor bytes: producers and consumers move those straight
-to and from the storage units; the controller only tells units which rows to free.
+It builds the parts and wires them together, each given only what it uses: the `ledger` of rows
+(partitions, units and their bytes, the next index), the version clock, admission control and the
+scheduler, and the parts that answer their own requests over the same ledger: `puts` (placement,
+commit, abort, expiry), `units` (registration, liveness, frees) and `keys` (TransferQueue keys).
+The `journal` records their changes and replays them through the same parts. It never touches
+tensor bytes: producers and consumers move those straight to and from the storage units; the
+controller only tells units which rows to free.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 import uuid
 
 import msgspec
-import numpy as np
 
 from transfer_queue.wire.errors import (
     SchemaError,
@@ -46,20 +47,21 @@ from transfer_queue.wire.messages import (
     SetVersion,
     Status,
     StatusReply,
-    UnitInfo,
     VersionReply,
     WaitVersion,
 )
 from transfer_queue.wire.rpc import MAX_BATCH, Codec, Credentials, Service
 
 from .admission import Admission
-from .journal import Acked, Dropped, Freed, Journal, Placed, Record, Sealed, Version
+from .intake import Intake
+from .journal import Journal, Recorded
 from .keys import KeyService
+from .ledger import Ledger
 from .puts import Puts
+from .records import Acked, Dropped, Record, Sealed, Version
 from .samplers import SamplerRegistry
 from .scheduling import Scheduler
 from .status import ClusterStatus, Counters, RetiredUnitStatus, UnitStatus
-from .table import Partition
 from .units import UnitLinks
 from .versions import VersionClock
 
@@ -68,6 +70,10 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
+
+
+def _unrecorded(rec: Record) -> None:
+    """No journal: changes are not recorded."""
 
 
 class Controller(Service):
@@ -86,10 +92,10 @@ class Controller(Service):
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
         self.started = time.time()
-        self.partitions: dict[str, Partition] = {}
-        self.units: dict[int, UnitInfo] = {}
-        self.unit_bytes: dict[int, int] = {}
-        self._next_index = 0
+        self.journal = Journal(config.journal, self.cluster_id) if config.journal else None
+        self.record = self.journal.append if self.journal is not None else _unrecorded
+        """Journals a change that was just applied (before its request is answered)."""
+        self.ledger = Ledger(self.record)
         self.clock = VersionClock()
         self.admission = Admission(
             config.admission_staleness, config.consumer_batch_size, config.grant_timeout, lambda: self.clock.current
@@ -97,7 +103,30 @@ class Controller(Service):
         samplers = SamplerRegistry()
         for path in config.samplers:
             samplers.load(path)
-        self.scheduler = Scheduler(config, self.partitions, self.clock, self.admission, samplers, self.free_rows)
+        self.scheduler = Scheduler(
+            config, self.ledger.partitions, self.clock, self.admission, samplers, self.ledger.free_rows
+        )
+        self.intake = Intake()
+        self.links = UnitLinks(
+            self.ledger,
+            secret or secrets.token_hex(16),
+            credentials,
+            self.intake,
+            self.record,
+            lambda unit_id, why: self.puts.end_on(unit_id, why),  # puts need the links: built next
+            self.scheduler.lose,
+        )
+        self.ledger.freed = self.links.freed
+        self.puts = Puts(
+            self.ledger,
+            self.links,
+            self.intake,
+            self.admission,
+            self.scheduler.wake,
+            self.record,
+            config.storage_capacity,
+        )
+        self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
         for msg_type, handler in {
@@ -116,90 +145,23 @@ class Controller(Service):
             Announce: self.on_announce,
             Lookup: self.on_lookup,
             Export: self.on_export,
+            **self.links.handlers(),
+            **self.puts.handlers(),
+            **self.keys.handlers(),
         }.items():
             self.route(msg_type, handler)
-        self.links = UnitLinks(self, secret or secrets.token_hex(16), credentials)
-        self.puts = Puts(self)
-        self.keys = KeyService(self)
-        self.journal: Journal | None = None
-        if config.journal:  # replay what a previous controller recorded, then record from here on
-            self.journal = Journal(config.journal)
-            replayed = self.journal.open(self)
+        if self.journal is not None:  # replay what a previous controller recorded, then record from here on
+            replayed = self.journal.open(
+                Recorded(self.ledger, self.links, self.puts, self.keys, self.scheduler, self.clock)
+            )
+            self.cluster_id = self.journal.cluster_id
             log.info("controller journal %s: %d records replayed", config.journal, replayed)
-
-    def record(self, rec: Record) -> None:
-        """Journal a change that was just applied (before its request is answered)."""
-        if self.journal is not None:
-            self.journal.append(rec)
 
     # -- rows ------------------------------------------------------------------------------
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
-        units = [self.units[k] for k in sorted(self.units)]
+        units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
         return HelloReply(self.cluster_id, self.config, units, self.clock.current)
-
-    def free_rows(self, part: Partition, rows: np.ndarray) -> None:
-        """Free `rows` (those still alive): uncount their bytes, tell their units, journal it."""
-        rows = rows[part.alive[rows]]
-        if not len(rows):
-            return
-        part.kill(rows)
-        by_unit: dict[int, list[int]] = {}
-        for unit_id in np.unique(part.unit[rows]).tolist():
-            picked = rows[part.unit[rows] == unit_id]
-            by_unit[unit_id] = part.gidx[picked].tolist()
-            if unit_id in self.unit_bytes:  # not a retired unit
-                self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - int(part.row_bytes[picked].sum()))
-        self.links.tell_free(part.name, by_unit)
-        self.record(Freed(part.name, part.gidx[rows].tolist()))
-        self.puts.intake.wake()
-
-    def partition(self, name: str) -> Partition:
-        part = self.partitions.get(name)
-        if part is None:
-            if not name:
-                raise SchemaError("a partition needs a non-empty name (e.g. 'train')")
-            part = self.partitions[name] = Partition(name)
-        return part
-
-    def new_rows(
-        self,
-        part: Partition,
-        units: np.ndarray,
-        row_bytes: int,
-        fields: dict,
-        shares: dict[int, int],
-        committed: bool = False,
-    ) -> int:
-        """New rows on `units` (uncommitted: a put's, until its commit; committed: keys'), under
-        fresh global indexes, journaled; returns the first index."""
-        first = self._next_index
-        self._next_index += len(units)
-        self._append_rows(part, first, units, row_bytes, fields, shares, committed)
-        self.record(Placed(part.name, first, units.tolist(), row_bytes, fields, committed))
-        return first
-
-    def _append_rows(
-        self,
-        part: Partition,
-        first: int,
-        units: np.ndarray,
-        row_bytes: int,
-        fields: dict,
-        shares: dict[int, int],
-        committed: bool,
-    ) -> None:
-        """Register rows first.. on `units` (`shares`: their bytes per unit) and count their bytes."""
-        part.add_fields(fields)
-        rows = part.append(first, len(units), units, row_bytes)
-        part.committed[rows] = committed
-        for unit_id, nbytes in shares.items():
-            self.unit_bytes[unit_id] += nbytes
-
-    def shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
-        """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
-        ids, counts = np.unique(units, return_counts=True)
-        return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
 
     # -- consumers ---------------------------------------------------------------------
 
@@ -215,7 +177,7 @@ class Controller(Service):
             raise SchemaError(
                 f"get_meta needs fields, a partition and a task, got {msg.fields}, {msg.partition!r}, {msg.task!r}"
             )
-        part = self.partitions.get(msg.partition)
+        part = self.ledger.partitions.get(msg.partition)
         unknown = [] if part is None else [f for f in msg.fields if f not in part.schema]
         if unknown and part.sealed and not part.alive[: part.n].any():
             raise SchemaError(
@@ -226,52 +188,35 @@ class Controller(Service):
         return MetaReply(await self.scheduler.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
-        part = self.existing(msg.partition)
+        part = self.ledger.existing(msg.partition)
         self.scheduler.ack(part, msg.task, msg.indexes)
         self.record(Acked(part.name, msg.task, msg.indexes))
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
-        part = self.existing(msg.partition)
+        part = self.ledger.existing(msg.partition)
         self.scheduler.nack(part, msg.task, msg.indexes)
         return Ok()
 
-    def existing(self, name: str) -> Partition:
-        part = self.partitions.get(name)
-        if part is None:
-            raise SchemaError(f"no partition named {name!r}")
-        return part
-
     def on_clear(self, msg: Clear, data) -> Ok:
-        part = self.existing(msg.partition)
-        self.free_rows(part, part.rows_of(msg.indexes, alive=False))
+        part = self.ledger.existing(msg.partition)
+        self.ledger.free_rows(part, part.rows_of(msg.indexes, alive=False))
         self.scheduler.wake(part.name)
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
-        self._drop_partition(msg.partition)  # first: the puts ended below then have no rows left to free
+        self.scheduler.forget_partition(msg.partition)
+        self.ledger.drop_partition(msg.partition)  # first: the puts ended below then have no rows left to free
         self.puts.end_in(
             msg.partition, SchemaError(f"partition {msg.partition!r} was cleared while this put was in flight")
         )
         self.record(Dropped(msg.partition))
         return Ok()
 
-    def _drop_partition(self, name: str) -> None:
-        part = self.partitions.pop(name, None)
-        if part is not None:
-            live = np.flatnonzero(part.alive[: part.n])
-            for unit_id in np.unique(part.unit[live]).tolist():
-                used = int(part.row_bytes[live][part.unit[live] == unit_id].sum())
-                if unit_id in self.unit_bytes:
-                    self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - used)
-            self.scheduler.forget_partition(name)
-            self.links.tell_free(name, None)
-            self.puts.intake.wake()
-
     def on_seal(self, msg: Seal, data) -> Ok:
         """Seal: puts still in flight are refused (`SealedError` at their commit), so the samples
         a stream sees are exactly those committed before the seal."""
-        self.partition(msg.partition).sealed = True
+        self.ledger.partition(msg.partition).sealed = True
         self.record(Sealed(msg.partition))
         self.puts.end_in(
             msg.partition,
@@ -331,7 +276,7 @@ class Controller(Service):
 
     def on_export(self, msg: Export, data) -> ExportReply:
         """What a checkpoint needs of a partition (see `ExportReply`)."""
-        return self.existing(msg.partition).export()
+        return self.ledger.existing(msg.partition).export()
 
     # -- status ------------------------------------------------------------------------
 
@@ -344,13 +289,13 @@ class Controller(Service):
             version=self.clock.current,
             max_staleness=self.config.max_staleness,
             stale_policy=self.config.stale_policy,
-            partitions={name: part.status() for name, part in self.partitions.items()},
+            partitions={name: part.status() for name, part in self.ledger.partitions.items()},
             units={
-                str(k): UnitStatus(u.address, u.capacity, self.unit_bytes.get(k, 0))
-                for k, u in sorted(self.units.items())
+                str(k): UnitStatus(u.address, u.capacity, self.ledger.unit_bytes.get(k, 0))
+                for k, u in sorted(self.ledger.units.items())
             },
             retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.links.retired.items())},
-            bytes=sum(self.unit_bytes.values()),
+            bytes=sum(self.ledger.unit_bytes.values()),
             staleness=self.scheduler.stale.status(),
             admission=self.admission.status(),
             counters=Counters(
@@ -360,7 +305,7 @@ class Controller(Service):
                 open_leases=scheduler.open_leases,
                 parked_get_meta=scheduler.parked,
                 open_puts=len(self.puts.open),
-                puts_waiting_for_room=len(self.puts.intake),
+                puts_waiting_for_room=len(self.intake),
                 puts_expired=self.puts.expired,
                 samples_lost=self.links.samples_lost,
                 registrations_refused=self.links.registrations_refused,

@@ -13,18 +13,18 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
-from transfer_queue.wire.errors import ProtocolError, ServiceError
+from transfer_queue.wire.errors import ProtocolError, ServiceError, SluiceError
 from transfer_queue.wire.messages import Free, Ok, Ping, RegisterUnit, Reply, UnitInfo
 from transfer_queue.wire.rpc import AsyncChannel, Codec, Credentials
 
-from .journal import Retired, Unit
-
-if TYPE_CHECKING:
-    from .service import Controller
+from .intake import Intake
+from .ledger import Ledger
+from .records import Record, Retired, Unit
+from .table import Partition
 
 __all__ = ["UnitLinks"]
 
@@ -37,11 +37,26 @@ DEAD_AFTER = 5.0
 
 
 class UnitLinks:
-    """A `Controller`'s storage units as live peers (the tables of units and their bytes stay on
-    the controller: placement, intake and keys read them)."""
+    """The storage units as live peers: their channels, liveness and the cluster secret. The
+    units' table and byte counts are the `ledger`'s (placement, intake and keys read them)."""
 
-    def __init__(self, controller: Controller, secret: str, credentials: Credentials | None):
-        self.ctl = controller
+    def __init__(
+        self,
+        ledger: Ledger,
+        secret: str,
+        credentials: Credentials | None,
+        intake: Intake,
+        record: Callable[[Record], None],
+        end_puts_on: Callable[[int, SluiceError], None],
+        lose: Callable[[Partition, np.ndarray], None],
+    ):
+        """`record` journals a change; `end_puts_on` ends the puts in flight on a unit that died
+        (`Puts.end_on`), `lose` drops its rows from the consumers' view (`Scheduler.lose`)."""
+        self.ledger = ledger
+        self.intake = intake
+        self._record = record
+        self._end_puts_on = end_puts_on
+        self._lose = lose
         self._secret = secret
         self._credentials = credentials
         self._codec = Codec(Reply)
@@ -52,7 +67,10 @@ class UnitLinks:
         self.registrations_refused = 0
         self.pinger: asyncio.TimerHandle | None = None
         self._last_ping = 0.0
-        controller.route(RegisterUnit, self.on_register_unit)
+
+    def handlers(self) -> dict[type, Callable]:
+        """The requests this part answers, by message type."""
+        return {RegisterUnit: self.on_register_unit}
 
     def on_register_unit(self, msg: RegisterUnit, data) -> Ok:
         """Add a unit, or take back one that restarted (a fresh, empty arena) after it was retired.
@@ -79,10 +97,8 @@ class UnitLinks:
 
     def add(self, unit: UnitInfo) -> None:
         """Serve `unit`: place rows on it, ping it, send it frees."""
-        ctl = self.ctl
-        ctl.units[unit.unit_id] = unit
+        self.ledger.add_unit(unit)
         self.retired.pop(unit.unit_id, None)
-        ctl.unit_bytes.setdefault(unit.unit_id, 0)
         self.heard[unit.unit_id] = time.monotonic()
         if self.pinger is None:
             self._last_ping = time.monotonic()
@@ -97,8 +113,8 @@ class UnitLinks:
             credentials=self._credentials,
             on_reply=lambda reply, uid=unit.unit_id: self._replied(uid, reply),
         )
-        ctl.puts.intake.wake()
-        ctl.record(Unit(unit))
+        self.intake.wake()
+        self._record(Unit(unit))
 
     def _ping(self) -> None:
         """Loop timer: ping every unit; retire those silent for `DEAD_AFTER` seconds.
@@ -106,13 +122,12 @@ class UnitLinks:
         A tick that comes late means this controller was stalled (CPU starved, suspended) and
         could hear nobody meanwhile: every unit then gets a fresh window instead of being retired
         for the controller's own silence."""
-        ctl = self.ctl
         now = time.monotonic()
         if now - self._last_ping > 2 * PING:
             for unit_id in self.heard:
                 self.heard[unit_id] = max(self.heard[unit_id], now - PING)
         self._last_ping = now
-        for unit_id in list(ctl.units):
+        for unit_id in list(self.ledger.units):
             if now - self.heard.get(unit_id, now) > DEAD_AFTER:
                 self.retire(unit_id)
                 continue
@@ -122,11 +137,9 @@ class UnitLinks:
     def retire(self, unit_id: int) -> None:
         """A unit died: never place or serve its rows again. Puts in flight on it fail; its
         samples are counted lost, and the prompts of those that have a source are requeued."""
-        ctl = self.ctl
-        unit = self.retired[unit_id] = ctl.units.pop(unit_id)
-        ctl.unit_bytes.pop(unit_id, None)
+        unit = self.retired[unit_id] = self.ledger.retire_unit(unit_id)
         self.heard.pop(unit_id, None)
-        ctl.puts.end_on(
+        self._end_puts_on(
             unit_id,
             ServiceError(
                 f"storage unit {unit_id} at {unit.address} died while this put was in flight; "
@@ -137,14 +150,14 @@ class UnitLinks:
         if channel is not None:
             channel.close()
         lost = 0
-        for part in ctl.partitions.values():
+        for part in self.ledger.partitions.values():
             rows = np.flatnonzero(part.alive[: part.n] & (part.unit[: part.n] == unit_id))
             if len(rows):
                 lost += len(rows)
-                ctl.scheduler.lose(part, rows)
+                self._lose(part, rows)
         self.samples_lost += lost
-        ctl.puts.intake.forget(unit_id)
-        ctl.record(Retired(unit_id))
+        self.intake.forget(unit_id)
+        self._record(Retired(unit_id))
         log.warning("storage unit %d at %s stopped answering: retired, %d samples lost", unit_id, unit.address, lost)
 
     def _replied(self, unit_id: int, reply: object) -> None:
@@ -163,7 +176,13 @@ class UnitLinks:
             raise ServiceError(f"storage unit {unit_id} was retired")
         return channel
 
+    def freed(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
+        """Rows were freed (`Ledger.freed`): tell their units, and let waiting puts take the room."""
+        self.tell_free(partition, rows_by_unit)
+        self.intake.wake()
+
     def tell_free(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
+        """Tell the units of `rows_by_unit` (None: every unit, every row of `partition`) to free them."""
         targets = self.channels if rows_by_unit is None else rows_by_unit
         for unit_id in targets:
             channel = self.channels.get(unit_id)

@@ -45,8 +45,14 @@ def _controller(path) -> Controller:
 
 
 def _state(ctl: Controller) -> dict:
-    out = {"version": ctl.clock.current, "next": ctl._next_index, "units": sorted(ctl.units), "bytes": ctl.unit_bytes}
-    for name, part in ctl.partitions.items():
+    ledger = ctl.ledger
+    out = {
+        "version": ctl.clock.current,
+        "next": ledger.next_index,
+        "units": sorted(ledger.units),
+        "bytes": ledger.unit_bytes,
+    }
+    for name, part in ledger.partitions.items():
         live = np.flatnonzero(part.alive[: part.n])
         out[name] = {
             "sealed": part.sealed,
@@ -149,4 +155,4 @@ def test_a_corrupt_journal_is_refused(tmp_path) -> None:
     path = tmp_path / "j"
     path.write_bytes(b"\x03\x00\x00\x00zzz")
     with pytest.raises(SchemaError, match="corrupt"):
-        list(journal_mod.Journal(path)._read())
+        list(journal_mod.Journal(path, "journaltest")._read())

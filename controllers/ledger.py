@@ -1,0 +1,187 @@
+"""The ledger of rows: every partition's rows, the live storage units, the bytes each unit holds
+and the next global sample index.
+
+The parts that create or free rows (`puts`, `keys`, the scheduler's stale drops, the service's
+clears) all go through one `Ledger`, so the units' byte counts that placement and intake read
+always match the live rows, a new row never reuses an index, and each change is journaled once.
+The ledger keeps the tables; telling the units which rows to free (and the puts waiting for
+room that there is some) belongs to its `freed` hook, which the service sets to `UnitLinks.freed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from transfer_queue.wire.errors import SchemaError
+from transfer_queue.wire.messages import UnitInfo
+
+from .records import Freed, Placed, Record
+from .table import Partition
+
+__all__ = ["Ledger", "OnFreed"]
+
+OnFreed = Callable[[str, "dict[int, list[int]] | None"], None]
+"""Called after rows were freed: partition name and unit id -> global indexes to free there
+(None: every row of the partition, on every unit)."""
+
+
+def _nobody(partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
+    """Nobody to tell of freed rows (no unit links yet)."""
+
+
+class Ledger:
+    """Rows, units and their bytes; `record` journals a change."""
+
+    def __init__(self, record: Callable[[Record], None]):
+        self.partitions: dict[str, Partition] = {}
+        self.units: dict[int, UnitInfo] = {}
+        """Live storage units by id (retired ones are gone from here and from `unit_bytes`)."""
+        self.unit_bytes: dict[int, int] = {}
+        """Live unit id -> bytes of the live rows placed on it."""
+        self.next_index = 0
+        """The global index of the next new row: indexes are never reused, across restarts too."""
+        self._record = record
+        self.freed: OnFreed = _nobody
+        """Passes frees on to the units: set once they have links (which need the ledger first)."""
+
+    # -- partitions ----------------------------------------------------------------------
+
+    def partition(self, name: str) -> Partition:
+        """The partition `name`, created empty if it does not exist.
+
+        Raises:
+            SchemaError: `name` is empty."""
+        part = self.partitions.get(name)
+        if part is None:
+            if not name:
+                raise SchemaError("a partition needs a non-empty name (e.g. 'train')")
+            part = self.partitions[name] = Partition(name)
+        return part
+
+    def existing(self, name: str) -> Partition:
+        """The partition `name`.
+
+        Raises:
+            SchemaError: there is none."""
+        part = self.partitions.get(name)
+        if part is None:
+            raise SchemaError(f"no partition named {name!r}")
+        return part
+
+    def drop_partition(self, name: str) -> None:
+        """Forget partition `name` and all its rows (the caller journals it)."""
+        part = self.partitions.pop(name, None)
+        if part is None:
+            return
+        live = np.flatnonzero(part.alive[: part.n])
+        for unit_id in np.unique(part.unit[live]).tolist():
+            self._uncount(unit_id, int(part.row_bytes[live][part.unit[live] == unit_id].sum()))
+        self.freed(name, None)
+
+    def restore(self, part: Partition) -> None:
+        """Take in a whole partition from a journal snapshot: count its live rows' bytes on the
+        units and never hand out its indexes again."""
+        self.partitions[part.name] = part
+        n = part.n
+        live = part.alive[:n]
+        for unit_id in np.unique(part.unit[:n][live]).tolist():
+            if unit_id in self.unit_bytes:
+                self.unit_bytes[unit_id] += int(part.row_bytes[:n][live & (part.unit[:n] == unit_id)].sum())
+        if n:
+            self.advance(int(part.gidx[n - 1]) + 1)
+
+    # -- units ---------------------------------------------------------------------------
+
+    def add_unit(self, unit: UnitInfo) -> None:
+        """Place rows on `unit` from now on (a unit that registers again keeps its count)."""
+        self.units[unit.unit_id] = unit
+        self.unit_bytes.setdefault(unit.unit_id, 0)
+
+    def retire_unit(self, unit_id: int) -> UnitInfo:
+        """Stop placing rows on a unit that died and stop counting its bytes; returns it."""
+        self.unit_bytes.pop(unit_id, None)
+        return self.units.pop(unit_id)
+
+    def room(self) -> dict[int, int]:
+        """Free bytes per live unit."""
+        return {u: self.units[u].capacity - used for u, used in self.unit_bytes.items()}
+
+    # -- rows ----------------------------------------------------------------------------
+
+    def shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
+        """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
+        ids, counts = np.unique(units, return_counts=True)
+        return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
+
+    def new_rows(
+        self,
+        part: Partition,
+        units: np.ndarray,
+        row_bytes: int,
+        fields: dict,
+        shares: dict[int, int],
+        committed: bool = False,
+    ) -> int:
+        """New rows on `units` (uncommitted: a put's, until its commit; committed: keys'), under
+        fresh global indexes, journaled; returns the first index."""
+        first = self.next_index
+        self.next_index += len(units)
+        self._append(part, first, units, row_bytes, fields, shares, committed)
+        self._record(Placed(part.name, first, units.tolist(), row_bytes, fields, committed))
+        return first
+
+    def restore_rows(self, rec: Placed) -> None:
+        """Redo recorded new rows (journal replay): the same indexes, counted, not journaled."""
+        units = np.asarray(rec.units, np.int64)
+        part = self.partition(rec.partition)
+        self._append(
+            part, rec.first, units, rec.row_bytes, rec.fields, self.shares(units, rec.row_bytes), rec.committed
+        )
+        self.advance(rec.first + len(units))
+
+    def _append(
+        self,
+        part: Partition,
+        first: int,
+        units: np.ndarray,
+        row_bytes: int,
+        fields: dict,
+        shares: dict[int, int],
+        committed: bool,
+    ) -> None:
+        """Register rows first.. on `units` (`shares`: their bytes per unit) and count their bytes."""
+        part.add_fields(fields)
+        rows = part.append(first, len(units), units, row_bytes)
+        part.committed[rows] = committed
+        for unit_id, nbytes in shares.items():
+            self.unit_bytes[unit_id] += nbytes
+
+    def grow_rows(self, part: Partition, rows: np.ndarray, row_bytes: int) -> None:
+        """Existing `rows` got new columns of `row_bytes` each: count them on the rows and units."""
+        part.row_bytes[rows] += row_bytes
+        for unit_id, nbytes in self.shares(part.unit[rows], row_bytes).items():
+            self.unit_bytes[unit_id] += nbytes
+
+    def advance(self, next_index: int) -> None:
+        """Never hand out an index below `next_index` (a replayed journal's)."""
+        self.next_index = max(self.next_index, next_index)
+
+    def free_rows(self, part: Partition, rows: np.ndarray) -> None:
+        """Free `rows` (those still alive): uncount their bytes, journal it, pass it on to `freed`."""
+        rows = rows[part.alive[rows]]
+        if not len(rows):
+            return
+        part.kill(rows)
+        by_unit: dict[int, list[int]] = {}
+        for unit_id in np.unique(part.unit[rows]).tolist():
+            picked = rows[part.unit[rows] == unit_id]
+            by_unit[unit_id] = part.gidx[picked].tolist()
+            self._uncount(unit_id, int(part.row_bytes[picked].sum()))
+        self._record(Freed(part.name, part.gidx[rows].tolist()))
+        self.freed(part.name, by_unit)
+
+    def _uncount(self, unit_id: int, nbytes: int) -> None:
+        if unit_id in self.unit_bytes:  # not a retired unit
+            self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] - nbytes)
