@@ -25,6 +25,9 @@ CONTRACT = {
     "StaleError",
     "SealedError",
     "VersionError",
+    "ServiceError",
+    "InternalError",
+    "ClosedError",
 }
 CLIENT_METHODS = {
     "acquire",
@@ -60,6 +63,9 @@ def test_error_tree():
         assert issubclass(getattr(tq, name), tq.SluiceError)
     assert issubclass(tq.TimeoutError, builtins.TimeoutError)
     assert issubclass(tq.SchemaError, ValueError)
+    for name in ("ServiceError", "InternalError", "ClosedError", "WeightSyncError", "VersionError"):
+        assert issubclass(getattr(tq, name), tq.SluiceError)
+    assert not issubclass(tq.InternalError, tq.ServiceError), "a bug is not a dead service: who acts differs"
 
 
 def test_every_public_callable_has_a_docstring():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .wire.errors import (
     CapacityError,
     ClosedError,
+    InternalError,
     ProtocolError,
     SchemaError,
     SealedError,
@@ -125,6 +126,7 @@ __all__ = [
     "VersionError",
     "WeightSyncError",
     "ServiceError",
+    "InternalError",
     "ClosedError",
     # TransferQueue 0.1.11's API
     "close",

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from tests.helpers import eventually_async
-from transfer_queue.wire.errors import SchemaError, ServiceError
+from transfer_queue.wire.errors import InternalError, SchemaError, ServiceError
 from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
 from transfer_queue.wire.rpc import SOCKET_BUFFER_BYTES, AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
 
@@ -143,6 +143,46 @@ async def test_a_request_withdrawn_before_its_handler_starts_is_closed_unanswere
             await serving
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+class _Buggy(Service):
+    """A service whose handlers fail with errors that are not Sluice's: bugs."""
+
+    def __init__(self):
+        super().__init__(Codec(StorageRequest), "tcp://127.0.0.1:*")
+        self.route(UnitStatus, self._status)
+        self.route(Read, self._read)
+        self.route(Free, self._free)
+
+    def _status(self, msg, data):
+        return {}["missing"]
+
+    async def _read(self, msg, data):  # its task fails: answered by `Service._finish`
+        raise ZeroDivisionError("division by zero")
+
+    def _free(self, msg, data):
+        raise ServiceError("storage unit 3 died")
+
+
+async def test_a_handler_bug_arrives_as_an_internal_error():
+    """An exception that is not a Sluice error, from a handler or its task, is a bug in Sluice:
+    the caller gets `InternalError` naming it, not the `ServiceError` of a dead or silent peer;
+    a handler's own `ServiceError` stays one."""
+    service = _Buggy()
+    serving = asyncio.ensure_future(service.serve())
+    channel = AsyncChannel(service.address, Codec(Reply))
+    try:
+        with pytest.raises(InternalError, match="KeyError: 'missing'") as info:
+            await channel.call(UnitStatus(), 10)
+        assert not isinstance(info.value, ServiceError)
+        with pytest.raises(InternalError, match="ZeroDivisionError"):
+            await channel.call(Read("p", [0], ["x"]), 10)
+        with pytest.raises(ServiceError, match="storage unit 3 died"):
+            await channel.call(Free("p", [0]), 10)
+    finally:
+        channel.close()
+        service.stop()
+        await serving
 
 
 async def test_channels_and_services_keep_their_socket_buffers_small():

@@ -13,9 +13,15 @@ whole family at once::
      ├── StaleError          a sample or version breaks the staleness rules
      ├── VersionError        `set_version` tried to go backwards
      ├── WeightSyncError     a weight transfer failed; the previous version stays in place
-     ├── ServiceError        a service died or stopped answering (the message names it), or
- │                       failed while serving the request (a bug: report it)
+     ├── ServiceError        a service died or stopped answering (the message names it): restart
+     │                       it or retry; your request's fate is in the message
+     ├── InternalError       Sluice broke its own rules (an unexpected error serving the request,
+     │                       a failed invariant): a bug in Sluice, report it with the message
      └── ClosedError         the client or cluster was already closed (your code closed it)
+
+Each class says who should act: the input (`SchemaError`, `SealedError`, `StaleError`,
+`VersionError`), the load (`TimeoutError`, `CapacityError`), the deployment (`ServiceError`,
+`ProtocolError`), your own code (`ClosedError`) or Sluice's developers (`InternalError`).
 
 Services reply with an `ErrorReply(code, message)`; the client turns `code` back into the class
 here, so the error raised in your process is the same one raised in the service.
@@ -36,6 +42,7 @@ __all__ = [
     "VersionError",
     "WeightSyncError",
     "ServiceError",
+    "InternalError",
     "ClosedError",
     "error_code",
     "error_from_code",
@@ -99,10 +106,18 @@ class WeightSyncError(SluiceError):
 
 
 class ServiceError(SluiceError):
-    """A service died or hangs (external circumstances: the message names the service and says
-    what became of your request), or it hit an unexpected error serving it (a bug in Sluice)."""
+    """A service died or hangs: external circumstances, so restart it or retry. The message names
+    the service and says what became of your request."""
 
     code = "service"
+
+
+class InternalError(SluiceError):
+    """A bug in Sluice: a service hit an unexpected error serving the request (the service logged
+    its traceback), or Sluice found one of its own invariants broken. Neither your input nor a
+    dead peer caused it, so retrying rarely helps: report it with the message."""
+
+    code = "internal"
 
 
 class ClosedError(SluiceError):
@@ -124,14 +139,16 @@ _BY_CODE: dict[str, type[SluiceError]] = {
         VersionError,
         WeightSyncError,
         ServiceError,
+        InternalError,
         ClosedError,
     )
 }
 
 
 def error_code(exc: BaseException) -> str:
-    """The wire code for `exc`: its Sluice class's code, or `service` for anything foreign."""
-    return exc.code if isinstance(exc, SluiceError) else ServiceError.code
+    """The wire code for `exc`: its Sluice class's code, or `internal` for anything foreign (a
+    service that raises something else than a Sluice error has a bug)."""
+    return exc.code if isinstance(exc, SluiceError) else InternalError.code
 
 
 def error_from_code(code: str, message: str) -> SluiceError:
