@@ -174,22 +174,13 @@ def controller_command(config: ClusterConfig, cluster_id: str, port: int) -> lis
     ]
 
 
-def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str, host: str) -> list[str]:
-    """Arguments of `python` that run storage unit `unit_id`, registering with `controller`."""
-    return [
-        "-m",
-        "storage",
-        "--unit-id",
-        str(unit_id),
-        "--capacity",
-        str(capacity),
-        "--cluster-id",
-        cluster_id,
-        "--controller",
-        controller,
-        "--host",
-        host,
-    ]
+def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: str | None, host: str) -> list[str]:
+    """Arguments of `python` that run storage unit `unit_id`, registering with `controller` (None:
+    with no controller, a unit on its own as the storage tests drive it)."""
+    args = ["-m", "storage", "--unit-id", str(unit_id), "--capacity", str(capacity), "--cluster-id", cluster_id]
+    if controller is not None:
+        args += ["--controller", controller]
+    return [*args, "--host", host]
 
 
 def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:

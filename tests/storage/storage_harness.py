@@ -21,6 +21,8 @@ from typing import Any
 import zmq
 
 from tests.peers import raw
+from transfer_queue._launch import storage_command
+from transfer_queue.host import arena_path
 from transfer_queue.wire.errors import error_from_code
 from transfer_queue.wire.messages import ErrorReply, Reply
 from transfer_queue.wire.rpc import Channel, Codec
@@ -32,25 +34,12 @@ START_TIMEOUT = 60.0
 class UnitProcess:
     """One `python -m storage` subprocess; `address` waits for its announce line."""
 
-    def __init__(self, capacity: int | str, unit_id: int = 0, controller: str | None = None, extra: Sequence[str] = ()):
+    def __init__(self, capacity: int, unit_id: int = 0, controller: str | None = None, extra: Sequence[str] = ()):
         self.unit_id = unit_id
         self.cluster_id = f"test{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.shm_path = f"/dev/shm/sluice-{self.cluster_id}-u{unit_id}"
+        self.shm_path = arena_path(self.cluster_id, unit_id)
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (read by err() for the life of the unit)
-        cmd = [
-            sys.executable,
-            "-m",
-            "storage",
-            "--unit-id",
-            str(unit_id),
-            "--capacity",
-            str(capacity),
-            "--cluster-id",
-            self.cluster_id,
-            *extra,
-        ]
-        if controller:
-            cmd += ["--controller", controller]
+        cmd = [sys.executable, *storage_command(unit_id, capacity, self.cluster_id, controller, "127.0.0.1"), *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.stderr)
         self._address: str | None = None
         self.lines: list[str] = []
@@ -128,16 +117,16 @@ class Units:
     """Every unit process of the session, started together."""
 
     def __init__(self) -> None:
-        self.main = UnitProcess("64MiB")
+        self.main = UnitProcess(64 << 20)
         self.small = UnitProcess(1 << 20, unit_id=3)
-        self.term = UnitProcess("4MiB", unit_id=5)
+        self.term = UnitProcess(4 << 20, unit_id=5)
         ctx = zmq.Context.instance()
         self.controller_ok = ctx.socket(zmq.ROUTER)
         self.controller_no = ctx.socket(zmq.ROUTER)
         ok_port = self.controller_ok.bind_to_random_port("tcp://127.0.0.1")
         no_port = self.controller_no.bind_to_random_port("tcp://127.0.0.1")
-        self.registered = UnitProcess("2MiB", unit_id=7, controller=f"tcp://127.0.0.1:{ok_port}")
-        self.refused = UnitProcess("2MiB", unit_id=8, controller=f"tcp://127.0.0.1:{no_port}")
+        self.registered = UnitProcess(2 << 20, unit_id=7, controller=f"tcp://127.0.0.1:{ok_port}")
+        self.refused = UnitProcess(2 << 20, unit_id=8, controller=f"tcp://127.0.0.1:{no_port}")
         self.unanswered = UnitProcess(
             "1MiB", unit_id=9, controller="tcp://127.0.0.1:9", extra=["--register-timeout", "1"]
         )
