@@ -15,17 +15,15 @@ PART_BYTES = 16 << 20
 """A put is split into parts of at least this many bytes: a smaller one goes whole to one unit
 (one message per field, and a consumer's micro-batch read from one unit as one frame it keeps
 without a copy); a larger one is spread over as many units as it has parts, whose processes then
-copy it in parallel (measured here: 84 MB puts split over two units stream ~1.5x faster than
-whole)."""
+copy it in parallel."""
 
 
 STAY_SHARE = 16
 """A put that goes whole to one unit goes to the unit of its producer's previous put while that
 unit holds at most 1/STAY_SHARE of its free bytes more than the emptiest unit: a producer's
 stream of puts then stays on one unit, which serves a put's write and the read of the put before
-in the same turns of its loop, instead of alternating (measured here: the data-plane benchmark's
-TCP stream of 21 MB puts over two units ran 1.12x faster at 0.9x the CPU per byte; README, "what
-bounds the TCP stream"); the units' byte counts still stay within that share plus one put of
+in the same turns of its loop, instead of alternating between units (`benchmarks/data_plane.py`'s
+TCP stream shows the gain); the units' byte counts still stay within that share plus one put of
 each other."""
 
 

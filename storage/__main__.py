@@ -105,14 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Write frames land in warm memory of the main heap, which also the I/O threads (started
     # below) allocate from. Up to 10% of capacity stays kept at its top: above the staged frames'
     # and the frame window's share together, so a burst of them freed at once stays warm for the
-    # next (at 5% it was trimmed). Frames over capacity / 32 get their own mapping (see
-    # keep_freed_memory). With the trimming rule of `StorageUnit._trim`, the frames of the
-    # benchmark's sequential put landing in fresh pages went 21% -> 0.3%, its rate 2.3 -> 2.85
-    # GB/s (README, "received frames in warm memory").
+    # next (a smaller keep gives them back between bursts). Frames over capacity / 32 get
+    # their own mapping (see keep_freed_memory). With the trimming rule of `StorageUnit._trim`,
+    # a put's frames then land in warm pages, not in fresh ones that fault in on first touch.
     keep_freed_memory(args.capacity // 10, args.capacity // 32, one_heap=True)
     # Two ZeroMQ I/O threads, created before any socket: a producer's write arriving and a
-    # consumer's read leaving (two connections) then run at once instead of taking turns
-    # (1.06x on a TCP stream, benchmarks/data_plane.py).
+    # consumer's read leaving (two connections) then run at once instead of taking turns.
     zmq.asyncio.Context.instance(io_threads=2)
 
     async def make() -> Service:

@@ -3,7 +3,8 @@
 A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`, of `capacity`
 bytes, mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
 memory is accounted exactly against `capacity` (the unit pushes back instead of growing), the
-pages stay warm after the first use (first-touch faults cost ~10x a warm copy, docs/architecture.md, section 3),
+pages stay warm after the first use (a first-touch fault costs far more than a warm copy,
+docs/architecture.md, section 3),
 and a co-located client can map the same file and copy straight in or out.
 
 `ExtentAllocator` is the pure bookkeeping (first-fit over 64 KiB pages, coalescing free list);

@@ -105,7 +105,7 @@ def keep_freed_memory(trim_bytes: int, mmap_bytes: int = 32 << 20, *, one_heap: 
 
     ZeroMQ receives every data frame into a new malloc'd block; by default glibc maps blocks that
     large afresh or trims them off its heap once freed, so every frame lands in pages that fault
-    in on first touch (~10x a warm copy, docs/architecture.md section 3). A fixed mmap threshold
+    in on first touch (far slower than a warm copy, docs/architecture.md section 3). A fixed mmap threshold
     and a trim threshold of `trim_bytes` keep them warm; the process then holds up to
     `trim_bytes` of freed heap. Frames above `mmap_bytes` still get their own mapping, returned
     as soon as they are freed: a storage unit sets it low, since a freed heap block is often split

@@ -62,7 +62,7 @@ DEFAULT_TLS = "tcp,sm,self"
 UCX_OPTIONS = {"RNDV_THRESH": "inf"}
 """UCX settings of the context this module initialises (`UCX_<name>` in the environment wins).
 Eager sends for every size: each piece streams at once instead of waiting for a rendezvous
-round trip, and lands in its receive, posted in advance (1.5x the throughput over tcp)."""
+round trip, and lands in its receive, posted in advance."""
 
 MAX_WORKERS = 8
 """Most UCX workers a process spreads its subscribers' endpoints over (one per core below)."""

@@ -24,8 +24,8 @@ MAX_BATCH = 1 << 20
 before allocating anything, so a small message can never make them allocate gigabytes."""
 SOCKET_BUFFER_BYTES = 2 << 20
 """Kernel send and receive buffer of every channel and service socket. Left to the kernel,
-loopback buffers grow to `tcp_rmem`'s maximum (32 MiB here) and fall out of cache: the data-plane
-benchmark's TCP stream runs 1.15x faster with 1-2 MiB (and 1.5x slower with 256 KiB)."""
+loopback buffers grow to `tcp_rmem`'s maximum and fall out of cache; much smaller ones make a
+stream wait on the socket (`benchmarks/data_plane.py`'s TCP stream shows both)."""
 
 PROBE_AFTER = 1.0
 """Seconds of silence from a peer whose reply a channel awaits before it pings it."""
