@@ -6,7 +6,7 @@ from __future__ import annotations
 import grimp
 import pytest
 
-PACKAGES = ("controllers", "storage", "weight_sync", "recipes", "benchmarks")
+PACKAGES = ("transfer_queue", "controllers", "storage", "weight_sync", "recipes", "benchmarks")
 
 
 def _cycles(graph: grimp.ImportGraph, package: str) -> list[list[str]]:

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from transfer_queue._client_core import ClientCore
 from transfer_queue._flows import CONTROLLER, NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
-from transfer_queue._messages import (
+from transfer_queue.wire.messages import (
     AbortPut,
     Ack,
     BeginPut,
@@ -33,8 +33,8 @@ from transfer_queue._messages import (
     UnitInfo,
     Write,
 )
-from transfer_queue._meta import BatchMeta, FieldSpec
-from transfer_queue.rpc import GRACE, ErrorReply, Ok
+from transfer_queue.wire.meta import BatchMeta, FieldSpec
+from transfer_queue.wire.rpc import GRACE, ErrorReply, Ok
 
 X = {"x": FieldSpec("int64", ())}
 Answer = Callable[[Call], Any]
