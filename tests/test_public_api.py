@@ -26,7 +26,6 @@ CONTRACT = {
     "SealedError",
     "VersionError",
     "ServiceError",
-    "InternalError",
     "ClosedError",
 }
 CLIENT_METHODS = {
@@ -65,6 +64,7 @@ def test_error_tree():
     assert issubclass(tq.SchemaError, ValueError)
     for name in ("ServiceError", "InternalError", "ClosedError", "WeightSyncError", "VersionError"):
         assert issubclass(getattr(tq, name), tq.SluiceError)
+    assert "InternalError" in tq.__all__
     assert not issubclass(tq.InternalError, tq.ServiceError), "a bug is not a dead service: who acts differs"
 
 
