@@ -1,4 +1,4 @@
-"""The controller service: one handler per request type over the sample tables.
+"""The controller service: its parts, wired together, and the requests no part answers itself.
 
 It builds the parts and wires them together, each given only what it uses: the `ledger` of rows
 (partitions, units and their bytes, the next index), the version clock, admission control and the
@@ -116,7 +116,7 @@ class Controller(Service):
             lambda unit_id, why: self.puts.end_on(unit_id, why),  # puts need the links: built next
             self.scheduler.lose,
         )
-        self.ledger.freed = self.links.freed
+        self.ledger.freed = self.links.freed  # frees go out over the links, which needed the ledger first
         self.puts = Puts(
             self.ledger,
             self.links,
@@ -157,7 +157,7 @@ class Controller(Service):
             self.cluster_id = self.journal.cluster_id
             log.info("controller journal %s: %d records replayed", config.journal, replayed)
 
-    # -- rows ------------------------------------------------------------------------------
+    # -- cluster ---------------------------------------------------------------------
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
