@@ -26,6 +26,7 @@ CONTRACT = {
     "SealedError",
     "VersionError",
     "ServiceError",
+    "InternalError",
     "ClosedError",
 }
 CLIENT_METHODS = {
