@@ -60,7 +60,9 @@ def test_chunk_zero_is_a_schema_error(client):
     meta = client.put(_td(4))
     with pytest.raises(tq.SchemaError, match=">= 1"):
         meta.chunk(0)
-    assert [len(m) for m in meta.chunk(3)] == [1, 1, 2]
+    parts = meta.chunk(chunks=3)  # TransferQueue's name for it; verl passes it by keyword
+    assert [len(m) for m in parts] == [2, 1, 1]
+    assert [i for m in parts for i in m.indexes] == meta.indexes
 
 
 def test_unknown_field_of_a_sealed_empty_partition_is_a_schema_error_at_once(client):

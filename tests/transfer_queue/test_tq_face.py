@@ -118,6 +118,17 @@ def test_missing_keys_and_unready_fields_raise_value_errors(face):
     assert set(tq.kv_list("p2")["p2"]) == {"m1", "m2"}
 
 
+def test_selected_fields_no_key_has_are_left_out_as_transfer_queue_does(face):
+    """verl selects its standard field list (`values`, `ref_log_prob`, ...) whether or not the
+    run produces every field; TransferQueue returns the fields that exist."""
+    tq.kv_batch_put(["s0", "s1"], "p3", TensorDict({"a": torch.ones(2, 2)}, batch_size=[2]))
+    got = tq.kv_batch_get(["s0", "s1"], "p3", select_fields=["a", "values", "ref_log_prob"])
+    assert set(got.keys()) == {"a"} and got.batch_size == torch.Size([2])
+    assert torch.equal(got["a"], torch.ones(2, 2))
+    none = tq.kv_batch_get(["s0"], "p3", select_fields=["values"])
+    assert list(none.keys()) == [] and none.batch_size == torch.Size([1])
+
+
 def test_non_tensor_fields_round_trip_exactly(face):
     values = ["text", {"k": [1, 2.5, "x"], "n": None}, [True, {"deep": [1, 2]}]]
     arrays = [np.arange(4, dtype=np.int32), np.array(["a", "bc"]), np.array([{"o": 1}, "s"], dtype=object)]

@@ -198,10 +198,11 @@ class TransferQueueClient:
     def kv_batch_get(
         self, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None
     ) -> TensorDict:
-        """The fields of `keys` as a TensorDict in key order.
+        """The fields of `keys` as a TensorDict in key order; of `select_fields`, those written for
+        none of the keys are left out (TransferQueue's behaviour, unlike Sluice's strict `get_data`).
 
         Raises:
-            SchemaError: (a `ValueError`) a key is missing, or a field is not ready for every key.
+            SchemaError: (a `ValueError`) a key is missing, or a field is written for some keys only.
         """
         return self._blocking(_kv_batch_get, keys, partition_id, select_fields)
 
@@ -301,12 +302,15 @@ def _kv_batch_put(
 def _kv_batch_get(
     core: ClientCore, keys: list[str], partition_id: str, select_fields: Sequence[str] | None = None
 ) -> Flow:
-    """The fields of `keys` as a TensorDict in key order; `SchemaError` (a `ValueError`) for
-    missing keys or for a field not ready for every key."""
+    """The fields of `keys` as a TensorDict in key order. Of `select_fields`, those no key has
+    (never written for these keys) are left out, as TransferQueue does: verl selects its standard
+    field list whether or not the run produces every field. `SchemaError` (a `ValueError`) for
+    missing keys or for a field written for some keys but not all."""
     reply = yield from _resolve(core, keys, partition_id, False)
     meta = reply.meta
     if select_fields is not None:
-        meta = meta.select_fields(list(select_fields))
+        wanted = list(select_fields)
+        meta = meta.select_fields([f for f in wanted if f in meta.fields or f in reply.partial])
     data = yield from core.get_data(meta)
     return as_dense(data)
 

@@ -451,7 +451,10 @@ def kv_batch_put(
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> TensorDict:
     """The fields of `keys` (all fields ready for every key, or `select_fields`) as a TensorDict.
 
-    Raises `SchemaError` (a `ValueError`) for unknown keys or a field not ready for every key.
+    A selected field written for none of the keys is left out of the result, as TransferQueue
+    does (verl selects its standard fields whether or not this run produces them); Sluice's own
+    `get_data` stays strict. Raises `SchemaError` (a `ValueError`) for unknown keys or a field
+    written for some of the keys but not all.
     """
     return get_client().kv_batch_get(_listed(keys), partition_id, _listed(select_fields))
 

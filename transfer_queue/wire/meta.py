@@ -101,13 +101,17 @@ class BatchMeta(msgspec.Struct):
         """(first, last) policy version per sample."""
         return list(zip(self.policy_versions, self.version_last))
 
-    def chunk(self, n: int) -> list[BatchMeta]:
-        """Split into `n` contiguous parts (e.g. one per data-parallel rank); they share the lease."""
-        if not isinstance(n, int) or n < 1:
-            raise SchemaError(f"chunk needs a number of parts >= 1, got {n!r}")
-        size = len(self)
-        bounds = [size * i // n for i in range(n + 1)]
-        return [self.select(range(bounds[i], bounds[i + 1])) for i in range(n)]
+    def chunk(self, chunks: int) -> list[BatchMeta]:
+        """Split into `chunks` contiguous parts (e.g. one per data-parallel rank), the first
+        `len(self) % chunks` one sample longer, as TransferQueue splits; they share the lease.
+        Raises `SchemaError` unless `chunks` is an int >= 1."""
+        if not isinstance(chunks, int) or chunks < 1:
+            raise SchemaError(f"chunk needs a number of parts >= 1, got {chunks!r}")
+        base, extra = divmod(len(self), chunks)
+        bounds = [0]
+        for i in range(chunks):
+            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+        return [self.select(range(bounds[i], bounds[i + 1])) for i in range(chunks)]
 
     def select(self, positions) -> BatchMeta:
         """A sub-batch with the samples at `positions` (same lease, same fields)."""
