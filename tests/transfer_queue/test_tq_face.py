@@ -121,11 +121,11 @@ def test_missing_keys_and_unready_fields_raise_value_errors(face):
 def test_selected_fields_no_key_has_are_left_out_as_transfer_queue_does(face):
     """verl selects its standard field list (`values`, `ref_log_prob`, ...) whether or not the
     run produces every field; TransferQueue returns the fields that exist."""
-    tq.kv_batch_put(["s0", "s1"], "p3", TensorDict({"a": torch.ones(2, 2)}, batch_size=[2]))
-    got = tq.kv_batch_get(["s0", "s1"], "p3", select_fields=["a", "values", "ref_log_prob"])
+    tq.kv_batch_put(["s0", "s1"], "unwritten", TensorDict({"a": torch.ones(2, 2)}, batch_size=[2]))
+    got = tq.kv_batch_get(["s0", "s1"], "unwritten", select_fields=["a", "values", "ref_log_prob"])
     assert set(got.keys()) == {"a"} and got.batch_size == torch.Size([2])
     assert torch.equal(got["a"], torch.ones(2, 2))
-    none = tq.kv_batch_get(["s0"], "p3", select_fields=["values"])
+    none = tq.kv_batch_get(["s0"], "unwritten", select_fields=["values"])
     assert list(none.keys()) == [] and none.batch_size == torch.Size([1])
 
 
@@ -260,3 +260,26 @@ def test_keyed_samples_are_sluice_samples(face):
     assert tq.kv_list("both") == {}
     tq.kv_put("s0", "both", tag={"fresh": True})  # the name is usable again, keys start afresh
     assert tq.kv_list("both") == {"both": {"s0": {"fresh": True}}}
+
+
+SHORT_LOOPS = """
+import asyncio, gc, torch, transfer_queue as tq
+tq.init()  # attaches to the test's cluster (SLUICE_TQ_ADDRESS)
+for i in range(3):
+    asyncio.run(tq.async_kv_put(f"loop{i}", "short", {"a": torch.ones(2)}, {"i": i}))
+    gc.collect()
+print(sorted(asyncio.run(tq.async_kv_list("short"))["short"]))
+tq.close()
+gc.collect()
+"""
+
+
+def test_short_lived_event_loops_leave_no_client_to_the_garbage_collector(face):
+    """`asyncio.run(tq.async_...)` again and again (verl's `auto_await`): each loop's client
+    closes as its loop shuts down, so no reader task is destroyed pending and no socket is left
+    unclosed, up to the process's exit (`-X dev` shows both)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", SHORT_LOOPS], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "['loop0', 'loop1', 'loop2']"
+    assert "Task was destroyed" not in out.stderr and "Unclosed socket" not in out.stderr, out.stderr

@@ -4,7 +4,11 @@ Each operation is written once, as a flow over a `ClientCore` (as Sluice's clien
 `_control`), and written out twice, typed: `name(...)` drives it with this thread's blocking
 `Client`, `async_name(...)` with an `AsyncClient` bound to the running event loop. verl awaits the same
 client from several loops (its agent loop's and its sync-to-async bridge's), so there is one
-`AsyncClient` per loop and one `Client` per thread; no hidden event loop or thread.
+`AsyncClient` per loop and one `Client` per thread; no hidden event loop or thread. A loop's
+client closes when its loop shuts down (`asyncio.run` and `loop.shutdown_asyncgens()` finalize
+a guard async generator that closes it), so short-lived loops leave no reader task or socket to
+the garbage collector; a loop closed without `shutdown_asyncgens` still leaves one (as any
+asyncio library's background task), and `close()` closes the clients of loops still open.
 
 Shapes follow TransferQueue: any tensor field may hold samples of different lengths from one
 put to the next (a `[n, L, ...]` tensor is stored as n rows of length L), and a read returns a
@@ -15,9 +19,9 @@ Non-tensor fields (`NonTensorStack`, `NonTensorData`) travel as msgpack (`_objec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -36,6 +40,30 @@ from ..wire.meta import BatchMeta
 from .kv_meta import KVBatchMeta
 
 __all__ = ["TransferQueueClient"]
+
+
+_CLOSE_WAIT = 5.0
+"""Seconds `close()` waits for a client of a loop running in another thread to close."""
+
+
+async def _loop_guard(
+    loops: dict[asyncio.AbstractEventLoop, Any], loop: asyncio.AbstractEventLoop, client: AsyncClient
+) -> AsyncGenerator[None]:
+    """Suspended for the life of `loop`'s client; finalized by the loop's `shutdown_asyncgens`
+    (or by `close()` dropping it), it closes the client while the loop can still run its tasks."""
+    try:
+        yield
+    finally:
+        if loops.get(loop, (None,))[0] is client:
+            del loops[loop]
+        await client.close()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def as_rows(data: TensorDict) -> TensorDict:
@@ -77,7 +105,8 @@ class TransferQueueClient:
         self.credentials = credentials
         """The cluster's client keys when it listens beyond loopback (see `tq.connect`)."""
         self._threads = threading.local()
-        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
+        # Each client's reader task holds its loop, so entries leave explicitly (`_loop_guard`).
+        self._loops: dict[asyncio.AbstractEventLoop, tuple[AsyncClient, AsyncGenerator[None]]] = {}
         self._all_sync: list[Client] = []
         self._lock = threading.Lock()
 
@@ -93,10 +122,17 @@ class TransferQueueClient:
 
     async def _async_client(self) -> AsyncClient:
         loop = asyncio.get_running_loop()
-        client = self._loops.get(loop)
-        if client is None:
-            client = self._loops[loop] = AsyncClient(self.address, credentials=self.credentials)
-            await client.hello()
+        entry = self._loops.get(loop)
+        if entry is not None:
+            return entry[0]
+        client = AsyncClient(self.address, credentials=self.credentials)
+        guard = _loop_guard(self._loops, loop, client)
+        await anext(guard)  # now the loop finalizes it at shutdown_asyncgens
+        with self._lock:
+            for gone in [old for old in self._loops if old.is_closed()]:  # closed without shutdown_asyncgens
+                del self._loops[gone]
+            self._loops[loop] = client, guard
+        await client.hello()
         return client
 
     def _blocking(self, flow: Callable[..., Flow], *args: Any) -> Any:
@@ -110,12 +146,24 @@ class TransferQueueClient:
         return await client._run(flow(client._core, *args))
 
     def close(self) -> None:
-        """Close this thread's and every other thread's blocking client (async ones close with their loops)."""
+        """Close every thread's blocking client and the async clients of loops still open: at
+        once on a loop that is not running, by a task on a running one (waited for up to
+        `_CLOSE_WAIT` s when it runs in another thread)."""
         with self._lock:
             clients, self._all_sync = self._all_sync, []
+            loops, self._loops = self._loops, {}
         for client in clients:
             client.close()
         self._threads = threading.local()
+        for loop, (aclient, _guard) in loops.items():
+            if loop.is_closed():
+                continue
+            if not loop.is_running():
+                loop.run_until_complete(aclient.close())
+                continue
+            done = asyncio.run_coroutine_threadsafe(aclient.close(), loop)
+            if _running_loop() is not loop:
+                concurrent.futures.wait([done], timeout=_CLOSE_WAIT)
 
     # -- operations: `name` blocks, `async_name` awaits; both run the same flow below --------
 
