@@ -175,6 +175,32 @@ def test_batch_meta_bridges_keys_and_indexes(face):
         tq.kv_batch_get(["b0", "b1"], "p5", "y")  # b1 never got y
 
 
+def test_batch_meta_answers_transfer_queues_batch_operations(face):
+    tq.kv_batch_put(["d0", "d1", "d2"], "p5b", TensorDict({"x": torch.arange(3)}, batch_size=[3]))
+    meta = tq.get_client().kv_retrieve_meta(["d0", "d1", "d2"], "p5b")
+    assert [m.indexes for m in meta.chunk(chunks=2)] == [meta.indexes[:2], meta.indexes[2:]]
+    assert meta[-1].indexes == meta.indexes[2:] and meta[0:2].indexes == meta.indexes[:2]
+    with pytest.raises(IndexError):
+        meta[3]
+    copy = meta.copy()
+    copy.reorder([2, 0, 1])
+    assert copy.indexes == [meta.indexes[i] for i in (2, 0, 1)] and meta.indexes != copy.indexes
+    assert tq.get_client().get_data(copy)["x"].tolist() == [2, 0, 1]
+    with pytest.raises(tq.SchemaError, match="permutation"):
+        copy.reorder([0, 0, 1])
+    meta.set_extra_info("step", 3)
+    meta.update_extra_info({"temp": 1.0})
+    assert meta.has_extra_info("step") and meta.get_extra_info("nope", 7) == 7
+    assert meta.remove_extra_info("temp") == 1.0 and meta.get_all_extra_info() == {"step": 3}
+    wider = meta.union(tq.get_client().put(TensorDict({"y": torch.ones(3)}, batch_size=[3]), metadata=meta))
+    assert wider.field_names == ["x", "y"] and meta.chunk_by_partition()[0].indexes == meta.indexes
+    with pytest.raises(tq.SchemaError, match="same samples"):
+        meta.union(copy)
+    assert tq.BatchMeta.concat([meta[:1], wider[1:]], validate=False).indexes == meta.indexes
+    meta.clear_extra_info()
+    assert meta.extra_info == {}
+
+
 def test_async_twins_from_two_event_loops(face):
     async def produce():
         await tq.async_kv_batch_put(["c0", "c1"], "p6", TensorDict({"x": torch.ones(2, 4)}, batch_size=[2]))

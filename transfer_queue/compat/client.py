@@ -175,19 +175,32 @@ class TransferQueueClient:
         """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
         return await self._awaiting(_get_data, metadata)
 
-    def put(self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+    def put(
+        self,
+        data: TensorDict,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
         """Write `data`: new columns of `metadata`'s samples, or (no metadata) new samples of
         `partition_id`. Returns the metadata with the written fields added.
 
         Raises:
-            SchemaError: neither `metadata` nor `partition_id`, or data contradicting the fields.
+            SchemaError: neither `metadata` nor `partition_id`, data contradicting the fields, or
+                a `data_parser` (Sluice runs no caller code on the data path: parse before the put).
         """
+        _no_parser(data_parser)
         return self._blocking(_put, data, metadata, partition_id)
 
     async def async_put(
-        self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None
+        self,
+        data: TensorDict,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
         """Write `data` (see `put`)."""
+        _no_parser(data_parser)
         return await self._awaiting(_put, data, metadata, partition_id)
 
     def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
@@ -371,6 +384,11 @@ def _kv_clear(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
 def _kv_resolve(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
     """`KvMetaReply` of `keys`: their meta, tags, and the fields ready for only some of them."""
     return (yield from _resolve(core, keys, partition_id, False))
+
+
+def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
+    if data_parser is not None:
+        raise SchemaError("data_parser is not supported by Sluice: parse the values before the put")
 
 
 def _check_tags(keys: list[str], tags: list[dict]) -> None:

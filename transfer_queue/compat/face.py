@@ -400,8 +400,9 @@ def _one_row(key: str, fields: Any) -> TensorDict:
 def _check_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None, data_parser: Any) -> None:
     if fields is None and tags is None:
         raise SchemaError("kv put needs fields or tags (or both)")
-    if data_parser is not None:
-        raise SchemaError("data_parser is not supported by Sluice: parse the values before the put")
+    from ._tq_client import _no_parser
+
+    _no_parser(data_parser)
     if fields is not None and int(fields.batch_size[0]) != len(keys):
         raise SchemaError(f"{len(keys)} keys for fields of batch size {int(fields.batch_size[0])}")
     if tags is not None and len(tags) != len(keys):

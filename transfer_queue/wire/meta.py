@@ -7,6 +7,7 @@ cheap to send between processes (the trainer's driver can pass it to its workers
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -74,8 +75,10 @@ class BatchMeta(msgspec.Struct):
 
     The same class is TransferQueue's `BatchMeta` for code written against TransferQueue 0.1.11
     (verl's `tqbridge`): `global_indexes`, `partition_ids`, `field_names`, `is_ready`,
-    `select_fields`, `select_samples`, `concat`, `empty` and a settable, batch-level
-    `extra_info` (never sent by Sluice's services; copied along by `select`/`chunk`).
+    `select_fields`, `select_samples`, `chunk(chunks=)`, `concat`, `union`, `reorder`, `copy`,
+    `empty`, and a settable, batch-level `extra_info` with its `*_extra_info` helpers (never sent
+    by Sluice's services; copied along by `select`/`chunk`). tests/verl/test_tq_parity.py holds
+    the differences from TransferQueue's `BatchMeta`.
     """
 
     partition: str
@@ -162,15 +165,86 @@ class BatchMeta(msgspec.Struct):
         """TransferQueue's name for `select`."""
         return self.select(sample_indices)
 
+    def __getitem__(self, item: int | slice) -> BatchMeta:
+        """The sample at position `item` (negative counts from the end) or the samples of a slice,
+        as a batch (TransferQueue's indexing). `IndexError` out of range, `TypeError` for other keys."""
+        if isinstance(item, slice):
+            return self.select(range(*item.indices(len(self))))
+        if not isinstance(item, int) and not (hasattr(item, "__index__") and not isinstance(item, bool)):
+            raise TypeError(f"BatchMeta indexes by int or slice, not {type(item).__name__}")
+        position = int(item) + (len(self) if int(item) < 0 else 0)
+        if not 0 <= position < len(self):
+            raise IndexError(f"position {item} of a batch of {len(self)}")
+        return self.select([position])
+
+    def reorder(self, indices: list[int]) -> None:
+        """Put the samples in the order `indices` (a permutation of the positions), in place;
+        `SchemaError` for anything else."""
+        if sorted(indices) != list(range(len(self))):
+            raise SchemaError(f"reorder needs a permutation of {len(self)} positions, got {indices[:8]}")
+        ordered = self.select(indices)
+        for name in ("indexes", "policy_versions", "version_last", "groups", "units"):
+            setattr(self, name, getattr(ordered, name))
+
+    def copy(self) -> BatchMeta:
+        """An independent copy (TransferQueue's `copy`)."""
+        return self.select(range(len(self)))
+
+    def chunk_by_partition(self) -> list[BatchMeta]:
+        """One part per partition: a Sluice batch lies in one, so `[self.copy()]` (none if empty)."""
+        return [self.copy()] if len(self) else []
+
+    def union(self, other: BatchMeta) -> BatchMeta:
+        """The same samples with both batches' fields (`other`'s win) and `extra_info`; an empty
+        side gives a copy of the other. `SchemaError` unless both hold the same samples."""
+        if not len(other):
+            return self.copy()
+        if not len(self):
+            return other.copy()
+        if (self.partition, self.indexes) != (other.partition, other.indexes):
+            raise SchemaError("union needs two batches of the same samples in the same order")
+        return msgspec.structs.replace(
+            self.copy(), fields={**self.fields, **other.fields}, extra_info={**self.extra_info, **other.extra_info}
+        )
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        """`extra_info[key]`, or `default`."""
+        return self.extra_info.get(key, default)
+
+    def set_extra_info(self, key: str, value: Any) -> None:
+        """Set `extra_info[key]`."""
+        self.extra_info[key] = value
+
+    def update_extra_info(self, info_dict: dict[str, Any]) -> None:
+        """Merge `info_dict` into `extra_info`."""
+        self.extra_info.update(info_dict)
+
+    def has_extra_info(self, key: str) -> bool:
+        """Whether `extra_info` holds `key`."""
+        return key in self.extra_info
+
+    def remove_extra_info(self, key: str) -> Any:
+        """Remove `key` from `extra_info` and return its value (None if absent)."""
+        return self.extra_info.pop(key, None)
+
+    def clear_extra_info(self) -> None:
+        """Empty `extra_info`."""
+        self.extra_info.clear()
+
+    def get_all_extra_info(self) -> dict[str, Any]:
+        """A copy of `extra_info`."""
+        return dict(self.extra_info)
+
     @classmethod
-    def concat(cls, data: list[BatchMeta]) -> BatchMeta:
+    def concat(cls, data: list[BatchMeta], validate: bool = True) -> BatchMeta:
         """One batch of `data`'s samples in order; they must share partition, task and fields
-        (`SchemaError` otherwise). Empty parts are skipped; no parts give `BatchMeta.empty()`."""
-        parts = [m for m in data if len(m)]
+        (`SchemaError` otherwise; `validate=False` skips the check, as in TransferQueue, and the
+        first part's fields stand for all). Empty parts are skipped; no parts give `BatchMeta.empty()`."""
+        parts = [m for m in data if m is not None and len(m)]
         if not parts:
             return cls.empty()
         first = parts[0]
-        for m in parts[1:]:
+        for m in parts[1:] if validate else ():
             if (m.partition, m.task, set(m.fields)) != (first.partition, first.task, set(first.fields)):
                 raise SchemaError(
                     f"cannot concat batches of partitions/tasks/fields {(first.partition, first.task, sorted(first.fields))} "
