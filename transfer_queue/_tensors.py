@@ -32,6 +32,7 @@ __all__ = [
     "torch_dtype",
     "dtype_name",
     "field_spec_of",
+    "jagged",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE if name not in OBJECT_DTYPES}
@@ -348,7 +349,7 @@ class Assembler:
 
     def _ragged(self, name: str, spec: FieldSpec) -> torch.Tensor:
         values, offsets = self._ragged_parts(name, spec)
-        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets))
+        return jagged(values, offsets)
 
     def _ragged_parts(self, name: str, spec: FieldSpec) -> tuple[torch.Tensor, np.ndarray]:
         lengths = np.zeros(self.n, np.int64)
@@ -430,3 +431,11 @@ def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
         start = int(offsets[pos]) * eb
         flat[start : start + nbytes].copy_(src[cursor : cursor + nbytes])
         cursor += nbytes
+
+
+def jagged(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    """A jagged nested tensor of `values` split at `offsets`, its longest and shortest row
+    recorded: without them torch pads `to_padded_tensor()` to the total length of all rows."""
+    lengths = np.diff(offsets)
+    bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if len(lengths) else {}
+    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets), **bounds)

@@ -129,6 +129,17 @@ def test_selected_fields_no_key_has_are_left_out_as_transfer_queue_does(face):
     assert list(none.keys()) == [] and none.batch_size == torch.Size([1])
 
 
+def test_jagged_reads_pad_to_their_longest_row(face):
+    """A jagged field read back records its longest row, so `to_padded_tensor()` (verl pads every
+    batch it reads) pads to it, not to the total length of all rows."""
+    rows = [torch.arange(n) for n in (3, 5, 2)]
+    data = TensorDict({"r": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=[3])
+    tq.kv_batch_put(["j0", "j1", "j2"], "jagged", data)
+    got = tq.kv_batch_get(["j2", "j0", "j1"], "jagged")
+    assert got.to_padded_tensor()["r"].shape == (3, 5)
+    assert got["r"].to_padded_tensor(-1)[0].tolist() == [0, 1, -1, -1, -1]
+
+
 def test_non_tensor_fields_round_trip_exactly(face):
     values = ["text", {"k": [1, 2.5, "x"], "n": None}, [True, {"deep": [1, 2]}]]
     arrays = [np.arange(4, dtype=np.int32), np.array(["a", "bc"]), np.array([{"o": 1}, "s"], dtype=object)]

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -32,7 +33,7 @@ from .._async_client import AsyncClient
 from .._client import Client
 from .._client_core import ClientCore
 from .._flows import CONTROLLER, Flow
-from .._tensors import is_non_tensor
+from .._tensors import is_non_tensor, jagged
 from ..wire.auth import Credentials
 from ..wire.errors import SchemaError
 from ..wire.messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
@@ -74,8 +75,8 @@ def as_rows(data: TensorDict) -> TensorDict:
     for name, value in data.items():
         if isinstance(value, torch.Tensor) and not is_non_tensor(value) and not value.is_nested and value.dim() >= 2:
             length = value.shape[1]
-            offsets = torch.arange(n + 1, dtype=torch.int64) * length
-            value = torch.nested.nested_tensor_from_jagged(value.reshape(n * length, *value.shape[2:]), offsets)
+            offsets = np.arange(n + 1, dtype=np.int64) * length
+            value = jagged(value.reshape(n * length, *value.shape[2:]), offsets)
         out[name] = value
     return TensorDict(out, batch_size=data.batch_size)
 
