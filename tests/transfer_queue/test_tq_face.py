@@ -47,6 +47,12 @@ def stack(values):
     return NonTensorStack(*(NonTensorData(v) for v in values), stack_dim=0)
 
 
+def padded(value: torch.Tensor) -> torch.Tensor:
+    """A field read through TransferQueue's API (jagged, as TransferQueue returns it) as a dense tensor."""
+    assert value.is_nested, "TransferQueue hands per-sample tensors back jagged"
+    return value.to_padded_tensor(0)
+
+
 def entry(data: TensorDict, name: str):
     """The stored entry (`td[name]` unwraps non-tensor entries to their values)."""
     return dict(data.items())[name]
@@ -95,12 +101,12 @@ def test_kv_batch_put_get_with_tags_and_varying_lengths(face):
             "u2": {"is_prompt": True},
         }
     }
-    dense = tq.kv_batch_get(keys, "p1")
-    assert torch.equal(dense["ids"], torch.arange(6).view(2, 3))  # same length: dense, like TransferQueue
+    same = tq.kv_batch_get(keys, "p1")["ids"]  # same length: still jagged, as TransferQueue returns it
+    assert same.is_nested and torch.equal(same.to_padded_tensor(0), torch.arange(6).view(2, 3))
     mixed = tq.kv_batch_get(["u2", "u1_0_0"], "p1", "ids")["ids"]
     assert mixed.is_nested and [t.tolist() for t in mixed.unbind()] == [list(range(5)), [0, 1, 2]]
     by_meta = tq.kv_batch_get_by_meta(tq.KVBatchMeta(keys=["u1_0_1"], tags=[{}], partition_id="p1", fields=["ids"]))
-    assert by_meta["ids"].tolist() == [[3, 4, 5]]
+    assert padded(by_meta["ids"]).tolist() == [[3, 4, 5]]
 
 
 def test_missing_keys_and_unready_fields_raise_value_errors(face):
@@ -124,7 +130,7 @@ def test_selected_fields_no_key_has_are_left_out_as_transfer_queue_does(face):
     tq.kv_batch_put(["s0", "s1"], "unwritten", TensorDict({"a": torch.ones(2, 2)}, batch_size=[2]))
     got = tq.kv_batch_get(["s0", "s1"], "unwritten", select_fields=["a", "values", "ref_log_prob"])
     assert set(got.keys()) == {"a"} and got.batch_size == torch.Size([2])
-    assert torch.equal(got["a"], torch.ones(2, 2))
+    assert torch.equal(padded(got["a"]), torch.ones(2, 2))
     none = tq.kv_batch_get(["s0"], "unwritten", select_fields=["values"])
     assert list(none.keys()) == [] and none.batch_size == torch.Size([1])
 
@@ -229,7 +235,7 @@ def test_async_twins_from_two_event_loops(face):
     listed = asyncio.run(produce())
     assert listed == {"p6": {"c0": {"status": "finished"}, "c1": {}}}
     data, got, after = asyncio.run(consume())
-    assert torch.equal(data["x"], torch.ones(2, 4)) and torch.equal(got["x"], torch.ones(1, 4))
+    assert torch.equal(padded(data["x"]), torch.ones(2, 4)) and torch.equal(padded(got["x"]), torch.ones(1, 4))
     assert after == {"p6": {"c0": {"status": "finished"}}}
 
 
@@ -248,9 +254,9 @@ def test_checkpoint_round_trip_restores_keys_tags_and_data(face, tmp_path):
     tq.load_checkpoint(tmp_path / "ckpt")
     assert tq.kv_list("ck") == before
     out = tq.kv_batch_get(["k0", "k1"], "ck")
-    assert torch.equal(out["ids"], data["ids"]) and torch.equal(out["bf"], data["bf"])
+    assert torch.equal(padded(out["ids"]), data["ids"]) and torch.equal(padded(out["bf"]), data["bf"])
     assert entry(out, "text").tolist() == ["a", "b"]
-    assert tq.kv_batch_get("k2", "ck", "ids")["ids"].tolist() == [[0, 1, 2]]
+    assert padded(tq.kv_batch_get("k2", "ck", "ids")["ids"]).tolist() == [[0, 1, 2]]
 
 
 def test_load_of_a_corrupt_checkpoint_partition_is_a_schema_error(face, tmp_path):
@@ -273,7 +279,7 @@ def test_another_process_attaches_through_the_environment(face):
     code = (
         "import transfer_queue as tq, torch\n"
         "assert tq.init() is None\n"
-        "print(tq.kv_batch_get('from-parent', 'env')['x'].tolist())\n"
+        "print(tq.kv_batch_get('from-parent', 'env')['x'].to_padded_tensor(0).tolist())\n"
         "tq.kv_put('from-child', 'env', tag={'status': 'finished'})\n"
         "tq.close()\n"
     )

@@ -50,7 +50,7 @@ def read_by_name() -> tuple[str, list[list[int]]]:
     assert tq.init() is None
     data = tq.kv_batch_get(["k0", "k1"], "train")
     tq.kv_put("from-worker", "train", tag={"node": ray.get_runtime_context().get_node_id()})
-    return tq.get_client().address, data["x"].tolist()
+    return tq.get_client().address, data["x"].to_padded_tensor(0).tolist()  # jagged, as TransferQueue reads
 
 
 @pytest.fixture(scope="module")

@@ -181,6 +181,19 @@ class CpuActor:
     def _query_collect_info(self, mesh_name: str) -> bool:
         return True
 
+    # separate_async keeps the weights that computed old_log_probs (pi_old) while it updates
+    @register_method(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_model_to_cpu(self, slot: int) -> None:
+        self.calls.append(ActorCall("save_model_to_cpu", self.rank, set(), 0, {"slot": slot}))
+
+    @register_method(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def restore_model_from_cpu(self, slot: int) -> None:
+        self.calls.append(ActorCall("restore_model_from_cpu", self.rank, set(), 0, {"slot": slot}))
+
+    @register_method(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def clear_cpu_model(self, slot: int) -> None:
+        self.calls.append(ActorCall("clear_cpu_model", self.rank, set(), 0, {"slot": slot}))
+
     @register_method(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         self._record("compute_log_prob", data)
@@ -240,14 +253,15 @@ class CheckpointManager:
         self.server = server
         self.updates: list[int] = []
 
-    def update_weights(self, global_steps: int) -> None:
+    def update_weights(self, global_steps: int) -> dict:
         self.server.version = global_steps
         self.updates.append(global_steps)
+        return {}
 
     def sleep_replicas(self) -> None:
         pass
 
-    def abort_replicas(self) -> None:
+    def abort_replicas(self, reject_request: bool = False) -> None:
         pass
 
     def resume_generation_replicas(self) -> None:

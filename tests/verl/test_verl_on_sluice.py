@@ -192,6 +192,7 @@ def test_tqbridge_moves_kv_meta_through_batch_meta_and_tensordict(sluice):
     assert out.tags == [{"i": i} for i in range(4)] and seen["temperature"] == 0.5
     out = asyncio.run(negate(out.select_keys(keys[::-1])))
     got = tq.kv_batch_get(keys, "bridge", ["doubled", "negated"])
+    got = got.to_padded_tensor()  # read back jagged, as from TransferQueue
     assert torch.equal(got["doubled"], torch.arange(8.0).view(4, 2) * 2)
     assert torch.equal(got["negated"], -got["doubled"])
     batch_meta = transferqueue_utils.kv_batch_meta2batch_meta(out)
@@ -210,7 +211,8 @@ def test_data_proto_round_trips_through_sluice(sluice):
     )
     keys = ["dp0", "dp1", "dp2"]
     tq.kv_batch_put(keys, "proto", proto.to_tensordict())
-    back = DataProto.from_tensordict(tq.kv_batch_get(keys, "proto"))
+    # read back jagged, as from TransferQueue; verl pads before building a DataProto
+    back = DataProto.from_tensordict(tq.kv_batch_get(keys, "proto").to_padded_tensor())
     for name in ("input_ids", "old_log_prob"):
         assert torch.equal(back.batch[name], proto.batch[name])
     assert list(back.non_tensor_batch["uid"]) == ["a", "b", "c"]

@@ -11,8 +11,9 @@ the garbage collector; a loop closed without `shutdown_asyncgens` still leaves o
 asyncio library's background task), and `close()` closes the clients of loops still open.
 
 Shapes follow TransferQueue: any tensor field may hold samples of different lengths from one
-put to the next (a `[n, L, ...]` tensor is stored as n rows of length L), and a read returns a
-dense tensor when every sample has the same shape, a jagged nested tensor when not.
+put to the next (a `[n, L, ...]` tensor is stored as n rows of length L), and a read returns
+every field whose samples have one or more dimensions as a jagged nested tensor, even when the
+lengths agree (a field of scalars stays a dense `[n]` tensor).
 Non-tensor fields (`NonTensorStack`, `NonTensorData`) travel as msgpack (`_objects`).
 """
 
@@ -68,8 +69,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def as_rows(data: TensorDict) -> TensorDict:
-    """`data` with each dense `[n, L, ...]` tensor as a jagged nested tensor of n rows of length L,
-    so later puts of the same field may use another L (TransferQueue stores samples, not columns)."""
+    """`data` with each dense `[n, L, ...]` tensor as a jagged nested tensor of n rows of length L:
+    on a put, so later puts of the same field may use another L (TransferQueue stores samples, not
+    columns); on a read, because TransferQueue hands every per-sample tensor of one or more
+    dimensions back jagged, whatever the lengths (verl calls `.offsets()` on what it reads)."""
     out = {}
     n = int(data.batch_size[0])
     for name, value in data.items():
@@ -79,17 +82,6 @@ def as_rows(data: TensorDict) -> TensorDict:
             value = jagged(value.reshape(n * length, *value.shape[2:]), offsets)
         out[name] = value
     return TensorDict(out, batch_size=data.batch_size)
-
-
-def as_dense(data: TensorDict) -> TensorDict:
-    """`data` with every jagged field whose samples all have the same length as a dense tensor."""
-    for name, value in list(data.items()):
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            lengths = value.offsets().diff()
-            if len(lengths) and bool((lengths == lengths[0]).all()):
-                values = value.values()
-                data[name] = values.view(len(lengths), int(lengths[0]), *values.shape[1:])
-    return data
 
 
 class TransferQueueClient:
@@ -297,7 +289,7 @@ class TransferQueueClient:
 def _get_data(core: ClientCore, metadata: BatchMeta) -> Flow:
     """The batch's fields as a TensorDict, rows in `metadata` order (TransferQueue's shapes)."""
     data = yield from core.get_data(metadata)
-    return as_dense(data)
+    return as_rows(data)
 
 
 def _put(
@@ -374,7 +366,7 @@ def _kv_batch_get(
         wanted = list(select_fields)
         meta = meta.select_fields([f for f in wanted if f in meta.fields or f in reply.partial])
     data = yield from core.get_data(meta)
-    return as_dense(data)
+    return as_rows(data)
 
 
 def _kv_clear(core: ClientCore, keys: list[str], partition_id: str) -> Flow:
