@@ -400,7 +400,7 @@ def _one_row(key: str, fields: Any) -> TensorDict:
 def _check_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None, data_parser: Any) -> None:
     if fields is None and tags is None:
         raise SchemaError("kv put needs fields or tags (or both)")
-    from ._tq_client import _no_parser
+    from .client import _no_parser
 
     _no_parser(data_parser)
     if fields is not None and int(fields.batch_size[0]) != len(keys):
