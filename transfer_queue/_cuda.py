@@ -1,0 +1,136 @@
+"""CUDA in the clients and the weight channel: every CUDA call Sluice makes, kept small and in one place.
+
+A process touches CUDA state only when it is handed a CUDA tensor or asks for a CUDA device;
+a CPU-only process (the services, a client that never sees a GPU) never initialises CUDA. Host
+memory that CUDA copies read or write (a mapped arena, a staging slot) is registered with CUDA
+(`cudaHostRegister`) once per mapping, so those copies run at pinned speed and may be
+asynchronous, and it is unregistered before the mapping goes away. Copies run on a side stream
+per device and end with one synchronisation per call (`copies`): the caller's tensors and host
+buffers are then safe to reuse, whatever stream the caller works on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .wire.errors import SchemaError
+
+__all__ = [
+    "is_cuda",
+    "check_tensor_device",
+    "target_device",
+    "HostRegistry",
+    "tensor_ptr",
+    "copies",
+]
+
+
+def is_cuda(t: torch.Tensor) -> bool:
+    """Whether `t` lives in GPU memory (never initialises CUDA)."""
+    return t.device.type == "cuda"
+
+
+def check_tensor_device(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor this process cannot copy to host memory.
+
+    Raises:
+        SchemaError: `t` is on a device other than the CPU or CUDA, or on CUDA in a process
+            without CUDA; the message names the field `name`.
+    """
+    kind = t.device.type
+    if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available()):
+        return
+    why = "this process has no CUDA" if kind == "cuda" else "only CPU and CUDA tensors can be stored"
+    raise SchemaError(f"field {name!r} is a tensor on device {t.device}: {why}; move it to the CPU first")
+
+
+def target_device(device: str | torch.device | None) -> torch.device | None:
+    """The device `get_data`/`stream` return tensors on: None for the CPU (the default path),
+    else a `torch.device`.
+
+    Raises:
+        SchemaError: an unknown device string, a device other than CPU or CUDA, or CUDA in a
+            process without CUDA.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise SchemaError(f"device={device!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise SchemaError(f"device={device!r}: data can be returned on the CPU or a CUDA device")
+    if not torch.cuda.is_available():
+        raise SchemaError(f"device={device!r}: this process has no CUDA")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class HostRegistry:
+    """Host memory ranges registered with CUDA, each once, all unregistered by `clear`.
+
+    `register` is a no-op (returns False) in a process without CUDA, so callers need not ask
+    first; it registers only ranges not yet registered (keyed by address).
+    """
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, int] = {}  # address -> bytes
+
+    def register(self, ptr: int, nbytes: int) -> bool:
+        """Page-lock `nbytes` at `ptr` for CUDA copies (once); False when CUDA is absent or
+        refuses (the copies then run at pageable speed, still correct)."""
+        if ptr in self._ranges:
+            return True
+        if nbytes <= 0 or not torch.cuda.is_available():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            return False
+        self._ranges[ptr] = nbytes
+        return True
+
+    def unregister(self, ptr: int) -> None:
+        """Unregister the range at `ptr` (before its memory is unmapped or freed)."""
+        if self._ranges.pop(ptr, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def clear(self) -> None:
+        for ptr in list(self._ranges):
+            self.unregister(ptr)
+
+    def __contains__(self, ptr: int) -> bool:
+        return ptr in self._ranges
+
+
+def tensor_ptr(t: torch.Tensor) -> int:
+    """The address of a host tensor's storage (what `HostRegistry` keys on)."""
+    return t.untyped_storage().data_ptr()
+
+
+_streams: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def copies(device: torch.device | None) -> Iterator[None]:
+    """Run the block's copies to or from `device` on its side stream, asynchronously where the
+    host memory is pinned, and wait for them once at the end (nothing happens for the CPU).
+
+    The side stream first waits for the caller's current stream, so copies see what the caller
+    wrote to its tensors."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    stream = _streams.get(device.index)
+    if stream is None:
+        stream = _streams[device.index] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
