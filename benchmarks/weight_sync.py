@@ -7,7 +7,9 @@ versions after warm-up versions (one per staging slot):
 - each transport (shm, tcp pipelined and not, ucx when installed, torch/gloo) to 1 and 2
   subscriber processes: seconds from `publish` to the last subscriber having applied the
   version in place ("s"), GB/s into each subscriber over that time and over the time after
-  `publish` returned, and how long `publish` blocked the trainer;
+  `publish` returned, how long `publish` blocked the trainer, and the first version's seconds
+  over the steady state's ("first/s": the publisher is built with `model=`, so staging is
+  allocated before the first publish);
 - the memcpy floor: copying the state dict once into touched memory, one thread, measured
   again right before every publish (block/memcpy is the median of those paired ratios);
 - the raw socket: the state's bytes over one loopback TCP connection per subscriber,
@@ -265,7 +267,7 @@ def channel(
 
     transport = TorchTransport(world_size=n + 1) if name == "torch" else name
     out = {k: [] for k in ("seconds", "after_publish", "blocking", "apply", "memcpy")}
-    with WeightPublisher(None, transport=transport, slots=slots, timeout=300) as pub:
+    with WeightPublisher(None, transport=transport, slots=slots, timeout=300, model=state) as pub:
         versions = [version[0] + i for i in range(1, reps + WARMUP + 1)]
         version[0] = versions[-1]
         workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs)
@@ -278,8 +280,10 @@ def channel(
             pub.publish(state, v)
             returned = time.monotonic()
             done = workers.recv(n)
+            if i == 0:
+                out["first"] = [max(t for _, t, _ in done) - t0]
             if i < WARMUP:
-                continue  # the first versions fault each staging slot and receive buffer in
+                continue  # the first versions fault each subscriber's receive buffers in
             last = max(t for _, t, _ in done)
             for key, value in zip(
                 out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)
@@ -454,6 +458,7 @@ def summarize(size: str, record: dict) -> list[list]:
             blocking_over_memcpy=median(paired),
             raw_socket_over_seconds=f.get("raw_socket", raw) / seconds,
             save_load_over_seconds=median(baseline["seconds"]) / seconds if baseline else nan,
+            first_over_seconds=f["first"][0] / seconds if "first" in f else nan,
         )
         rows.append(
             [
@@ -466,6 +471,7 @@ def summarize(size: str, record: dict) -> list[list]:
                 f["blocking_over_memcpy"],
                 f["raw_socket_over_seconds"],
                 f["save_load_over_seconds"],
+                f["first_over_seconds"],
             ]
         )
     return rows
@@ -504,6 +510,7 @@ def main() -> None:
         "block/memcpy",
         "raw sock/s",
         "save+load/s",
+        "first/s",
     ]
     title = f"weight sync: medians of {reps} versions; ratios against limits measured in this run"
     try:

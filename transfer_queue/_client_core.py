@@ -28,9 +28,9 @@ from ._checkpoint import (
     write_manifest,
 )
 from ._control import INT64, ControlCore, as_int, count
-from ._cuda import HostRegistry, copies, target_device, tensor_ptr
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._tensors import Assembler, BufferPool, Columns
+from .cuda import HostRegistry, copies, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
 from .wire.errors import CapacityError, SchemaError, SluiceError
 from .wire.messages import (

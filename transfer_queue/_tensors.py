@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._cuda import check_tensor_device, is_cuda
 from ._objects import decode_values, encode_values
+from .cuda import check_tensor_device, is_cuda
 from .wire.errors import SchemaError
 from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 
@@ -290,7 +290,7 @@ class Assembler:
     arena view), in batch order, is returned on that buffer's memory instead of copied out (its
     tensor's storage is then not resizable, as with `torch.frombuffer`). With a CUDA `device`,
     tensor fields are allocated there and each run is copied host to device straight from its
-    buffer (asynchronously: run it inside `_cuda.copies`); non-tensor fields stay on the CPU.
+    buffer (asynchronously: run it inside `cuda.copies`); non-tensor fields stay on the CPU.
     """
 
     def __init__(

@@ -27,6 +27,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
+from transfer_queue.cuda import is_cuda
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -96,6 +97,11 @@ class WeightPublisher:
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
             endpoint then admits only clients holding them. Binding `host` beyond loopback
             without them raises `SchemaError`.
+        model: the tensors `publish` will be given (a module, a state dict or (name, tensor)
+            pairs; meta tensors of the same shapes and dtypes do): every staging slot is then
+            allocated and faulted in here (and registered with CUDA when they are CUDA
+            tensors), so the first versions publish as fast as the next. Without it, the first
+            `publish` into each slot allocates it.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class WeightPublisher:
         timeout: float = 60.0,
         host: str = "127.0.0.1",
         credentials: Credentials | None = None,
+        model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -137,6 +144,8 @@ class WeightPublisher:
         self._relays: dict[tuple[int, int, str], list[str]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # slot index -> checksums taken after staging
         self._closed = False
+        if model is not None:
+            self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
         source = _SlotSource(self._table, timeout)
@@ -212,8 +221,10 @@ class WeightPublisher:
             raise tq.ClosedError("this publisher was closed")
         if version <= self._last:
             raise VersionError(f"version {version} is not above the last published version {self._last}")
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        items = _items(tensors)
         manifest = self._manifest(items)
+        if not self._table.pin and any(is_cuda(t) for _, t in items):
+            self._table.pin_all()  # GPU weights: their device-to-host copies go to registered memory
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
         slot.manifest = manifest
         self._last = version
@@ -230,6 +241,14 @@ class WeightPublisher:
             raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
         self._finished.put((slot, version, True))
         self.last_publish_seconds = time.perf_counter() - start
+
+    def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
+        """Build the manifest of `model`'s tensors and allocate every slot for it now."""
+        items = _items(model.state_dict() if isinstance(model, torch.nn.Module) else model)
+        manifest = self._manifest(items)
+        if any(is_cuda(t) for _, t in items):
+            self._table.pin_all()
+        self._table.prepare(manifest.nbytes)
 
     def _manifest(self, items: list[tuple[str, torch.Tensor]]) -> Manifest:
         """The manifest for `items`, reused while names, shapes and dtypes stay the same."""
@@ -377,6 +396,10 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
 
 
 class _SlotSource(Source):

@@ -6,6 +6,9 @@ touch costs ~10x a warm copy on these machines, docs/architecture.md, section 3)
 with its last user, so a killed publisher leaves nothing behind in /dev/shm. Private segments
 (a subscriber's receive buffer) are anonymous memory advised to use huge pages.
 
+A segment copied to or from GPU memory is registered with CUDA (`pin`), once, in a process that
+uses CUDA, and unregistered before it is unmapped.
+
 A `Slot` is a segment plus the version staged in it, how many bytes of it are staged so far
 (readers may stream bucket k while bucket k+1 is packed) and the leases of its readers: a slot
 is reused only once every lease on it is released or has expired. `SlotTable` keeps a
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue.cuda import HostRegistry, tensor_ptr
 from transfer_queue.host import map_file, unmap
 
 __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
@@ -47,6 +51,12 @@ class Segment:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)[:size]
         if not shared:
             self.tensor.zero_()  # fault every page in now, not on the data path
+        self._pinned = HostRegistry()
+
+    def pin(self) -> bool:
+        """Register the segment with CUDA (once) so copies between it and a GPU run at pinned
+        speed; False where CUDA is absent or refuses."""
+        return self._pinned.register(tensor_ptr(self.tensor), self.size)
 
     @property
     def path(self) -> str:
@@ -57,6 +67,7 @@ class Segment:
         """Unmap and free. A view still alive elsewhere keeps the mapping until it is gone."""
         if not hasattr(self, "tensor"):
             return  # closed already
+        self._pinned.clear()  # before the memory goes
         del self.tensor
         unmap(self._mm)
         if self.fd >= 0:
@@ -137,6 +148,8 @@ class SlotTable:
         self.slots = [Slot(i, self.cond) for i in range(count)]
         self.shared = shared
         self.lease_timeout = lease_timeout
+        self.pin = False
+        """Register every segment with CUDA (set once the owner copies GPU tensors through them)."""
         self._lease_ids = itertools.count(1)
         self._lease_slot: dict[int, Slot] = {}
 
@@ -163,16 +176,37 @@ class SlotTable:
                 expiry = min(d for s in self.slots for d in s.leases.values() if d > now)
                 self.cond.wait(min(deadline, expiry) - now)
 
-    def _reset(self, slot: Slot, version: int, size: int) -> None:
-        for lease in slot.leases:
-            self._lease_slot.pop(lease, None)
-        slot.leases.clear()
+    def prepare(self, size: int) -> None:
+        """Allocate and fault in (and register, when `pin` is set) `size` bytes in every slot
+        never claimed yet, now rather than in the first versions' `claim`."""
+        with self.cond:
+            for slot in self.slots:
+                if slot.version < 0:
+                    self._grow(slot, size)
+
+    def pin_all(self) -> None:
+        """Register every segment with CUDA, those there now and those made later."""
+        with self.cond:
+            self.pin = True
+            for slot in self.slots:
+                if slot.segment is not None:
+                    slot.segment.pin()
+
+    def _grow(self, slot: Slot, size: int) -> None:
         if slot.segment is None or slot.segment.size < size:
             if slot.segment is not None:
                 slot.segment.close()
             slot.segment = None  # free the old one before faulting in the new one
             slot.segment = Segment(size, shared=self.shared)
             slot.generation += 1
+        if self.pin:
+            slot.segment.pin()
+
+    def _reset(self, slot: Slot, version: int, size: int) -> None:
+        for lease in slot.leases:
+            self._lease_slot.pop(lease, None)
+        slot.leases.clear()
+        self._grow(slot, size)
         slot.version, slot.filled, slot.complete, slot.failed = version, 0, False, False
 
     def advance(self, slot: Slot, filled: int, complete: bool = False) -> None:

@@ -12,7 +12,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import transfer_queue as tq
-from transfer_queue._cuda import HostRegistry
+from transfer_queue.cuda import HostRegistry
 
 
 def _batch(n: int = 8, device: str = "cpu") -> dict:
