@@ -4,7 +4,7 @@ to the limits and baselines measured in the same run.
 For each state-dict size (Llama-shaped bf16 tensors) it measures, as medians over repeated
 versions after warm-up versions (one per staging slot):
 
-- each transport (shm, tcp pipelined and not, ucx when installed, torch/gloo) to 1 and 2
+- each transport (shm, tcp pipelined and not, ucx and nixl when installed, torch/gloo) to 1 and 2
   subscriber processes: seconds from `publish` to the last subscriber having applied the
   version in place ("s"), GB/s into each subscriber over that time and over the time after
   `publish` returned, how long `publish` blocked the trainer, and the first version's seconds
@@ -359,6 +359,12 @@ def _ucx_available() -> bool:
     return UcxTransport.is_available()
 
 
+def _nixl_available() -> bool:
+    from weight_sync import NixlTransport
+
+    return NixlTransport.is_available()
+
+
 def _ray_available() -> bool:
     import importlib.util
 
@@ -385,6 +391,7 @@ def run_size(
     else:
         configs = [("shm", {}, 1), ("shm", {}, 2), ("tcp", {}, 1), ("tcp", {}, 2), ("tcp", {"pipelined": False}, 1)]
         configs += [("ucx", {}, 1), ("ucx", {}, 2)] if _ucx_available() else []
+        configs += [("nixl", {}, 1), ("nixl", {}, 2)] if _nixl_available() else []
         configs += [("torch", {}, 1), ("torch", {}, 2)]
     configs = [c for c in configs if transports is None or c[0] in transports]
     for name, sub_kwargs, n in configs:

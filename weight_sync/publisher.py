@@ -80,7 +80,7 @@ class WeightPublisher:
         address: the controller's address (`cluster.address`), or None to run without one
             (subscribers are then given `publisher.endpoint` directly).
         transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
-            "torch"), a `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
+            "nixl", "torch"), a `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
         name: the channel; one coordinator (rank 0) per name and controller.
         rank, world_size: this trainer rank among those that publish shards of the model.
         coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
@@ -340,7 +340,13 @@ class WeightPublisher:
                 f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
             )
         lease, slot = got
-        info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path)
+        transport = self._transports.get(msg.transport)
+        try:
+            handle = transport.describe(slot) if transport is not None else b""
+        except BaseException:
+            self._table.release(lease)
+            raise
+        info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg)))
 
     def _relay_source(self, msg: Lease) -> str:

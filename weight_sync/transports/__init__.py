@@ -1,13 +1,14 @@
 """Transports: one module per way of moving bytes, one small interface (`base.Transport`).
 
 `shm` (same host, shared memory), `tcp` (raw sockets, relay trees), `ucx` (ucxx; RDMA where
-there is some; optional), `torch` (torch.distributed broadcast). Each registers itself by
+there is some; optional), `nixl` (NIXL one-sided reads of the publisher's staging; optional),
+`torch` (torch.distributed broadcast). Each registers itself by
 name; `resolve` turns a name (or "auto") into instances, `auto_choice` picks one per peer.
 """
 
 from __future__ import annotations
 
-from . import shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
+from . import nixl, shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
 from .base import Job, Source, Transport, get, names, register
 
 __all__ = ["Transport", "Job", "Source", "register", "get", "names", "resolve", "AUTO_ORDER"]
