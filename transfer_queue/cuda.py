@@ -4,8 +4,9 @@ A process touches CUDA state only when it is handed a CUDA tensor or asks for a 
 a CPU-only process (the services, a client that never sees a GPU) never initialises CUDA. Host
 memory that CUDA copies read or write (a mapped arena, a staging slot) is registered with CUDA
 (`cudaHostRegister`) once per mapping, so those copies run at pinned speed and may be
-asynchronous, and it is unregistered before the mapping goes away. Copies run on a side stream
-per device and end with one synchronisation per call (`copies`): the caller's tensors and host
+asynchronous, and it is unregistered before the mapping goes away. CUDA IPC handles
+(`ipc_share`, `ipc_open`) are plain fields that callers encode themselves (never pickled).
+Copies run on a side stream per device and end with one synchronisation per call (`copies`): the caller's tensors and host
 buffers are then safe to reuse, whatever stream the caller works on.
 """
 
@@ -26,6 +27,9 @@ __all__ = [
     "HostRegistry",
     "tensor_ptr",
     "copies",
+    "synchronize",
+    "ipc_share",
+    "ipc_open",
 ]
 
 
@@ -134,3 +138,27 @@ def copies(device: torch.device | None) -> Iterator[None]:
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the copies issued on `device`'s current stream (nothing for the CPU)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def ipc_share(t: torch.Tensor) -> tuple:
+    """The CUDA IPC handle of a CUDA tensor's storage, as torch gives it (`_share_cuda_`): the
+    device, the memory handle, the storage's bytes and offset in its allocation, the producer's
+    reference counter (handle, offset), an event handle and whether the consumer must wait on it.
+    Each field is an int, bytes or a bool: it can travel in any message. The tensor must stay
+    alive while other processes use the memory."""
+    return tuple(t.untyped_storage()._share_cuda_())
+
+
+def ipc_open(fields: tuple, nbytes: int) -> torch.Tensor:
+    """A uint8 view of `nbytes` of another process's CUDA storage, from its `ipc_share` fields
+    (opened once: keep the result for as long as the memory is used)."""
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    device = torch.device("cuda", fields[0])
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,))

@@ -15,6 +15,7 @@ from .mapping import LLAMA, LLAMA_TP_DIMS, QWEN, FlatShard, NameMapping, TPShard
 from .publisher import WeightPublisher
 from .subscriber import WeightSubscriber
 from .transports import Transport, register
+from .transports.cuda_ipc import CudaIpcTransport
 from .transports.nixl import NixlTransport
 from .transports.shm import ShmTransport
 from .transports.tcp import TcpTransport
@@ -37,5 +38,6 @@ __all__ = [
     "TcpTransport",
     "UcxTransport",
     "NixlTransport",
+    "CudaIpcTransport",
     "TorchTransport",
 ]

@@ -35,11 +35,19 @@ __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
 
 
 class Segment:
-    """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view."""
+    """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view. On a
+    CUDA `device` it is GPU memory instead (shared through CUDA IPC, not a file)."""
 
-    def __init__(self, size: int, shared: bool = True, name: str = "sluice-weights"):
+    def __init__(
+        self, size: int, shared: bool = True, name: str = "sluice-weights", device: torch.device | None = None
+    ):
         self.size = size
         self.fd = -1
+        self._pinned = HostRegistry()
+        if device is not None:
+            self._mm = None
+            self.tensor = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)[:size]
+            return
         length = max(size, 1)
         if shared:
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -51,17 +59,16 @@ class Segment:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)[:size]
         if not shared:
             self.tensor.zero_()  # fault every page in now, not on the data path
-        self._pinned = HostRegistry()
 
     def pin(self) -> bool:
-        """Register the segment with CUDA (once) so copies between it and a GPU run at pinned
-        speed; False where CUDA is absent or refuses."""
-        return self._pinned.register(tensor_ptr(self.tensor), self.size)
+        """Register the (host) segment with CUDA (once) so copies between it and a GPU run at
+        pinned speed; False where CUDA is absent or refuses, or the segment is GPU memory."""
+        return self._mm is not None and self._pinned.register(tensor_ptr(self.tensor), self.size)
 
     @property
     def path(self) -> str:
-        """Where a co-located process opens this (shared) segment."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
+        """Where a co-located process opens this (shared, host) segment; "" for others."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}" if self.fd >= 0 else ""
 
     def close(self) -> None:
         """Unmap and free. A view still alive elsewhere keeps the mapping until it is gone."""
@@ -69,6 +76,8 @@ class Segment:
             return  # closed already
         self._pinned.clear()  # before the memory goes
         del self.tensor
+        if self._mm is None:  # GPU memory: freed with its tensor
+            return
         unmap(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
@@ -144,6 +153,8 @@ class SlotTable:
     """A fixed number of slots, reused oldest-first once their readers are done."""
 
     def __init__(self, count: int, shared: bool, lease_timeout: float):
+        self.device: torch.device | None = None
+        """Where new segments are allocated: None for host memory, else a CUDA device."""
         self.cond = threading.Condition()
         self.slots = [Slot(i, self.cond) for i in range(count)]
         self.shared = shared
@@ -197,7 +208,7 @@ class SlotTable:
             if slot.segment is not None:
                 slot.segment.close()
             slot.segment = None  # free the old one before faulting in the new one
-            slot.segment = Segment(size, shared=self.shared)
+            slot.segment = Segment(size, shared=self.shared, device=self.device)
             slot.generation += 1
         if self.pin:
             slot.segment.pin()

@@ -48,7 +48,7 @@ class WeightSubscriber:
     Args:
         address: the controller's address, or None to use `publisher` directly.
         model_or_tensors: an `nn.Module` (its state dict) or a dict of tensors, updated in place.
-        transport: "auto" (shm when co-located, else ucx when installed, else tcp), a name, a
+        transport: "auto" (cuda_ipc or shm when co-located, else ucx when installed, else tcp), a name, a
             `Transport` instance, or a list; the first one every publisher rank can serve wins.
         name: the channel.
         publisher: rank 0's `WeightPublisher.endpoint`, when there is no controller.
