@@ -63,6 +63,7 @@ class BackgroundReceiver(Receiver):
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
         self.table = SlotTable(settings.buffers or self.buffers, shared=False, lease_timeout=1e9)
+        self.table.device = ranks.transport.receive_device
         self.cond = threading.Condition()
         self.closed = False
         self.holding: tuple[int, Plan] | None = None

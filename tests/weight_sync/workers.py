@@ -200,3 +200,18 @@ def kill(process) -> None:  # noqa: ANN001
     """SIGKILL a worker (no cleanup runs in it)."""
     os.kill(process.pid, signal.SIGKILL)
     process.join(10)
+
+
+def nccl_subscriber(out, gpu: int, endpoint: str, versions: int) -> None:
+    """On GPU `gpu`: take `versions` versions broadcast over NCCL into GPU tensors; reports
+    ("exact", gpu, whether each version arrived exact)."""
+    torch.cuda.set_device(gpu)
+    from weight_sync import TorchTransport, WeightSubscriber
+
+    mine = {name: t.cuda() for name, t in zeros().items()}
+    exact = []
+    with WeightSubscriber(None, mine, transport=TorchTransport(backend="nccl"), publisher=endpoint) as sub:
+        for version in range(1, versions + 1):
+            sub.wait(version, timeout=60)
+            exact.append(all(torch.equal(mine[n].cpu(), t) for n, t in weights(sub.version).items()))
+    out.put(("exact", gpu, exact))

@@ -75,9 +75,11 @@ class Transport(ABC):
     mode: ClassVar[Mode]
     fanout: int | None = None
     """Direct children per node of a relay tree; None: this transport does not relay."""
-    staging: ClassVar[str] = "host"
+    staging: str = "host"
     """Where a publisher serving this transport stages versions: "host" memory, or "cuda" (GPU
     slots; a publisher cannot serve transports of both kinds)."""
+    receive_device: torch.device | None = None
+    """Where a subscriber's receive buffers live: None for host memory, else a CUDA device."""
     pipelined: ClassVar[bool] = True
     """Whether a subscriber may read a version still being staged (the rank's server waits for
     its bytes); False: it reads complete versions only (one-sided reads cannot wait)."""

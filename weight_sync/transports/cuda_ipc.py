@@ -16,8 +16,6 @@ then waits for the previous version's readers).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import msgspec
 import torch
 
@@ -91,7 +89,7 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
     mode = "map"
-    staging: ClassVar[str] = "cuda"
+    staging = "cuda"
 
     def __init__(self) -> None:
         self._shared: dict[int, tuple[int, bytes]] = {}  # slot index -> (generation, handle)
