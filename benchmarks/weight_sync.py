@@ -70,13 +70,14 @@ CONFIGS = {
     "256MiB": (1024, 2816, 256, 32000),
     "1GiB": (2048, 5632, 256, 32000),
     "4GiB": (4096, 11008, 4096, 32000),
+    "16GiB": (4096, 14336, 1024, 128256),  # Llama-3-8B-like (grouped KV heads, large vocabulary)
 }
 
 
 def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
-    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size`."""
+    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size` (one of `CONFIGS`)."""
     hidden, inter, kv, vocab = CONFIGS[size]
-    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB}[size] // 2
+    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB, "16GiB": 16 * GIB}[size] // 2
     per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * inter + 2 * hidden
     layers = max(1, round((target - 2 * vocab * hidden - hidden) / per_layer))
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
