@@ -44,6 +44,7 @@ _ids = itertools.count()
 
 
 def _nixl() -> Any:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints every agent's creation at INFO to stdout
     for name in _MODULES:
         if importlib.util.find_spec(name) is not None:
             return importlib.import_module(name)
