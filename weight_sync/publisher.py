@@ -80,7 +80,8 @@ class WeightPublisher:
         address: the controller's address (`cluster.address`), or None to run without one
             (subscribers are then given `publisher.endpoint` directly).
         transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
-            "nixl", "torch", or "cuda_ipc", which stages on the GPU and so serves alone), a `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
+            "nixl", "torch", or "cuda_ipc", which stages on the GPU and so serves alone), a
+            `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
         name: the channel; one coordinator (rank 0) per name and controller.
         rank, world_size: this trainer rank among those that publish shards of the model.
         coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
