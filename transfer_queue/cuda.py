@@ -22,6 +22,7 @@ from .wire.errors import SchemaError
 
 __all__ = [
     "is_cuda",
+    "in_use",
     "check_tensor_device",
     "target_device",
     "HostRegistry",
@@ -36,6 +37,12 @@ __all__ = [
 def is_cuda(t: torch.Tensor) -> bool:
     """Whether `t` lives in GPU memory (never initialises CUDA)."""
     return t.device.type == "cuda"
+
+
+def in_use() -> bool:
+    """Whether this process has started CUDA (it holds or has made CUDA tensors): only then is
+    host memory worth registering with CUDA."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def check_tensor_device(name: str, t: torch.Tensor) -> None:
@@ -77,6 +84,10 @@ def target_device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
+_READ_ONLY = 0x08
+"""`cudaHostRegisterReadOnly`: the memory is mapped read-only (a publisher's slot)."""
+
+
 class HostRegistry:
     """Host memory ranges registered with CUDA, each once, all unregistered by `clear`.
 
@@ -87,14 +98,15 @@ class HostRegistry:
     def __init__(self) -> None:
         self._ranges: dict[int, int] = {}  # address -> bytes
 
-    def register(self, ptr: int, nbytes: int) -> bool:
-        """Page-lock `nbytes` at `ptr` for CUDA copies (once); False when CUDA is absent or
-        refuses (the copies then run at pageable speed, still correct)."""
+    def register(self, ptr: int, nbytes: int, read_only: bool = False) -> bool:
+        """Page-lock `nbytes` at `ptr` for CUDA copies (once; `read_only` for memory mapped
+        without write access); False when CUDA is absent or refuses (the copies then run at
+        pageable speed, still correct)."""
         if ptr in self._ranges:
             return True
         if nbytes <= 0 or not torch.cuda.is_available():
             return False
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _READ_ONLY if read_only else 0)
         if int(err) != 0:
             return False
         self._ranges[ptr] = nbytes
