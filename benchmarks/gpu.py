@@ -95,6 +95,7 @@ def _free(device: torch.device) -> None:
 
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.ipc_collect()  # GPU slots other processes had opened, released by them since
         torch.cuda.empty_cache()
 
 
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert subs.all(n, "shapes", shapes) == ["ok"] * n
                 for name in names:
                     res = weight_sync(name, n, state, subs, args.reps, 1 if big else 2, device)
+                    _free(device)
                     label = f"{name}{'/' + res['backend'] if res['backend'] else ''} x{n}"
                     entry["rows"][label] = res
                     gpu_limit = name == "cuda_ipc" or res["backend"] == "nccl"
