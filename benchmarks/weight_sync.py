@@ -4,10 +4,13 @@ to the limits and baselines measured in the same run.
 For each state-dict size (Llama-shaped bf16 tensors) it measures, as medians over repeated
 versions after warm-up versions (one per staging slot):
 
-- each transport (shm, tcp pipelined and not, ucx when installed, torch/gloo) to 1 and 2
+- each transport (shm, tcp pipelined and not, ucx and nixl when installed, torch/gloo) to 1 and 2
   subscriber processes: seconds from `publish` to the last subscriber having applied the
   version in place ("s"), GB/s into each subscriber over that time and over the time after
-  `publish` returned, and how long `publish` blocked the trainer;
+  `publish` returned, how long `publish` blocked the trainer, and the first version's seconds
+  and blocking over the steady state's ("first/s", "first blocks/blocks": the publisher is
+  built with `model=`, so its staging is allocated before the first publish; the first
+  version still pays for the subscribers' receive buffers and mappings);
 - the memcpy floor: copying the state dict once into touched memory, one thread, measured
   again right before every publish (block/memcpy is the median of those paired ratios);
 - the raw socket: the state's bytes over one loopback TCP connection per subscriber,
@@ -67,13 +70,14 @@ CONFIGS = {
     "256MiB": (1024, 2816, 256, 32000),
     "1GiB": (2048, 5632, 256, 32000),
     "4GiB": (4096, 11008, 4096, 32000),
+    "16GiB": (4096, 14336, 1024, 128256),  # Llama-3-8B-like (grouped KV heads, large vocabulary)
 }
 
 
 def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
-    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size`."""
+    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size` (one of `CONFIGS`)."""
     hidden, inter, kv, vocab = CONFIGS[size]
-    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB}[size] // 2
+    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB, "16GiB": 16 * GIB}[size] // 2
     per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * inter + 2 * hidden
     layers = max(1, round((target - 2 * vocab * hidden - hidden) / per_layer))
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
@@ -265,7 +269,7 @@ def channel(
 
     transport = TorchTransport(world_size=n + 1) if name == "torch" else name
     out = {k: [] for k in ("seconds", "after_publish", "blocking", "apply", "memcpy")}
-    with WeightPublisher(None, transport=transport, slots=slots, timeout=300) as pub:
+    with WeightPublisher(None, transport=transport, slots=slots, timeout=300, model=state) as pub:
         versions = [version[0] + i for i in range(1, reps + WARMUP + 1)]
         version[0] = versions[-1]
         workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs)
@@ -278,8 +282,11 @@ def channel(
             pub.publish(state, v)
             returned = time.monotonic()
             done = workers.recv(n)
+            if i == 0:
+                out["first"] = [max(t for _, t, _ in done) - t0]
+                out["first_blocking"] = [pub.last_publish_seconds]
             if i < WARMUP:
-                continue  # the first versions fault each staging slot and receive buffer in
+                continue  # the first versions fault each subscriber's receive buffers in
             last = max(t for _, t, _ in done)
             for key, value in zip(
                 out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)
@@ -355,6 +362,12 @@ def _ucx_available() -> bool:
     return UcxTransport.is_available()
 
 
+def _nixl_available() -> bool:
+    from weight_sync import NixlTransport
+
+    return NixlTransport.is_available()
+
+
 def _ray_available() -> bool:
     import importlib.util
 
@@ -381,6 +394,7 @@ def run_size(
     else:
         configs = [("shm", {}, 1), ("shm", {}, 2), ("tcp", {}, 1), ("tcp", {}, 2), ("tcp", {"pipelined": False}, 1)]
         configs += [("ucx", {}, 1), ("ucx", {}, 2)] if _ucx_available() else []
+        configs += [("nixl", {}, 1), ("nixl", {}, 2)] if _nixl_available() else []
         configs += [("torch", {}, 1), ("torch", {}, 2)]
     configs = [c for c in configs if transports is None or c[0] in transports]
     for name, sub_kwargs, n in configs:
@@ -454,6 +468,8 @@ def summarize(size: str, record: dict) -> list[list]:
             blocking_over_memcpy=median(paired),
             raw_socket_over_seconds=f.get("raw_socket", raw) / seconds,
             save_load_over_seconds=median(baseline["seconds"]) / seconds if baseline else nan,
+            first_over_seconds=f["first"][0] / seconds if "first" in f else nan,
+            first_blocking_over_blocking=f["first_blocking"][0] / blocking if "first" in f else nan,
         )
         rows.append(
             [
@@ -466,6 +482,8 @@ def summarize(size: str, record: dict) -> list[list]:
                 f["blocking_over_memcpy"],
                 f["raw_socket_over_seconds"],
                 f["save_load_over_seconds"],
+                f["first_over_seconds"],
+                f["first_blocking_over_blocking"],
             ]
         )
     return rows
@@ -504,6 +522,8 @@ def main() -> None:
         "block/memcpy",
         "raw sock/s",
         "save+load/s",
+        "first/s",
+        "first blocks/blocks",
     ]
     title = f"weight sync: medians of {reps} versions; ratios against limits measured in this run"
     try:

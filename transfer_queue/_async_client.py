@@ -160,14 +160,21 @@ class AsyncClient(AsyncDriver):
             )
         )
 
-    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, device: str | torch.device | None = None
+    ) -> TensorDict:
         """Read the batch's fields (default: all) from every unit holding it, in parallel; rows
         in meta order. Uniform fields come back dense, ragged ones as jagged nested tensors.
 
+        With `device` (e.g. "cuda:0"), tensor fields come back on that device, copied host to
+        device straight from the mapped arena or the received frames (non-tensor fields stay on
+        the CPU); the copies are complete when the call returns.
+
         Raises:
-            SchemaError: a field the batch lacks was asked for.
+            SchemaError: a field the batch lacks was asked for, or `device` is not the CPU or a
+                CUDA device this process has.
         """
-        return await self._run(self._core.get_data(meta, fields))
+        return await self._run(self._core.get_data(meta, fields, device))
 
     async def ack(self, meta: BatchMeta) -> None:
         """Mark the batch consumed by its task (exactly-once effect per task)."""
@@ -254,18 +261,21 @@ class AsyncClient(AsyncDriver):
         partition: str = "train",
         *,
         timeout: float | None = None,
+        device: str | torch.device | None = None,
         **get_meta_options: Any,
     ) -> AsyncIterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` until the sealed partition is drained, fetching the next
         micro-batch (its lease, then its data: the same prefetch as `Client.stream`'s) while you
-        work on the current one; it advances whenever you await. Taking the next batch acks the
+        work on the current one; it advances whenever you await. Batches come on `device` (see
+        `get_data`). Taking the next batch acks the
         previous (sent then, its answer collected when the batch after is taken); leaving early
         nacks what is in hand and gives back the one prefetched.
 
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
+            SchemaError: `device` is not the CPU or a CUDA device this process has.
         """
-        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
+        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 
     def versions(self, timeout: float = 1e9, after: int | None = None) -> AsyncIterator[int]:
         """Every version the trainer sets after `after`, in order, none skipped. The default is

@@ -161,14 +161,21 @@ class Client(ControlClient):
             )
         )
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> TensorDict:
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, device: str | torch.device | None = None
+    ) -> TensorDict:
         """Read the batch's fields (default: all) from every unit holding it, in parallel; rows
         in meta order. Uniform fields come back dense, ragged ones as jagged nested tensors.
 
+        With `device` (e.g. "cuda:0"), tensor fields come back on that device, copied host to
+        device straight from the mapped arena or the received frames (non-tensor fields stay on
+        the CPU); the copies are complete when the call returns.
+
         Raises:
-            SchemaError: a field the batch lacks was asked for.
+            SchemaError: a field the batch lacks was asked for, or `device` is not the CPU or a
+                CUDA device this process has.
         """
-        return self._run(self._core.get_data(meta, fields))
+        return self._run(self._core.get_data(meta, fields, device))
 
     def ack(self, meta: BatchMeta) -> None:
         """Mark the batch consumed by its task (exactly-once effect per task)."""
@@ -194,6 +201,7 @@ class Client(ControlClient):
         partition: str = "train",
         *,
         timeout: float | None = None,
+        device: str | torch.device | None = None,
         **get_meta_options: Any,
     ) -> Iterator[tuple[TensorDict, BatchMeta]]:
         """Yield `(batch, meta)` micro-batches until the sealed partition is drained.
@@ -206,12 +214,13 @@ class Client(ControlClient):
         batch acks the previous one (sent then; its answer is collected when the batch after is
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
         yourself first if you finished it) and gives back the one prefetched. `timeout=None`
-        waits indefinitely.
+        waits indefinitely. Batches come on `device` (see `get_data`).
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
+            SchemaError: `device` is not the CPU or a CUDA device this process has.
         """
-        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options))
+        return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 
     # -- the controller-only calls: written once in `ControlClient`, named here -------------
 

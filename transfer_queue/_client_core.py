@@ -30,6 +30,7 @@ from ._checkpoint import (
 from ._control import INT64, ControlCore, as_int, count
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._tensors import Assembler, BufferPool, Columns
+from .cuda import HostRegistry, copies, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
 from .wire.errors import CapacityError, SchemaError, SluiceError
 from .wire.messages import (
@@ -114,6 +115,7 @@ class ClientCore(ControlCore):
         self.config: ClusterConfig | None = None
         self.cluster_id = ""
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._pinned = HostRegistry()  # arenas registered with CUDA, once this client copies to or from a GPU
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self.grants: list[Grant] = []
         self._stay = -1  # the unit of this producer's previous put (`BeginPut.stay`)
@@ -144,7 +146,14 @@ class ClientCore(ControlCore):
                 os.close(fd)
             self._arenas[unit.unit_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
 
+    def _pin_arenas(self) -> None:
+        """Register the mapped arenas with CUDA (each once), so that copies between them and the
+        GPU run at pinned speed and asynchronously; called on this client's first CUDA copy."""
+        for _, view in self._arenas.values():
+            self._pinned.register(tensor_ptr(view), view.numel())
+
     def close_arenas(self) -> None:
+        self._pinned.clear()  # before the mappings go
         for mm, view in self._arenas.values():
             del view
             unmap(mm)  # a tensor may still view it; the mapping then goes with that tensor
@@ -222,6 +231,8 @@ class ClientCore(ControlCore):
         commit says how all of them went, so the put costs no round trip of its own."""
         idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
+        if cols.device is not None:
+            self._pin_arenas()
         calls, jobs = [], []
         for unit_id in np.unique(units).tolist():
             positions = np.flatnonzero(units == unit_id)
@@ -234,7 +245,7 @@ class ClientCore(ControlCore):
                 )
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put)
-            data = [b.numpy() for b in buffers] if via == "frames" else ()
+            data = _host_frames(buffers, cols.device) if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers))
         if commit is not None and all(via == "frames" for _, via, _ in jobs):
@@ -247,9 +258,10 @@ class ClientCore(ControlCore):
             if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
                 if not errors:
                     arena = self._arenas[unit_id][1]
-                    for name, buf in zip(cols.specs, buffers):
-                        off = reply.offsets[name]
-                        arena[off : off + buf.numel()].copy_(buf)
+                    with copies(cols.device):  # a GPU batch: device to the arena, one wait per unit
+                        for name, buf in zip(cols.specs, buffers):
+                            off = reply.offsets[name]
+                            arena[off : off + buf.numel()].copy_(buf, non_blocking=cols.device is not None)
                 commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
         if commit is not None and not errors:
             commits.append(commit)
@@ -329,13 +341,19 @@ class ClientCore(ControlCore):
         reply = yield from self.one(CONTROLLER, msg, MetaReply, timeout + GRACE)
         return reply.meta
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Flow:
-        """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel."""
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, device: str | torch.device | None = None
+    ) -> Flow:
+        """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel;
+        on a CUDA `device`, each run is copied straight from the arena or the received frame."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
             raise SchemaError(f"the batch has no field(s) {missing}; it has {sorted(meta.fields)}")
-        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool)
+        dev = target_device(device)
+        if dev is not None:
+            self._pin_arenas()
+        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool, dev)
         if not len(meta) or not names:
             return assembler.result()
         units = np.asarray(meta.units, np.int64)
@@ -348,18 +366,9 @@ class ClientCore(ControlCore):
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
         replies = yield calls
-        for unit_id, (reply, frames) in zip(targets, replies):
-            reply = check(reply, ReadReply)
-            runs: dict[str, list[torch.Tensor]] = {}
-            if frames:
-                it = iter(frames)
-                for name in names:
-                    runs[name] = [_frame_bytes(next(it)) for _ in reply.runs[name]]
-            else:
-                arena = self._arenas[unit_id][1]
-                runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
-            assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs, owned=bool(frames))
-        return assembler.result()
+        _assemble(assembler, self._arenas, names, units, targets, replies)
+        with copies(dev):  # the frames and arena views stay referenced until the copies are done
+            return assembler.result()
 
     def ack(self, meta: BatchMeta) -> Flow:
         """Mark the batch consumed by its task (exactly-once effect per task)."""
@@ -381,7 +390,14 @@ class ClientCore(ControlCore):
         yield from self.one(CONTROLLER, ClearPartition(partition), Ok)
 
     def fetch(
-        self, fields: Sequence[str], batch_size: int, task: str, partition: str, timeout: float, options: dict[str, Any]
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        partition: str,
+        timeout: float,
+        options: dict[str, Any],
+        device: str | torch.device | None = None,
     ) -> Flow:
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
         `meta` once the sealed partition is drained. A failed read gives the lease back."""
@@ -389,7 +405,7 @@ class ClientCore(ControlCore):
         if not len(meta):
             return None, meta
         try:
-            data = yield from self.get_data(meta)
+            data = yield from self.get_data(meta, device=device)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
         except BaseException:
@@ -408,17 +424,19 @@ class ClientCore(ControlCore):
         partition: str,
         timeout: float | None,
         options: dict[str, Any],
+        device: str | torch.device | None = None,
     ) -> Plan:
         """The plan of `Client.stream` and `AsyncClient.stream`: each batch handed out with the
         next one already launched (its lease, then its data, advancing while the driver waits
         for anything; launched once this one is in hand, so that `timeout` counts from there);
         taking the next batch sends the previous one's ack, whose answer is collected when the
         batch after is taken. Leaving early withdraws the prefetched batch (giving its lease
-        back) and nacks the one in hand."""
+        back) and nacks the one in hand. Batches come on `device` (see `get_data`)."""
         wait = 1e9 if timeout is None else timeout
+        target_device(device)  # a bad device fails here, not in the first fetch
 
         def fetch() -> Launch:
-            return Launch(self.fetch(fields, batch_size, task, partition, wait, options))
+            return Launch(self.fetch(fields, batch_size, task, partition, wait, options, device))
 
         nxt = yield fetch()  # in flight until taken: withdrawn if the loop is left
         acks: list[Any] = []  # acks sent, their answers not yet collected
@@ -552,6 +570,35 @@ def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     if len(versions) != n:
         raise SchemaError(f"policy_version has {len(versions)} entries for {n} samples")
     return versions, list(versions)
+
+
+def _assemble(assembler: Assembler, arenas, names: list[str], units: np.ndarray, targets, replies) -> None:
+    """Hand the assembler each unit's rows: received frames, or views of its mapped arena."""
+    for unit_id, (reply, frames) in zip(targets, replies):
+        reply = check(reply, ReadReply)
+        runs: dict[str, list[torch.Tensor]] = {}
+        if frames:
+            it = iter(frames)
+            for name in names:
+                runs[name] = [_frame_bytes(next(it)) for _ in reply.runs[name]]
+        else:
+            arena = arenas[unit_id][1]
+            runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
+        assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs, owned=bool(frames))
+
+
+def _host_frames(buffers: list[torch.Tensor], device: torch.device | None) -> list[np.ndarray]:
+    """The frames of a write: the buffers' bytes; a GPU batch's copied device to host once, into
+    pinned memory (torch's pinned allocator reuses it once the frames are sent and dropped)."""
+    if device is None:
+        return [b.numpy() for b in buffers]
+    host = []
+    with copies(device):
+        for b in buffers:
+            if b.is_cuda:
+                b = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True).copy_(b, non_blocking=True)
+            host.append(b)
+    return [b.numpy() for b in host]
 
 
 def _frame_bytes(frame: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from ._objects import decode_values, encode_values
+from .cuda import check_tensor_device, is_cuda
 from .wire.errors import SchemaError
 from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 
@@ -99,6 +100,7 @@ class Columns:
         if not items:
             raise SchemaError("put needs at least one field")
         self.columns: dict[str, _Column] = {}
+        self.device: torch.device | None = None  # the CUDA device of the batch's GPU tensors, if any
         for name, tensor in items:
             if not isinstance(name, str) or not name:
                 raise SchemaError(f"field names must be non-empty strings, got {name!r}")
@@ -125,8 +127,9 @@ class Columns:
                     f"field {name!r} has per-sample shape {list(tensor.shape[1:])}, which holds no elements; "
                     "drop the field or give it at least one element per sample"
                 )
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
+            check_tensor_device(name, tensor)
+            if is_cuda(tensor):  # stays in GPU memory: copied once, straight to its destination
+                self.device = tensor.device
             if tensor.is_nested:
                 offsets = tensor.offsets().cpu().numpy().astype(np.int64)
                 if len(offsets) != self.n + 1:
@@ -167,7 +170,8 @@ class Columns:
 
     def slice(self, positions: np.ndarray) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
         """Per field, one byte buffer of the rows at `positions` (in that order), and the per-row
-        lengths of the ragged fields. A run of consecutive positions is a view, not a copy."""
+        lengths of the ragged fields. A run of consecutive positions is a view, not a copy. A
+        CUDA field's buffer is in GPU memory."""
         buffers: list[torch.Tensor] = []
         lengths: dict[str, list[int]] = {}
         contiguous = _consecutive(positions)
@@ -176,7 +180,7 @@ class Columns:
                 if contiguous:
                     rows = col.dense[int(positions[0]) : int(positions[0]) + len(positions)]
                 else:
-                    rows = col.dense.index_select(0, torch.from_numpy(positions))
+                    rows = col.dense.index_select(0, torch.from_numpy(positions).to(col.dense.device))
                 buffers.append(as_bytes(rows))
                 continue
             offs = col.offsets
@@ -285,15 +289,28 @@ class Assembler:
     tensors come from `pool` when given (reused warm memory), else from `torch.empty`; a field
     whose every row arrived in one buffer the batch may keep (`owned`: a received frame, not an
     arena view), in batch order, is returned on that buffer's memory instead of copied out (its
-    tensor's storage is then not resizable, as with `torch.frombuffer`).
+    tensor's storage is then not resizable, as with `torch.frombuffer`). With a CUDA `device`,
+    tensor fields are allocated there and each run is copied host to device straight from its
+    buffer (asynchronously: run it inside `cuda.copies`); non-tensor fields stay on the CPU.
     """
 
-    def __init__(self, specs: Mapping[str, FieldSpec], batch_size: int, pool: BufferPool | None = None):
+    def __init__(
+        self,
+        specs: Mapping[str, FieldSpec],
+        batch_size: int,
+        pool: BufferPool | None = None,
+        device: torch.device | None = None,
+    ):
         self.specs = dict(specs)
         self.n = batch_size
-        self._empty = pool.empty if pool is not None else _plain_empty
+        self.device = device
+        self._host_empty = pool.empty if pool is not None else _plain_empty
+        self._empty = self._host_empty if device is None else self._device_empty
         self._parts: list[tuple[np.ndarray, Mapping[str, list[int]], Mapping[str, list[Any]]]] = []
         self._owned = True  # every run is a private buffer the result may keep
+
+    def _device_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def add_unit(
         self,
@@ -311,14 +328,14 @@ class Assembler:
         out: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
             if spec.dtype in OBJECT_DTYPES:
-                out[name] = _objects_of(spec, *self._ragged_parts(name, spec))
+                out[name] = _objects_of(spec, *self._ragged_parts(name, spec, self._host_empty))
             else:
                 out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
         return TensorDict(out, batch_size=[self.n])
 
     def _whole(self, name: str, nbytes: int) -> torch.Tensor | None:
         """The one owned run holding all `nbytes` of field `name`'s rows in batch order, or None."""
-        if not self._owned or len(self._parts) != 1:
+        if not self._owned or len(self._parts) != 1 or self.device is not None:
             return None
         positions, _, runs = self._parts[0]
         srcs = runs[name]
@@ -348,10 +365,10 @@ class Assembler:
         return out
 
     def _ragged(self, name: str, spec: FieldSpec) -> torch.Tensor:
-        values, offsets = self._ragged_parts(name, spec)
+        values, offsets = self._ragged_parts(name, spec, self._empty)
         return jagged(values, offsets)
 
-    def _ragged_parts(self, name: str, spec: FieldSpec) -> tuple[torch.Tensor, np.ndarray]:
+    def _ragged_parts(self, name: str, spec: FieldSpec, empty) -> tuple[torch.Tensor, np.ndarray]:
         lengths = np.zeros(self.n, np.int64)
         for positions, lens, _ in self._parts:
             lengths[positions] = lens[name]
@@ -364,7 +381,7 @@ class Assembler:
             kept = _on_bytes(whole, (int(offsets[-1]), *inner), dtype)
             if kept is not None:
                 return kept, offsets
-        values = self._empty((int(offsets[-1]), *inner), dtype)
+        values = empty((int(offsets[-1]), *inner), dtype)
         eb = spec.row_bytes
         flat = values.view(-1).view(torch.uint8) if values.numel() else values.view(torch.uint8).reshape(-1)
         for positions, lens, runs in self._parts:
@@ -413,9 +430,12 @@ def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int
         return
     if _consecutive(positions):
         start = int(positions[0]) * rb
-        flat[start : start + src.numel()].copy_(src)
+        flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)
     else:
-        flat.view(-1, rb).index_copy_(0, torch.from_numpy(positions), src.view(-1, rb))
+        if flat.is_cuda:  # one host-to-device copy of the run, scattered on the device
+            src = src.to(flat.device, non_blocking=True)
+        index = torch.from_numpy(positions).to(flat.device)
+        flat.view(-1, rb).index_copy_(0, index, src.view(-1, rb))
 
 
 def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
@@ -423,13 +443,15 @@ def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
         return
     if _consecutive(positions):
         start = int(offsets[positions[0]]) * eb
-        flat[start : start + src.numel()].copy_(src)
+        flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)
         return
+    if flat.is_cuda:  # one host-to-device copy of the run, placed row by row on the device
+        src = src.to(flat.device, non_blocking=True)
     cursor = 0
     for pos, length in zip(positions.tolist(), row_lens.tolist()):
         nbytes = length * eb
         start = int(offsets[pos]) * eb
-        flat[start : start + nbytes].copy_(src[cursor : cursor + nbytes])
+        flat[start : start + nbytes].copy_(src[cursor : cursor + nbytes], non_blocking=flat.is_cuda)
         cursor += nbytes
 
 
@@ -438,4 +460,4 @@ def jagged(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     recorded: without them torch pads `to_padded_tensor()` to the total length of all rows."""
     lengths = np.diff(offsets)
     bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if len(lengths) else {}
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets), **bounds)
+    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets).to(values.device), **bounds)

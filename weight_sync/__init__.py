@@ -15,6 +15,8 @@ from .mapping import LLAMA, LLAMA_TP_DIMS, QWEN, FlatShard, NameMapping, TPShard
 from .publisher import WeightPublisher
 from .subscriber import WeightSubscriber
 from .transports import Transport, register
+from .transports.cuda_ipc import CudaIpcTransport
+from .transports.nixl import NixlTransport
 from .transports.shm import ShmTransport
 from .transports.tcp import TcpTransport
 from .transports.torch_dist import TorchTransport
@@ -35,5 +37,7 @@ __all__ = [
     "ShmTransport",
     "TcpTransport",
     "UcxTransport",
+    "NixlTransport",
+    "CudaIpcTransport",
     "TorchTransport",
 ]

@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from transfer_queue import SluiceError, TimeoutError, WeightSyncError
+from transfer_queue.cuda import in_use
 
 from .layout import numel
 from .plan import Copy, Plan
@@ -63,6 +64,9 @@ class BackgroundReceiver(Receiver):
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
         self.table = SlotTable(settings.buffers or self.buffers, shared=False, lease_timeout=1e9)
+        self.table.device = ranks.transport.receive_device
+        if in_use():  # GPU targets: their host-to-device applies read registered buffers
+            self.table.pin_all()
         self.cond = threading.Condition()
         self.closed = False
         self.holding: tuple[int, Plan] | None = None

@@ -90,12 +90,15 @@ class RankInfo(msgspec.Struct, frozen=True):
 
 
 class SlotInfo(msgspec.Struct, frozen=True):
-    """A staging slot: co-located readers map `path` (empty when not shareable)."""
+    """A staging slot: co-located readers map `path` (empty when not shareable); `handle` is
+    what the lease's transport needs to reach the slot (`Transport.describe`: a NIXL agent's
+    metadata and the slot's address, CUDA IPC handles), empty for the others."""
 
     index: int
     generation: int
     size: int
     path: str = ""
+    handle: bytes = b""
 
 
 _Msg = Message

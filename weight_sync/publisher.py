@@ -27,6 +27,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
+from transfer_queue.cuda import is_cuda, synchronize
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -79,7 +80,8 @@ class WeightPublisher:
         address: the controller's address (`cluster.address`), or None to run without one
             (subscribers are then given `publisher.endpoint` directly).
         transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
-            "torch"), a `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
+            "nixl", "torch", or "cuda_ipc", which stages on the GPU and so serves alone), a
+            `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
         name: the channel; one coordinator (rank 0) per name and controller.
         rank, world_size: this trainer rank among those that publish shards of the model.
         coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
@@ -88,7 +90,8 @@ class WeightPublisher:
         cast: dtype conversions applied while staging, e.g. {torch.float32: torch.bfloat16}.
         bucket_bytes: staging bucket size: the unit of pipelining.
         slots: staging slots (2 = double buffering; 1 halves memory but `publish` then waits
-            for readers of the previous version).
+            for readers of the previous version). Over cuda_ipc they are GPU memory:
+            `slots` × the model's bytes on the weights' device.
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead.
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
@@ -96,6 +99,11 @@ class WeightPublisher:
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
             endpoint then admits only clients holding them. Binding `host` beyond loopback
             without them raises `SchemaError`.
+        model: the tensors `publish` will be given (a module, a state dict or (name, tensor)
+            pairs; meta tensors of the same shapes and dtypes do): every staging slot is then
+            allocated and faulted in here (and registered with CUDA when they are CUDA
+            tensors), so the first versions publish as fast as the next. Without it, the first
+            `publish` into each slot allocates it.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class WeightPublisher:
         timeout: float = 60.0,
         host: str = "127.0.0.1",
         credentials: Credentials | None = None,
+        model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -128,7 +137,16 @@ class WeightPublisher:
         self.last_publish_seconds = 0.0
         """How long the last `publish` blocked the trainer."""
         self._table = SlotTable(slots, shared=True, lease_timeout=lease_timeout)
-        self._transports = {t.name: t for t in resolve(transport)}
+        self._transports = {t.name: t for t in resolve(transport, publisher=True)}
+        staging = {t.staging for t in self._transports.values()}
+        if len(staging) > 1:
+            raise ValueError(
+                f"transports {sorted(self._transports)} stage in different memories (host and GPU); "
+                "serve cuda_ipc from its own publisher"
+            )
+        self._gpu_staging = staging == {"cuda"}
+        if self._gpu_staging and validate:
+            raise ValueError("validate=True checksums host staging; cuda_ipc stages on the GPU")
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._manifest_key: tuple | None = None
         self._last = -1
@@ -137,6 +155,8 @@ class WeightPublisher:
         self._relays: dict[tuple[int, int, str], list[str]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # slot index -> checksums taken after staging
         self._closed = False
+        if model is not None:
+            self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
         source = _SlotSource(self._table, timeout)
@@ -212,8 +232,9 @@ class WeightPublisher:
             raise tq.ClosedError("this publisher was closed")
         if version <= self._last:
             raise VersionError(f"version {version} is not above the last published version {self._last}")
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        items = _items(tensors)
         manifest = self._manifest(items)
+        self._place_staging(items)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
         slot.manifest = manifest
         self._last = version
@@ -228,8 +249,27 @@ class WeightPublisher:
             self._table.fail(slot)
             self._finished.put((slot, version, False))
             raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
+        synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
         self._finished.put((slot, version, True))
         self.last_publish_seconds = time.perf_counter() - start
+
+    def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
+        """Build the manifest of `model`'s tensors and allocate every slot for it now."""
+        items = _items(model.state_dict() if isinstance(model, torch.nn.Module) else model)
+        manifest = self._manifest(items)
+        self._place_staging(items)
+        self._table.prepare(manifest.nbytes)
+
+    def _place_staging(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Settle where staging lives, before the first slot is allocated: GPU slots on the
+        weights' device for a GPU-staging transport; else host slots, registered with CUDA
+        once GPU weights are copied into them."""
+        cuda = next((t.device for _, t in items if is_cuda(t)), None)
+        if self._gpu_staging:
+            if self._table.device is None:
+                self._table.device = cuda or torch.device("cuda", torch.cuda.current_device())
+        elif cuda is not None and not self._table.pin:
+            self._table.pin_all()
 
     def _manifest(self, items: list[tuple[str, torch.Tensor]]) -> Manifest:
         """The manifest for `items`, reused while names, shapes and dtypes stay the same."""
@@ -321,7 +361,13 @@ class WeightPublisher:
                 f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
             )
         lease, slot = got
-        info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path)
+        transport = self._transports.get(msg.transport)
+        try:
+            handle = transport.describe(slot) if transport is not None else b""
+        except BaseException:
+            self._table.release(lease)
+            raise
+        info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg)))
 
     def _relay_source(self, msg: Lease) -> str:
@@ -377,6 +423,10 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
 
 
 class _SlotSource(Source):

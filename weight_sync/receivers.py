@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from transfer_queue import WeightSyncError
+from transfer_queue.cuda import copies, is_cuda
 
 from .checksum import compare
 from .plan import Copy, Plan
@@ -57,9 +58,10 @@ class Targets:
                 f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}"
             )
         start = time.perf_counter()
-        with torch.no_grad():
+        device = next((c.dst.device for c in plan.copies if is_cuda(c.dst)), None)
+        with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
             for copy in plan.copies:
-                copy.dst.copy_(source(copy))
+                copy.dst.copy_(source(copy), non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
         if checksums:
             compare(plan, checksums)

@@ -6,6 +6,9 @@ touch costs ~10x a warm copy on these machines, docs/architecture.md, section 3)
 with its last user, so a killed publisher leaves nothing behind in /dev/shm. Private segments
 (a subscriber's receive buffer) are anonymous memory advised to use huge pages.
 
+A segment copied to or from GPU memory is registered with CUDA (`pin`), once, in a process that
+uses CUDA, and unregistered before it is unmapped.
+
 A `Slot` is a segment plus the version staged in it, how many bytes of it are staged so far
 (readers may stream bucket k while bucket k+1 is packed) and the leases of its readers: a slot
 is reused only once every lease on it is released or has expired. `SlotTable` keeps a
@@ -25,17 +28,26 @@ from typing import Any
 import torch
 
 from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue.cuda import HostRegistry, tensor_ptr
 from transfer_queue.host import map_file, unmap
 
 __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
 
 
 class Segment:
-    """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view."""
+    """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view. On a
+    CUDA `device` it is GPU memory instead (shared through CUDA IPC, not a file)."""
 
-    def __init__(self, size: int, shared: bool = True, name: str = "sluice-weights"):
+    def __init__(
+        self, size: int, shared: bool = True, name: str = "sluice-weights", device: torch.device | None = None
+    ):
         self.size = size
         self.fd = -1
+        self._pinned = HostRegistry()
+        if device is not None:
+            self._mm = None
+            self.tensor = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)[:size]
+            return
         length = max(size, 1)
         if shared:
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -48,16 +60,24 @@ class Segment:
         if not shared:
             self.tensor.zero_()  # fault every page in now, not on the data path
 
+    def pin(self) -> bool:
+        """Register the (host) segment with CUDA (once) so copies between it and a GPU run at
+        pinned speed; False where CUDA is absent or refuses, or the segment is GPU memory."""
+        return self._mm is not None and self._pinned.register(tensor_ptr(self.tensor), self.size)
+
     @property
     def path(self) -> str:
-        """Where a co-located process opens this (shared) segment."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
+        """Where a co-located process opens this (shared, host) segment; "" for others."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}" if self.fd >= 0 else ""
 
     def close(self) -> None:
         """Unmap and free. A view still alive elsewhere keeps the mapping until it is gone."""
         if not hasattr(self, "tensor"):
             return  # closed already
+        self._pinned.clear()  # before the memory goes
         del self.tensor
+        if self._mm is None:  # GPU memory: freed with its tensor
+            return
         unmap(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
@@ -133,10 +153,14 @@ class SlotTable:
     """A fixed number of slots, reused oldest-first once their readers are done."""
 
     def __init__(self, count: int, shared: bool, lease_timeout: float):
+        self.device: torch.device | None = None
+        """Where new segments are allocated: None for host memory, else a CUDA device."""
         self.cond = threading.Condition()
         self.slots = [Slot(i, self.cond) for i in range(count)]
         self.shared = shared
         self.lease_timeout = lease_timeout
+        self.pin = False
+        """Register every segment with CUDA (set once the owner copies GPU tensors through them)."""
         self._lease_ids = itertools.count(1)
         self._lease_slot: dict[int, Slot] = {}
 
@@ -163,16 +187,37 @@ class SlotTable:
                 expiry = min(d for s in self.slots for d in s.leases.values() if d > now)
                 self.cond.wait(min(deadline, expiry) - now)
 
-    def _reset(self, slot: Slot, version: int, size: int) -> None:
-        for lease in slot.leases:
-            self._lease_slot.pop(lease, None)
-        slot.leases.clear()
+    def prepare(self, size: int) -> None:
+        """Allocate and fault in (and register, when `pin` is set) `size` bytes in every slot
+        never claimed yet, now rather than in the first versions' `claim`."""
+        with self.cond:
+            for slot in self.slots:
+                if slot.version < 0:
+                    self._grow(slot, size)
+
+    def pin_all(self) -> None:
+        """Register every segment with CUDA, those there now and those made later."""
+        with self.cond:
+            self.pin = True
+            for slot in self.slots:
+                if slot.segment is not None:
+                    slot.segment.pin()
+
+    def _grow(self, slot: Slot, size: int) -> None:
         if slot.segment is None or slot.segment.size < size:
             if slot.segment is not None:
                 slot.segment.close()
             slot.segment = None  # free the old one before faulting in the new one
-            slot.segment = Segment(size, shared=self.shared)
+            slot.segment = Segment(size, shared=self.shared, device=self.device)
             slot.generation += 1
+        if self.pin:
+            slot.segment.pin()
+
+    def _reset(self, slot: Slot, version: int, size: int) -> None:
+        for lease in slot.leases:
+            self._lease_slot.pop(lease, None)
+        slot.leases.clear()
+        self._grow(slot, size)
         slot.version, slot.filled, slot.complete, slot.failed = version, 0, False, False
 
     def advance(self, slot: Slot, filled: int, complete: bool = False) -> None:

@@ -14,6 +14,7 @@ thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 
@@ -47,7 +48,7 @@ class WeightSubscriber:
     Args:
         address: the controller's address, or None to use `publisher` directly.
         model_or_tensors: an `nn.Module` (its state dict) or a dict of tensors, updated in place.
-        transport: "auto" (shm when co-located, else ucx when installed, else tcp), a name, a
+        transport: "auto" (cuda_ipc or shm when co-located, else ucx when installed, else tcp), a name, a
             `Transport` instance, or a list; the first one every publisher rank can serve wins.
         name: the channel.
         publisher: rank 0's `WeightPublisher.endpoint`, when there is no controller.
@@ -206,7 +207,8 @@ class WeightSubscriber:
         self._ranks = PublisherRanks(
             offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
         )
-        self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, self._settings)
+        settings = self._settings if transport.pipelined else dataclasses.replace(self._settings, pipelined=False)
+        self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, settings)
         return True
 
     def _choose(self, ranks: list[RankInfo]) -> Transport:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.helpers import eventually
-from weight_sync import TcpTransport, UcxTransport, WeightPublisher
+from weight_sync import NixlTransport, TcpTransport, UcxTransport, WeightPublisher
 
 from .harness import CTX, Subscribers, check, no_segments_left, publisher_transport
 from .workers import BUCKET, kill, publisher, transport_of, weights
@@ -19,6 +19,9 @@ TRANSPORTS = [
     pytest.param("tcp", id="tcp"),
     pytest.param(
         "ucx", id="ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
+    ),
+    pytest.param(
+        "nixl", id="nixl", marks=pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
     ),
     pytest.param("torch", id="torch"),
 ]

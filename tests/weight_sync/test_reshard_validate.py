@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transfer_queue.wire.errors import WeightSyncError
-from weight_sync import TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
+from weight_sync import NixlTransport, TcpTransport, UcxTransport, WeightPublisher, WeightSubscriber
 
 from .harness import CTX, Subscribers, check
 from .workers import BUCKET, SHAPES, publisher, weights, zeros
@@ -22,12 +22,15 @@ from .workers import BUCKET, SHAPES, publisher, weights, zeros
         "shm",
         "tcp",
         pytest.param("ucx", marks=pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")),
+        pytest.param(
+            "nixl", marks=pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
+        ),
     ],
 )
 def test_two_trainer_tp_ranks_feed_tp1_and_tp2_subscribers(transport):
     """Trainer TP=2 (HF names, unfused) to inference TP=1 and TP=2 (fused qkv/gate_up): each
     subscriber pulls exactly its slices from both ranks and ends exact (over tcp and ucx, the
-    strided slices gathered on the sending side)."""
+    strided slices gathered on the sending side; over nixl, read as their contiguous runs)."""
     commands = [CTX.Queue(), CTX.Queue()]
     outs = [CTX.Queue(), CTX.Queue()]
     kwargs = {"bucket_bytes": BUCKET, "world_size": 2}

@@ -68,6 +68,8 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
         kwargs["shard"] = TPShard(tp[0], tp[1])
         kwargs["mapping"] = LLAMA
         mine = local_targets(tp[0], tp[1])
+    device = kwargs.pop("device", "cpu")  # where the targets live ("cuda": GPU tensors)
+    mine = {name: t.to(device) for name, t in mine.items()}
     ptrs = {name: t.data_ptr() for name, t in mine.items()}
     summary = {"id": sub_id, "applied": [], "errors": [], "mixed": False, "moved": False}
     try:
@@ -84,7 +86,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
                 time.sleep(0.002)
                 continue
             expected = local_targets(tp[0], tp[1], version) if tp is not None else weights(version, shapes=shapes)
-            if not all(torch.equal(mine[n], expected[n]) for n in mine):
+            if not all(torch.equal(mine[n].cpu(), expected[n]) for n in mine):
                 summary["mixed"] = True
             if any(mine[n].data_ptr() != ptrs[n] for n in mine):
                 summary["moved"] = True
@@ -94,7 +96,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
         sub.close()
         summary["final"] = sub.version
         final = local_targets(tp[0], tp[1], sub.version) if tp is not None else weights(sub.version, shapes=shapes)
-        summary["exact"] = sub.version < 0 or all(torch.equal(mine[n], final[n]) for n in mine)
+        summary["exact"] = sub.version < 0 or all(torch.equal(mine[n].cpu(), final[n]) for n in mine)
     except Exception:  # noqa: BLE001
         summary["errors"].append(traceback.format_exc())
     out.put(("done", sub_id, summary))
@@ -198,3 +200,18 @@ def kill(process) -> None:  # noqa: ANN001
     """SIGKILL a worker (no cleanup runs in it)."""
     os.kill(process.pid, signal.SIGKILL)
     process.join(10)
+
+
+def nccl_subscriber(out, gpu: int, endpoint: str, versions: int) -> None:
+    """On GPU `gpu`: take `versions` versions broadcast over NCCL into GPU tensors; reports
+    ("exact", gpu, whether each version arrived exact)."""
+    torch.cuda.set_device(gpu)
+    from weight_sync import TorchTransport, WeightSubscriber
+
+    mine = {name: t.cuda() for name, t in zeros().items()}
+    exact = []
+    with WeightSubscriber(None, mine, transport=TorchTransport(backend="nccl"), publisher=endpoint) as sub:
+        for version in range(1, versions + 1):
+            sub.wait(version, timeout=60)
+            exact.append(all(torch.equal(mine[n].cpu(), t) for n, t in weights(sub.version).items()))
+    out.put(("exact", gpu, exact))

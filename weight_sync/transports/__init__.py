@@ -1,31 +1,38 @@
 """Transports: one module per way of moving bytes, one small interface (`base.Transport`).
 
 `shm` (same host, shared memory), `tcp` (raw sockets, relay trees), `ucx` (ucxx; RDMA where
-there is some; optional), `torch` (torch.distributed broadcast). Each registers itself by
+there is some; optional), `nixl` (NIXL one-sided reads of the publisher's staging; optional),
+`torch` (torch.distributed broadcast), `cuda_ipc` (same host, GPU staging opened through CUDA IPC). Each registers itself by
 name; `resolve` turns a name (or "auto") into instances, `auto_choice` picks one per peer.
 """
 
 from __future__ import annotations
 
-from . import shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
+from . import cuda_ipc, nixl, shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
 from .base import Job, Source, Transport, get, names, register
 
 __all__ = ["Transport", "Job", "Source", "register", "get", "names", "resolve", "AUTO_ORDER"]
 
-AUTO_ORDER = ("shm", "ucx", "tcp")
-"""What "auto" offers (publisher) and prefers, in order (subscriber): shm when co-located,
-else ucx when installed, else tcp."""
+AUTO_ORDER = ("cuda_ipc", "shm", "ucx", "tcp")
+"""What "auto" offers (publisher) and prefers, in order (subscriber): cuda_ipc when co-located
+and the publisher stages on the GPU, shm when co-located, else ucx when installed, else tcp."""
 
 
-def resolve(transport: str | Transport | list) -> list[Transport]:
+def resolve(transport: str | Transport | list, publisher: bool = False) -> list[Transport]:
     """Instances for `transport`: a name, an instance, a list of either, or "auto" (every
-    available transport of `AUTO_ORDER`). Raises `ValueError` for unknown or unavailable ones."""
+    available transport of `AUTO_ORDER`; on a `publisher`, which stages in host memory unless
+    told otherwise, those that serve host staging). Raises `ValueError` for unknown or
+    unavailable ones."""
     if isinstance(transport, (list, tuple)):
-        return [t for item in transport for t in resolve(item)]
+        return [t for item in transport for t in resolve(item, publisher)]
     if isinstance(transport, Transport):
         return [transport]
     if transport == "auto":
-        return [get(name)() for name in AUTO_ORDER if get(name).is_available()]
+        return [
+            get(name)()
+            for name in AUTO_ORDER
+            if get(name).is_available() and not (publisher and get(name).staging != "host")
+        ]
     cls = get(transport)
     if not cls.is_available():
         raise ValueError(

@@ -75,6 +75,14 @@ class Transport(ABC):
     mode: ClassVar[Mode]
     fanout: int | None = None
     """Direct children per node of a relay tree; None: this transport does not relay."""
+    staging: str = "host"
+    """Where a publisher serving this transport stages versions: "host" memory, or "cuda" (GPU
+    slots; a publisher cannot serve transports of both kinds)."""
+    receive_device: torch.device | None = None
+    """Where a subscriber's receive buffers live: None for host memory, else a CUDA device."""
+    pipelined: ClassVar[bool] = True
+    """Whether a subscriber may read a version still being staged (the rank's server waits for
+    its bytes); False: it reads complete versions only (one-sided reads cannot wait)."""
 
     @classmethod
     def is_available(cls) -> bool:
@@ -84,6 +92,12 @@ class Transport(ABC):
     def serve(self, source: Source) -> str:
         """Publisher side: start serving `source`; returns the endpoint for subscribers."""
         return ""
+
+    def describe(self, slot) -> bytes:  # noqa: ANN001 - a staging.Slot
+        """Publisher side: what a subscriber leasing `slot` needs to reach it with this
+        transport (sent in its grant as `SlotInfo.handle`); raises `WeightSyncError` if the
+        slot cannot be offered."""
+        return b""
 
     def send(self, slot, release: Callable[[], None]) -> None:  # noqa: ANN001 - a staging.Slot
         """Publisher side: a version started staging in `slot`, pinned for this transport

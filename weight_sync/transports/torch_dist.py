@@ -1,6 +1,9 @@
 """`torch`: torch.distributed broadcast from the publisher to a fixed group of subscribers.
 
-NCCL on GPUs, gloo on CPU (tested on gloo). The group is the publisher (group rank 0) plus
+NCCL on GPUs, gloo on CPU. Under NCCL there is no host bounce: the publisher stages into GPU
+slots (`staging = "cuda"`) and broadcasts from them, and subscribers receive into GPU buffers
+(`receive_device`); only the small headers go through a device buffer. NCCL needs a GPU per
+member (it refuses two processes on one GPU). The group is the publisher (group rank 0) plus
 `world_size - 1` subscribers, formed through a TCPStore the publisher hosts; subscribers take
 group ranks from the store's counter. It is a standalone process group, so it never touches
 the trainer's default group. A pusher thread broadcasts each version bucket by bucket as it
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from transfer_queue import SluiceError, WeightSyncError
+from transfer_queue.cuda import synchronize
 
 from .base import Job, Transport, register
 
@@ -48,6 +52,9 @@ class TorchTransport(Transport):
         self.host = host
         self.timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            self.staging = "cuda"
+            self.receive_device = self.device
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroup | None = None
         self._cond = threading.Condition()
@@ -73,8 +80,9 @@ class TorchTransport(Transport):
         return dist.ProcessGroupGloo(store, rank, self.world_size, opts)
 
     def _broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
-        """Broadcast `tensor` (CPU) from group rank 0, through a device buffer under NCCL."""
-        if self.device.type == "cpu":
+        """Broadcast `tensor` from group rank 0: in place when it is on the group's device, else
+        (a small CPU header under NCCL) through a device buffer."""
+        if tensor.device == self.device:
             self._group.broadcast(tensor, 0, timeout).wait()
             return
         if self._bounce is None or self._bounce.numel() < tensor.numel():
@@ -144,6 +152,7 @@ class TorchTransport(Transport):
                     ok = False  # staging failed: keep the collective in step, mark it bad
             self._broadcast(slot.mapped.tensor[k * bucket : end])
         self._broadcast(torch.tensor([int(ok)], dtype=torch.int64))
+        synchronize(self.receive_device)  # NCCL ran on its stream: done before the slot is released
 
     # -- subscriber ----------------------------------------------------------------------
 
@@ -175,7 +184,7 @@ class TorchTransport(Transport):
                 wanted = version >= job.version
                 if wanted:
                     job.version, job.manifest = version, manifest + (1 << 63)
-                into = job.into(size) if wanted else torch.empty(size, dtype=torch.uint8)
+                into = job.into(size) if wanted else torch.empty(size, dtype=torch.uint8, device=self.device)
                 for k in range(buckets):
                     self._broadcast(into[k * bucket : min((k + 1) * bucket, size)])
                 ok = torch.zeros(1, dtype=torch.int64)

@@ -1,0 +1,40 @@
+"""CUDA weights through the host-staged transports (marked `cuda`): the publisher's slots are
+registered with CUDA when it is built from CUDA tensors, and subscriber processes holding CUDA
+tensors take every version exact over shm (a registered mapping) and tcp (registered receive
+buffers). Without CUDA, registration is never attempted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transfer_queue.cuda import in_use
+from weight_sync import WeightPublisher
+
+from .harness import Subscribers, check
+from .workers import BUCKET, weights
+
+
+def test_a_process_without_cuda_registers_nothing():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with WeightPublisher(None, transport="shm", slots=1, model=weights(0)) as pub:
+        assert not in_use() and not pub._table.pin
+        assert not pub._table.slots[0].segment._pinned._ranges
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_cuda_weights_through_host_staging(transport):
+    gpu = {n: t.cuda() for n, t in weights(0).items()}
+    pub = WeightPublisher(None, transport=transport, bucket_bytes=BUCKET, model=gpu)
+    subs = Subscribers(2, pub.endpoint, transport, device="cuda")
+    try:
+        assert pub._table.pin and all(s.segment._pinned._ranges for s in pub._table.slots)
+        for version in (1, 2, 3):
+            pub.publish({n: t.cuda() for n, t in weights(version).items()}, version)
+            subs.wait_applied(version)
+        for summary in subs.finish().values():
+            check(summary, 3)
+    finally:
+        pub.close()

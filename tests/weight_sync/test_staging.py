@@ -1,0 +1,51 @@
+"""Staging is allocated when the publisher is built from the model's tensors (or meta tensors of
+their shapes), not inside the first `publish`; a version published then arrives whole."""
+
+from __future__ import annotations
+
+import torch
+
+from weight_sync import WeightPublisher
+
+from .harness import Subscribers, check, no_segments_left
+from .workers import BUCKET, SHAPES, weights
+
+
+def _segments(pub: WeightPublisher) -> list[tuple[int, int]]:
+    """(generation, bytes) of every staging slot."""
+    return [(s.generation, s.size) for s in pub._table.slots]
+
+
+def test_staging_is_allocated_when_the_publisher_is_built():
+    meta = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in SHAPES.items()}
+    nbytes = sum(t.numel() * 2 for t in meta.values())
+    pub = WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=2, model=meta)
+    subs = Subscribers(1, pub.endpoint, "shm")
+    try:
+        built = _segments(pub)
+        assert all(gen == 1 and size >= nbytes for gen, size in built), built
+        for version in (1, 2, 3):
+            pub.publish(weights(version), version)
+        subs.wait_applied(3)
+        assert _segments(pub) == built, "publish allocated staging the publisher had prepared"
+        (summary,) = subs.finish().values()
+        check(summary, 3)
+    finally:
+        pub.close()
+    no_segments_left()
+
+
+def test_a_module_prepares_staging_too():
+    model = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    with WeightPublisher(None, transport="tcp", slots=1, model=model) as pub:
+        (before,) = _segments(pub)
+        assert before[0] == 1 and before[1] >= (64 * 32 + 32) * 2
+        pub.publish(model.state_dict(), 1)
+        assert _segments(pub) == [before]
+
+
+def test_without_the_model_the_first_publish_allocates():
+    with WeightPublisher(None, transport="tcp", slots=1) as pub:
+        assert _segments(pub) == [(0, 0)]
+        pub.publish(weights(1), 1)
+        assert _segments(pub)[0][0] == 1

@@ -1,0 +1,176 @@
+"""CUDA in the clients and the weight channel: every CUDA call Sluice makes, kept small and in one place.
+
+A process touches CUDA state only when it is handed a CUDA tensor or asks for a CUDA device;
+a CPU-only process (the services, a client that never sees a GPU) never initialises CUDA. Host
+memory that CUDA copies read or write (a mapped arena, a staging slot) is registered with CUDA
+(`cudaHostRegister`) once per mapping, so those copies run at pinned speed and may be
+asynchronous, and it is unregistered before the mapping goes away. CUDA IPC handles
+(`ipc_share`, `ipc_open`) are plain fields that callers encode themselves (never pickled).
+Copies run on a side stream per device and end with one synchronisation per call (`copies`): the caller's tensors and host
+buffers are then safe to reuse, whatever stream the caller works on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .wire.errors import SchemaError
+
+__all__ = [
+    "is_cuda",
+    "in_use",
+    "check_tensor_device",
+    "target_device",
+    "HostRegistry",
+    "tensor_ptr",
+    "copies",
+    "synchronize",
+    "ipc_share",
+    "ipc_open",
+]
+
+
+def is_cuda(t: torch.Tensor) -> bool:
+    """Whether `t` lives in GPU memory (never initialises CUDA)."""
+    return t.device.type == "cuda"
+
+
+def in_use() -> bool:
+    """Whether this process has started CUDA (it holds or has made CUDA tensors): only then is
+    host memory worth registering with CUDA."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def check_tensor_device(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor this process cannot copy to host memory.
+
+    Raises:
+        SchemaError: `t` is on a device other than the CPU or CUDA, or on CUDA in a process
+            without CUDA; the message names the field `name`.
+    """
+    kind = t.device.type
+    if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available()):
+        return
+    why = "this process has no CUDA" if kind == "cuda" else "only CPU and CUDA tensors can be stored"
+    raise SchemaError(f"field {name!r} is a tensor on device {t.device}: {why}; move it to the CPU first")
+
+
+def target_device(device: str | torch.device | None) -> torch.device | None:
+    """The device `get_data`/`stream` return tensors on: None for the CPU (the default path),
+    else a `torch.device`.
+
+    Raises:
+        SchemaError: an unknown device string, a device other than CPU or CUDA, or CUDA in a
+            process without CUDA.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise SchemaError(f"device={device!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise SchemaError(f"device={device!r}: data can be returned on the CPU or a CUDA device")
+    if not torch.cuda.is_available():
+        raise SchemaError(f"device={device!r}: this process has no CUDA")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+_READ_ONLY = 0x08
+"""`cudaHostRegisterReadOnly`: the memory is mapped read-only (a publisher's slot)."""
+
+
+class HostRegistry:
+    """Host memory ranges registered with CUDA, each once, all unregistered by `clear`.
+
+    `register` is a no-op (returns False) in a process without CUDA, so callers need not ask
+    first; it registers only ranges not yet registered (keyed by address).
+    """
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, int] = {}  # address -> bytes
+
+    def register(self, ptr: int, nbytes: int, read_only: bool = False) -> bool:
+        """Page-lock `nbytes` at `ptr` for CUDA copies (once; `read_only` for memory mapped
+        without write access); False when CUDA is absent or refuses (the copies then run at
+        pageable speed, still correct)."""
+        if ptr in self._ranges:
+            return True
+        if nbytes <= 0 or not torch.cuda.is_available():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _READ_ONLY if read_only else 0)
+        if int(err) != 0:
+            return False
+        self._ranges[ptr] = nbytes
+        return True
+
+    def unregister(self, ptr: int) -> None:
+        """Unregister the range at `ptr` (before its memory is unmapped or freed)."""
+        if self._ranges.pop(ptr, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def clear(self) -> None:
+        for ptr in list(self._ranges):
+            self.unregister(ptr)
+
+    def __contains__(self, ptr: int) -> bool:
+        return ptr in self._ranges
+
+
+def tensor_ptr(t: torch.Tensor) -> int:
+    """The address of a host tensor's storage (what `HostRegistry` keys on)."""
+    return t.untyped_storage().data_ptr()
+
+
+_streams: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def copies(device: torch.device | None) -> Iterator[None]:
+    """Run the block's copies to or from `device` on its side stream, asynchronously where the
+    host memory is pinned, and wait for them once at the end (nothing happens for the CPU).
+
+    The side stream first waits for the caller's current stream, so copies see what the caller
+    wrote to its tensors."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    stream = _streams.get(device.index)
+    if stream is None:
+        stream = _streams[device.index] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the copies issued on `device`'s current stream (nothing for the CPU)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def ipc_share(t: torch.Tensor) -> tuple:
+    """The CUDA IPC handle of a CUDA tensor's storage, as torch gives it (`_share_cuda_`): the
+    device, the memory handle, the storage's bytes and offset in its allocation, the producer's
+    reference counter (handle, offset), an event handle and whether the consumer must wait on it.
+    Each field is an int, bytes or a bool: it can travel in any message. The tensor must stay
+    alive while other processes use the memory."""
+    return tuple(t.untyped_storage()._share_cuda_())
+
+
+def ipc_open(fields: tuple, nbytes: int) -> torch.Tensor:
+    """A uint8 view of `nbytes` of another process's CUDA storage, from its `ipc_share` fields
+    (opened once: keep the result for as long as the memory is used)."""
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
+    device = torch.device("cuda", fields[0])
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,))

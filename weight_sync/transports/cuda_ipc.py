@@ -1,0 +1,134 @@
+"""`cuda_ipc`: same host, GPU memory. Subscribers copy device to device straight out of the
+publisher's GPU staging slots.
+
+A publisher serving `cuda_ipc` stages every version into GPU slots (`staging = "cuda"`: a
+device-to-device snapshot of its tensors, synchronised before the version is offered), so it
+serves no host-memory transport beside it. Each slot's CUDA IPC handle (`transfer_queue.cuda.
+ipc_share`: the device, the memory handle, offsets, the producer's reference counter and event)
+travels as plain fields of an `IpcSlot` msgspec struct in the subscriber's grant
+(`SlotInfo.handle`), never pickled. A subscriber opens each slot once per slot generation, keeps
+it open, and at apply time copies its planned reads from it into its tensors (device to device,
+or to the host for CPU tensors), with the same resharding reads as `shm` and one wait for the
+copies before the lease is released. Slots, leases and versions are the slot table's, as for
+`shm`: the GPU memory held is `slots` × the model's bytes (`slots=1` halves it, and `publish`
+then waits for the previous version's readers).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from transfer_queue import WeightSyncError
+from transfer_queue.cuda import ipc_open, ipc_share
+
+from .base import Job, Transport, register
+
+__all__ = ["CudaIpcTransport", "IpcSlot", "encode_slot", "decode_slot"]
+
+
+class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
+    """A GPU staging slot's CUDA IPC handle, field by field (`ipc_share`'s tuple)."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes
+    event_sync_required: bool
+
+    def fields(self) -> tuple:
+        """`ipc_open`'s argument."""
+        return (
+            self.device,
+            self.handle,
+            self.size,
+            self.offset,
+            self.ref_counter,
+            self.ref_counter_offset,
+            self.event,
+            self.event_sync_required,
+        )
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(IpcSlot)
+
+
+def encode_slot(fields: tuple) -> bytes:
+    """`ipc_share`'s fields as the bytes of a grant's `SlotInfo.handle`."""
+    device, handle, size, offset, counter, counter_offset, event, sync = fields
+    return _ENCODER.encode(
+        IpcSlot(
+            int(device),
+            bytes(handle),
+            int(size),
+            int(offset),
+            bytes(counter),
+            int(counter_offset),
+            bytes(event or b""),
+            bool(sync),
+        )
+    )
+
+
+def decode_slot(raw: bytes) -> IpcSlot:
+    """The `IpcSlot` in a grant; raises `WeightSyncError` for anything else."""
+    try:
+        return _DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WeightSyncError(f"a cuda_ipc grant without a valid slot handle: {exc}") from None
+
+
+@register
+class CudaIpcTransport(Transport):
+    """Opens publisher GPU slots through CUDA IPC; one opening per (rank, slot), kept until the
+    slot's generation changes."""
+
+    name = "cuda_ipc"
+    mode = "map"
+    staging = "cuda"
+
+    def __init__(self) -> None:
+        self._shared: dict[int, tuple[int, bytes]] = {}  # slot index -> (generation, handle)
+        self._opened: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def serve(self, source) -> str:  # noqa: ANN001 - nothing to serve: slots are opened by handle
+        return "cuda"
+
+    def describe(self, slot) -> bytes:  # noqa: ANN001 - a staging.Slot
+        """The slot's IPC handle (shared once per generation)."""
+        held = self._shared.get(slot.index)
+        if held is None or held[0] != slot.generation:
+            tensor = slot.mapped.tensor
+            if not tensor.is_cuda:
+                raise WeightSyncError("cuda_ipc serves GPU staging slots only")
+            held = self._shared[slot.index] = (slot.generation, encode_slot(ipc_share(tensor)))
+        return held[1]
+
+    def receive(self, job: Job) -> torch.Tensor:
+        slot = job.grant.slot
+        key = (job.rank, slot.index)
+        held = self._opened.get(key)
+        if held is not None and held[0] == slot.generation:
+            return held[1]
+        self._opened.pop(key, None)
+        where = decode_slot(slot.handle)
+        try:
+            view = ipc_open(where.fields(), slot.size)
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"cannot open rank {job.rank}'s GPU slot {slot.index}: {exc} (not on the same host, or the publisher is gone)"
+            ) from exc
+        self._opened[key] = (slot.generation, view)
+        return view
+
+    def close(self) -> None:
+        self._opened.clear()
+        self._shared.clear()

@@ -1,0 +1,225 @@
+"""`nixl`: NVIDIA's NIXL (its UCX backend): subscribers READ their plan's bytes straight out of the
+publisher's registered staging, with no server loop on the publisher's side.
+
+The publisher's NIXL agent registers each staging slot once (per slot generation); the slot's
+address and the agent's metadata (its connection info and the slot's remote keys) travel in the
+subscriber's `Granted` reply (`SlotInfo.handle`, a msgspec struct, never pickled), over the
+channel's control connection, which is authenticated like every other (CurveZMQ with the
+cluster's credentials): only a subscriber holding a lease learns where to read. A subscriber adds
+the publisher's agent once (again when its metadata changes, e.g. a slot was reallocated),
+registers each receive buffer once, and reads every read's contiguous runs in one NIXL transfer
+into the buffer where its plan puts them. A READ cannot wait for bytes still being staged, so
+subscribers read complete versions only (`pipelined = False`).
+
+An optional extra (`pip install sluice-rl[nixl]`: PyPI `nixl-cu13`, import name `nixl_cu13`);
+`is_available()` is False without it. NIXL's UCX honours `UCX_TLS` like the `ucx` transport.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import math
+import os
+import threading
+import time
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import torch
+
+from transfer_queue import WeightSyncError
+
+from ..plan import Read
+from .base import Job, Transport, register
+
+__all__ = ["NixlTransport", "NixlSlot", "runs"]
+
+_MODULES = ("nixl_cu13", "nixl_cu12")
+"""NIXL's Python packages on PyPI, by CUDA major version (either runs without a GPU)."""
+
+_ids = itertools.count()
+
+
+def _nixl() -> Any:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints every agent's creation at INFO to stdout
+    for name in _MODULES:
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    raise WeightSyncError("the nixl transport needs NIXL: pip install sluice-rl[nixl]")
+
+
+class NixlSlot(msgspec.Struct, frozen=True, array_like=True):
+    """Where a granted slot can be read (`SlotInfo.handle` of a `nixl` grant)."""
+
+    agent: str
+    """The publisher's NIXL agent name."""
+    metadata: bytes
+    """`get_agent_metadata()` after the slot was registered: what `add_remote_agent` takes."""
+    address: int
+    """The slot's first byte in the publisher's address space."""
+    device: int = 0
+    """NIXL's device id of the slot's memory (0 for host memory)."""
+
+
+_SLOT_ENCODER = msgspec.msgpack.Encoder()
+_SLOT_DECODER = msgspec.msgpack.Decoder(NixlSlot)
+
+
+def runs(read: Read) -> np.ndarray:
+    """The contiguous byte runs of `read`'s box in its rank's slot, row-major: an (n, 2) int64
+    array of (slot offset, bytes). Their bytes, concatenated, are the read's bytes on the wire."""
+    shape, lo, hi, size = read.shape, read.lo, read.hi, read.itemsize
+    d = len(shape) - 1  # the outermost dim from which the box spans whole rows
+    while d > 0 and lo[d] == 0 and hi[d] == shape[d]:
+        d -= 1
+    inner = math.prod(shape[d + 1 :]) * size
+    length = (hi[d] - lo[d]) * inner
+    strides = [math.prod(shape[k + 1 :]) * size for k in range(d)]
+    starts = np.full(1, read.offset + lo[d] * inner, np.int64)
+    for k in range(d):  # every combination of the outer dims' indexes, row-major
+        idx = np.arange(lo[k], hi[k], dtype=np.int64) * strides[k]
+        starts = (starts[:, None] + idx[None, :]).reshape(-1)
+    return np.stack([starts, np.full(len(starts), length, np.int64)], axis=1)
+
+
+def _wait(agent: Any, handle: Any, timeout: float, what: str) -> None:
+    """Poll a NIXL transfer until it is done; NIXL offers no blocking wait (backing off up to 1 ms)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while True:
+        state = agent.check_xfer_state(handle)
+        if state == "DONE":
+            return
+        if state == "ERR":
+            raise WeightSyncError(f"nixl read of {what} failed (is the publisher gone?)")
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"nixl read of {what} did not finish within {timeout} s")
+        time.sleep(pause)
+        pause = min(1e-3, pause + 5e-5)
+
+
+@register
+class NixlTransport(Transport):
+    """NIXL agents, one per transport: the publisher's registers its slots, a subscriber's its
+    receive buffers and reads into them."""
+
+    name = "nixl"
+    mode = "reads"
+    pipelined: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._agent: Any = None
+        self._lock = threading.Lock()
+        self._slots: dict[int, tuple[int, Any, bytes]] = {}  # slot index -> (generation, registration, handle)
+        self._buffers: dict[tuple[int, int], Any] = {}  # (address, bytes) -> registration
+        self._remotes: dict[str, bytes] = {}  # publisher agent -> the metadata added
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return any(importlib.util.find_spec(name) is not None for name in _MODULES)
+
+    def _get_agent(self) -> Any:
+        if self._agent is None:
+            nixl = _nixl()
+            config = nixl.nixl_agent_config(backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            self._agent = nixl.nixl_agent(f"sluice-{os.getpid()}-{next(_ids)}-{os.urandom(4).hex()}", config)
+        return self._agent
+
+    # -- publisher side ------------------------------------------------------------------
+
+    def serve(self, source) -> str:  # noqa: ANN001 - nothing to serve: subscribers read
+        return self._get_agent().name
+
+    def describe(self, slot) -> bytes:  # noqa: ANN001 - a staging.Slot
+        """Register `slot`'s segment with the agent (once per generation) and say where it is."""
+        with self._lock:
+            held = self._slots.get(slot.index)
+            if held is not None and held[0] == slot.generation:
+                return held[2]
+            agent = self._get_agent()
+            if held is not None:
+                agent.deregister_memory(held[1])
+            tensor = slot.mapped.tensor
+            registration = agent.register_memory([(tensor.data_ptr(), slot.size, 0, "")], "DRAM")
+            handle = _SLOT_ENCODER.encode(NixlSlot(agent.name, agent.get_agent_metadata(), tensor.data_ptr()))
+            self._slots[slot.index] = (slot.generation, registration, handle)
+            return handle
+
+    # -- subscriber side -----------------------------------------------------------------
+
+    def receive(self, job: Job) -> torch.Tensor:
+        try:
+            where = _SLOT_DECODER.decode(job.grant.slot.handle)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WeightSyncError(f"rank {job.rank} granted a slot without a nixl handle: {exc}") from None
+        total = job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0
+        into = job.into(total)
+        if not total:
+            return into
+        agent = self._get_agent()
+        remote = self._remote(agent, where)
+        local = self._buffer(agent, into)
+        spans = [runs(read) for read in job.reads]
+        remote_descs = np.concatenate(spans)
+        remote_descs[:, 0] += where.address
+        lengths = remote_descs[:, 1]
+        starts = np.concatenate(
+            [offset + np.concatenate(([0], np.cumsum(s[:-1, 1]))) for offset, s in zip(job.offsets, spans)]
+        )
+        zeros = np.zeros(len(starts), np.int64)
+        local_descs = np.stack([starts + local, lengths, zeros], axis=1).astype(np.uint64)
+        remote_descs = np.stack([remote_descs[:, 0], lengths, zeros + where.device], axis=1).astype(np.uint64)
+        what = f"version {job.version} from rank {job.rank}"
+        try:
+            handle = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local_descs, "DRAM"), agent.get_xfer_descs(remote_descs, "DRAM"), remote
+            )
+        except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
+            raise WeightSyncError(f"nixl could not prepare the read of {what}: {exc}") from exc
+        try:
+            if agent.transfer(handle) != "DONE":
+                _wait(agent, handle, job.timeout, what)
+        finally:
+            agent.release_xfer_handle(handle)
+        job.progress(total)
+        return into
+
+    def _remote(self, agent: Any, where: NixlSlot) -> str:
+        """The publisher's agent, added (again when its metadata changed)."""
+        if self._remotes.get(where.agent) != where.metadata:
+            if where.agent in self._remotes:
+                agent.remove_remote_agent(where.agent)
+            try:
+                agent.add_remote_agent(where.metadata)
+            except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
+                raise WeightSyncError(f"nixl could not add the publisher's agent {where.agent}: {exc}") from exc
+            self._remotes[where.agent] = where.metadata
+        return where.agent
+
+    def _buffer(self, agent: Any, into: torch.Tensor) -> int:
+        """Register the receive buffer (once; registrations of memory it now overlaps, which
+        was freed and reused, are dropped first) and return its address."""
+        start, size = key = (into.data_ptr(), into.numel())
+        if key not in self._buffers:
+            for old in [k for k in self._buffers if k[0] < start + size and start < k[0] + k[1]]:
+                agent.deregister_memory(self._buffers.pop(old))
+            self._buffers[key] = agent.register_memory([(start, size, 0, "")], "DRAM")
+        return start
+
+    def close(self) -> None:
+        with self._lock:
+            agent, self._agent = self._agent, None
+            if agent is None:
+                return
+            for _, registration, _ in self._slots.values():
+                agent.deregister_memory(registration)
+            for registration in self._buffers.values():
+                agent.deregister_memory(registration)
+            for name in self._remotes:
+                agent.remove_remote_agent(name)
+            self._slots.clear()
+            self._buffers.clear()
+            self._remotes.clear()
