@@ -4,8 +4,9 @@ The face is `WeightPublisher` (trainer side) and `WeightSubscriber` (rollout sid
 who holds what and how names map (`layout`, `mapping`), what a rank stages and how
 (`manifest`, `buckets`, `staging`), the reshard plan (`plan`), the control plane on the RPC
 kernel (`protocol`, `coordinator`), the subscriber's receivers (`ranks`, `receivers`,
-`background`), validation (`checksum`), and `transports/` behind one small interface. One line
-per module: docs/architecture.md, "The module map"; how to use it: docs/weight-sync.md.
+`background`), validation (`checksum`), deltas against the previous version (`delta`), and
+`transports/` behind one small interface. One line per module: docs/architecture.md, "The
+module map"; how to use it: docs/weight-sync.md.
 """
 
 from __future__ import annotations

@@ -189,9 +189,20 @@ class BackgroundReceiver(Receiver):
 
 
 class ReadsReceiver(BackgroundReceiver):
-    """ "reads" transports: pull each rank's planned reads back to back into one buffer."""
+    """ "reads" transports: pull each rank's planned reads back to back into one buffer.
+
+    A buffer that still holds the version received before it, for the same plan, is the base
+    of a delta pull from every rank that offers one against that version (`Granted.base`);
+    the delta is applied to the buffer, so `poll` applies a whole version as always. From the
+    moment the buffer is claimed until the new version is whole in it, it is no one's base:
+    a transfer that fails (a refused or corrupt delta included) is pulled whole next time."""
 
     mode = "reads"
+
+    def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
+        self._bases: dict[int, tuple[int, Plan, int]] = {}
+        """Buffer slot index -> (version, plan, segment generation) it holds whole."""
+        super().__init__(ranks, targets, coordinator, settings)
 
     def _receive(self) -> None:
         if not self._await_free_buffer():
@@ -211,10 +222,14 @@ class ReadsReceiver(BackgroundReceiver):
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
             slot = self.table.claim(version, plan.nbytes, self.timeout)
+            held = self._bases.pop(slot.index, None)
+            base = held[0] if held is not None and held[1] is plan and held[2] == slot.generation else -1
             with self.cond:
                 self.holding = (version, plan)
                 self.cond.notify_all()
-            sources = [self._pull(r, version, g, plan, slot) if plan.reads(r) else "" for r, g in enumerate(grants)]
+            sources = [
+                self._pull(r, version, g, plan, slot, base) if plan.reads(r) else "" for r, g in enumerate(grants)
+            ]
             if not offer.complete:
                 self._coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
             checksums = self._checksums(plan, grants)
@@ -226,13 +241,15 @@ class ReadsReceiver(BackgroundReceiver):
             self.ranks.release(grants)
         self.last_sources = sources
         self._ready(version, plan, slot, plan.nbytes, slot.mapped.tensor, checksums)
+        self._bases[slot.index] = (version, plan, slot.generation)
 
-    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot) -> str:
-        """Receive rank `rank`'s reads; if a relay fails, once more straight from the rank.
-        Returns where they came from ("" for the rank itself)."""
+    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot, base: int) -> str:
+        """Receive rank `rank`'s reads (a delta against `base` if the rank offers one); if a
+        relay fails, once more straight from the rank. Returns where they came from ("" for
+        the rank itself)."""
         transport = self.ranks.transport
         try:
-            transport.receive(self.ranks.job(rank, version, grant, plan, slot, self.table))
+            transport.receive(self._job(rank, version, grant, plan, slot, base))
             return grant.source
         except WeightSyncError as exc:
             if not grant.source:
@@ -240,10 +257,18 @@ class ReadsReceiver(BackgroundReceiver):
             log.info("relay %s failed (%s); pulling from rank %d directly", grant.source, exc, rank)
             direct = self.ranks.lease(rank, version, direct=True)
             try:
-                transport.receive(self.ranks.job(rank, version, direct, plan, slot, self.table))
+                transport.receive(self._job(rank, version, direct, plan, slot, base))
             finally:
                 self.ranks.release_one(rank, direct)
             return ""
+
+    def _job(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot, base: int) -> Job:
+        """The transport's job; a delta against `base` when the rank pulled from offers one
+        (relays forward whole versions)."""
+        job = self.ranks.job(rank, version, grant, plan, slot, self.table)
+        if base >= 0 and grant.base == base and not grant.source and self.ranks.transport.deltas:
+            job.base = base
+        return job
 
     def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
         buffer = received.buffer

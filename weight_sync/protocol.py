@@ -163,13 +163,15 @@ class Offer(_Msg, tag="offer"):
 
 
 class Granted(_Msg, tag="granted"):
-    """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself)."""
+    """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself);
+    `base`: the version the rank can send a delta against (-1: whole only)."""
 
     lease: int
     version: int
     manifest: int
     slot: SlotInfo
     source: str = ""
+    base: int = -1
 
 
 class Described(_Msg, tag="described"):
@@ -193,11 +195,13 @@ class _Data(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=T
 
 
 class Pull(_Data, tag="pull"):
-    """Send these reads of the slot pinned by `lease`, each as its box's contiguous bytes."""
+    """Send these reads of the slot pinned by `lease`, each as its box's contiguous bytes; with
+    a `base` (>= 0), as delta frames against that version (`stream.delta_frames`)."""
 
     lease: int
     version: int
     reads: list[Read]
+    base: int = -1
 
 
 class RelayPull(_Data, tag="relay"):

@@ -7,13 +7,18 @@ fills, a finisher thread checksums it (validation mode) and marks it complete, a
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
 then tells subscribers. A slot is reused only after every lease on it is released.
 
+With deltas on, a compare thread diffs each staged bucket against the previous version,
+still in the other slot, so subscribers holding that version pull only what changed; `publish`
+waits for it only when the slot it claims is the base still being compared.
+
 Threads in the trainer process: the control server (an `rpc.ThreadService`, which also runs
 the coordinator's bookkeeping), the coordinator's recorder (controller round trips), the
-finisher, and whatever the transports serve with.
+finisher, the compare thread, and whatever the transports serve with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -21,6 +26,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import torch
@@ -34,6 +42,7 @@ from transfer_queue.wire.rpc import Credentials, credentials_from_env
 from .buckets import layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
+from .delta import Changes, compare
 from .layout import Layout
 from .manifest import Manifest
 from .mapping import FlatShard, TPShard
@@ -59,15 +68,19 @@ from .protocol import (
     directory_key,
     serve,
 )
-from .staging import SlotTable
+from .staging import Slot, SlotTable
 from .transports import Source, Transport, resolve
-from .transports.stream import Scratch, gather, read_chunks
+from .transports.stream import Scratch, contiguous_span, delta_frames, gather, read_chunks, whole_frames
 
-__all__ = ["WeightPublisher"]
+__all__ = ["WeightPublisher", "VersionStats"]
 
 log = logging.getLogger("sluice.weight_sync")
 
 _KEPT_MANIFESTS = 8
+_DENSE_PROBE = 8
+"""After a version whose buckets were mostly dense, the next `_DENSE_PROBE - 1` go whole without
+a compare (which readers of a delta would wait for); then one is compared again, since update
+sizes change slowly (learning-rate schedules)."""
 
 
 Sharding = TPShard | FlatShard | Mapping[str, Layout] | None
@@ -104,6 +117,12 @@ class WeightPublisher:
             allocated and faulted in here (and registered with CUDA when they are CUDA
             tensors), so the first versions publish as fast as the next. Without it, the first
             `publish` into each slot allocates it.
+        delta: compare each staged bucket with the previous version's (one vectorised pass
+            per bucket, on a compare thread while `publish` stages the next buckets and
+            transports send the previous ones) so that a subscriber holding that version pulls
+            only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
+            (tcp) and there are two slots or more; True: on (needs `slots >= 2`);
+            False: every subscriber pulls whole versions.
     """
 
     def __init__(
@@ -125,6 +144,7 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         credentials: Credentials | None = None,
         model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+        delta: bool | Literal["auto"] = "auto",
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -147,6 +167,21 @@ class WeightPublisher:
         self._gpu_staging = staging == {"cuda"}
         if self._gpu_staging and validate:
             raise ValueError("validate=True checksums host staging; cuda_ipc stages on the GPU")
+        if delta is True and slots < 2:
+            raise ValueError("delta=True needs slots >= 2: the previous version is the base")
+        self.delta = slots >= 2 and (
+            delta is True or (delta == "auto" and any(t.deltas for t in self._transports.values()))
+        )
+        """Whether staged versions are compared with the previous one for delta pulls."""
+        self._deltas: dict[int, _StagedDelta] = {}  # slot index -> its changes against the previous version
+        self._stats: OrderedDict[int, VersionStats] = OrderedDict()
+        self._stats_lock = threading.Lock()
+        self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
+        self._comparing: Future | None = None
+        """The last compare handed to `_comparer` (it runs them in order)."""
+        self._skip_dense = 0
+        """Versions still to publish without a compare, since the last compare found most
+        buckets dense (updates too large for deltas)."""
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._manifest_key: tuple | None = None
         self._last = -1
@@ -159,7 +194,7 @@ class WeightPublisher:
             self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
-        source = _SlotSource(self._table, timeout)
+        source = _SlotSource(self._table, timeout, self._deltas, self._count)
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
         self._server = serve(self._handle, f"tcp://{host}:*", self.credentials)
@@ -235,7 +270,16 @@ class WeightPublisher:
         items = _items(tensors)
         manifest = self._manifest(items)
         self._place_staging(items)
+        if self._comparing is not None:
+            wait([self._comparing])  # the slot about to be claimed may be the base it reads
+        base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
+        staged = None
+        skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
+        if self.delta and not skip and base is not None and base is not slot and base.manifest is manifest:
+            staged = self._deltas[slot.index] = _StagedDelta(version, self._last, manifest.bucket_bytes)
+        else:
+            self._deltas.pop(slot.index, None)
         slot.manifest = manifest
         self._last = version
         self._server.submit(lambda: self._on_started(version))
@@ -243,9 +287,15 @@ class WeightPublisher:
             got = self._table.lease(version)
             assert got is not None  # the slot was claimed for `version` just above
             transport.send(slot, functools.partial(self._table.release, got[0]))
+        progress = functools.partial(self._table.advance, slot)
+        if staged is not None and base is not None:
+            progress = functools.partial(self._staged_with_delta, slot, base, staged)
+        self._record_stats(version, manifest.nbytes, staged)
         try:
-            pack(manifest, [t for _, t in items], slot.mapped.tensor, lambda n: self._table.advance(slot, n))
+            pack(manifest, [t for _, t in items], slot.mapped.tensor, progress)
         except Exception as exc:
+            if staged is not None:
+                staged.fail()
             self._table.fail(slot)
             self._finished.put((slot, version, False))
             raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
@@ -270,6 +320,62 @@ class WeightPublisher:
                 self._table.device = cuda or torch.device("cuda", torch.cuda.current_device())
         elif cuda is not None and not self._table.pin:
             self._table.pin_all()
+    def _staged_with_delta(self, slot: Slot, base: Slot, staged: _StagedDelta, filled: int) -> None:
+        """Staging progress with deltas on: readers of whole bytes go on at once, and every
+        bucket staged whole since the last call is handed to the compare thread (delta
+        readers wait for it there), so `publish` does not wait for the compare."""
+        self._table.advance(slot, filled)
+        manifest = slot.manifest
+        upto = manifest.num_buckets if filled >= manifest.nbytes else filled // manifest.bucket_bytes
+        if upto > staged.submitted:
+            first, staged.submitted = staged.submitted, upto
+            self._comparing = self._comparer.submit(self._compare, slot, base, staged, first, upto)
+
+    def _compare(self, slot: Slot, base: Slot, staged: _StagedDelta, first: int, upto: int) -> None:
+        """Compare thread: buckets [first, upto) of `slot` against the same bytes of `base`
+        (one vectorised pass each); records the version's density once the last is done."""
+        bucket = staged.bucket_bytes
+        new, old = slot.mapped.tensor, base.mapped.tensor
+        try:
+            for k in range(first, upto):
+                staged.add(compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket]))
+        except Exception:
+            log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
+            staged.fail()
+            raise
+        if upto == slot.manifest.num_buckets:
+            if sum(c is None for c in staged.buckets) * 2 > len(staged.buckets):
+                self._skip_dense = _DENSE_PROBE - 1
+            changed = sum(bucket if c is None else c.count for c in staged.buckets)
+            with self._stats_lock:
+                stats = self._stats.get(staged.version)
+                if stats is not None:
+                    stats.changed = changed
+
+    def _record_stats(self, version: int, nbytes: int, staged: _StagedDelta | None) -> None:
+        with self._stats_lock:
+            self._stats[version] = VersionStats(version, -1 if staged is None else staged.base, nbytes, nbytes)
+            while len(self._stats) > RECENT:
+                self._stats.popitem(last=False)
+
+    def _count(self, version: int, requested: int, sent: int, delta: bool) -> None:
+        """A stream of `version` ended: `requested` bytes whole, `sent` on the wire."""
+        with self._stats_lock:
+            stats = self._stats.get(version)
+            if stats is not None:
+                stats.requested += requested
+                stats.sent += sent
+                if delta:
+                    stats.delta_pulls += 1
+                else:
+                    stats.whole_pulls += 1
+
+    def stats(self) -> list[VersionStats]:
+        """What the recent versions cost on the wire (copies; newest last): bytes staged and
+        changed against the previous version (their density), bytes pulled as whole and on
+        the wire, and how many pulls were deltas."""
+        with self._stats_lock:
+            return [dataclasses.replace(s) for s in self._stats.values()]
 
     def _manifest(self, items: list[tuple[str, torch.Tensor]]) -> Manifest:
         """The manifest for `items`, reused while names, shapes and dtypes stay the same."""
@@ -367,8 +473,10 @@ class WeightPublisher:
         except BaseException:
             self._table.release(lease)
             raise
+        staged = self._deltas.get(slot.index)
+        base = staged.base if staged is not None and staged.version == msg.version else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
-        pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg)))
+        pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base))
 
     def _relay_source(self, msg: Lease) -> str:
         """Where this subscriber should pull from: "" (this rank) or a relay's endpoint.
@@ -407,6 +515,7 @@ class WeightPublisher:
         self._closed = True
         self._finished.put(None)
         self._finisher.join(timeout=self.timeout)
+        self._comparer.shutdown(wait=True, cancel_futures=True)
         for transport in self._transports.values():
             transport.close()
         self._server.close()
@@ -429,12 +538,80 @@ def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tenso
     return list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
 
 
-class _SlotSource(Source):
-    """Serves `Pull`s from the slots of a publisher rank, waiting for bytes still staging."""
+@dataclass
+class VersionStats:
+    """What one version cost on the wire (`WeightPublisher.stats`)."""
 
-    def __init__(self, table: SlotTable, timeout: float):
+    version: int
+    base: int
+    """The version it was compared with (-1: none, every pull is whole)."""
+    staged: int
+    """Bytes staged (whole buckets)."""
+    changed: int
+    """Bytes that differ from `base` (dense buckets count whole)."""
+    requested: int = 0
+    """Bytes the pulls of this version asked for, whole."""
+    sent: int = 0
+    """Bytes those pulls put on the wire (frames included)."""
+    delta_pulls: int = 0
+    whole_pulls: int = 0
+
+    @property
+    def density(self) -> float:
+        """Fraction of the staged bytes that changed."""
+        return self.changed / self.staged if self.staged else 0.0
+
+
+@dataclass
+class _StagedDelta:
+    """The changes of the version staged in a slot against `base`, one entry per bucket as
+    staging passes it (None: denser than break-even, sent whole)."""
+
+    version: int
+    base: int
+    bucket_bytes: int
+    buckets: list[Changes | None] = field(default_factory=list)
+    submitted: int = 0
+    """Buckets handed to the compare thread so far."""
+    failed: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def add(self, changes: Changes | None) -> None:
+        """Compare thread: the next bucket's changes."""
+        with self.cond:
+            self.buckets.append(changes)
+            self.cond.notify_all()
+
+    def fail(self) -> None:
+        """Staging or comparing this version failed: delta readers get `WeightSyncError`."""
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+    def changes(self, bucket: int, timeout: float) -> Changes | None:
+        """Bucket `bucket`'s changes, waiting for the compare thread.
+
+        Raises:
+            WeightSyncError: the version failed.
+            TimeoutError: not compared within `timeout` seconds.
+        """
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.failed or len(self.buckets) > bucket, timeout):
+                raise TimeoutError(f"bucket {bucket} of version {self.version} not compared within {timeout} s")
+            if self.failed:
+                raise WeightSyncError(f"version {self.version} was abandoned while it was being read")
+            return self.buckets[bucket]
+
+
+class _SlotSource(Source):
+    """Serves `Pull`s from the slots of a publisher rank, waiting for bytes still staging; a
+    pull with a base gets delta frames (`stream.delta_frames`) against it."""
+
+    def __init__(self, table: SlotTable, timeout: float, deltas: dict[int, _StagedDelta], count):  # noqa: ANN001
         self.table = table
         self.timeout = timeout
+        self.deltas = deltas
+        self.count = count
 
     def open(self, request: Pull | RelayPull):  # noqa: ANN201
         if not isinstance(request, Pull):
@@ -442,15 +619,42 @@ class _SlotSource(Source):
         slot = self.table.leased(request.lease)
         if slot is None or slot.version != request.version:
             raise WeightSyncError(f"lease {request.lease} on version {request.version} is not held (expired?)")
+        staged = None
+        if request.base >= 0:
+            staged = self.deltas.get(slot.index)
+            if staged is None or staged.version != request.version or staged.base != request.base:
+                raise WeightSyncError(f"rank holds no delta of version {request.version} from {request.base}")
+        sent = 0
 
         def views():  # noqa: ANN202
+            nonlocal sent
             scratch = Scratch()
             for read in request.reads:
                 slot.wait_filled(read.end, request.version, self.timeout)
-                for box in read_chunks(read):
-                    yield gather(slot.mapped.tensor, read, box, scratch)
+                if staged is None:
+                    for box in read_chunks(read):
+                        view = gather(slot.mapped.tensor, read, box, scratch)
+                        sent += len(view)
+                        yield view
+                    continue
+                span = contiguous_span(read)
+                pieces = (
+                    delta_frames(
+                        slot.mapped.tensor,
+                        span,
+                        functools.partial(staged.changes, timeout=self.timeout),
+                        staged.bucket_bytes,
+                        staged.base,
+                    )
+                    if span is not None
+                    else whole_frames(slot.mapped.tensor, read, scratch, staged.base)
+                )
+                for view in pieces:
+                    sent += len(view)
+                    yield view
 
         def done(ok: bool) -> None:
+            self.count(request.version, sum(r.nbytes for r in request.reads), sent, staged is not None)
             if not ok:
                 self.table.release(request.lease)  # the reader failed; it will lease again
 

@@ -38,6 +38,19 @@ def weights(version: int, dtype: torch.dtype = torch.bfloat16, shapes: dict = SH
     return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
 
 
+def sparse_weights(version: int, shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
+    """Weights whose consecutive versions differ in ~2% of the elements (like RL steps at a
+    small learning rate), the same in every process: version 0's, changed version by version."""
+    out = weights(0, shapes=shapes)
+    for step in range(1, version + 1):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for tensor in out.values():
+            flat = tensor.view(-1)
+            index = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=gen)
+            flat[index] = torch.randn(index.numel(), generator=gen).to(tensor.dtype)
+    return out
+
+
 def zeros(shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
     """Zeroed bf16 tensors of `shapes` (a subscriber's targets before any version)."""
     return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
@@ -61,6 +74,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
 
     tp = kwargs.pop("tp", None)
     shapes = kwargs.pop("shapes", SHAPES)
+    version_of = sparse_weights if kwargs.pop("sparse", False) else weights
     mine = zeros(shapes)
     if tp is not None:
         from weight_sync import LLAMA, TPShard
@@ -85,7 +99,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
             if version is None:
                 time.sleep(0.002)
                 continue
-            expected = local_targets(tp[0], tp[1], version) if tp is not None else weights(version, shapes=shapes)
+            expected = local_targets(tp[0], tp[1], version) if tp is not None else version_of(version, shapes=shapes)
             if not all(torch.equal(mine[n].cpu(), expected[n]) for n in mine):
                 summary["mixed"] = True
             if any(mine[n].data_ptr() != ptrs[n] for n in mine):
@@ -95,7 +109,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
         summary["sources"] = list(sub.last_sources)
         sub.close()
         summary["final"] = sub.version
-        final = local_targets(tp[0], tp[1], sub.version) if tp is not None else weights(sub.version, shapes=shapes)
+        final = local_targets(tp[0], tp[1], sub.version) if tp is not None else version_of(sub.version, shapes=shapes)
         summary["exact"] = sub.version < 0 or all(torch.equal(mine[n].cpu(), final[n]) for n in mine)
     except Exception:  # noqa: BLE001
         summary["errors"].append(traceback.format_exc())
@@ -151,6 +165,7 @@ def publisher(out, commands, address, transport, kwargs: dict) -> None:
     from weight_sync import TPShard, WeightPublisher
 
     tp = kwargs.pop("tp", None)
+    version_of = sparse_weights if kwargs.pop("sparse", False) else weights
     if tp is not None:
         kwargs["shard"] = TPShard(tp[0], tp[1])
     pub = WeightPublisher(address, transport=transport_of(transport), **kwargs)
@@ -174,7 +189,7 @@ def publisher(out, commands, address, transport, kwargs: dict) -> None:
         if command[0] == "close":
             break
         version = command[1]
-        full = weights(version)
+        full = version_of(version)
         state = full if tp is None else {n: t for n, t in tp_slices(full, tp[0], tp[1]).items()}
         if len(command) > 2 and command[2]:
             publisher_module.pack = stalling_pack

@@ -56,6 +56,9 @@ class Job:
     progress: Callable[[int], None]
     """Called with the number of bytes of the buffer received so far (relays forward them)."""
     timeout: float
+    base: int = -1
+    """The version the buffer already holds for these reads, to pull a delta against
+    (-1: pull whole). Only transports with `deltas` are given one."""
 
 
 class Source(ABC):
@@ -83,6 +86,8 @@ class Transport(ABC):
     pipelined: ClassVar[bool] = True
     """Whether a subscriber may read a version still being staged (the rank's server waits for
     its bytes); False: it reads complete versions only (one-sided reads cannot wait)."""
+    deltas: ClassVar[bool] = False
+    """Whether `receive` pulls a delta when the job has a base (`Job.base`)."""
 
     @classmethod
     def is_available(cls) -> bool:

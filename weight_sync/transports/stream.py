@@ -4,12 +4,18 @@ A request (`Pull` for a publisher, `RelayPull` for a relaying subscriber), a sta
 then every read's box as contiguous bytes, in `read_chunks` pieces (message boundaries for
 transports that keep them). A `base.Source` turns a request into those views, waiting for bytes
 that are still being staged; `gather` builds a strided box's bytes on the sending side.
+
+A `Pull` with a base is answered with delta frames instead (`weight_sync.delta`): per read, a
+header and its payload for each part of the read inside one staging bucket (`delta_frames`;
+a strided read goes as WHOLE frames, `whole_frames`), which `receive_frames` applies to the
+subscriber's copy of the base in its receive buffer.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 import torch
@@ -17,6 +23,7 @@ import torch
 from transfer_queue import WeightSyncError
 from transfer_queue.wire.rpc import error_code, error_from_code
 
+from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode
 from ..layout import Box
 from ..plan import Read
 from ..protocol import DATA_DECODER, DATA_ENCODER, Pull, RelayPull
@@ -33,6 +40,10 @@ __all__ = [
     "STATUS",
     "status_header",
     "raise_status",
+    "contiguous_span",
+    "delta_frames",
+    "whole_frames",
+    "receive_frames",
 ]
 
 GATHER_BYTES = 4 << 20
@@ -144,3 +155,84 @@ def raise_status(text: bytes) -> None:
     code, _, message = text.decode(errors="replace").partition(":")
     err = error_from_code(code, message)
     raise err if isinstance(err, WeightSyncError) else WeightSyncError(f"stream refused: {message}") from err
+
+
+def contiguous_span(read: Read) -> tuple[int, int] | None:
+    """[start, stop) bytes of `read`'s box in the slot when the box is one contiguous run."""
+    if not _contiguous(read.shape, read.lo, read.hi):
+        return None
+    first = 0
+    for lo, size in zip(read.lo, read.shape):
+        first = first * size + lo
+    start = read.offset + first * read.itemsize
+    return start, start + read.nbytes
+
+
+def delta_frames(
+    slot: torch.Tensor,
+    span: tuple[int, int],
+    changes_of: Callable[[int], Changes | None],
+    bucket_bytes: int,
+    base: int,
+) -> Iterator[memoryview]:
+    """Frames for bytes [start, stop) of `slot` against version `base`: a header and payload
+    per staging bucket the span touches; `changes_of(k)` gives bucket k's changes (None:
+    whole), waiting for them if need be."""
+    start, stop = span
+    for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
+        lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
+        new = slot[lo:hi]
+        changes = changes_of(k)
+        payload = None
+        if changes is None:
+            frame = Frame(WHOLE, hi - lo, 0, 0, base, 0, 0)
+        else:
+            at = k * bucket_bytes
+            first, last = torch.searchsorted(changes.positions, torch.tensor([lo - at, hi - at])).tolist()
+            frame, payload = encode(new, changes.positions[first:last] - (lo - at), changes.old[first:last], base)
+        yield memoryview(frame.pack())
+        yield as_bytes(new if payload is None else payload)
+
+
+def whole_frames(slot: torch.Tensor, read: Read, scratch: Scratch, base: int) -> Iterator[memoryview]:
+    """A strided read in a delta stream: each `read_chunks` piece as a WHOLE frame."""
+    for box in read_chunks(read):
+        view = gather(slot, read, box, scratch)
+        yield memoryview(Frame(WHOLE, len(view), 0, 0, base, 0, 0).pack())
+        yield view
+
+
+def receive_frames(
+    recv: Callable[[memoryview], None],
+    buffer: torch.Tensor,
+    reads: Sequence[Read],
+    offsets: Sequence[int],
+    base: int,
+    progress: Callable[[int], None],
+) -> None:
+    """Apply a delta stream to `buffer` (uint8, holding version `base` of these reads at
+    `offsets`): `recv(view)` fills `view` from the stream; `progress(n)` once bytes [0, n) of
+    the buffer hold the new version.
+
+    Raises:
+        WeightSyncError: a frame is malformed, corrupt or meant for another base (the buffer
+            is then part new, part base: the caller discards it).
+    """
+    head = bytearray(HEADER.size)
+    for read, offset in zip(reads, offsets):
+        covered = 0
+        while covered < read.nbytes:
+            recv(memoryview(head))
+            frame = Frame.unpack(head)
+            if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
+                raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
+            target = buffer[offset + covered : offset + covered + frame.span]
+            if frame.kind == WHOLE:
+                recv(as_bytes(target))
+            else:
+                assert frame.kind == GAPS
+                payload = torch.empty(frame.payload, dtype=torch.uint8)
+                recv(as_bytes(payload))
+                apply(frame, payload, target)
+            covered += frame.span
+            progress(offset + covered)

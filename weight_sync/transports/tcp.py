@@ -30,7 +30,7 @@ from transfer_queue.wire.rpc import Credentials
 from ..protocol import Pull, RelayPull
 from . import handshake
 from .base import Job, Source, Transport, register
-from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, status_header
+from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, receive_frames, status_header
 
 __all__ = ["TcpTransport"]
 
@@ -101,6 +101,7 @@ class TcpTransport(Transport):
 
     name = "tcp"
     mode = "reads"
+    deltas = True
 
     def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2, credentials: Credentials | None = None):
         self.host = host
@@ -191,7 +192,7 @@ class TcpTransport(Transport):
         if job.grant.source:
             endpoint, request = job.grant.source, RelayPull(job.version, job.rank, job.digest)
         else:
-            endpoint, request = job.endpoint, Pull(job.grant.lease, job.version, job.reads)
+            endpoint, request = job.endpoint, Pull(job.grant.lease, job.version, job.reads, job.base)
         try:
             sock = self._peer(endpoint)
             sock.settimeout(job.timeout)
@@ -205,6 +206,11 @@ class TcpTransport(Transport):
                 _recv_exact(sock, memoryview(text))
                 raise_status(bytes(text))
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
+            if isinstance(request, Pull) and request.base >= 0:
+                receive_frames(
+                    lambda view: _recv_exact(sock, view), into, job.reads, job.offsets, job.base, job.progress
+                )
+                return into
             buf = as_bytes(into)
             for read, offset in zip(job.reads, job.offsets):
                 _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)

@@ -1,0 +1,227 @@
+"""Delta weight sync benchmark: versions from real Adam steps, only the changed bytes on the wire.
+
+A Llama-shaped model (the shapes of `benchmarks/weight_sync.py`) keeps fp32 master weights
+(init N(0, 0.02), norms 1) and is stepped by `torch.optim.Adam` (one optimizer per tensor, so
+only one tensor's gradient exists at a time) with Gaussian gradients; every step is published
+cast to bf16, as a trainer does. For each learning rate and 1 and 2 subscriber processes over
+tcp, the steps alternate between a whole version (`publisher.delta` off for it) and a delta
+against the version before, so whole and delta transfers of the same trajectory are measured
+side by side in the same run. Per learning rate it reports medians of:
+
+- "values changed": the fraction of bf16 values that differ from the previous version;
+- "wire/floor": bytes a delta put on the wire over the floor (changed values times 2 bytes);
+- "whole/wire": how many times fewer bytes than the whole version;
+- "whole s", "delta s", "speedup": seconds from `publish` to the last subscriber having
+  applied the version in place (whole and delta versions of the same run);
+- "block whole", "block delta": how long `publish` blocked the trainer (the compare is the
+  difference).
+
+With `--recipe CONFIG`, it instead trains the recipes' own policy (`recipes.learner.Learner`:
+the demo's tiny transformer, or `model.family=qwen2 rollout.engine=hf` for the HF Qwen2) on
+rollouts it generates with the current weights (`recipes.engines`), and reports per version
+the fraction of values that changed, as published (fp32) and cast to bf16.
+
+The machine is shared and noisy; compare only figures of one run. Prints a table and writes
+results/weight_sync_delta-<time>.json. Run:
+
+    .venv/bin/python benchmarks/weight_sync_delta.py                       # 1 GiB, lr 1e-6, 3e-6, 1e-5
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --steps 4
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
+    .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
+    .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import median, print_table, write_record  # noqa: E402
+from benchmarks.weight_sync import Workers, llama_shapes  # noqa: E402
+
+HEADER = [
+    "size",
+    "lr",
+    "subs",
+    "values changed",
+    "wire MB",
+    "whole MB",
+    "wire/floor",
+    "whole/wire",
+    "whole s",
+    "delta s",
+    "speedup",
+    "block whole",
+    "block delta",
+]
+
+
+class Trainer:
+    """fp32 master weights under Adam with Gaussian gradients, published as bf16."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], lr: float, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.master = {
+            n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=gen).mul_(0.02)).requires_grad_()
+            for n, s in shapes.items()
+        }
+        self.optimizers = {n: torch.optim.Adam([p], lr=lr, foreach=False) for n, p in self.master.items()}
+        self.gen = gen
+        self.bf16 = {n: p.detach().to(torch.bfloat16) for n, p in self.master.items()}
+
+    def step(self) -> int:
+        """One Adam step, cast into the bf16 state; returns how many bf16 values changed."""
+        changed = 0
+        for name, param in self.master.items():
+            param.grad = torch.randn(param.shape, generator=self.gen).mul_(1e-3)
+            self.optimizers[name].step()
+            param.grad = None
+            new = param.detach().to(torch.bfloat16)
+            changed += int(torch.count_nonzero(new != self.bf16[name]))
+            self.bf16[name] = new
+        return changed
+
+
+def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: list[int]) -> dict:
+    """One trajectory of `steps` Adam steps published to `n` subscribers, alternating whole and
+    delta versions; returns per-version records."""
+    from weight_sync import WeightPublisher
+
+    shapes = llama_shapes(size)
+    trainer = Trainer(shapes, lr)
+    numel = sum(t.numel() for t in trainer.bf16.values())
+    rows = []
+    with WeightPublisher(None, transport="tcp", delta=True, timeout=300) as pub:
+        versions = [version[0] + i for i in range(1, steps + 3)]
+        version[0] = versions[-1]
+        workers.send(n, "session", "tcp", {}, pub.endpoint, versions, {})
+        assert workers.recv(n) == ["ready"] * n
+        for i, v in enumerate(versions):
+            changed = trainer.step() if i >= 2 else 0  # two warm-up versions: one per slot
+            delta = i >= 2 and i % 2 == 1
+            pub.delta = delta
+            t0 = time.monotonic()
+            pub.publish(trainer.bf16, v)
+            done = workers.recv(n)
+            if i < 2:
+                continue
+            stats = next(s for s in pub.stats() if s.version == v)
+            rows.append(
+                {
+                    "version": v,
+                    "delta": delta,
+                    "values_changed": changed / numel,
+                    "floor": changed * 2,
+                    "whole": stats.requested / n,
+                    "sent": stats.sent / n,
+                    "seconds": max(t for _, t, _ in done) - t0,
+                    "blocking": pub.last_publish_seconds,
+                    "density": stats.density,
+                }
+            )
+        workers.recv(n)  # the session's checksum
+    return {"size": size, "lr": lr, "subscribers": n, "versions": rows}
+
+
+def summarize(record: dict) -> list:
+    whole = [r for r in record["versions"] if not r["delta"]]
+    delta = [r for r in record["versions"] if r["delta"]]
+    wire = median(r["sent"] for r in delta)
+    whole_bytes = median(r["whole"] for r in delta)
+    whole_s, delta_s = median(r["seconds"] for r in whole), median(r["seconds"] for r in delta)
+    return [
+        record["size"],
+        f"{record['lr']:.0e}",
+        record["subscribers"],
+        f"{100 * median(r['values_changed'] for r in record['versions']):.1f}%",
+        wire / 1e6,
+        whole_bytes / 1e6,
+        median(r["sent"] / r["floor"] for r in delta if r["floor"]),
+        whole_bytes / wire,
+        whole_s,
+        delta_s,
+        whole_s / delta_s,
+        median(r["blocking"] for r in whole),
+        median(r["blocking"] for r in delta),
+    ]
+
+
+def recipe(config: str, overrides: list[str], steps: int) -> dict:
+    """Fraction of values changed per version in the recipes' real training (on-policy)."""
+    from recipes.config import load
+    from recipes.engines import make_engine
+    from recipes.learner import Learner, RolloutBatch
+    from recipes.task import DigitReversal
+
+    cfg = load([config], overrides)
+    learner = Learner(cfg)
+    engine = make_engine(cfg, learner.model)
+    task = DigitReversal(cfg.task)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    group = cfg.rollout.group_size
+    before = {n: t.detach().clone() for n, t in learner.model.state_dict().items()}
+    rows = []
+    for _ in range(steps):
+        prompts = task.prompts(
+            cfg.trainer.ppo_mini_batch_size * cfg.async_training.require_batches, gen
+        ).repeat_interleave(group, 0)
+        with torch.no_grad():
+            out = engine.generate(prompts, task.max_new_tokens, gen)
+        rewards = task.rewards(prompts, out.tokens)
+        learner.step(RolloutBatch(prompts, out.tokens, out.logprobs, rewards, out.lengths))
+        after = {n: t.detach().clone() for n, t in learner.model.state_dict().items()}
+        numel = sum(t.numel() for t in after.values())
+        fp32 = sum(int(torch.count_nonzero(after[n] != before[n])) for n in after)
+        bf16 = sum(int(torch.count_nonzero(after[n].bfloat16() != before[n].bfloat16())) for n in after)
+        rows.append({"fp32_changed": fp32 / numel, "bf16_changed": bf16 / numel, "reward": float(rewards.mean())})
+        before = after
+    return {"config": config, "overrides": overrides, "lr": cfg.trainer.lr, "params": numel, "versions": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1GiB", help="comma-separated of 256MiB,1GiB,4GiB")
+    parser.add_argument("--lrs", default="1e-6,3e-6,1e-5")
+    parser.add_argument("--subscribers", default="1,2")
+    parser.add_argument("--steps", type=int, default=6, help="Adam steps per trajectory (half whole, half delta)")
+    parser.add_argument("--recipe", default=None, help="a recipes/configs name: measure its real training instead")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.recipe is not None:
+        record = recipe(args.recipe, args.overrides, args.steps)
+        rows = [
+            [i + 1, f"{100 * r['fp32_changed']:.1f}%", f"{100 * r['bf16_changed']:.1f}%", r["reward"]]
+            for i, r in enumerate(record["versions"])
+        ]
+        title = f"{args.recipe} {' '.join(args.overrides)} (lr {record['lr']}, {record['params']:,} values)"
+        print_table(title, ["version", "fp32 changed", "bf16 changed", "reward"], rows)
+        print("wrote", write_record("weight_sync_delta_recipe", record))
+        return
+    counts = [int(x) for x in args.subscribers.split(",")]
+    workers = Workers(max(counts))
+    version = [0]
+    records, rows = [], []
+    try:
+        for size in args.sizes.split(","):
+            workers.hold(llama_shapes(size), max(counts))
+            for n in counts:
+                for lr in (float(x) for x in args.lrs.split(",")):
+                    record = run(size, lr, n, args.steps, workers, version)
+                    records.append(record)
+                    rows.append(summarize(record))
+                    print_table("delta weight sync over tcp (so far)", HEADER, rows[-1:])
+    finally:
+        workers.close()
+    print_table("delta weight sync over tcp: medians per learning rate", HEADER, rows)
+    print("wrote", write_record("weight_sync_delta", {"args": vars(args), "runs": records}))
+
+
+if __name__ == "__main__":
+    main()

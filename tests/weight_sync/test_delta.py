@@ -1,0 +1,157 @@
+"""The delta encoder and its stream frames: bit-exact round trips for every dtype, the switch to
+whole spans when changes are dense, empty and full changes, long gaps, and refusals of a
+corrupt frame or a wrong base that leave the target untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transfer_queue import WeightSyncError
+from weight_sync.delta import GAPS, WHOLE, _compare, apply, compare, encode
+from weight_sync.plan import Read
+from weight_sync.transports.stream import delta_frames, receive_frames
+
+
+def _versions(dtype: torch.dtype, n: int, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, new) of `n` elements, `fraction` of them changed, as flat uint8 views."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        base = torch.randn(n, generator=gen).to(dtype)
+        new = base.clone()
+        mask = torch.rand(n, generator=gen) < fraction
+        new[mask] = (base[mask].float() * (1 + 2.0**-6)).to(dtype)
+    else:
+        base = torch.randint(-100, 100, (n,), generator=gen).to(dtype)
+        new = base.clone()
+        mask = torch.rand(n, generator=gen) < fraction
+        new[mask] += 1
+    return base.view(torch.uint8), new.view(torch.uint8)
+
+
+def _round_trip(base: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
+    """Encode base -> new and apply it to a copy of base; returns (frame kind, payload bytes)."""
+    changes = compare(new, base)
+    assert changes is not None
+    frame, payload = encode(new, changes.positions, changes.old, base=7)
+    target = base.clone()
+    if payload is None:
+        target.copy_(new)
+    else:
+        apply(frame, payload, target)
+    assert torch.equal(target, new)
+    return frame.kind, 0 if payload is None else payload.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.int32, torch.int8])
+def test_round_trip_is_bit_exact_for_every_dtype(dtype):
+    base, new = _versions(dtype, 10_000, 0.03)
+    kind, size = _round_trip(base, new)
+    changed = int((new != base).sum())
+    assert kind == GAPS
+    # a gap byte and a value byte per change, and an escape byte per 255 bytes without one
+    assert changed <= size <= 2 * changed + base.numel() // 255 + 1
+
+
+def test_small_updates_cost_little_more_than_the_changed_values():
+    """bf16 weights moved by one unit in the last place: mostly the low byte changes, so the
+    frame is close to the changed values' bytes and far below the whole."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(1 << 16, generator=gen).to(torch.bfloat16)
+    new = base.clone()
+    mask = torch.rand(base.numel(), generator=gen) < 0.03
+    new.view(torch.int16)[mask] += 1
+    floor = int(mask.sum()) * 2
+    _, size = _round_trip(base.view(torch.uint8), new.view(torch.uint8))
+    assert size <= 1.5 * floor
+    assert size * 10 <= base.numel() * 2
+
+
+def test_dense_changes_go_whole():
+    base, new = _versions(torch.bfloat16, 4096, 1.0)
+    assert compare(new, base) is None
+    base = torch.zeros(40960, dtype=torch.uint8)
+    new = base.clone()
+    new[:1024] = 1  # 2.5% of the bytes changed: sparse enough to compare...
+    changes = compare(new, base)
+    assert changes is not None and changes.count == 1024
+    frame, payload = encode(new[:1000], changes.positions[:1000], changes.old[:1000], base=1)  # ...not its start
+    assert frame.kind == WHOLE and payload is None and frame.span == 1000
+
+
+def test_empty_and_full_change():
+    base = torch.arange(512, dtype=torch.int32).view(torch.uint8)
+    changes = compare(base.clone(), base)
+    assert changes is not None and changes.count == 0
+    frame, payload = encode(base, changes.positions, changes.old, base=1)
+    assert frame.kind == GAPS and payload.numel() == 0
+    target = base.clone()
+    apply(frame, payload, target)
+    assert torch.equal(target, base)
+    assert compare(base ^ 0xFF, base) is None  # every byte changed
+
+
+def test_gaps_longer_than_a_byte_and_unaligned_spans():
+    base = torch.zeros(100_003, dtype=torch.uint8)
+    new = base.clone()
+    new[[0, 1, 255, 256, 511, 70_000, 100_002]] = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)
+    kind, size = _round_trip(base, new)
+    assert kind == GAPS and size < 7 * 2 + 100_003 // 255 + 2
+
+
+def test_a_corrupt_payload_or_a_wrong_base_is_refused_untouched():
+    base, new = _versions(torch.bfloat16, 4096, 0.02)
+    changes = compare(new, base)
+    frame, payload = encode(new, changes.positions, changes.old, base=3)
+    corrupt = payload.clone()
+    corrupt[-1] ^= 0x10
+    target = base.clone()
+    with pytest.raises(WeightSyncError, match="corrupt"):
+        apply(frame, corrupt, target)
+    assert torch.equal(target, base)
+    wrong = base.clone()
+    wrong[changes.positions[0]] ^= 0x01  # not the base the delta assumes
+    before = wrong.clone()
+    with pytest.raises(WeightSyncError, match="differs"):
+        apply(frame, payload, wrong)
+    assert torch.equal(wrong, before)
+
+
+def _stream(slot: torch.Tensor, base_slot: torch.Tensor, bucket: int, span: tuple[int, int]) -> bytearray:
+    buckets = [compare(slot[k : k + bucket], base_slot[k : k + bucket]) for k in range(0, slot.numel(), bucket)]
+    return bytearray(b"".join(bytes(v) for v in delta_frames(slot, span, buckets.__getitem__, bucket, base=5)))
+
+
+def test_stream_frames_cross_buckets_and_apply_to_the_base():
+    """A read spanning three buckets, one of them dense (sent whole), lands exactly."""
+    bucket = 4096
+    base_slot, slot = _versions(torch.bfloat16, 3 * bucket // 2 * 2, 0.02)
+    slot[bucket : 2 * bucket] = torch.randint(0, 256, (bucket,), dtype=torch.uint8)  # dense bucket
+    span = (100, 3 * bucket * 2 - 64)
+    wire = _stream(slot, base_slot, bucket, span)
+    read = Read(span[0], (span[1] - span[0],), (0,), (span[1] - span[0],), 1)
+    buffer = torch.zeros(span[1] - span[0] + 64, dtype=torch.uint8)
+    buffer[32 : 32 + read.nbytes] = base_slot[span[0] : span[1]]
+    position = 0
+
+    def recv(view: memoryview) -> None:
+        nonlocal position
+        view[:] = wire[position : position + len(view)]
+        position += len(view)
+
+    done = []
+    receive_frames(recv, buffer, [read], [32], 5, done.append)
+    assert torch.equal(buffer[32 : 32 + read.nbytes], slot[span[0] : span[1]])
+    assert position == len(wire) < read.nbytes and done[-1] == 32 + read.nbytes
+    position = 0
+    with pytest.raises(WeightSyncError, match="base"):
+        receive_frames(recv, buffer, [read], [32], 4, done.append)  # frames for base 5, not 4
+
+
+def test_the_device_path_finds_the_same_changes():
+    """`compare` keeps device tensors in torch: the same algorithm over torch gives the numpy
+    path's answer (run here on CPU tensors)."""
+    base, new = _versions(torch.bfloat16, 50_000, 0.03)
+    changes = compare(new, base)
+    positions, old = _compare(new, base, torch.count_nonzero, lambda t: t.nonzero().view(-1), 0.05)
+    assert torch.equal(positions, changes.positions) and torch.equal(old, changes.old)

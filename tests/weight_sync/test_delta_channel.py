@@ -1,0 +1,159 @@
+"""Delta pulls over real processes and sockets (tcp): sparse versions cross as deltas and land
+exact (validated); a subscriber that missed versions, or whose base the publisher evicted, gets
+the whole version; a publisher killed mid-delta, a corrupt delta frame and a subscriber whose
+copy of the base differs each end in a `WeightSyncError` with the tensors on their previous
+version, then a correct version, and never a torn apply."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import weight_sync.transports.tcp as tcp_module
+from transfer_queue import WeightSyncError
+from weight_sync import WeightPublisher, WeightSubscriber
+
+from .harness import CTX, Subscribers, check
+from .workers import BUCKET, kill, publisher, sparse_weights, weights, zeros
+
+
+def _exact(tensors: dict[str, torch.Tensor], version: int) -> bool:
+    expected = sparse_weights(version)
+    return all(torch.equal(tensors[n], expected[n]) for n in expected)
+
+
+def test_sparse_versions_cross_as_deltas_and_land_exact():
+    """Two subscribers, validating, take versions 1..5: 1 whole, 2..5 as deltas of a few
+    percent of the bytes; every apply is exact."""
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True)
+    subs = Subscribers(2, pub.endpoint, "tcp", sparse=True, validate=True)
+    try:
+        for version in range(1, 6):
+            pub.publish(sparse_weights(version), version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        assert stats[1].whole_pulls == 2 and stats[1].delta_pulls == 0
+        for version in range(2, 6):
+            assert stats[version].delta_pulls == 2 and stats[version].whole_pulls == 0, stats[version]
+            assert stats[version].sent * 5 < stats[version].requested, stats[version]
+            assert 0 < stats[version].density < 0.1
+        for summary in subs.finish().values():
+            assert summary["applied"] == [1, 2, 3, 4, 5]
+            check(summary, 5)
+    finally:
+        pub.close()
+
+
+def test_a_subscriber_that_missed_versions_gets_the_whole_version():
+    """The subscriber is stopped while versions 2..4 are published: the publisher no longer
+    holds its base (1), so 4 comes whole; 5 is a delta again."""
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET)
+    subs = Subscribers(1, pub.endpoint, "tcp", sparse=True)
+    (proc,) = subs.procs
+    try:
+        pub.publish(sparse_weights(1), 1)
+        subs.wait_applied(1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for version in (2, 3, 4):
+                pub.publish(sparse_weights(version), version)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        subs.wait_applied(4)
+        pub.publish(sparse_weights(5), 5)
+        subs.wait_applied(5)
+        stats = {s.version: s for s in pub.stats()}
+        assert stats[4].whole_pulls >= 1 and stats[4].delta_pulls == 0, stats[4]
+        assert stats[5].delta_pulls == 1 and stats[5].whole_pulls == 0, stats[5]
+        (summary,) = subs.finish().values()
+        check(summary, 5)
+    finally:
+        pub.close()
+
+
+def test_publisher_killed_mid_delta_leaves_the_previous_version():
+    """The trainer dies while version 2, a delta against 1, is half staged and half sent."""
+    commands, out = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(
+        target=publisher, args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True}), daemon=True
+    )
+    proc.start()
+    try:
+        _, endpoint = out.get(timeout=60)
+        subs = Subscribers(2, endpoint, "tcp", timeout=5.0, sparse=True)
+        commands.put(("publish", 1))
+        subs.wait_applied(1)
+        commands.put(("publish", 2, True))
+        while out.get(timeout=30)[0] != "stalled":
+            pass
+        kill(proc)
+        subs.wait_errors(timeout=60)
+        for summary in subs.finish().values():
+            assert 2 not in summary["applied"]
+            check(summary, 1)
+    finally:
+        if proc.is_alive():
+            kill(proc)
+
+
+def test_a_subscriber_whose_base_differs_refuses_the_delta_then_takes_the_whole_version():
+    """Its receive buffer (the base of its next delta) is damaged after version 1: the delta
+    for 2 is refused (`WeightSyncError`), the tensors stay exactly 1, and 2 then comes whole."""
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
+    ):
+        pub.publish(sparse_weights(1), 1)
+        sub.wait(1)
+        (buffer,) = sub._receiver.table.slots  # fault injection: the memory under the base
+        buffer.mapped.tensor.bitwise_not_()
+        pub.publish(sparse_weights(2), 2)
+        with pytest.raises(WeightSyncError, match="differs from the publisher's"):
+            sub.wait(2, timeout=30)
+        assert sub.version == 1 and _exact(mine, 1)
+        sub.wait(2, timeout=30)
+        assert _exact(mine, 2)
+        (stats,) = [s for s in pub.stats() if s.version == 2]
+        assert stats.delta_pulls == 1 and stats.whole_pulls == 1
+
+
+def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(monkeypatch):
+    """One payload byte of the first delta frame flips on the way (a faulty NIC or relay)."""
+    real = tcp_module.receive_frames
+    flipped = []
+
+    def flipping(recv, buffer, reads, offsets, base, progress):  # noqa: ANN001
+        def corrupting(view: memoryview) -> None:
+            recv(view)
+            if len(view) > 64 and not flipped:  # a payload, not a header
+                view[len(view) - 1] ^= 0x01
+                flipped.append(len(view))
+
+        real(corrupting, buffer, reads, offsets, base, progress)
+
+    monkeypatch.setattr(tcp_module, "receive_frames", flipping)
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
+    ):
+        pub.publish(sparse_weights(1), 1)
+        sub.wait(1)
+        pub.publish(sparse_weights(2), 2)
+        with pytest.raises(WeightSyncError, match="corrupt"):
+            sub.wait(2, timeout=30)
+        assert flipped and sub.version == 1 and _exact(mine, 1)
+        sub.wait(2, timeout=30)
+        assert _exact(mine, 2)
+
+
+def test_dense_updates_stop_the_compare_until_the_next_probe():
+    """Versions that change most bytes go whole: after one compare finds them dense, the next
+    seven are not compared (nobody waits for a compare), the eighth is compared again."""
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub:
+        for version in range(1, 11):
+            pub.publish(weights(version), version)
+        bases = {s.version: s.base for s in pub.stats()}
+    assert bases == {1: -1, 2: 1, **{v: -1 for v in range(3, 10)}, 10: 9}
