@@ -320,6 +320,7 @@ class WeightPublisher:
                 self._table.device = cuda or torch.device("cuda", torch.cuda.current_device())
         elif cuda is not None and not self._table.pin:
             self._table.pin_all()
+
     def _staged_with_delta(self, slot: Slot, base: Slot, staged: _StagedDelta, filled: int) -> None:
         """Staging progress with deltas on: readers of whole bytes go on at once, and every
         bucket staged whole since the last call is handed to the compare thread (delta
