@@ -122,7 +122,9 @@ class WeightPublisher:
             transports send the previous ones) so that a subscriber holding that version pulls
             only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
             (tcp) and there are two slots or more; True: on (needs `slots >= 2`);
-            False: every subscriber pulls whole versions.
+            False (the default): every subscriber pulls whole versions. Off by default because
+            the compare runs below loopback speed: deltas pay where the link is slower than the
+            compare (across hosts), not between processes of one machine.
     """
 
     def __init__(
@@ -144,7 +146,7 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         credentials: Credentials | None = None,
         model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
-        delta: bool | Literal["auto"] = "auto",
+        delta: bool | Literal["auto"] = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")

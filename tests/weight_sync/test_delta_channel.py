@@ -28,7 +28,7 @@ def _exact(tensors: dict[str, torch.Tensor], version: int) -> bool:
 def test_sparse_versions_cross_as_deltas_and_land_exact():
     """Two subscribers, validating, take versions 1..5: 1 whole, 2..5 as deltas of a few
     percent of the bytes; every apply is exact."""
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True)
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
     subs = Subscribers(2, pub.endpoint, "tcp", sparse=True, validate=True)
     try:
         for version in range(1, 6):
@@ -50,7 +50,7 @@ def test_sparse_versions_cross_as_deltas_and_land_exact():
 def test_a_subscriber_that_missed_versions_gets_the_whole_version():
     """The subscriber is stopped while versions 2..4 are published: the publisher no longer
     holds its base (1), so 4 comes whole; 5 is a delta again."""
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET)
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto")
     subs = Subscribers(1, pub.endpoint, "tcp", sparse=True)
     (proc,) = subs.procs
     try:
@@ -78,7 +78,7 @@ def test_publisher_killed_mid_delta_leaves_the_previous_version():
     """The trainer dies while version 2, a delta against 1, is half staged and half sent."""
     commands, out = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(
-        target=publisher, args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True}), daemon=True
+        target=publisher, args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True, "delta": "auto"}), daemon=True
     )
     proc.start()
     try:
@@ -103,7 +103,7 @@ def test_a_subscriber_whose_base_differs_refuses_the_delta_then_takes_the_whole_
     """Its receive buffer (the base of its next delta) is damaged after version 1: the delta
     for 2 is refused (`WeightSyncError`), the tensors stay exactly 1, and 2 then comes whole."""
     with (
-        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub,
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
         WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
     ):
         pub.publish(sparse_weights(1), 1)
@@ -136,7 +136,7 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
 
     monkeypatch.setattr(tcp_module, "receive_frames", flipping)
     with (
-        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub,
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
         WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
     ):
         pub.publish(sparse_weights(1), 1)
@@ -152,7 +152,7 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
 def test_dense_updates_stop_the_compare_until_the_next_probe():
     """Versions that change most bytes go whole: after one compare finds them dense, the next
     seven are not compared (nobody waits for a compare), the eighth is compared again."""
-    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub:
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
         bases = {s.version: s.base for s in pub.stats()}
