@@ -78,7 +78,9 @@ def test_publisher_killed_mid_delta_leaves_the_previous_version():
     """The trainer dies while version 2, a delta against 1, is half staged and half sent."""
     commands, out = CTX.Queue(), CTX.Queue()
     proc = CTX.Process(
-        target=publisher, args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True, "delta": "auto"}), daemon=True
+        target=publisher,
+        args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True, "delta": "auto"}),
+        daemon=True,
     )
     proc.start()
     try:
