@@ -214,8 +214,15 @@ def _dense(batch: Any, width: int) -> tuple[torch.Tensor, ...]:
     return batch["prompts"], responses, logprobs, batch["rewards"], lengths
 
 
+_PROG = "python -m recipes.async_trainer"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, cfg = config_mod.command_line("python -m recipes.async_trainer", __doc__, argv)
+    return config_mod.reporting_errors(_PROG, lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args, cfg = config_mod.command_line(_PROG, __doc__, argv)
     trainer = AsyncTrainer(cfg, args.address)
     try:
         totals = trainer.run(lambda r: print(json.dumps(asdict(r)), flush=True))

@@ -34,7 +34,7 @@ import transfer_queue as tq
 from weight_sync import WeightSubscriber
 
 from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
-from .config import RecipeConfig, command_line
+from .config import RecipeConfig, command_line, reporting_errors
 from .engines import make_engine
 from .task import PAD, DigitReversal
 
@@ -249,8 +249,15 @@ class Rollouts:
         }
 
 
+_PROG = "python -m recipes.rollout_worker"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, cfg = command_line("python -m recipes.rollout_worker", __doc__, argv, worker=True)
+    return reporting_errors(_PROG, lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args, cfg = command_line(_PROG, __doc__, argv, worker=True)
     stats = asyncio.run(RolloutWorker(cfg, args.address, args.worker_id).run())
     print(json.dumps(msgspec.to_builtins(stats)), flush=True)
     return 0
