@@ -11,7 +11,9 @@ with the policy version, one GRPO group per prompt. New weights are applied thro
 tokens so far under the new ones, and the samples record the version span (first, last).
 
 Several workers may run at once (`--worker-id` tells them apart). A worker stops when the
-trainer announces it is done (after applying the final version) or the prompts run out.
+trainer announces it is done (after applying the final version) or the prompts run out; then it
+seals the train partition, so that a trainer waiting for more samples than are left learns it
+at once.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
@@ -108,7 +110,11 @@ class RolloutWorker:
                 client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER)
             )
             if not len(meta):
-                return False  # the prompt partition is sealed and drained
+                # The prompts are sealed and drained, each acked only after its samples were put:
+                # no sample will come any more. Sealing the train partition says so, and a
+                # trainer still waiting for a batch gets what is left at once, not at its timeout.
+                await client.seal(TRAIN)
+                return False
             prompts = (await client.get_data(meta))["prompts"]
             start = time.perf_counter()
             rollouts = await asyncio.to_thread(self._generate, prompts)

@@ -21,6 +21,7 @@ from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
 from recipes.rollout_worker import RolloutWorker
+from tests.helpers import eventually
 from weight_sync import WeightPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -289,6 +290,34 @@ def test_a_pinned_budget_below_the_trainer_s_batch_fails_the_first_run_at_once()
     assert "UnsatisfiableError: get_meta(task='actor_update', partition='train', batch_size=256)" in line
     assert "pinned at consumer_batch_size=64" in line and "sluice serve --consumer-batch-size 256" in line
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_run_whose_prompts_run_out_fails_at_once():
+    """Someone else takes most of the prompts: the rollout worker uses up the rest, seals the
+    train partition, and the trainer's step, which can never fill, fails at once (not at its
+    120 s batch timeout) naming the cause; the worker then stops cleanly."""
+    serve = _python(
+        "-m", "transfer_queue.cli", "serve", "--capacity", "64MiB", "--max-staleness", "2", stdout=subprocess.PIPE
+    )
+    address = _lines(serve, "SLUICE_ADDRESS", 60)[-1].split()[1]
+    overrides = [*SMALL, "trainer.total_steps=2"]  # 64 samples per step from 8 prompts; 28 prompts fed
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    trainer = _python("-m", "recipes.async_trainer", "--address", address, *overrides, **pipes)
+    worker = None
+    try:
+        with tq.connect(address) as thief:
+            eventually(lambda: thief.status()["partitions"].get(PROMPTS, {}).get("sealed"), 120, "prompts fed")
+            thief.ack(thief.get_meta(["prompts"], 24, ROLLOUT_TASK, PROMPTS, timeout=30))  # 4 prompts left
+        worker = _python("-m", "recipes.rollout_worker", "--address", address, *overrides, **pipes)
+        _out, err = trainer.communicate(timeout=300)
+        assert worker.wait(120) == 0
+    finally:
+        _stop(serve, *([worker] if worker else []), trainer)
+    assert trainer.returncode == 1, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("python -m recipes.async_trainer: ")]
+    assert "UnsatisfiableError: step 1 got 32 of its 64 samples" in line
+    assert "used up all 28 prompts and sealed the train partition" in line and "another consumer" in line
 
 
 def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):
