@@ -116,7 +116,6 @@ def init(
     staleness: StalenessConfig | None = None,
     lease_timeout: float = 300.0,
     grant_timeout: float = 600.0,
-    follow_consumers: bool = True,
     stale_policy: Literal["drop", "keep", "requeue"] = "drop",
     samplers: tuple[str, ...] = (),
     metrics_port: int | None = None,
@@ -132,10 +131,9 @@ def init(
     `storage_capacity` is the total across units. `max_staleness` (η) bounds how many versions
     a consumed sample may lag; `consumer_batch_size` is the trainer's samples per step, used by
     admission control; or pass a `StalenessConfig` (e.g. `StalenessConfig.from_verl(...)`) as
-    `staleness` instead. With `follow_consumers` (the default) admission's consumer batch grows
-    to what the consumers really take per version, so a smaller setting cannot starve them;
-    `follow_consumers=False` pins it (see `controllers/admission.py`). Services bind to `host`
-    (loopback by default).
+    `staleness` instead. Admission's consumer batch grows to what the consumers really take per
+    version, so a smaller setting cannot starve them; `StalenessConfig(follow_consumers=False)`
+    pins it (see `controllers/admission.py`). Services bind to `host` (loopback by default).
 
     `backend="ray"` runs the same processes from Ray actors spread over the Ray cluster's nodes
     (it joins the running Ray session, or calls `ray.init(address=ray_address)`); pass
@@ -161,7 +159,6 @@ def init(
         storage_capacity=parse_bytes(storage_capacity),
         lease_timeout=lease_timeout,
         grant_timeout=grant_timeout,
-        follow_consumers=follow_consumers,
         stale_policy=stale_policy,
         samplers=tuple(samplers),
         metrics_port=metrics_port,

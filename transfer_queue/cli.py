@@ -26,6 +26,7 @@ from typing import Any
 
 from ._control_client import ControlClient
 from .wire.errors import SchemaError, SluiceError
+from .wire.staleness import StalenessConfig
 
 __all__ = ["main"]
 
@@ -66,9 +67,7 @@ def serve(args: argparse.Namespace) -> int:
     cluster = init(
         args.units,
         args.capacity,
-        max_staleness=args.max_staleness,
-        consumer_batch_size=args.consumer_batch_size,
-        follow_consumers=args.follow_consumers,
+        staleness=StalenessConfig(args.consumer_batch_size, args.max_staleness, follow_consumers=args.follow_consumers),
         lease_timeout=args.lease_timeout,
         stale_policy=args.stale_policy,
         metrics_port=args.metrics_port,

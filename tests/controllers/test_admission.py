@@ -42,7 +42,7 @@ def test_grants_exactly_eta_plus_one_batches_at_version_zero(make_cluster):
 
 
 def test_a_request_a_pinned_budget_can_never_fit_is_refused_at_once(make_cluster):
-    cluster = make_cluster(max_staleness=1, consumer_batch_size=4, follow_consumers=False)
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 1, follow_consumers=False))
     with cluster.connect() as client:
         with pytest.raises(tq.UnsatisfiableError, match=r"can never fit.* = 8 slots.*consumer_batch_size >= 5"):
             client.acquire(9, timeout=30)

@@ -93,7 +93,7 @@ def test_the_budget_learns_several_batches_per_version_even_with_no_slack(make_c
 
 
 def test_a_consumer_batch_a_pinned_budget_never_lets_in_fails_at_once(make_cluster):
-    cluster = make_cluster(max_staleness=1, consumer_batch_size=4, follow_consumers=False)
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 1, follow_consumers=False))
     with cluster.connect() as client:
         for k in range(2):  # the whole budget at version 0: (1 + 0 + 1) * 4
             with client.acquire(4, timeout=5) as grant:
@@ -113,7 +113,7 @@ def test_a_consumer_batch_a_pinned_budget_never_lets_in_fails_at_once(make_clust
 def test_a_parked_consumer_fails_once_the_pinned_budget_is_spent(make_cluster):
     """The trainer asks first, before any sample exists; its request fails as soon as the
     producers have spent the budget, not at its timeout."""
-    cluster = make_cluster(max_staleness=0, consumer_batch_size=4, follow_consumers=False)
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
     errors: list[BaseException] = []
 
     def consume() -> None:
@@ -136,7 +136,7 @@ def test_a_parked_consumer_fails_once_the_pinned_budget_is_spent(make_cluster):
 
 
 def test_groups_larger_than_a_pinned_budget_fail_at_once(make_cluster):
-    cluster = make_cluster(max_staleness=0, consumer_batch_size=4, follow_consumers=False)
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
     with cluster.connect() as client:
         with client.acquire(4, timeout=5) as grant:
             client.put(rows(4), partition="train", grant=grant, groups=[0] * 4)
@@ -147,7 +147,7 @@ def test_groups_larger_than_a_pinned_budget_fail_at_once(make_cluster):
 def test_a_timeout_held_by_a_pinned_budget_names_it(make_cluster):
     """Another task took (and cleared) what admission let in: this task's demand fits the
     budget, so it waits, and its TimeoutError names the budget rather than `allow_partial`."""
-    cluster = make_cluster(max_staleness=0, consumer_batch_size=4, follow_consumers=False)
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
     with cluster.connect() as client:
         with client.acquire(4, timeout=5) as grant:
             client.put(rows(4), partition="train", grant=grant)

@@ -90,10 +90,6 @@ class ClusterConfig(StalenessConfig, frozen=True, forbid_unknown_fields=True, kw
     """Total bytes across all units (each unit holds an equal share)."""
     lease_timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     grant_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    follow_consumers: bool = True
-    """Admission's `consumer_batch_size` grows to what the consumers really take per version
-    (never below the configured value); False pins it, and a consumer that takes more than it
-    admits fails at once with `UnsatisfiableError` (see `controllers/admission.py`)."""
     stale_policy: StalePolicy = "drop"
     samplers: tuple[str, ...] = ()
     """Extra samplers as "module:Class" import paths, loaded by the controller."""
