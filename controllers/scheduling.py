@@ -56,7 +56,8 @@ class StaleCounters:
 
 @dataclass
 class _Demand:
-    """Granted samples each consumer, a (partition, task), took under `version`."""
+    """Granted samples each consumer, a (partition, task), took under `version`. A sample served
+    twice (nacked, or its lease expired) counts twice: the estimate errs only on the generous side."""
 
     version: int = 0
     taken: dict[tuple[str, str], int] = field(default_factory=dict)
