@@ -7,8 +7,8 @@ moves; its deadline is a loop timer. Each time a request waits, its consumer's d
 current version (granted samples its task took from the partition since the version began, plus
 the batches it waits for) goes to admission, which grows the producers' budget to it, or, when
 the budget is pinned and can never let that batch in, the request fails at once with
-`UnsatisfiableError` (see `controllers/admission.py`). Nothing here sleeps or polls, so a waiting consumer never
-slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
+`UnsatisfiableError` (see `controllers/admission.py`). Nothing here sleeps or polls, so a
+waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
 the ready pool (at-least-once delivery).
 """
 
