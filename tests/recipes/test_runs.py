@@ -292,7 +292,6 @@ def test_a_pinned_budget_below_the_trainer_s_batch_fails_the_first_run_at_once()
     assert "Traceback" not in err
 
 
-@pytest.mark.slow
 def test_a_run_whose_prompts_run_out_fails_at_once():
     """Someone else takes most of the prompts: the rollout worker uses up the rest, seals the
     train partition, and the trainer's step, which can never fill, fails at once (not at its
