@@ -10,24 +10,46 @@ order without polling: a version bump or returned slots re-run `pump`. A grant t
 used up within `grant_timeout` (its producer died or gave up) returns its slots. Grants live
 only as long as the controller: a put under a grant its predecessor made (before a restart) counts
 as accepted, like one under an expired grant.
+
+`consumer_batch_size` means what AReaL means by it: the samples the trainer consumes per version.
+A setting below the truth starves the trainer for good once the η versions of slack are used up
+(with the trainer waiting for samples that admission will not let in until the trainer publishes
+a version). So by default the budget follows the consumers (`follow_consumers`): the scheduler
+reports each consumer's demand under the current version, that is the granted samples one task
+took from one partition since the version began plus the batches it is waiting for, and
+`consumer_batch_size` grows to the largest demand seen (never below the configured value, never
+shrinking). A producer's batch is the smallest unit a grant has, so one acquire always fits:
+`consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
+`status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
+the staleness bound (checked on every consumed sample) holds whatever the budget.
+
+With `follow_consumers=False` the configured value is pinned, and a request it can never admit
+fails at once with `UnsatisfiableError` naming the budget and the fix, instead of waiting out
+its timeout: an acquire larger than `(η + 1) * consumer_batch_size`, or a consumer whose demand
+exceeds `consumer_batch_size` while what admission can still let in under the current version
+does not cover its batch (`Scheduler` asks `starves`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import math
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transfer_queue.wire.errors import SchemaError, TimeoutError
+from transfer_queue.wire.errors import SchemaError, TimeoutError, UnsatisfiableError
 from transfer_queue.wire.staleness import admission_limit
 
 from .status import AdmissionStatus
 
 __all__ = ["Admission"]
+
+log = logging.getLogger("sluice.controller")
 
 
 @dataclass
@@ -37,14 +59,26 @@ class _Grant:
 
 
 class Admission:
-    """Generation-slot budget under a staleness bound; unlimited when `max_staleness` is None."""
+    """Generation-slot budget under a staleness bound; unlimited when `max_staleness` is None.
+
+    `batch_size` is the configured `consumer_batch_size`; with `follow` it is a floor that
+    `follow_demand` and `acquire` raise (see the module's docstring)."""
 
     def __init__(
-        self, max_staleness: float | None, batch_size: int, grant_timeout: float, version_of: Callable[[], int]
+        self,
+        max_staleness: float | None,
+        batch_size: int,
+        grant_timeout: float,
+        version_of: Callable[[], int],
+        follow: bool = True,
     ):
         self.version_of = version_of
         self.max_staleness = max_staleness
+        self.configured_batch_size = batch_size
         self.batch_size = batch_size
+        self.follow = follow
+        self.grown_by = ""
+        """Who last raised `batch_size` above the configured value, and why ("" if no one)."""
         self.grant_timeout = grant_timeout
         self.accepted = 0
         self.running = 0
@@ -57,21 +91,75 @@ class Admission:
         self._ids = itertools.count(secrets.randbits(48) + 1)
         self._queue: deque[tuple[int, asyncio.Future]] = deque()
 
+    @property
+    def bounded(self) -> bool:
+        return self.max_staleness is not None
+
+    def limit(self) -> int:
+        """`(η + version + 1) * consumer_batch_size`: what accepted + running may reach now."""
+        assert self.max_staleness is not None
+        return admission_limit(self.max_staleness, self.version_of(), self.batch_size)
+
     def budget(self) -> float:
         """Slots that may be granted now."""
         if self.max_staleness is None:
             return float("inf")
-        return admission_limit(self.max_staleness, self.version_of(), self.batch_size) - self.accepted - self.running
+        return self.limit() - self.accepted - self.running
+
+    def describe(self) -> str:
+        """The budget in words, for error messages."""
+        return (
+            f"admission lets accepted + running samples reach (η + version + 1) * consumer_batch_size = "
+            f"({self.max_staleness:g} + {self.version_of()} + 1) * {self.batch_size} = {self.limit()}; "
+            f"now accepted {self.accepted}, running {self.running}"
+        )
+
+    def follow_demand(self, demand: int, who: str) -> None:
+        """A consumer takes `demand` granted samples under the current version: grow
+        `consumer_batch_size` to it when following the consumers."""
+        if self.bounded and self.follow and demand > self.batch_size:
+            self._grow(demand, f"{who} takes {demand} samples per version")
+
+    def starves(self, demand: int, ready: int, batch: int) -> bool:
+        """A pinned budget cannot serve a consumer: its `demand` per version exceeds
+        `consumer_batch_size`, and the `ready` samples plus all that admission can still let in
+        under this version fall short of its `batch`."""
+        if not self.bounded or self.follow or demand <= self.batch_size:
+            return False
+        return ready + self.running + self.budget() < batch
+
+    def _grow(self, batch_size: int, why: str) -> None:
+        log.warning(
+            "admission budget grows: consumer_batch_size %d -> %d (%s); start the cluster with "
+            "consumer_batch_size=%d (sluice serve --consumer-batch-size %d) to begin there",
+            self.batch_size,
+            batch_size,
+            why,
+            batch_size,
+            batch_size,
+        )
+        self.batch_size = batch_size
+        self.grown_by = why
+        self.pump()
 
     async def acquire(self, n: int, timeout: float) -> tuple[int, int]:
         """(grant id, version) once `n` slots fit the budget; FIFO among waiting producers."""
         if n <= 0:
             raise SchemaError(f"acquire needs n > 0, got {n}")
-        most = None if self.max_staleness is None else admission_limit(self.max_staleness, 0, self.batch_size)
-        if most is not None and n > most:
-            raise SchemaError(
-                f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} slots"
-            )
+        eta = self.max_staleness
+        if eta is not None and n > admission_limit(eta, 0, self.batch_size):
+            if not self.follow:
+                most = admission_limit(eta, 0, self.batch_size)
+                raise UnsatisfiableError(
+                    f"acquire({n}) can never fit: the budget is (staleness + 1) * consumer_batch_size = {most} "
+                    f"slots (consumer_batch_size {self.batch_size} is pinned); ask for at most {most}, or start the "
+                    f"cluster with consumer_batch_size >= {math.ceil(n / (eta + 1))} (sluice serve "
+                    "--consumer-batch-size)"
+                )
+            covering = math.ceil(n / (eta + 1))
+            while admission_limit(eta, 0, covering) < n:  # the floor of a fractional η may fall one short
+                covering += 1
+            self._grow(covering, f"a producer acquires {n} slots at once")
         if not self._queue and n <= self.budget():
             return self._grant(n), self.version_of()
         fut = asyncio.get_running_loop().create_future()
@@ -83,9 +171,8 @@ class Admission:
         except asyncio.TimeoutError:
             self._give_back(fut, n)
             raise TimeoutError(
-                f"no generation budget for {n} samples within {timeout:g}s "
-                f"(accepted {self.accepted} + running {self.running}, version {self.version_of()}); "
-                "the trainer has not consumed enough to open more"
+                f"no generation budget for {n} samples within {timeout:g}s ({self.describe()}); "
+                "the trainer has not published a version to open more"
             ) from None
         except asyncio.CancelledError:
             self._give_back(fut, n)
@@ -169,6 +256,10 @@ class Admission:
             accepted=self.accepted,
             running=self.running,
             budget=None if self.max_staleness is None else int(self.budget()),
+            consumer_batch_size=self.batch_size,
+            configured_consumer_batch_size=self.configured_batch_size,
+            follows_consumers=self.follow,
+            grown_by=self.grown_by,
             open_grants=len(self._grants),
             waiting=len(self._queue),
             waits=self.waits,

@@ -3,8 +3,12 @@ policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
 whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
-moves; its deadline is a loop timer. Nothing here sleeps or polls, so a waiting consumer never
-slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
+moves; its deadline is a loop timer. Each time a request waits, its consumer's demand under the
+current version (granted samples its task took from the partition since the version began, plus
+the batches it waits for) goes to admission, which grows the producers' budget to it, or, when
+the budget is pinned and can never let that batch in, the request fails at once with
+`UnsatisfiableError` (see `controllers/admission.py`). Nothing here sleeps or polls, so a
+waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
 the ready pool (at-least-once delivery).
 """
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transfer_queue.wire.errors import TimeoutError
+from transfer_queue.wire.errors import TimeoutError, UnsatisfiableError
 from transfer_queue.wire.messages import ClusterConfig, GetMeta
 from transfer_queue.wire.meta import BatchMeta
 
@@ -48,6 +52,21 @@ class StaleCounters:
     def status(self) -> StalenessStatus:
         histogram = {str(k): v for k, v in sorted(self.served_histogram.items())}
         return StalenessStatus(histogram, self.dropped, self.kept, self.requeued)
+
+
+@dataclass
+class _Demand:
+    """Granted samples each consumer, a (partition, task), took under `version`. A sample served
+    twice (nacked, or its lease expired) counts twice: the estimate errs only on the generous side."""
+
+    version: int = 0
+    taken: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def at(self, version: int) -> dict[tuple[str, str], int]:
+        """The counts under `version` (a new version starts from nothing)."""
+        if version != self.version:
+            self.version, self.taken = version, {}
+        return self.taken
 
 
 @dataclass
@@ -82,6 +101,7 @@ class Scheduler:
     leases: dict[int, _Lease] = field(default_factory=dict)
     served: int = 0
     acked: int = 0
+    demand: _Demand = field(default_factory=_Demand)
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def status(self) -> SchedulerStatus:
@@ -137,7 +157,7 @@ class Scheduler:
             if not final:
                 return None
             if not req.allow_partial:
-                return self._give_up(req, None)
+                return self._give_up(req, None, 0)
             return BatchMeta(req.partition, [], [], [], [], [], {}, task=req.task)  # what is ready: nothing
         task = part.task(req.task)
         mask = part.available(task, req.fields)
@@ -154,9 +174,10 @@ class Scheduler:
             rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
         if rows is None:
             if not final:
+                self._report_demand(part, req, len(ready))
                 return None
             if not req.allow_partial:
-                return self._give_up(req, part)
+                return self._give_up(req, part, len(ready))
             rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
         return self._lease(part, task, req, rows)
 
@@ -171,7 +192,32 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _give_up(self, req: GetMeta, part: Partition | None) -> BatchMeta:
+    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int) -> None:
+        """Tell admission what this request's consumer takes under the current version, when the
+        partition is fed under grants; raises `UnsatisfiableError` if a pinned budget can never
+        let its batch in."""
+        adm = self.admission
+        if not adm.bounded or not part.granted[: part.n].any():
+            return
+        key = (part.name, req.task)
+        others = sum(
+            w.req.batch_size
+            for w in self.waiters.get(part.name, ())
+            if w.req.task == req.task and w.req is not req and not w.future.done()
+        )
+        demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
+        adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
+        if adm.starves(demand, n_ready, req.batch_size):
+            raise UnsatisfiableError(
+                f"get_meta(task={req.task!r}, partition={part.name!r}, batch_size={req.batch_size}) can never be "
+                f"served: this consumer takes {demand} samples per version, but the admission budget is pinned "
+                f"at consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of "
+                f"this batch ({n_ready} ready) until a new version is published. Start the cluster with "
+                f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
+                "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
+            )
+
+    def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:
         """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
         task writes later: waiting for those is legitimate, so this stays a timeout)."""
         have = "no such partition yet" if part is None else f"{part.n} samples in partition"
@@ -182,10 +228,19 @@ class Scheduler:
                 f"{unknown} that no put has brought yet (the partition has {sorted(part.schema)}): check the "
                 "names, or wait longer for the task that writes them"
             )
+        adm = self.admission
+        held_by_admission = part is not None and adm.bounded and part.granted[: part.n].any()
+        if held_by_admission and n_ready + adm.running + adm.budget() < req.batch_size:
+            raise TimeoutError(
+                f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}) found "
+                f"{n_ready} ready samples within {req.timeout:g}s, and admission lets no more producers in "
+                f"until a new version is published: {adm.describe()}. Publish versions while you wait, or "
+                "raise the cluster's consumer_batch_size (sluice serve --consumer-batch-size)"
+            )
         raise TimeoutError(
             f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}, "
-            f"fields={req.fields}) found too few ready samples within {req.timeout:g}s ({have}); "
-            "pass allow_partial=True to take what is ready, or a longer timeout"
+            f"fields={req.fields}) found too few ready samples within {req.timeout:g}s ({have}, {n_ready} ready); "
+            "the producers are slow or gone: pass allow_partial=True to take what is ready, or a longer timeout"
         )
 
     def _lease(self, part: Partition, task: TaskState, req: GetMeta, rows: np.ndarray) -> BatchMeta:
@@ -196,6 +251,10 @@ class Scheduler:
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
             self.leases[lease_id] = _Lease(part.name, req.task, rows, len(rows), timer)
+        granted = int(np.count_nonzero(part.granted[rows]))
+        if granted:
+            taken = self.demand.at(self.clock.current)
+            taken[(part.name, req.task)] = taken.get((part.name, req.task), 0) + granted
         staleness = self.clock.current - part.v_first[rows[part.versioned[rows]]]
         self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)

@@ -98,7 +98,11 @@ class Controller(Service):
         self.ledger = Ledger(self.record)
         self.clock = VersionClock()
         self.admission = Admission(
-            config.admission_staleness, config.consumer_batch_size, config.grant_timeout, lambda: self.clock.current
+            config.admission_staleness,
+            config.consumer_batch_size,
+            config.grant_timeout,
+            lambda: self.clock.current,
+            config.follow_consumers,
         )
         samplers = SamplerRegistry()
         for path in config.samplers:

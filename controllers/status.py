@@ -101,6 +101,13 @@ class AdmissionStatus(msgspec.Struct):
     """`acquire` calls that had to wait, since start."""
     wait_seconds: float
     expired_grants: int
+    consumer_batch_size: int
+    """The consumer batch the budget counts with now (see `follows_consumers`)."""
+    configured_consumer_batch_size: int
+    follows_consumers: bool
+    """The budget grows to what the consumers really take per version (False: pinned)."""
+    grown_by: str
+    """Why `consumer_batch_size` last grew above the configured value ("" if it did not)."""
 
 
 class SchedulerStatus(msgspec.Struct):

@@ -5,7 +5,9 @@ no staler than `max_staleness`, computes group advantages, recomputes the proxim
 under the current weights, takes one optimizer step on the decoupled (or plain) PPO loss, acks
 and clears the samples, and every `trigger_parameter_sync_step` steps publishes the weights as
 a new version through `weight_sync`. It also feeds the prompt partition for the whole run and,
-when done, tells the rollout workers to stop (`STOP_KEY`, holding the final version).
+when done, tells the rollout workers to stop (`STOP_KEY`, holding the final version). A step
+the workers can no longer fill (they used up the prompts and sealed the train partition) ends
+the run at once with `tq.UnsatisfiableError` naming the likely cause.
 
 Run on its own against `sluice serve` (a rollout worker started the same way completes it):
 
@@ -102,6 +104,9 @@ class AsyncTrainer:
             for _ in range(at.require_batches)
         ]
         waited = time.perf_counter() - t0
+        got, need = sum(len(meta) for meta in metas), self.cfg.samples_per_step
+        if got < need:  # the train partition was sealed: the rollout workers ran out of prompts
+            raise self._ran_out(step, got, need)
         batches = [self.client.get_data(meta) for meta in metas]
         rollouts, spans = self._batch(metas, batches)
         staleness = Counter(self.version - first for first, _ in spans)  # versions behind the weights trained
@@ -132,6 +137,23 @@ class AsyncTrainer:
             staleness=staleness,
             spans=spans,
             weight_sync_s=sync_s,
+        )
+
+    def _ran_out(self, step: int, got: int, need: int) -> tq.UnsatisfiableError:
+        """The error for a step the rollout workers can no longer fill, with the likely cause: a
+        cluster that lets rollout run further ahead than this run's `max_staleness` keeps."""
+        dropped = self.client.status()["staleness"]["dropped"]
+        eta, bound = self.client.config.admission_staleness, self.cfg.max_staleness
+        cause = (
+            f"{dropped} samples were dropped as staler than this run's max_staleness={bound}, because the cluster "
+            f"lets rollout run {'any number of' if eta is None else f'{eta:g}'} versions ahead: start the cluster "
+            f"with `sluice serve --max-staleness {bound}` to match the run"
+            if dropped
+            else "none was dropped, so another consumer of the prompts took them"
+        )
+        return tq.UnsatisfiableError(
+            f"step {step} got {got} of its {need} samples: the rollout workers used up all {self.prompts_fed} prompts "
+            f"and sealed the train partition; {cause}"
         )
 
     def _batch(self, metas: list[tq.BatchMeta], batches: list[Any]) -> tuple[RolloutBatch, list[tuple[int, int]]]:
@@ -214,8 +236,15 @@ def _dense(batch: Any, width: int) -> tuple[torch.Tensor, ...]:
     return batch["prompts"], responses, logprobs, batch["rewards"], lengths
 
 
+_PROG = "python -m recipes.async_trainer"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, cfg = config_mod.command_line("python -m recipes.async_trainer", __doc__, argv)
+    return config_mod.reporting_errors(_PROG, lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args, cfg = config_mod.command_line(_PROG, __doc__, argv)
     trainer = AsyncTrainer(cfg, args.address)
     try:
         totals = trainer.run(lambda r: print(json.dumps(asdict(r)), flush=True))

@@ -19,7 +19,8 @@ How they map onto Sluice's staleness control (`tq.StalenessConfig`):
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ __all__ = [
     "TrainerConfig",
     "command_line",
     "load",
+    "reporting_errors",
     "to_yaml",
 ]
 
@@ -192,6 +194,16 @@ def command_line(
     args = parser.parse_intermixed_args(argv)
     files = [i for i in args.items if "=" not in i]
     return args, load(files, [i for i in args.items if "=" in i])
+
+
+def reporting_errors(prog: str, run: Callable[[], int]) -> int:
+    """`run()`'s exit status; a Sluice error ends the command with one line naming its type, its
+    cause and the fix (status 1), not a traceback."""
+    try:
+        return run()
+    except tq.SluiceError as exc:
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

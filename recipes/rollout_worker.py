@@ -11,7 +11,9 @@ with the policy version, one GRPO group per prompt. New weights are applied thro
 tokens so far under the new ones, and the samples record the version span (first, last).
 
 Several workers may run at once (`--worker-id` tells them apart). A worker stops when the
-trainer announces it is done (after applying the final version) or the prompts run out.
+trainer announces it is done (after applying the final version) or the prompts run out; then it
+seals the train partition, so that a trainer waiting for more samples than are left learns it
+at once.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
@@ -34,7 +36,7 @@ import transfer_queue as tq
 from weight_sync import WeightSubscriber
 
 from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
-from .config import RecipeConfig, command_line
+from .config import RecipeConfig, command_line, reporting_errors
 from .engines import make_engine
 from .task import PAD, DigitReversal
 
@@ -108,7 +110,11 @@ class RolloutWorker:
                 client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER)
             )
             if not len(meta):
-                return False  # the prompt partition is sealed and drained
+                # The prompts are sealed and drained, each acked only after its samples were put:
+                # no sample will come any more. Sealing the train partition says so, and a
+                # trainer still waiting for a batch gets what is left at once, not at its timeout.
+                await client.seal(TRAIN)
+                return False
             prompts = (await client.get_data(meta))["prompts"]
             start = time.perf_counter()
             rollouts = await asyncio.to_thread(self._generate, prompts)
@@ -249,8 +255,15 @@ class Rollouts:
         }
 
 
+_PROG = "python -m recipes.rollout_worker"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, cfg = command_line("python -m recipes.rollout_worker", __doc__, argv, worker=True)
+    return reporting_errors(_PROG, lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args, cfg = command_line(_PROG, __doc__, argv, worker=True)
     stats = asyncio.run(RolloutWorker(cfg, args.address, args.worker_id).run())
     print(json.dumps(msgspec.to_builtins(stats)), flush=True)
     return 0

@@ -32,6 +32,7 @@ from .wire.errors import (
     SluiceError,
     StaleError,
     TimeoutError,
+    UnsatisfiableError,
     VersionError,
     WeightSyncError,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "TimeoutError",
     "CapacityError",
     "SchemaError",
+    "UnsatisfiableError",
     "ProtocolError",
     "SealedError",
     "StaleError",

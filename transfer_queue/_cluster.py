@@ -131,7 +131,9 @@ def init(
     `storage_capacity` is the total across units. `max_staleness` (η) bounds how many versions
     a consumed sample may lag; `consumer_batch_size` is the trainer's samples per step, used by
     admission control; or pass a `StalenessConfig` (e.g. `StalenessConfig.from_verl(...)`) as
-    `staleness` instead. Services bind to `host` (loopback by default).
+    `staleness` instead. Admission's consumer batch grows to what the consumers really take per
+    version, so a smaller setting cannot starve them; `StalenessConfig(follow_consumers=False)`
+    pins it (see `controllers/admission.py`). Services bind to `host` (loopback by default).
 
     `backend="ray"` runs the same processes from Ray actors spread over the Ray cluster's nodes
     (it joins the running Ray session, or calls `ray.init(address=ray_address)`); pass

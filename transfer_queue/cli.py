@@ -26,6 +26,7 @@ from typing import Any
 
 from ._control_client import ControlClient
 from .wire.errors import SchemaError, SluiceError
+from .wire.staleness import StalenessConfig
 
 __all__ = ["main"]
 
@@ -66,8 +67,7 @@ def serve(args: argparse.Namespace) -> int:
     cluster = init(
         args.units,
         args.capacity,
-        max_staleness=args.max_staleness,
-        consumer_batch_size=args.consumer_batch_size,
+        staleness=StalenessConfig(args.consumer_batch_size, args.max_staleness, follow_consumers=args.follow_consumers),
         lease_timeout=args.lease_timeout,
         stale_policy=args.stale_policy,
         metrics_port=args.metrics_port,
@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics = "" if args.metrics_port is None else f", metrics on http://{args.host}:{args.metrics_port}/metrics"
         print(
             f"Sluice cluster {cluster.cluster_id}: {args.units} storage unit(s), {_bytes(args.capacity)} in all, "
-            f"max_staleness {eta}, stale policy {args.stale_policy}{metrics}. "
+            f"max_staleness {eta}{_admission(args)}, stale policy {args.stale_policy}{metrics}. "
             f"Watch it with `sluice status {cluster.address} --watch 1`; Ctrl-C stops it.",
             flush=True,
         )
@@ -103,6 +103,14 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         cluster.shutdown()
+
+
+def _admission(args: argparse.Namespace) -> str:
+    """The admission budget in the start-up line (nothing when admission is unbounded)."""
+    if args.max_staleness is None:
+        return ""
+    how = "growing to what the consumers take per version" if args.follow_consumers else "pinned"
+    return f", admission (η + version + 1) * consumer_batch_size {args.consumer_batch_size} ({how})"
 
 
 # -- status --------------------------------------------------------------------------------
@@ -186,7 +194,8 @@ def _as_tables(now: dict, before: dict) -> str:
     budget = "unbounded" if adm["budget"] is None else adm["budget"]
     out += [
         f"admission: accepted {adm['accepted']}  running {adm['running']}  budget {budget}  "
-        f"waiting {adm['waiting']}  waits {adm['waits']} ({adm['wait_seconds']:.2f}s)",
+        f"waiting {adm['waiting']}  waits {adm['waits']} ({adm['wait_seconds']:.2f}s)  "
+        f"consumer batch {adm['consumer_batch_size']} ({_follows(adm)})",
         "",
     ]
     units = [
@@ -206,6 +215,14 @@ def _as_tables(now: dict, before: dict) -> str:
         f"(open leases {now['counters']['open_leases']})",
     ]
     return "\n".join(out)
+
+
+def _follows(adm: dict) -> str:
+    if not adm["follows_consumers"]:
+        return "pinned"
+    if not adm["grown_by"]:
+        return "follows the consumers"
+    return f"grown from {adm['configured_consumer_batch_size']}: {adm['grown_by']}"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -240,7 +257,17 @@ def _parser() -> argparse.ArgumentParser:
         "--max-staleness", type=int, default=None, help="η: versions a consumed sample may lag (default unbounded)"
     )
     s.add_argument(
-        "--consumer-batch-size", type=int, default=64, help="trainer samples per version, for admission (default 64)"
+        "--consumer-batch-size",
+        type=int,
+        default=64,
+        help="trainer samples per version, for admission (default 64; grows to what the consumers take)",
+    )
+    s.add_argument(
+        "--follow-consumers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="grow the admission budget's consumer batch to what the consumers really take per version "
+        "(default); --no-follow-consumers pins it, and a consumer that needs more fails at once",
     )
     s.add_argument(
         "--lease-timeout", type=float, default=300.0, help="seconds a consumer may hold samples unacked (default 300)"

@@ -41,14 +41,24 @@ def test_grants_exactly_eta_plus_one_batches_at_version_zero(make_cluster):
         assert adm["running"] == 12 and adm["budget"] == 0 and adm["open_grants"] == 3
 
 
-def test_a_request_that_can_never_fit_is_refused_at_once(make_cluster):
-    cluster = make_cluster(max_staleness=1, consumer_batch_size=4)
+def test_a_request_a_pinned_budget_can_never_fit_is_refused_at_once(make_cluster):
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 1, follow_consumers=False))
     with cluster.connect() as client:
-        with pytest.raises(tq.SchemaError, match="can never fit"):
+        with pytest.raises(tq.UnsatisfiableError, match=r"can never fit.* = 8 slots.*consumer_batch_size >= 5"):
             client.acquire(9, timeout=30)
         with pytest.raises(tq.SchemaError):
             client.acquire(0)
         assert client.acquire(8, timeout=5).n == 8
+        assert admission(client)["consumer_batch_size"] == 4
+
+
+def test_a_producer_batch_above_a_following_budget_grows_it_to_fit(make_cluster):
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=4)
+    with cluster.connect() as client:
+        assert client.acquire(9, timeout=5).n == 9
+        adm = admission(client)
+    assert adm["consumer_batch_size"] == 5 and adm["configured_consumer_batch_size"] == 4
+    assert adm["grown_by"] == "a producer acquires 9 slots at once" and adm["budget"] == 10 - 9
 
 
 def test_acquire_waits_for_a_version_bump_and_gets_the_new_version(make_cluster):

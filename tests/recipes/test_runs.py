@@ -21,6 +21,7 @@ from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
 from recipes.rollout_worker import RolloutWorker
+from tests.helpers import eventually
 from weight_sync import WeightPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,6 +212,111 @@ def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(30)
+
+
+SLUICE = str(Path(sys.executable).with_name("sluice"))
+"""The `sluice` command as installed beside this Python."""
+FIRST_RUN = ["trainer.total_steps=4", "async_training.trigger_parameter_sync_step=1"]
+"""The trainer's overrides in issue 19's first run; everything else is a default."""
+
+
+def _first_run(*serve_flags: str) -> tuple[str, subprocess.Popen, subprocess.Popen, subprocess.Popen]:
+    """Issue 19's first run as a user types it: `sluice serve --max-staleness 2` (plus
+    `serve_flags`), a rollout worker and a trainer against the address it prints, no other flag."""
+    serve = subprocess.Popen(
+        [SLUICE, "serve", "--max-staleness", "2", *serve_flags],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    address = _lines(serve, "SLUICE_ADDRESS", 60)[-1].split()[1]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    worker = _python("-m", "recipes.rollout_worker", "--address", address, **pipes)
+    trainer = _python("-m", "recipes.async_trainer", "--address", address, *FIRST_RUN, **pipes)
+    return address, serve, worker, trainer
+
+
+def _stop(*procs: subprocess.Popen) -> list[str]:
+    """Stop `procs` (SIGINT, as Ctrl-C would) and return each one's remaining stderr."""
+    errs = []
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            errs.append(proc.communicate(timeout=60)[1])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            errs.append(proc.communicate()[1])
+    return errs
+
+
+def test_the_first_run_with_every_default_completes():
+    """The serve default's consumer batch (64) is below the trainer's 256 samples per step: the
+    budget grows to it (logged by serve, shown by status) instead of starving the trainer."""
+    address, serve, worker, trainer = _first_run()
+    try:
+        out, err = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, err[-3000:]
+        w_out, w_err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, w_err[-3000:]
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert [r["step"] for r in records[:-1]] == [1, 2, 3, 4]
+        assert records[-1]["totals"]["final_version"] == 4 and records[-1]["totals"]["samples"] == 4 * 256
+        assert json.loads(w_out.splitlines()[-1])["version"] == 4
+        with tq.ControlClient(address) as reader:
+            admission = reader.status()["admission"]
+        assert admission["consumer_batch_size"] == 256 and admission["configured_consumer_batch_size"] == 64
+        assert admission["grown_by"] == "task 'actor_update' on partition 'train' takes 256 samples per version"
+    finally:
+        (serve_err,) = _stop(serve)
+    assert "consumer_batch_size 64 -> 256 (task 'actor_update' on partition 'train' takes 256 samples" in serve_err
+
+
+@pytest.mark.slow
+def test_a_pinned_budget_below_the_trainer_s_batch_fails_the_first_run_at_once():
+    """Pinned at the default 64 per version, admission can never let in the trainer's 256: the
+    trainer says so and how to fix it, at once rather than at its 120 s batch timeout, and the
+    rollout worker it tells to stop exits cleanly."""
+    _address, serve, worker, trainer = _first_run("--no-follow-consumers")
+    try:
+        _out, err = trainer.communicate(timeout=300)
+        assert worker.wait(120) == 0
+    finally:
+        _stop(serve, worker)
+    assert trainer.returncode == 1
+    (line,) = [x for x in err.splitlines() if x.startswith("python -m recipes.async_trainer: ")]
+    assert "UnsatisfiableError: get_meta(task='actor_update', partition='train', batch_size=256)" in line
+    assert "pinned at consumer_batch_size=64" in line and "sluice serve --consumer-batch-size 256" in line
+    assert "Traceback" not in err
+
+
+def test_a_run_whose_prompts_run_out_fails_at_once():
+    """Someone else takes most of the prompts: the rollout worker uses up the rest, seals the
+    train partition, and the trainer's step, which can never fill, fails at once (not at its
+    120 s batch timeout) naming the cause; the worker then stops cleanly."""
+    serve = _python(
+        "-m", "transfer_queue.cli", "serve", "--capacity", "64MiB", "--max-staleness", "2", stdout=subprocess.PIPE
+    )
+    address = _lines(serve, "SLUICE_ADDRESS", 60)[-1].split()[1]
+    overrides = [*SMALL, "trainer.total_steps=2"]  # 64 samples per step from 8 prompts; 28 prompts fed
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    trainer = _python("-m", "recipes.async_trainer", "--address", address, *overrides, **pipes)
+    worker = None
+    try:
+        with tq.connect(address) as thief:
+            eventually(lambda: thief.status()["partitions"].get(PROMPTS, {}).get("sealed"), 120, "prompts fed")
+            thief.ack(thief.get_meta(["prompts"], 24, ROLLOUT_TASK, PROMPTS, timeout=30))  # 4 prompts left
+        worker = _python("-m", "recipes.rollout_worker", "--address", address, *overrides, **pipes)
+        _out, err = trainer.communicate(timeout=300)
+        assert worker.wait(120) == 0
+    finally:
+        _stop(serve, *([worker] if worker else []), trainer)
+    assert trainer.returncode == 1, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("python -m recipes.async_trainer: ")]
+    assert "UnsatisfiableError: step 1 got 32 of its 64 samples" in line
+    assert "used up all 28 prompts and sealed the train partition" in line and "another consumer" in line
 
 
 def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):

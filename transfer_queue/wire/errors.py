@@ -7,7 +7,9 @@ whole family at once::
      ├── TimeoutError        (also builtins.TimeoutError) not enough samples/budget/space in time
      ├── CapacityError       storage stayed full for the whole `timeout` of a put
      ├── SchemaError         (also ValueError) the data contradicts a field's dtype/shape, or
-     │                       asks for a field that does not exist; your input is wrong
+     │   │                   asks for a field that does not exist; your input is wrong
+     │   └── UnsatisfiableError  a waiting call that can never be satisfied under the
+     │                       cluster's settings (the message names the limit and the fix)
      ├── ProtocolError       a message could not be decoded or is not allowed; the peer is wrong
      ├── SealedError         put into a partition after `seal`
      ├── StaleError          a sample or version breaks the staleness rules
@@ -36,6 +38,7 @@ __all__ = [
     "TimeoutError",
     "CapacityError",
     "SchemaError",
+    "UnsatisfiableError",
     "ProtocolError",
     "SealedError",
     "StaleError",
@@ -71,6 +74,15 @@ class SchemaError(SluiceError, ValueError):
     """The input contradicts the schema: wrong dtype or shape, unknown field, bad batch size."""
 
     code = "schema"
+
+
+class UnsatisfiableError(SchemaError):
+    """A waiting call can never be satisfied under the cluster's settings, so it fails at once
+    instead of waiting out its timeout: a batch larger than the admission budget can ever let
+    in, or a request that could only be served by more samples than can ever come. The
+    message names the limit that stands in the way and how to change it."""
+
+    code = "unsatisfiable"
 
 
 class ProtocolError(SluiceError):
@@ -133,6 +145,7 @@ _BY_CODE: dict[str, type[SluiceError]] = {
         TimeoutError,
         CapacityError,
         SchemaError,
+        UnsatisfiableError,
         ProtocolError,
         SealedError,
         StaleError,

@@ -84,6 +84,10 @@ class StalenessConfig(Checked, frozen=True):
     """η of the admission budget; may be fractional (verl's threshold). Default: max_staleness."""
     partial_rollout: bool = False
     """Rollout workers interrupt generation on a new version and resume under the new weights."""
+    follow_consumers: bool = True
+    """Admission's `consumer_batch_size` grows to what the consumers really take per version
+    (never below the value given); False pins it, and what it can never let in fails at once
+    with `UnsatisfiableError` (see `controllers/admission.py`)."""
 
     @property
     def admission_staleness(self) -> float | None:

@@ -1,0 +1,181 @@
+"""No waiting call waits for what can never come, over a real cluster.
+
+A consumer whose batch is larger than the admission budget lets in would wait for samples the
+producers may not make until the trainer publishes a version, which the trainer does only after
+the batch: by default the budget follows the consumers and grows to their demand per version;
+pinned (`follow_consumers=False`), the request fails at once with `UnsatisfiableError` naming the
+budget and the fix. A sealed partition with too few samples (or groups that can never fill)
+returns what is left at once, as a stream's end.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import transfer_queue as tq
+from tests.helpers import eventually, rows
+
+
+def admission(client: tq.Client) -> dict:
+    return client.status()["admission"]
+
+
+class Producer:
+    """A rollout worker's loop in a thread: acquire `per_grant` slots, put that many rows under
+    the grant, until stopped; errors are kept for the test to raise."""
+
+    def __init__(self, address: str, per_grant: int = 4, groups: bool = False):
+        self.address, self.per_grant, self.groups = address, per_grant, groups
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> Producer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive() and not self.errors, self.errors
+
+    def _run(self) -> None:
+        try:
+            with tq.connect(self.address) as client:
+                put = 0
+                while not self.stop.is_set():
+                    try:
+                        grant = client.acquire(self.per_grant, timeout=0.5)
+                    except tq.TimeoutError:
+                        continue
+                    with grant:
+                        groups = [put // self.per_grant] * self.per_grant if self.groups else None
+                        client.put(rows(self.per_grant, put), partition="train", grant=grant, groups=groups)
+                    put += self.per_grant
+        except BaseException as exc:  # noqa: BLE001 - raised by the test thread in __exit__
+            self.errors.append(exc)
+
+
+# -- the budget follows the consumers (the default) ------------------------------------------
+
+
+def test_a_consumer_batch_larger_than_the_budget_grows_it_and_is_served(make_cluster):
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=4)  # admits 8 at version 0
+    with Producer(cluster.address), cluster.connect() as trainer:
+        meta = trainer.get_meta(["x"], 16, task="train", timeout=60)
+        adm = admission(trainer)
+    assert len(meta) == 16
+    assert adm["consumer_batch_size"] == 16 and adm["configured_consumer_batch_size"] == 4
+    assert adm["follows_consumers"]
+    assert adm["grown_by"] == "task 'train' on partition 'train' takes 16 samples per version"
+
+
+def test_the_budget_learns_several_batches_per_version_even_with_no_slack(make_cluster):
+    """η = 0 leaves no version of slack: two batches of 8 per version need a budget of 16 per
+    version, learned in the first version from what the trainer took and waits for."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with Producer(cluster.address), cluster.connect() as trainer:
+        for version in range(3):
+            for _ in range(2):
+                meta = trainer.get_meta(["x"], 8, task="train", timeout=60)
+                assert meta.policy_versions == [version] * 8
+                trainer.ack(meta)
+                trainer.clear(meta)
+            trainer.set_version(version + 1)
+        status = trainer.status()
+    assert status["admission"]["consumer_batch_size"] == 16
+    assert status["staleness"]["histogram"] == {"0": 48}
+
+
+# -- a pinned budget fails at once what it can never let in ----------------------------------
+
+
+def test_a_consumer_batch_a_pinned_budget_never_lets_in_fails_at_once(make_cluster):
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 1, follow_consumers=False))
+    with cluster.connect() as client:
+        for k in range(2):  # the whole budget at version 0: (1 + 0 + 1) * 4
+            with client.acquire(4, timeout=5) as grant:
+                client.put(rows(4, 4 * k), partition="train", grant=grant)
+        with pytest.raises(tq.UnsatisfiableError) as caught:
+            client.get_meta(["x"], 12, task="train", timeout=60)  # a wait would end in TimeoutError
+        message = str(caught.value)
+        assert "takes 12 samples per version" in message
+        assert "pinned at consumer_batch_size=4" in message and "= 8; now accepted 8, running 0" in message
+        assert "sluice serve --consumer-batch-size 12" in message and "--no-follow-consumers" in message
+        status = client.status()
+        assert status["counters"]["parked_get_meta"] == 0
+        assert status["admission"]["consumer_batch_size"] == 4 and not status["admission"]["follows_consumers"]
+        assert len(client.get_meta(["x"], 8, task="train", timeout=5)) == 8  # what was let in is still served
+
+
+def test_a_parked_consumer_fails_once_the_pinned_budget_is_spent(make_cluster):
+    """The trainer asks first, before any sample exists; its request fails as soon as the
+    producers have spent the budget, not at its timeout."""
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        with tq.connect(cluster.address) as trainer:
+            try:
+                trainer.get_meta(["x"], 8, task="train", timeout=300)
+            except tq.SluiceError as exc:
+                errors.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    with cluster.connect() as producer:
+        eventually(lambda: producer.status()["counters"]["parked_get_meta"] == 1)
+        with producer.acquire(4, timeout=5) as grant:
+            producer.put(rows(4), partition="train", grant=grant)
+        consumer.join(60)
+    assert not consumer.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], tq.UnsatisfiableError), errors
+    assert "takes 8 samples per version" in str(errors[0])
+
+
+def test_groups_larger_than_a_pinned_budget_fail_at_once(make_cluster):
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
+    with cluster.connect() as client:
+        with client.acquire(4, timeout=5) as grant:
+            client.put(rows(4), partition="train", grant=grant, groups=[0] * 4)
+        with pytest.raises(tq.UnsatisfiableError, match="takes 8 samples per version"):
+            client.get_meta(["x"], 8, task="train", sampler="grpo_group", group_size=8, timeout=60)
+
+
+def test_a_timeout_held_by_a_pinned_budget_names_it(make_cluster):
+    """Another task took (and cleared) what admission let in: this task's demand fits the
+    budget, so it waits, and its TimeoutError names the budget rather than `allow_partial`."""
+    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
+    with cluster.connect() as client:
+        with client.acquire(4, timeout=5) as grant:
+            client.put(rows(4), partition="train", grant=grant)
+        client.clear(client.get_meta(["x"], 4, task="eval", timeout=5))
+        with pytest.raises(tq.TimeoutError, match="admission lets no more producers in") as caught:
+            client.get_meta(["x"], 4, task="train", timeout=0.5)
+    assert "(0 + 0 + 1) * 4 = 4; now accepted 4, running 0" in str(caught.value)
+    assert "allow_partial" not in str(caught.value)
+
+
+# -- sealed partitions end at once -------------------------------------------------------------
+
+
+def test_a_partition_sealed_before_enough_samples_returns_the_rest_at_once(make_cluster):
+    cluster = make_cluster()
+    with cluster.connect() as client:
+        client.put(rows(3), partition="train")
+        client.seal("train")
+        meta = client.get_meta(["x"], 8, task="train", timeout=60)  # a wait would end in TimeoutError
+        assert len(meta) == 3
+        client.ack(meta)
+        assert len(client.get_meta(["x"], 8, task="train", timeout=60)) == 0
+
+
+def test_groups_that_can_never_fill_in_a_sealed_partition_end_at_once(make_cluster):
+    cluster = make_cluster()
+    with cluster.connect() as client:
+        client.put(rows(6), partition="train", groups=[0, 0, 0, 1, 1, 1])  # groups of 3, sampler wants 4
+        client.seal("train")
+        meta = client.get_meta(["x"], 8, task="train", sampler="grpo_group", group_size=4, timeout=60)
+        assert len(meta) == 0
