@@ -27,6 +27,7 @@ CONTRACT = {
     "VersionError",
     "ServiceError",
     "InternalError",
+    "UnsatisfiableError",
     "ClosedError",
 }
 CLIENT_METHODS = {
