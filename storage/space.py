@@ -79,7 +79,7 @@ class SpaceQueue:
         return len(self._queue)
 
     def need(self, sizes: Sequence[int]) -> int:
-        """Arena bytes the chunks of `sizes` occupy (whole pages)."""
+        """Arena bytes the chunks of `sizes` occupy (each rounded up to the arena's alignment)."""
         rounded = self.arena.allocator.rounded
         return sum(rounded(s) for s in sizes)
 
