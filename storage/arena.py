@@ -24,8 +24,8 @@ import threading
 
 import numpy as np
 
-from transfer_queue._sizes import ALIGN
 from transfer_queue.host import arena_path, map_file
+from transfer_queue.wire.sizes import ALIGN
 
 __all__ = ["ALIGN", "ExtentAllocator", "Chunk", "Arena"]
 
@@ -38,7 +38,7 @@ class ExtentAllocator:
 
     An extent occupies its bytes rounded up to `align` (`rounded`), so a write costs its own bytes
     plus at most `align - 1` per field, and the controller, which accounts the same rounding
-    (`transfer_queue._sizes.arena_bytes`), agrees with the unit's `used` to within a put's
+    (`transfer_queue.wire.sizes.arena_bytes`), agrees with the unit's `used` to within a put's
     `row_bytes` rounding. Free extents are indexed three ways: by (size, start) in a sorted list
     (best fit: the smallest that fits, the lowest address among equals, so large free extents
     stay whole for large writes), and by start and by end (freeing merges an extent with both

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Generator
 from typing import Any
 
 import zmq
@@ -45,10 +45,10 @@ from transfer_queue.wire.messages import (
 from transfer_queue.wire.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
 
 from .arena import Arena, Chunk
-from .space import SpaceQueue, Ticket
+from .space import Piece, Placed, SpaceQueue, Ticket, chunks_of
 from .staging import Staging
 from .table import Table
-from .writes import Reservation, check_frames, field_sizes
+from .writes import Reservation, Shape, check_frames, field_sizes
 
 __all__ = ["StorageUnit"]
 
@@ -226,9 +226,10 @@ class StorageUnit(Service):
                 f"a write of {need} bytes to partition {msg.partition!r} can never fit storage unit "
                 f"{self.unit_id} of {self.arena.capacity} bytes; split the put or raise storage_capacity"
             )
-        chunks = self.space.alloc_now(sizes)
-        if chunks is not None:
-            reply = self._store(msg, frames, chunks)
+        shape = Shape(msg, sizes)
+        placed = self.space.alloc_now(shape)
+        if placed is not None:
+            reply = self._store(msg, frames, placed)
             if reply is not None and msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
                 return _Answer(reply)  # the frames go before the reply, not after the next put's arrive
             return reply
@@ -240,28 +241,31 @@ class StorageUnit(Service):
         if held and self.space.held and self.space.held + held > self.arena.capacity // _HELD_SHARE:
             why = f" and {self.space.held} bytes of written frames already wait for space, so this write is refused at once"
             raise CapacityError(self._full_message(need, why))
-        return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
+        return self.space.enqueue(shape, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
-    def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled | None:
-        """Store frames into freshly allocated chunks (`staging`) and register the rows, or reserve them."""
+    def _store(self, msg: Write, frames: list[Any], placed: Placed) -> Handled | None:
+        """Store frames into freshly allocated extents (`staging`) and register the rows, or
+        reserve them (a shm write's fields are never split: one piece each)."""
         if msg.via == "shm":
-            return self._reserve(msg, chunks)
+            return self._reserve(msg, [pieces[0].chunk for pieces in placed])
         try:
             self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
         except SchemaError:
-            self.space.release(chunks)
+            self.space.release(chunks_of(placed))
             raise  # reported by whoever called (`_on_write`, `_reported`)
-        self.staging.store(chunks, frames)
-        self._register(msg, chunks)
+        self.staging.store(placed, frames)
+        self._register(msg, placed)
         self.staging.keep(self.arena.capacity // _HELD_SHARE - self.space.held)
         return _answer(msg, WriteReply())
 
-    def _register(self, msg: Write, chunks: Sequence[Chunk]) -> None:
+    def _register(self, msg: Write, placed: Placed) -> None:
         new_rows = msg.put < 0 and self._controller is not None and not self.table.holds(msg.partition, msg.indexes)
-        for (name, spec), chunk in zip(msg.fields.items(), chunks):
+        for (name, spec), pieces in zip(msg.fields.items(), placed):
             lengths = msg.lengths.get(name) if spec.ragged else None
-            self.table.insert(msg.partition, name, spec, msg.indexes, chunk, lengths)
-        self.space.release(chunks)  # the creator's references; replaced rows may have freed space
+            for chunk, lo, hi, _ in pieces:
+                part = None if lengths is None else lengths[lo:hi]
+                self.table.insert(msg.partition, name, spec, msg.indexes[lo:hi], chunk, part)
+        self.space.release(chunks_of(placed))  # the creator's references; replaced rows may have freed space
         self._land(msg, new_rows=new_rows)
 
     def _reserve(self, msg: Write, chunks: list[Chunk]) -> WriteReply:
@@ -310,7 +314,8 @@ class StorageUnit(Service):
             self.space.release(res.chunks)
             self._land(res.msg, exc)
             raise
-        self._register(res.msg, res.chunks)
+        rows = len(res.msg.indexes)
+        self._register(res.msg, [[Piece(chunk, 0, rows, 0)] for chunk in res.chunks])
         return _answer(res.msg, Ok())
 
     # -- Read ----------------------------------------------------------------------------
@@ -398,6 +403,8 @@ class StorageUnit(Service):
             "prefaulted": self.arena.prefaulted,
             "rows": self.table.row_counts(),
             "pending_writes": len(self.space),
+            "writes_waited": self.space.waited,
+            "fields_split": self.space.split,
             "pending_bytes": self.space.held,
             "staged_bytes": self.staging.bytes,
             "unstaged_bytes": self.staging.copied,
