@@ -5,11 +5,10 @@ A write needs one chunk per field, all or nothing. A field of a frame write that
 extent holds is placed in up to `MAX_PIECES` extents instead, split between rows (`Piece`), so
 an arena whose free bytes are scattered by a long run of small and large writes and frees still
 places any write whose rows fit: only a row larger than every free extent waits. When a write
-does not fit (or others already
-wait: no overtaking, so a large write is never starved by a stream of small ones), the write
-takes its place in a FIFO at once and its handler returns a `Ticket` to await. Whoever frees
-space calls `wake()`, which hands chunks to waiters from the head of the queue for as long as
-they fit. A waiter whose `timeout` passes first gets `CapacityError` from a `loop.call_later`
+does not fit (or others already wait: no overtaking, so a large write is never starved by a
+stream of small ones), the write takes its place in a FIFO at once and its handler returns a
+`Ticket` to await. Whoever frees space calls `wake()`, which hands extents to waiters from the
+head of the queue for as long as they fit. A waiter whose `timeout` passes first gets `CapacityError` from a `loop.call_later`
 timer: nothing polls, nothing sleeps.
 
 A waiting write can also vanish: the client withdraws it (`Cancel`) or the service stops, maybe
