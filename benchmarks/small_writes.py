@@ -36,8 +36,8 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from benchmarks._common import print_table, write_record
-from transfer_queue._messages import Reply, UnitStatus
-from transfer_queue.rpc import Channel, Codec
+from transfer_queue.wire.messages import Reply, UnitStatus
+from transfer_queue.wire.rpc import Channel, Codec
 
 
 def _unit_status(address: str) -> dict[str, Any]:
