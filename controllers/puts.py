@@ -147,7 +147,11 @@ class Puts:
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
         self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares))
-        return PutPlan(list(range(first, first + msg.n)), units.tolist())
+        sign = self.links.tickets.sign
+        tickets = {
+            u: sign(msg.partition, first, u, (first + np.flatnonzero(units == u)).tolist(), msg.fields) for u in shares
+        }
+        return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets)
 
     def _full(self, msg: BeginPut) -> str:
         ledger = self.ledger

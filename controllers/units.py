@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from transfer_queue.wire.auth import WriteTickets
 from transfer_queue.wire.errors import ProtocolError, ServiceError, SluiceError
 from transfer_queue.wire.messages import Free, Ok, Ping, RegisterUnit, Reply, UnitInfo
 from transfer_queue.wire.rpc import AsyncChannel, Codec, Credentials
@@ -58,6 +59,8 @@ class UnitLinks:
         self._end_puts_on = end_puts_on
         self._lose = lose
         self._secret = secret
+        self.tickets = WriteTickets(secret)
+        """Signs each unit's share of a placed put, which the unit checks (`Write.ticket`)."""
         self._credentials = credentials
         self._codec = Codec(Reply)
         self.channels: dict[int, AsyncChannel] = {}

@@ -1,7 +1,7 @@
 """`python -m storage`: run one storage unit.
 
     python -m storage --unit-id K --capacity BYTES --cluster-id ID [--host 127.0.0.1]
-                      [--controller tcp://HOST:PORT] [--page-bytes 65536] [--register-timeout 30]
+                      [--controller tcp://HOST:PORT] [--register-timeout 30]
 
 Binds `tcp://{host}:*` (a free port; loopback unless told otherwise), creates the arena
 `/dev/shm/sluice-{ID}-u{K}`, registers with the controller when one is given (and waits for its
@@ -32,7 +32,6 @@ from transfer_queue.wire.messages import Ok, RegisterUnit, Reply, UnitInfo
 from transfer_queue.wire.rpc import AsyncChannel, Codec, Credentials, Service, credentials_from_env, run_service
 from transfer_queue.wire.sizes import parse_bytes
 
-from .arena import PAGE_BYTES
 from .service import StorageUnit
 
 ANNOUNCE = "SLUICE_STORAGE"
@@ -88,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-id", required=True, help="names the /dev/shm arena file")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
     p.add_argument("--controller", default=None, help="controller endpoint to register with")
-    p.add_argument("--page-bytes", type=parse_bytes, default=PAGE_BYTES, help="allocation granularity")
     p.add_argument("--register-timeout", type=float, default=30.0)
     return p
 
@@ -115,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def make() -> Service:
         credentials = credentials_from_env()
-        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, args.page_bytes, credentials)
+        unit = StorageUnit(args.unit_id, args.capacity, args.cluster_id, args.host, credentials=credentials)
         if args.controller is None:
             return unit
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The unit's memory: one shared-memory file, carved into page-granular extents.
+"""The unit's memory: one shared-memory file, carved into extents of any size.
 
 A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`, of `capacity`
 bytes, mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
@@ -7,7 +7,7 @@ pages stay warm after the first use (a first-touch fault costs far more than a w
 docs/architecture.md, section 3),
 and a co-located client can map the same file and copy straight in or out.
 
-`ExtentAllocator` is the pure bookkeeping (first-fit over 64 KiB pages, coalescing free list);
+`ExtentAllocator` is the pure bookkeeping (best fit over `ALIGN`-byte extents, coalescing);
 `Arena` adds the file and its mapping; `Chunk` is one allocated extent (one Write's rows of one
 field) with a reference count: one reference per stored row plus one per holder (a writer until
 it registers its rows, a zero-copy reply frame until ZeroMQ has sent it). The extent goes back to
@@ -25,40 +25,41 @@ import threading
 import numpy as np
 
 from transfer_queue.host import arena_path, map_file
+from transfer_queue.wire.sizes import ALIGN
 
-__all__ = ["PAGE_BYTES", "ExtentAllocator", "Chunk", "Arena"]
+__all__ = ["ALIGN", "ExtentAllocator", "Chunk", "Arena"]
 
-PAGE_BYTES = 64 << 10
-"""Allocation granularity: every chunk occupies a whole number of 64 KiB pages."""
 PREFAULT_STEP = 64 << 20
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we skip pre-faulting
 
 
 class ExtentAllocator:
-    """First-fit allocator of page-granular extents of `[0, capacity)`.
+    """Best-fit allocator of `ALIGN`-byte-aligned extents of `[0, capacity)`.
 
-    The free list is two parallel lists (start page, page count) sorted by start; freeing merges
-    an extent with both neighbours, so a fully freed allocator is again one extent. Allocation
-    scans the free list (it stays short: at most one entry more than live chunks).
+    An extent occupies its bytes rounded up to `align` (`rounded`), so a write costs its own bytes
+    plus at most `align - 1` per field, and the controller, which accounts the same rounding
+    (`transfer_queue.wire.sizes.arena_bytes`), agrees with the unit's `used` to within a put's
+    `row_bytes` rounding. Free extents are indexed three ways: by (size, start) in a sorted list
+    (best fit: the smallest that fits, the lowest address among equals, so large free extents
+    stay whole for large writes), and by start and by end (freeing merges an extent with both
+    neighbours in O(1) look-ups, so a fully freed allocator is again one extent). Live extents
+    are remembered by start, so a double or mismatched free is caught instead of corrupting data.
     """
 
-    def __init__(self, capacity: int, page_bytes: int = PAGE_BYTES):
-        if page_bytes <= 0 or page_bytes & (page_bytes - 1):
-            raise ValueError(f"page_bytes must be a power of two, got {page_bytes}")
-        pages = capacity // page_bytes
-        if pages <= 0:
-            raise ValueError(f"capacity {capacity} is smaller than one page of {page_bytes} bytes")
-        self.page_bytes = page_bytes
-        self.pages = pages
-        self.capacity = pages * page_bytes
-        self._starts: list[int] = [0]
-        self._sizes: list[int] = [pages]
-        self._used_pages = 0
-
-    @property
-    def used(self) -> int:
-        """Bytes currently allocated (whole pages)."""
-        return self._used_pages * self.page_bytes
+    def __init__(self, capacity: int, align: int = ALIGN):
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"align must be a power of two, got {align}")
+        capacity = capacity // align * align
+        if capacity <= 0:
+            raise ValueError(f"capacity {capacity} is smaller than one extent of {align} bytes")
+        self.align = align
+        self.capacity = capacity
+        self._by_size: list[tuple[int, int]] = [(capacity, 0)]
+        self._by_start: dict[int, int] = {0: capacity}
+        self._by_end: dict[int, int] = {capacity: 0}
+        self._live: dict[int, int] = {}
+        self.used = 0
+        """Bytes currently allocated (each extent rounded up to `align`)."""
 
     @property
     def free_bytes(self) -> int:
@@ -67,19 +68,15 @@ class ExtentAllocator:
     @property
     def largest_free(self) -> int:
         """The largest single allocation that would succeed now, in bytes."""
-        return max(self._sizes, default=0) * self.page_bytes
+        return self._by_size[-1][0] if self._by_size else 0
 
     def extents(self) -> list[tuple[int, int]]:
         """Free extents as (offset, nbytes), by offset."""
-        pb = self.page_bytes
-        return [(s * pb, n * pb) for s, n in zip(self._starts, self._sizes)]
+        return sorted(self._by_start.items())
 
     def rounded(self, nbytes: int) -> int:
-        """Bytes an allocation of `nbytes` occupies (whole pages; 0 for 0)."""
-        return self._pages(nbytes) * self.page_bytes
-
-    def _pages(self, nbytes: int) -> int:
-        return -(-nbytes // self.page_bytes)
+        """Bytes an allocation of `nbytes` occupies (a multiple of `align`; 0 for 0)."""
+        return -(-nbytes // self.align) * self.align
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new extent of at least `nbytes` bytes, or None when no free extent fits.
@@ -88,54 +85,57 @@ class ExtentAllocator:
         """
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
-        need = self._pages(nbytes)
+        need = self.rounded(nbytes)
         if need == 0:
             return 0
-        sizes = self._sizes
-        for i, size in enumerate(sizes):
-            if size >= need:
-                start = self._starts[i]
-                if size == need:
-                    del self._starts[i], sizes[i]
-                else:
-                    self._starts[i] = start + need
-                    sizes[i] = size - need
-                self._used_pages += need
-                return start * self.page_bytes
-        return None
+        by_size = self._by_size
+        i = bisect.bisect_left(by_size, (need, -1))
+        if i == len(by_size):
+            return None
+        size, start = by_size.pop(i)
+        del self._by_start[start], self._by_end[start + size]
+        if size > need:
+            self._add(start + need, size - need)
+        self._live[start] = need
+        self.used += need
+        return start
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return the extent that `alloc(nbytes)` gave at `offset`.
 
-        Raises `ValueError` for an extent that is misaligned, out of range or (partly) free
-        already: that is a bookkeeping bug, and silently accepting it would corrupt data later.
+        Raises `ValueError` for an extent that is not live (never allocated, freed already, or
+        of another size): that is a bookkeeping bug, and silently accepting it would corrupt
+        data later.
         """
-        n = self._pages(nbytes)
-        if n == 0:
+        need = self.rounded(nbytes)
+        if need == 0:
             return
-        start, rem = divmod(offset, self.page_bytes)
-        if rem or start < 0 or start + n > self.pages:
+        if self._live.get(offset) != need:
             raise ValueError(f"extent ({offset}, {nbytes}) is not an allocated extent")
-        starts, sizes = self._starts, self._sizes
-        i = bisect.bisect_right(starts, start)  # free extents before i start at or before `start`
-        if i > 0 and starts[i - 1] + sizes[i - 1] > start:
-            raise ValueError(f"extent ({offset}, {nbytes}) is already free")
-        if i < len(starts) and starts[i] < start + n:
-            raise ValueError(f"extent ({offset}, {nbytes}) overlaps a free extent")
-        merge_prev = i > 0 and starts[i - 1] + sizes[i - 1] == start
-        merge_next = i < len(starts) and starts[i] == start + n
-        if merge_prev and merge_next:
-            sizes[i - 1] += n + sizes[i]
-            del starts[i], sizes[i]
-        elif merge_prev:
-            sizes[i - 1] += n
-        elif merge_next:
-            starts[i] = start
-            sizes[i] += n
-        else:
-            starts.insert(i, start)
-            sizes.insert(i, n)
-        self._used_pages -= n
+        del self._live[offset]
+        self.used -= need
+        start, size = offset, need
+        before = self._by_end.get(start)
+        if before is not None:
+            size += self._take(before)
+            start = before
+        after = self._by_start.get(start + size)
+        if after is not None:
+            size += self._take(start + size)
+        self._add(start, size)
+
+    def _add(self, start: int, size: int) -> None:
+        bisect.insort(self._by_size, (size, start))
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+
+    def _take(self, start: int) -> int:
+        """Remove the free extent at `start` from the indexes; returns its size."""
+        size = self._by_start.pop(start)
+        del self._by_end[start + size]
+        by_size = self._by_size
+        del by_size[bisect.bisect_left(by_size, (size, start))]
+        return size
 
 
 class Chunk:
@@ -162,8 +162,8 @@ class Arena:
     the arena go through them. Create with `Arena.create`; `close()` unmaps and unlinks the file.
     """
 
-    def __init__(self, path: str, capacity: int, page_bytes: int = PAGE_BYTES):
-        self.allocator = ExtentAllocator(capacity, page_bytes)
+    def __init__(self, path: str, capacity: int):
+        self.allocator = ExtentAllocator(capacity)
         self.path = path
         self.size = capacity
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -192,15 +192,15 @@ class Arena:
         """Bytes pre-faulted so far (the whole mapping once the background pass is done)."""
 
     @classmethod
-    def create(cls, cluster_id: str, unit_id: int, capacity: int, page_bytes: int = PAGE_BYTES) -> Arena:
+    def create(cls, cluster_id: str, unit_id: int, capacity: int) -> Arena:
         """The arena of unit `unit_id`; `FileExistsError` if another process holds that name."""
-        return cls(arena_path(cluster_id, unit_id), capacity, page_bytes)
+        return cls(arena_path(cluster_id, unit_id), capacity)
 
     # -- accounting ----------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        """Bytes available to chunks (the file size rounded down to whole pages)."""
+        """Bytes available to chunks (the file size rounded down to `ALIGN`)."""
         return self.allocator.capacity
 
     @property

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Generator
 from typing import Any
 
 import zmq
 
 from transfer_queue.host import give_back_freed_memory
+from transfer_queue.wire.auth import WriteTickets
 from transfer_queue.wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, TimeoutError
 from transfer_queue.wire.messages import (
     CommitWrite,
@@ -43,11 +44,11 @@ from transfer_queue.wire.messages import (
 )
 from transfer_queue.wire.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
 
-from .arena import PAGE_BYTES, Arena, Chunk
-from .space import SpaceQueue, Ticket
+from .arena import Arena, Chunk
+from .space import Piece, Placed, SpaceQueue, Ticket, chunks_of
 from .staging import Staging
 from .table import Table
-from .writes import Reservation, check_frames, field_sizes
+from .writes import Reservation, Shape, check_frames, field_sizes
 
 __all__ = ["StorageUnit"]
 
@@ -76,11 +77,10 @@ class StorageUnit(Service):
         capacity: int,
         cluster_id: str,
         host: str = "127.0.0.1",
-        page_bytes: int = PAGE_BYTES,
         credentials: Credentials | None = None,
     ):
         self.unit_id = unit_id
-        self.arena = Arena.create(cluster_id, unit_id, capacity, page_bytes)
+        self.arena = Arena.create(cluster_id, unit_id, capacity)
         try:
             super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials)
         except BaseException:
@@ -90,6 +90,9 @@ class StorageUnit(Service):
         self.space = SpaceQueue(self.arena, self._full_message)
         self.reservations: dict[int, Reservation] = {}
         self._controller: tuple[AsyncChannel, str] | None = None
+        self._tickets: WriteTickets | None = None
+        self.unplanned = 0
+        """Writes refused because the controller did not plan them (no valid ticket)."""
         self._expired: OrderedDict[int, float] = OrderedDict()
         self._next_token = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,7 +152,23 @@ class StorageUnit(Service):
 
     def _on_write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled | None] | None:
         """Store (or reserve) a write. One of an open put's new rows is a notice: it reports how it
-        ended to the controller (`_land`), and its producer hears only a refusal."""
+        ended to the controller (`_land`), and its producer hears only a refusal.
+
+        Raises:
+            ProtocolError: (not reported) the write is of an open put's rows and, on a unit
+                registered with a controller, lacks the ticket of the controller's plan: nothing
+                of it is stored."""
+        if (
+            msg.put >= 0
+            and self._tickets is not None
+            and not self._tickets.valid(msg.ticket, msg.partition, msg.put, self.unit_id, msg.indexes, msg.fields)
+        ):
+            self.unplanned += 1
+            raise ProtocolError(
+                f"storage unit {self.unit_id} refused a write of {len(msg.indexes)} rows of partition "
+                f"{msg.partition!r} for put {msg.put}: the controller did not place these rows and fields "
+                "here (no valid ticket from its PutPlan)"
+            )
         try:
             handled = self._write(msg, frames)
         except Exception as exc:  # noqa: BLE001 - reported as the service answers it, then raised
@@ -171,17 +190,23 @@ class StorageUnit(Service):
             raise
 
     def report_to(self, controller: AsyncChannel, secret: str) -> None:
-        """Report the outcome of put writes to `controller` (the channel the unit registered on)."""
+        """Report the outcome of put writes to `controller` (the channel the unit registered on),
+        and from now on store an open put's rows only with its ticket (signed with `secret`)."""
         self._controller = controller, secret
+        self._tickets = WriteTickets(secret)
 
-    def _land(self, msg: Write, error: BaseException | None = None) -> None:
-        """Tell the controller how a put's write ended (new columns need no report), once the
-        handler returned and with it the write's frames (dropped, or staged within their share of
-        memory): the report lets the controller commit the put and admit the next one to this
-        unit, whose frames must not arrive while this write's are still held (what
-        `_LATE_REPLY_BYTES` does for replies). A write refused before its handler ran
-        (undecodable) cannot be reported: its put ends at its producer's commit timeout."""
-        if msg.put < 0 or self._controller is None:
+    def _land(self, msg: Write, error: BaseException | None = None, new_rows: bool = False) -> None:
+        """Tell the controller how a put's write ended, once the handler returned and with it the
+        write's frames (dropped, or staged within their share of memory): the report lets the
+        controller commit the put and admit the next one to this unit, whose frames must not
+        arrive while this write's are still held (what `_LATE_REPLY_BYTES` does for replies). A
+        write refused before its handler ran (undecodable) cannot be reported: its put ends at its
+        producer's commit timeout.
+
+        New columns (`put` -1) are reported only when stored for rows this unit did not hold
+        (`new_rows`, a keyed sample's first field, or rows nobody placed): the controller frees
+        those of them that are no live sample of the partition, so a unit never keeps them."""
+        if self._controller is None or (msg.put < 0 and (error is not None or not new_rows)):
             return
         channel, secret = self._controller
         failed = None if error is None else error_reply(error)  # what the producer is answered
@@ -201,9 +226,10 @@ class StorageUnit(Service):
                 f"a write of {need} bytes to partition {msg.partition!r} can never fit storage unit "
                 f"{self.unit_id} of {self.arena.capacity} bytes; split the put or raise storage_capacity"
             )
-        chunks = self.space.alloc_now(sizes)
-        if chunks is not None:
-            reply = self._store(msg, frames, chunks)
+        shape = Shape(msg, sizes)
+        placed = self.space.alloc_now(shape)
+        if placed is not None:
+            reply = self._store(msg, frames, placed)
             if reply is not None and msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
                 return _Answer(reply)  # the frames go before the reply, not after the next put's arrive
             return reply
@@ -215,28 +241,32 @@ class StorageUnit(Service):
         if held and self.space.held and self.space.held + held > self.arena.capacity // _HELD_SHARE:
             why = f" and {self.space.held} bytes of written frames already wait for space, so this write is refused at once"
             raise CapacityError(self._full_message(need, why))
-        return self.space.enqueue(sizes, msg.timeout, lambda got: self._store(msg, frames, got), held)
+        return self.space.enqueue(shape, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
-    def _store(self, msg: Write, frames: list[Any], chunks: list[Chunk]) -> Handled | None:
-        """Store frames into freshly allocated chunks (`staging`) and register the rows, or reserve them."""
+    def _store(self, msg: Write, frames: list[Any], placed: Placed) -> Handled | None:
+        """Store frames into freshly allocated extents (`staging`) and register the rows, or
+        reserve them (a shm write's fields are never split: one piece each)."""
         if msg.via == "shm":
-            return self._reserve(msg, chunks)
+            return self._reserve(msg, [pieces[0].chunk for pieces in placed])
         try:
             self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
         except SchemaError:
-            self.space.release(chunks)
+            self.space.release(chunks_of(placed))
             raise  # reported by whoever called (`_on_write`, `_reported`)
-        self.staging.store(chunks, frames)
-        self._register(msg, chunks)
+        self.staging.store(placed, frames)
+        self._register(msg, placed)
         self.staging.keep(self.arena.capacity // _HELD_SHARE - self.space.held)
         return _answer(msg, WriteReply())
 
-    def _register(self, msg: Write, chunks: Sequence[Chunk]) -> None:
-        for (name, spec), chunk in zip(msg.fields.items(), chunks):
+    def _register(self, msg: Write, placed: Placed) -> None:
+        new_rows = msg.put < 0 and self._controller is not None and not self.table.holds(msg.partition, msg.indexes)
+        for (name, spec), pieces in zip(msg.fields.items(), placed):
             lengths = msg.lengths.get(name) if spec.ragged else None
-            self.table.insert(msg.partition, name, spec, msg.indexes, chunk, lengths)
-        self.space.release(chunks)  # the creator's references; replaced rows may have freed space
-        self._land(msg)
+            for chunk, lo, hi, _ in pieces:
+                part = None if lengths is None else lengths[lo:hi]
+                self.table.insert(msg.partition, name, spec, msg.indexes[lo:hi], chunk, part)
+        self.space.release(chunks_of(placed))  # the creator's references; replaced rows may have freed space
+        self._land(msg, new_rows=new_rows)
 
     def _reserve(self, msg: Write, chunks: list[Chunk]) -> WriteReply:
         token = self._next_token
@@ -284,7 +314,8 @@ class StorageUnit(Service):
             self.space.release(res.chunks)
             self._land(res.msg, exc)
             raise
-        self._register(res.msg, res.chunks)
+        rows = len(res.msg.indexes)
+        self._register(res.msg, [[Piece(chunk, 0, rows, 0)] for chunk in res.chunks])
         return _answer(res.msg, Ok())
 
     # -- Read ----------------------------------------------------------------------------
@@ -367,16 +398,20 @@ class StorageUnit(Service):
             "used": alloc.used,
             "free": alloc.free_bytes,
             "largest_free": alloc.largest_free,
-            "page_bytes": alloc.page_bytes,
+            "align": alloc.align,
+            "free_extents": len(alloc.extents()),
             "prefaulted": self.arena.prefaulted,
             "rows": self.table.row_counts(),
             "pending_writes": len(self.space),
+            "writes_waited": self.space.waited,
+            "fields_split": self.space.split,
             "pending_bytes": self.space.held,
             "staged_bytes": self.staging.bytes,
             "unstaged_bytes": self.staging.copied,
             "reservations": len(self.reservations),
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
             "rejected": self.rejected,
+            "unplanned": self.unplanned,
             "auth_refused": self.auth_refused,
             "served": self.served,
         }

@@ -11,12 +11,13 @@ bytes, a read run spans chunks, or staged frames exceed their share of memory (o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from .arena import Arena, Chunk
+from .space import Placed, chunks_of
 
 __all__ = ["STAGE_BYTES", "STAGE_SHARE", "Staging"]
 
@@ -39,19 +40,22 @@ class Staging:
         self.copied = 0
         """Bytes of staged frames copied into the arena after all (the rest were freed uncopied)."""
 
-    def store(self, chunks: Sequence[Chunk], frames: Iterable[Any]) -> None:
-        """Put a write's frames into its freshly allocated `chunks`: large fields staged (when the
-        write is small enough to stage), the rest copied into the arena now."""
-        stage = sum(c.nbytes for c in chunks) <= self.arena.capacity // STAGE_SHARE
+    def store(self, placed: Placed, frames: Iterable[Any]) -> None:
+        """Put a write's frames into its freshly allocated extents: large fields in one piece
+        staged (when the write is small enough to stage), the rest copied into the arena now."""
+        stage = sum(c.nbytes for c in chunks_of(placed)) <= self.arena.capacity // STAGE_SHARE
         array = self.arena.array
-        for chunk, frame in zip(chunks, frames):
+        for pieces, frame in zip(placed, frames):
             data = np.frombuffer(frame, dtype=np.uint8)
-            if stage and chunk.nbytes >= STAGE_BYTES:
+            chunk = pieces[0].chunk
+            if stage and len(pieces) == 1 and chunk.nbytes >= STAGE_BYTES:
                 chunk.staged = data
                 self._chunks[chunk] = None
                 self.bytes += chunk.nbytes
-            elif chunk.nbytes:
-                array[chunk.offset : chunk.offset + chunk.nbytes] = data
+                continue
+            for chunk, _, _, start in pieces:
+                if chunk.nbytes:
+                    array[chunk.offset : chunk.offset + chunk.nbytes] = data[start : start + chunk.nbytes]
 
     def keep(self, most: int) -> None:
         """Copy staged frames into the arena, oldest first, until at most `most` bytes stay

@@ -199,6 +199,11 @@ class Table:
 
     # -- status --------------------------------------------------------------------------
 
+    def holds(self, partition: str, indexes: Iterable[int]) -> bool:
+        """Whether every one of `indexes` has at least one field here."""
+        part = self.partitions.get(partition)
+        return part is not None and all(i in part.held for i in indexes)
+
     def row_counts(self) -> dict[str, int]:
         """Rows (indexes holding at least one field) per partition."""
         return {name: len(part.held) for name, part in self.partitions.items()}
@@ -212,7 +217,7 @@ def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int
     """Runs of (offset, nbytes) covering `entries` in order; empty rows contribute nothing.
 
     Appends, per run, the chunks it touches to `chunks` (a run crosses a chunk boundary only
-    when two chunks happen to be adjacent in the arena and the first ends on a page boundary).
+    when two chunks happen to be adjacent in the arena and the first fills its aligned extent).
     """
     starts: list[int] = []
     ends: list[int] = []

@@ -3,7 +3,8 @@
 `field_sizes` computes the bytes each field of a Write must carry from its specs and ragged
 lengths, and `check_frames` compares them with the data frames that came with it, so a
 malformed write fails with a `SchemaError` that says which field is wrong, before the unit
-allocates or stores anything.
+allocates or stores anything. A `Shape` is what the arena must find for a checked write: those
+sizes, and where each row ends, for a field placed in several extents.
 
 A `Reservation` is a shm write in progress: its chunks are allocated and their offsets handed
 to the co-located client, which copies the bytes in itself and then commits (rows become
@@ -17,13 +18,15 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.messages import Write
 from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 from .arena import Chunk
 
-__all__ = ["field_sizes", "check_frames", "frame_nbytes", "Reservation"]
+__all__ = ["field_sizes", "check_frames", "frame_nbytes", "Shape", "Reservation"]
 
 _LISTED = 10
 
@@ -99,6 +102,31 @@ def check_frames(msg: Write, frames: Sequence[Any], sizes: Sequence[int]) -> Non
                 f"field {name!r} ({spec.dtype}, shape {list(spec.shape)}) should carry {size} bytes "
                 f"({layout}) but its frame has {got}"
             )
+
+
+class Shape:
+    """What a checked write needs from the arena: `sizes` (bytes per field, in `Write.fields`
+    order), and where its rows end within each field (`ends`), so that a field no single free
+    extent holds can be placed in several, split between rows (`split`: frame writes only; a
+    mapped client copies each field into one extent it was given)."""
+
+    __slots__ = ("msg", "sizes", "split")
+
+    def __init__(self, msg: Write, sizes: list[int]):
+        self.msg = msg
+        self.sizes = sizes
+        self.split = msg.via == "frames"
+
+    @property
+    def rows(self) -> int:
+        return len(self.msg.indexes)
+
+    def ends(self, field: int) -> np.ndarray:
+        """Cumulative byte end of each row of field number `field` (int64, one per row)."""
+        name, spec = list(self.msg.fields.items())[field]
+        if spec.ragged:
+            return np.cumsum(np.asarray(self.msg.lengths[name], dtype=np.int64)) * spec.row_bytes
+        return np.arange(1, self.rows + 1, dtype=np.int64) * spec.row_bytes
 
 
 class Reservation:

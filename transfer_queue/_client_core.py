@@ -196,7 +196,7 @@ class ClientCore(ControlCore):
         units = np.asarray(plan.units, np.int64)
         commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
-            yield from self._write(partition, cols, plan.indexes, units, timeout, commit)
+            yield from self._write(partition, cols, plan.indexes, units, timeout, commit, plan.tickets)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
         except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
@@ -224,11 +224,13 @@ class ClientCore(ControlCore):
         units: np.ndarray,
         timeout: float,
         commit: Call | None = None,
+        tickets: dict[int, bytes] | None = None,
     ):
         """Send each unit its rows: raw frames, or straight into its mapped arena (space reserved
         first). With `commit`, an open put's `CommitPut`: it goes with the writes, which are
-        notices (`Write.put`): each unit reports its write to the controller, whose answer to the
-        commit says how all of them went, so the put costs no round trip of its own."""
+        notices (`Write.put`, each with its unit's ticket from the put's plan): each unit reports
+        its write to the controller, whose answer to the commit says how all of them went, so the
+        put costs no round trip of its own."""
         idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
         if cols.device is not None:
@@ -244,7 +246,8 @@ class ClientCore(ControlCore):
                     f"of {self.units[unit_id].capacity} bytes; put smaller batches or raise storage_capacity"
                 )
             via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
-            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put)
+            ticket = b"" if tickets is None else tickets.get(unit_id, b"")
+            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put, ticket)
             data = _host_frames(buffers, cols.device) if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers))

@@ -21,6 +21,7 @@ from ._objects import decode_values, encode_values
 from .cuda import check_tensor_device, is_cuda
 from .wire.errors import SchemaError
 from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
+from .wire.sizes import arena_bytes
 
 # Received frames are read-only buffers; torch warns on viewing them although we only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -148,13 +149,15 @@ class Columns:
         return {name: col.spec for name, col in self.columns.items()}
 
     def row_bytes(self) -> int:
-        """Average bytes per sample over all fields (ragged fields by their actual size)."""
+        """Average arena bytes per sample over all fields (ragged fields by their actual size),
+        each field's bytes rounded up as a unit's arena stores them (`arena_bytes`), so the
+        controller's account of a put (rows x row_bytes) covers what its unit really uses."""
         total = 0
         for col in self.columns.values():
             if col.dense is not None:
-                total += col.spec.row_bytes * self.n
+                total += arena_bytes(col.spec.row_bytes * self.n)
             else:
-                total += int(col.offsets[-1]) * col.spec.row_bytes
+                total += arena_bytes(int(col.offsets[-1]) * col.spec.row_bytes)
         return -(-total // self.n)
 
     def seqlens(self) -> list[int]:

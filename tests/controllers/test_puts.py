@@ -84,7 +84,7 @@ def test_the_commit_waits_for_the_write(make_cluster):
         with pytest.raises(tq.TimeoutError):
             client.get_meta(["x"], 2, task="t", timeout=0.5)
         unit = peer(client.units[0].address)
-        write = Write("train", plan.indexes, SPEC, put=plan.indexes[0])
+        write = Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0])
         unit.post(write, [np.arange(8, dtype=np.float32)])  # a notice: the unit tells the controller
         assert controller.reply(commit, 10)[0] == Ok()
         meta = client.get_meta(["x"], 2, task="t", timeout=5)
@@ -106,7 +106,9 @@ def test_a_write_report_needs_the_cluster_secret(make_cluster):
         status = client.status()
         assert status["partitions"]["train"]["committed"] == 0 and status["counters"]["reports_refused"] == 1
         unit = peer(client.units[0].address)
-        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        unit.post(
+            Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0]), [np.zeros(8, np.float32)]
+        )
         assert controller.reply(commit, 10)[0] == Ok()
         unit.close()
         controller.close()
@@ -121,7 +123,11 @@ def test_a_failed_write_ends_the_put(make_cluster):
         controller = peer(cluster.address)
         plan, commit = _begin_and_commit(controller)
         unit = peer(client.units[0].address)
-        refused = ask(unit, Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(3, np.float32)])
+        refused = ask(
+            unit,
+            Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0]),
+            [np.zeros(3, np.float32)],
+        )
         assert isinstance(refused, ErrorReply)
         answer = controller.reply(commit, 10)[0]
         assert isinstance(answer, ErrorReply) and answer.code == refused.code, (answer, refused)
@@ -133,18 +139,22 @@ def test_a_failed_write_ends_the_put(make_cluster):
 
 
 def test_a_write_of_part_of_a_put_does_not_commit_it(make_cluster):
-    """A unit's report counts only when it covers exactly the put's rows on that unit: a write
-    of one of two rows leaves the commit waiting (no consumer may see a row without its bytes)."""
+    """A put's ticket covers exactly its rows on that unit: a write of one of two rows is refused
+    and stores nothing, and the commit keeps waiting (no consumer may see a row without its bytes)."""
     cluster = make_cluster()
     with tq.connect(cluster.address) as client:
         controller = peer(cluster.address)
         plan, commit = _begin_and_commit(controller)
         unit = peer(client.units[0].address)
-        unit.post(Write("train", plan.indexes[:1], SPEC, put=plan.indexes[0]), [np.zeros(4, np.float32)])
-        eventually(lambda: unit_status(client.units[0].address)["rows"].get("train") == 1, 10, "the part stored")
-        status = controller.call(Status()).status  # after the partial write's report, if it counted
+        part = Write("train", plan.indexes[:1], SPEC, put=plan.indexes[0], ticket=plan.tickets[0])
+        refused = ask(unit, part, [np.zeros(4, np.float32)])
+        assert isinstance(refused, ErrorReply) and refused.code == "protocol", refused
+        assert not unit_status(client.units[0].address)["rows"].get("train")
+        status = controller.call(Status()).status
         assert controller.ready(commit) is None and status["partitions"]["train"]["committed"] == 0
-        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        unit.post(
+            Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0]), [np.zeros(8, np.float32)]
+        )
         assert controller.reply(commit, 10)[0] == Ok()
         unit.close()
         controller.close()
@@ -162,7 +172,9 @@ def test_a_write_that_lands_after_its_put_ended_is_freed(make_cluster):
         address = client.units[0].address
         served = unit_status(address)["served"]
         unit = peer(address)
-        unit.post(Write("train", plan.indexes, SPEC, put=plan.indexes[0]), [np.zeros(8, np.float32)])
+        unit.post(
+            Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0]), [np.zeros(8, np.float32)]
+        )
 
         def freed_after_it_landed() -> bool:
             now = unit_status(address)  # the write, then the controller's Free again, were served

@@ -50,7 +50,7 @@ def test_random_alloc_free_never_overlaps_and_coalesces(seq: list[tuple[str, int
         if op == "alloc":
             off = alloc.alloc(arg)
             if off is None:
-                assert alloc.largest_free < alloc.rounded(arg), "first fit missed a free extent that fits"
+                assert alloc.largest_free < alloc.rounded(arg), "best fit missed a free extent that fits"
             elif arg:
                 assert off % PAGE == 0 and off not in live
                 live[off] = arg
@@ -64,15 +64,17 @@ def test_random_alloc_free_never_overlaps_and_coalesces(seq: list[tuple[str, int
     assert alloc.extents() == [(0, PAGE * PAGES)]
 
 
-def test_first_fit_reuses_the_lowest_hole() -> None:
-    alloc = ExtentAllocator(PAGE * 8, PAGE)
-    a, b, c = alloc.alloc(PAGE), alloc.alloc(2 * PAGE), alloc.alloc(PAGE)
-    assert (a, b, c) == (0, PAGE, 3 * PAGE)
-    alloc.free(b, 2 * PAGE)
-    assert alloc.alloc(1) == PAGE  # the hole, not the tail
-    assert alloc.alloc(PAGE * 5) is None  # 1 + 4 pages free, never 5 in one piece
-    assert alloc.alloc(PAGE * 4) == 4 * PAGE
-    assert alloc.used == alloc.capacity - PAGE
+def test_best_fit_takes_the_smallest_hole_and_keeps_large_ones_whole() -> None:
+    alloc = ExtentAllocator(PAGE * 16, PAGE)
+    a, b, c, d, e = (alloc.alloc(n * PAGE) for n in (1, 4, 1, 2, 1))
+    assert (a, b, c, d, e) == (0, PAGE, 5 * PAGE, 6 * PAGE, 8 * PAGE)
+    alloc.free(b, 4 * PAGE)
+    alloc.free(d, 2 * PAGE)
+    assert alloc.alloc(1) == d  # the 2-grain hole, not the lowest (4) nor the tail (7)
+    assert alloc.alloc(PAGE * 5) == 9 * PAGE  # only the tail holds 5
+    assert alloc.alloc(PAGE * 4) == b
+    assert alloc.alloc(PAGE * 3) is None  # 1 + 2 grains free, never 3 in one piece
+    assert alloc.used == alloc.capacity - 3 * PAGE and alloc.largest_free == 2 * PAGE
 
 
 def test_zero_bytes_cost_nothing_and_bad_frees_are_refused() -> None:
@@ -85,6 +87,8 @@ def test_zero_bytes_cost_nothing_and_bad_frees_are_refused() -> None:
         alloc.free(off + 1, PAGE)  # misaligned
     with pytest.raises(ValueError):
         alloc.free(2 * PAGE, PAGE)  # already free
+    with pytest.raises(ValueError):
+        alloc.free(off, PAGE)  # of another size
     alloc.free(off, PAGE + 1)
     with pytest.raises(ValueError):
         alloc.free(off, PAGE + 1)  # double free
@@ -97,7 +101,7 @@ def test_zero_bytes_cost_nothing_and_bad_frees_are_refused() -> None:
 def test_chunks_free_their_extent_with_the_last_reference() -> None:
     with Arena(f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u0", 1 << 20) as arena:
         chunk = arena.new_chunk(100_000)
-        assert chunk is not None and arena.used == 2 * (64 << 10)
+        assert chunk is not None and arena.used == 100_000  # a multiple of the alignment
         chunk.refs += 2  # two rows
         assert not arena.unref(chunk)  # the creator lets go
         assert not arena.unref(chunk)
@@ -111,7 +115,7 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
     arena = Arena(path, (4 << 20) + 100)
     try:
         assert os.path.getsize(path) == (4 << 20) + 100
-        assert arena.capacity == 4 << 20  # whole pages only
+        assert arena.capacity == (4 << 20) + 96  # whole aligned extents only
         with pytest.raises(FileExistsError):
             Arena(path, 1 << 20)  # another unit with the same name must not clobber this one
         arena.array[:4] = [1, 2, 3, 4]

@@ -1,4 +1,4 @@
-"""Backpressure on a 1 MiB unit (16 pages of 64 KiB): waiting, timeouts, FIFO, expiry."""
+"""Backpressure on a 1 MiB unit: waiting, timeouts, FIFO, expiry; fields split over scattered free extents."""
 
 from __future__ import annotations
 
@@ -132,3 +132,34 @@ def test_a_frame_larger_than_the_unit_is_cut_off_and_the_unit_keeps_serving(unit
         rogue.close()
     status = _status(small_client)
     assert status["used"] == 0 and "rogue" not in status["rows"]
+
+
+def test_a_field_no_free_extent_holds_is_split_between_rows(small_client: UnitClient) -> None:
+    """Eight 128 KiB writes fill the unit; freeing every other one leaves four separate holes.
+    A write of 4 rows of 100,000 bytes (ragged ids alongside) then takes one hole per row, reads
+    back whole and in order, and frees to one extent again. A row larger than every hole waits."""
+    for i in range(8):
+        raise_for(*small_client.recv(_write(small_client, "fill", i, 128 * KIB)))
+    small_client.ok(Free("fill", [0, 2, 4, 6]))
+    before = _status(small_client)
+    spec = {"x": FieldSpec("uint8", (100_000,)), "ids": FieldSpec("int64", (-1,))}
+    rows = (np.arange(4 * 100_000) % 251).astype(np.uint8)
+    ids = np.arange(10, dtype=np.int64)
+    msg = Write("split", [10, 11, 12, 13], spec, lengths={"ids": [1, 2, 3, 4]})
+    small_client.ok(msg, [rows, ids])
+    status = _status(small_client)
+    assert status["fields_split"] == before["fields_split"] + 1  # x; ids fit a hole whole
+    assert status["writes_waited"] == before["writes_waited"]
+    reply, frames = small_client.ok(Read("split", [13, 10, 11, 12], ["x", "ids"]))
+    n = len(reply.runs["x"])
+    assert n == 4  # one run per hole: no two rows of x are adjacent
+    assert b"".join(f.bytes for f in frames[:n]) == rows.reshape(4, -1)[[3, 0, 1, 2]].tobytes()
+    got = np.frombuffer(b"".join(f.bytes for f in frames[n:]), np.int64).tolist()
+    assert got == [6, 7, 8, 9, 0, 1, 2, 3, 4, 5] and reply.lengths["ids"] == [4, 1, 2, 3]
+    too_big = _write(small_client, "big", 0, 200 * KIB, timeout=0.3)
+    with pytest.raises(CapacityError, match="largest free extent is"):
+        raise_for(*small_client.recv(too_big))
+    small_client.ok(Free("split"))
+    small_client.ok(Free("fill"))
+    status = _status(small_client)
+    assert status["used"] == 0 and status["free_extents"] == 1

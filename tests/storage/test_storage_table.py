@@ -12,7 +12,6 @@ from storage.table import Table
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.meta import RAGGED, FieldSpec
 
-PAGE = 64 << 10
 DENSE = FieldSpec("float32", (4,))  # 16 bytes per row
 RAGGED_SPEC = FieldSpec("int64", (RAGGED,))  # 8 bytes per element
 
@@ -35,11 +34,12 @@ def test_dense_rows_merge_into_runs_in_request_order(arena: Arena) -> None:
     table = Table(arena, unit_id=4)
     a = _insert(table, arena, "p", "x", DENSE, [10, 11, 12, 13])
     b = _insert(table, arena, "p", "x", DENSE, [20, 21])
-    assert b.offset == a.offset + PAGE
+    assert b.offset == a.offset + 64  # packed: the first write's 64 bytes, then the next
     plan = table.read("p", [11, 12, 13, 20, 21, 10], ["x"])
-    assert plan.runs == {"x": [(a.offset + 16, 48), (b.offset, 32), (a.offset, 16)]}
+    # rows 13 and 20 are adjacent in the arena: one run over both chunks
+    assert plan.runs == {"x": [(a.offset + 16, 80), (a.offset, 16)]}
     assert plan.lengths == {}
-    assert [len(c) for c in plan.chunks] == [1, 1, 1]
+    assert plan.chunks == [[a, b], [a]]
     assert table.row_counts() == {"p": 6}
 
 
@@ -57,14 +57,14 @@ def test_ragged_rows_keep_lengths_and_skip_empty_rows(arena: Arena) -> None:
 
 def test_replacing_a_row_releases_the_old_chunk(arena: Arena) -> None:
     table = Table(arena)
-    _insert(table, arena, "p", "x", DENSE, [0, 1])
-    assert arena.used == PAGE
+    first = _insert(table, arena, "p", "x", DENSE, [0, 1])
+    assert arena.used == 32
     _insert(table, arena, "p", "x", DENSE, [1])
-    assert arena.used == 2 * PAGE  # row 0 still holds the first chunk
+    assert arena.used == 48  # row 0 still holds the first chunk
     new = _insert(table, arena, "p", "x", DENSE, [0])
-    assert new.offset == 2 * PAGE
-    assert arena.used == 2 * PAGE  # the first chunk went back when its last row was replaced
-    assert arena.alloc(1) == 0
+    assert new.offset == 48
+    assert arena.used == 32  # the first chunk went back when its last row was replaced
+    assert arena.alloc(1) == first.offset
     assert table.row_counts() == {"p": 2}
 
 
@@ -76,9 +76,9 @@ def test_remove_is_idempotent_and_frees_chunks(arena: Arena) -> None:
     assert table.remove("p", [1, 99]) == 1
     assert table.remove("p", [1]) == 0
     assert table.remove("nope", [1]) == 0
-    assert arena.used == 3 * PAGE
+    assert arena.used == 48 + 32 + 16  # p's x and ids chunks (rows 0 and 2 hold them) and q's
     assert table.remove("p", [0, 2]) == 2
-    assert table.row_counts() == {"q": 1} and arena.used == PAGE
+    assert table.row_counts() == {"q": 1} and arena.used == 16
     assert table.fields("p") == {}  # the spec is forgotten with the last row
     assert table.remove("q") == 1 and arena.used == 0
 

@@ -9,13 +9,19 @@ client half (`Credentials.for_clients`, what `sluice serve` prints). Handshakes 
 reason (no CURVE, wrong keys) are counted by the service (`auth_refused`).
 
 The unit registration secret (`SLUICE_SECRET`) is separate: holding client credentials lets a
-worker put and get, not join the cluster as a storage unit.
+worker put and get, not join the cluster as a storage unit. The controller also signs with it
+each unit's share of a put it placed (`WriteTickets`): the producer passes the ticket on in its
+`Write`, and a unit stores an open put's rows only with a valid one, so nobody can make a unit
+keep bytes the controller never planned (and never accounts or frees).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -23,7 +29,15 @@ import zmq
 
 from .errors import SchemaError
 
-__all__ = ["CREDENTIALS_ENV", "Credentials", "from_env", "is_loopback", "secure_client", "secure_server"]
+__all__ = [
+    "CREDENTIALS_ENV",
+    "Credentials",
+    "WriteTickets",
+    "from_env",
+    "is_loopback",
+    "secure_client",
+    "secure_server",
+]
 
 CREDENTIALS_ENV = "SLUICE_CREDENTIALS"
 
@@ -108,3 +122,27 @@ def secure_server(sock: zmq.Socket, creds: Credentials) -> tuple[Any, zmq.Socket
     sock.curve_publickey = creds.server_public.encode()
     sock.curve_secretkey = creds.server_secret.encode()
     return auth, sock.get_monitor_socket(_REFUSALS)
+
+
+class WriteTickets:
+    """Signs and checks the tickets of planned writes with a cluster's unit secret.
+
+    A ticket is a keyed BLAKE2b MAC over what the controller placed: the partition, the put (its
+    first index), the unit, the unit's rows of it and the put's field specs. It costs one hash
+    of the msgpack of those, on the controller per unit of a put and on the unit per write.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: str):
+        self._key = hashlib.sha256(secret.encode()).digest()
+
+    def sign(self, partition: str, put: int, unit_id: int, indexes: Sequence[int], fields: Mapping[str, Any]) -> bytes:
+        data = msgspec.msgpack.encode((partition, put, unit_id, indexes, fields))
+        return hashlib.blake2b(data, key=self._key, digest_size=16).digest()
+
+    def valid(
+        self, ticket: bytes, partition: str, put: int, unit_id: int, indexes: Sequence[int], fields: Mapping[str, Any]
+    ) -> bool:
+        """Whether `ticket` is the one `sign` gives for these arguments."""
+        return hmac.compare_digest(ticket, self.sign(partition, put, unit_id, indexes, fields))

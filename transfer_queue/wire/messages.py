@@ -365,6 +365,9 @@ class Write(_Msg, tag="write"):
     """The first index of the open put these rows belong to: the unit reports the write's outcome
     to the controller (`WriteLanded`), which commits the put once all its units did; -1 for new
     columns of existing rows."""
+    ticket: bytes = b""
+    """For an open put's rows, the controller's ticket for this unit (`PutPlan.tickets`): a unit
+    registered with a controller refuses such a write without the right one."""
 
 
 class CommitWrite(_Msg, tag="commit_write"):
@@ -407,6 +410,8 @@ class HelloReply(_Msg, tag="hello_reply"):
 class PutPlan(_Msg, tag="put_plan"):
     indexes: list[int]
     units: list[int]
+    tickets: dict[int, bytes] = {}
+    """Unit id -> the ticket of its share of the put (`Write.ticket`)."""
 
 
 class MetaReply(_Msg, tag="meta_reply"):

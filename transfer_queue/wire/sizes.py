@@ -1,4 +1,6 @@
-"""Byte sizes as people write them ("2GiB", "512MB") for the API, the CLI and the services."""
+"""Byte sizes: as people write them ("2GiB", "512MB") for the API, the CLI and the services, and
+as a storage unit's arena charges them (`ALIGN`, `arena_bytes`), which clients and the controller
+account the same way."""
 
 from __future__ import annotations
 
@@ -6,7 +8,12 @@ import re
 
 from .errors import SchemaError
 
-__all__ = ["parse_bytes"]
+__all__ = ["ALIGN", "arena_bytes", "parse_bytes"]
+
+ALIGN = 16
+"""A storage unit stores each field of a write as one extent of its arena, starting on a multiple
+of ALIGN bytes (the largest dtype's itemsize, so a mapped reader can view any field in place) and
+occupying its bytes rounded up to ALIGN."""
 
 _UNITS = {
     "": 1,
@@ -34,3 +41,8 @@ def parse_bytes(size: int | str) -> int:
     if not match or match.group(2).upper() not in _UNITS:
         raise SchemaError(f"cannot read {size!r} as a size; use e.g. '2GiB', '512MB' or an int")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def arena_bytes(nbytes: int) -> int:
+    """Bytes a field of `nbytes` occupies in a storage unit's arena (`ALIGN`)."""
+    return -(-nbytes // ALIGN) * ALIGN
