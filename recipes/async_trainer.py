@@ -51,7 +51,8 @@ class AsyncTrainer:
         self.task = DigitReversal(cfg.task)
         self.learner = Learner(cfg)
         self.client = tq.connect(address)
-        self.publisher = WeightPublisher(address, transport="auto")
+        # staging allocated (and registered with CUDA) now, not in the first publish
+        self.publisher = WeightPublisher(address, transport=cfg.publisher_transport, model=self.learner.model)
         self.version = 0
         self.prompts_fed = 0
         self.consumed: set[int] = set()
@@ -107,7 +108,7 @@ class AsyncTrainer:
         got, need = sum(len(meta) for meta in metas), self.cfg.samples_per_step
         if got < need:  # the train partition was sealed: the rollout workers ran out of prompts
             raise self._ran_out(step, got, need)
-        batches = [self.client.get_data(meta) for meta in metas]
+        batches = [self.client.get_data(meta, device=self.cfg.device) for meta in metas]
         rollouts, spans = self._batch(metas, batches)
         staleness = Counter(self.version - first for first, _ in spans)  # versions behind the weights trained
         stats = self.learner.step(rollouts)
@@ -230,7 +231,7 @@ def _dense(batch: Any, width: int) -> tuple[torch.Tensor, ...]:
         responses = responses.to_padded_tensor(PAD, output_size=(len(lengths), width))
         logprobs = logprobs.to_padded_tensor(0.0, output_size=(len(lengths), width))
     else:
-        lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+        lengths = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long, device=responses.device)
         responses = torch.nn.functional.pad(responses, (0, width - responses.shape[1]), value=PAD)
         logprobs = torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1]))
     return batch["prompts"], responses, logprobs, batch["rewards"], lengths

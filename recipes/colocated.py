@@ -31,13 +31,13 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
     learner = Learner(cfg)
     engine = make_engine(cfg, learner.model)
     prompts_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    sample_gen = torch.Generator().manual_seed(cfg.seed * 1009)
+    sample_gen = torch.Generator(engine.device).manual_seed(cfg.seed * 1009)
     group, width = cfg.rollout.group_size, task.max_new_tokens
     start, samples = time.perf_counter(), 0
     with RunLog(cfg.out_dir, on_step) as log:
         for step in range(1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
-            prompts = task.prompts(cfg.prompts_per_step, prompts_gen).repeat_interleave(group, 0)
+            prompts = task.prompts(cfg.prompts_per_step, prompts_gen).repeat_interleave(group, 0).to(engine.device)
             # generation batches shaped as a rollout worker's, so the comparison is like for like
             gens = [
                 engine.generate(chunk, width, sample_gen)

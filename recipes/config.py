@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -73,6 +74,10 @@ class ModelConfig:
     """The policy: `tiny` (plain torch, built here) or `qwen2` (transformers, random init)."""
 
     family: str = "tiny"
+    device: str = "cpu"
+    """Where the policy, the trainer and the torch/hf engine live: `cpu`, `cuda` or `cuda:N`.
+    On CUDA the rollout workers put CUDA batches, the trainer reads them onto its device, and
+    with `rollout.transport=auto` the weights flow over `cuda_ipc`."""
     d_model: int = 64
     layers: int = 2
     heads: int = 4
@@ -91,7 +96,9 @@ class RolloutConfig:
     group_size: int = 8
     temperature: float = 1.0
     transport: str = "auto"
-    """Weight-sync transport the workers subscribe with."""
+    """Weight-sync transport, named for both sides (`shm`, `tcp`, `cuda_ipc`, ...). `auto`: the
+    trainer publishes over `cuda_ipc` when `model.device` is CUDA, else over its host transports,
+    and the workers take the best one it offers."""
 
 
 @dataclass
@@ -148,6 +155,18 @@ class RecipeConfig:
     @property
     def prompts_per_step(self) -> int:
         return self.trainer.ppo_mini_batch_size * self.async_training.require_batches
+
+    @property
+    def device(self) -> torch.device:
+        """`model.device` as a `torch.device` (checked when the config was loaded)."""
+        return torch.device(self.model.device)
+
+    @property
+    def publisher_transport(self) -> str:
+        """The transport the trainer publishes weights over (see `RolloutConfig.transport`)."""
+        if self.rollout.transport == "auto" and self.device.type == "cuda":
+            return "cuda_ipc"
+        return self.rollout.transport
 
     def staleness(self) -> tq.StalenessConfig:
         """The cluster's staleness settings for this run."""
@@ -247,8 +266,23 @@ def _validate(cfg: RecipeConfig) -> None:
         raise tq.SchemaError(
             f"need 1 <= task.min_digits <= task.max_digits, got {cfg.task.min_digits}, {cfg.task.max_digits}"
         )
+    _check_device(cfg.model.device)
     if (cfg.rollout.engine == "torch") != (cfg.model.family == "tiny"):
         raise tq.SchemaError(
             f"rollout.engine={cfg.rollout.engine} with model.family={cfg.model.family}: the torch engine drives "
             "model.family=tiny; hf and vllm drive model.family=qwen2"
         )
+
+
+def _check_device(device: str) -> None:
+    """Raises `tq.SchemaError` unless `device` is the CPU or a CUDA device this process has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise tq.SchemaError(f"model.device={device!r} is not a device: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise tq.SchemaError(f"model.device={device!r}: choose cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise tq.SchemaError(f"model.device={device!r}: this machine has no CUDA device (use model.device=cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise tq.SchemaError(f"model.device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")

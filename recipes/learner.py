@@ -34,7 +34,8 @@ class RolloutBatch:
 
 
 class Learner:
-    """The policy being trained, its optimizer, and the loss the config names."""
+    """The policy being trained (on `model.device`; batches must be there too), its optimizer,
+    and the loss the config names."""
 
     def __init__(self, cfg: RecipeConfig):
         self.cfg = cfg
@@ -48,9 +49,9 @@ class Learner:
         cfg = self.cfg
         tokens = torch.cat([batch.prompts, batch.responses], dim=1)
         start = batch.prompts.shape[1] - 1
-        mask = torch.arange(batch.responses.shape[1])[None, :] < batch.lengths[:, None]
+        mask = torch.arange(batch.responses.shape[1], device=tokens.device)[None, :] < batch.lengths[:, None]
         temperature = cfg.rollout.temperature
-        updates = torch.arange(len(batch)).chunk(cfg.async_training.require_batches)
+        updates = torch.arange(len(batch), device=tokens.device).chunk(cfg.async_training.require_batches)
         proximal = None
         if len(updates) > 1:
             with torch.no_grad():

@@ -23,10 +23,19 @@ MAX_POSITIONS = 64
 class KVCache:
     """Keys and values of every layer for a batch, preallocated to `max_len` positions."""
 
-    def __init__(self, layers: int, batch: int, heads: int, head_dim: int, max_len: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ):
         shape = (batch, heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0
 
 
@@ -74,13 +83,13 @@ class TinyTransformer(nn.Module):
         nn.init.normal_(self.pos.weight, std=0.02)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        d = self.embed.embedding_dim
-        return KVCache(len(self.blocks), batch, self.heads, d // self.heads, max_len, self.embed.weight.dtype)
+        d, w = self.embed.embedding_dim, self.embed.weight
+        return KVCache(len(self.blocks), batch, self.heads, d // self.heads, max_len, w.dtype, w.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [b, t, vocab]; with `cache`, `tokens` continue the cached positions."""
         start = 0 if cache is None else cache.length
-        positions = torch.arange(start, start + tokens.shape[1])
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.pos(positions)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer)
@@ -90,8 +99,13 @@ class TinyTransformer(nn.Module):
 
 
 def build_policy(cfg: RecipeConfig) -> nn.Module:
-    """The run's policy, initialised from `cfg.seed` (trainer and workers build the same one)."""
+    """The run's policy, initialised from `cfg.seed` on the CPU (trainer and workers build the
+    same one, whatever their device) and moved to `model.device`."""
     torch.manual_seed(cfg.seed)
+    return _build(cfg).to(cfg.device)
+
+
+def _build(cfg: RecipeConfig) -> nn.Module:
     m = cfg.model
     if m.family == "tiny":
         return TinyTransformer(m.d_model, m.layers, m.heads)

@@ -59,7 +59,10 @@ class RolloutWorker:
         self.engine = make_engine(cfg)
         self.subscriber = WeightSubscriber(address, dict(self.engine.weights()), transport=cfg.rollout.transport)
         self.stats = RolloutStats(worker_id)
-        self.generator = torch.Generator().manual_seed(cfg.seed * 1009 + worker_id)
+        self.device = self.engine.device
+        """Where prompts are read onto, rollouts generated and put from (`model.device` for the
+        torch and hf engines): CUDA tensors go straight into `put`."""
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1009 + worker_id)
         self.latest = -1
         """The newest version the controller announced (partial rollout compares it with the
         engine's at every token boundary)."""
@@ -115,7 +118,7 @@ class RolloutWorker:
                 # trainer still waiting for a batch gets what is left at once, not at its timeout.
                 await client.seal(TRAIN)
                 return False
-            prompts = (await client.get_data(meta))["prompts"]
+            prompts = (await client.get_data(meta, device=self.device))["prompts"]
             start = time.perf_counter()
             rollouts = await asyncio.to_thread(self._generate, prompts)
             groups = [i for i in meta.indexes for _ in range(cfg.group_size)]
@@ -213,19 +216,20 @@ class Rollouts:
     def __init__(self, prompts: torch.Tensor, tokens, logprobs, lengths, finished, first, last):  # noqa: ANN001
         self.prompts, self.tokens, self.logprobs = prompts, tokens, logprobs
         self.lengths, self.finished, self.first, self.last = lengths, finished, first, last
-        self.rewards = torch.zeros(len(prompts))
+        self.rewards = torch.zeros(len(prompts), device=prompts.device)
 
     @classmethod
     def empty(cls, prompts: torch.Tensor, width: int, version: int) -> Rollouts:
-        n = len(prompts)
+        """No tokens yet for each row of `prompts`, on their device."""
+        n, device = len(prompts), prompts.device
         return cls(
             prompts,
-            torch.full((n, width), PAD, dtype=torch.long),
-            torch.zeros((n, width), dtype=torch.float32),
-            torch.zeros(n, dtype=torch.long),
-            torch.zeros(n, dtype=torch.bool),
-            torch.full((n,), version, dtype=torch.long),
-            torch.full((n,), version, dtype=torch.long),
+            torch.full((n, width), PAD, dtype=torch.long, device=device),
+            torch.zeros((n, width), dtype=torch.float32, device=device),
+            torch.zeros(n, dtype=torch.long, device=device),
+            torch.zeros(n, dtype=torch.bool, device=device),
+            torch.full((n,), version, dtype=torch.long, device=device),
+            torch.full((n,), version, dtype=torch.long, device=device),
         )
 
     @property
@@ -241,7 +245,7 @@ class Rollouts:
 
     def select(self, rows: list[int]) -> dict[str, torch.Tensor]:
         """The rows as the columns the trainer reads; responses and log-probs are ragged."""
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=self.prompts.device)
         lengths = self.lengths[idx].tolist()
         return {
             "prompts": self.prompts[idx],

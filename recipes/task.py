@@ -45,9 +45,9 @@ class DigitReversal:
     def targets(self, prompts: torch.Tensor) -> torch.Tensor:
         """The right answers, int64 [n, max_new_tokens], PAD after EOS."""
         body = prompts[:, : self.max_digits]  # digits right-aligned after the PADs: flipped, they lead
-        out = torch.full((len(prompts), self.max_new_tokens), PAD, dtype=torch.long)
+        out = torch.full((len(prompts), self.max_new_tokens), PAD, dtype=torch.long, device=prompts.device)
         out[:, : self.max_digits] = body.flip(1)
-        out[torch.arange(len(prompts)), (body != PAD).sum(1)] = EOS
+        out[torch.arange(len(prompts), device=prompts.device), (body != PAD).sum(1)] = EOS
         return out
 
     def rewards(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:

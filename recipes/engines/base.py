@@ -41,6 +41,11 @@ class Engine(ABC):
 
     name: str
 
+    @property
+    def device(self) -> torch.device:
+        """Where `generate` takes its prefixes and generator and returns its results."""
+        return torch.device("cpu")
+
     @abstractmethod
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The tensors a `WeightSubscriber` updates in place (trainer names)."""
@@ -56,14 +61,22 @@ class Engine(ABC):
         generator: torch.Generator,
         interrupt: Callable[[], bool] | None = None,
     ) -> Generation:
-        """Sample up to `max_new_tokens` after each row of `prefixes` (int64 [b, t], one length)."""
+        """Sample up to `max_new_tokens` after each row of `prefixes` (int64 [b, t], one length,
+        on the engine's device; `generator` on the same device); the results are on it too."""
 
 
 class TokenLoopEngine(Engine):
     """Sampling one token at a time over a KV cache; subclasses give prefill and decode."""
 
+    model: torch.nn.Module
+
     def __init__(self, temperature: float = 1.0):
         self.temperature = temperature
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (`model.device`)."""
+        return next(self.model.parameters()).device
 
     @abstractmethod
     def _prefill(self, prefixes: torch.Tensor, max_len: int) -> tuple[torch.Tensor, Any]:
@@ -75,11 +88,11 @@ class TokenLoopEngine(Engine):
 
     @torch.no_grad()
     def generate(self, prefixes, max_new_tokens, generator, interrupt=None) -> Generation:
-        b = prefixes.shape[0]
-        tokens = torch.full((b, max_new_tokens), PAD, dtype=torch.long)
-        logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(b, dtype=torch.long)
-        done = torch.zeros(b, dtype=torch.bool)
+        b, device = prefixes.shape[0], prefixes.device
+        tokens = torch.full((b, max_new_tokens), PAD, dtype=torch.long, device=device)
+        logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
         logits, state = self._prefill(prefixes, prefixes.shape[1] + max_new_tokens)
         for t in range(max_new_tokens):
             logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)

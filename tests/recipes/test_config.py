@@ -3,7 +3,10 @@ verl's async knobs land on the right staleness settings."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 import transfer_queue as tq
 from recipes.config import CONFIG_DIR, load
@@ -59,6 +62,8 @@ def test_verl_threshold_sets_the_admission_budget_like_verl():
         (["trainer.total_steps=0"], "total_steps"),
         (["rollout.engine=hf"], "model.family=qwen2"),
         (["trainer.loss=reinforce"], "trainer.loss"),
+        (["model.device=tpu"], "model.device='tpu'"),
+        (["model.device=meta"], "choose cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_overrides_are_schema_errors_that_name_the_key(override, fragment):
@@ -69,3 +74,21 @@ def test_bad_overrides_are_schema_errors_that_name_the_key(override, fragment):
 def test_a_missing_config_file_is_a_schema_error():
     with pytest.raises(tq.SchemaError, match="no config file"):
         load(["no_such_config"])
+
+
+def test_cuda_on_a_machine_without_it_is_a_schema_error_that_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(tq.SchemaError, match="model.device='cuda': this machine has no CUDA device"):
+        load(["fully_async"], ["model.device=cuda"])
+
+
+def test_the_weight_transport_follows_the_device():
+    """`rollout.transport=auto` publishes over cuda_ipc from a CUDA policy, over the host
+    transports from a CPU one; a named transport serves both sides."""
+    cpu = load(["fully_async"], ["model.device=cpu"])
+    assert cpu.device == torch.device("cpu") and cpu.publisher_transport == "auto"
+    gpu = replace(cpu, model=replace(cpu.model, device="cuda:0"))  # not loaded: no CUDA check
+    assert gpu.publisher_transport == "cuda_ipc"
+    named = replace(gpu, rollout=replace(gpu.rollout, transport="shm"))
+    assert named.publisher_transport == "shm"

@@ -397,6 +397,55 @@ def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
     assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in run.stdout
 
 
+def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
+    """`model.device=cpu`, named, goes through the code `model.device=cuda` takes: the trainer
+    reads batches with `get_data(device=)`, the worker reads prompts and generates on the
+    engine's device and puts from it, weights flow over the transport the config chooses."""
+    overrides = ["model.device=cpu", "trainer.total_steps=3", *SMALL]
+    run = subprocess.run(
+        [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(tmp_path), *overrides],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    cfg = load(["fully_async"], overrides)
+    assert check_run(tmp_path / "fully_async", cfg)["final_version"] == 3
+    assert "device: cpu" in (tmp_path / "fully_async" / "fully_async.yaml").read_text()
+
+
+def _demo_on(device: str, tmp_path: Path, *overrides: str) -> str:
+    """`make demo`'s command on `device`; its stdout, after checking the lines it prints."""
+    run = subprocess.run(
+        [sys.executable, "-m", "recipes.demo", "--out", str(tmp_path), f"model.device={device}", *overrides],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert len([line for line in run.stdout.splitlines() if line.startswith("reward ") and " -> " in line]) == 1
+    assert "samples/s " in run.stdout and "worst staleness consumed" in run.stdout
+    print(run.stdout)  # the reward and samples/s on the GPU, for the log
+    return run.stdout
+
+
+@pytest.mark.cuda
+def test_fully_async_and_sync_runs_on_one_gpu(tmp_path):
+    """Item 7 of the GPU issue: the demo, fully async and synchronous (one step off, η = 0), with
+    the policy, the trainer and the engine on the GPU and the weights over cuda_ipc."""
+    short = ["trainer.total_steps=20", *SMALL]
+    _demo_on("cuda", tmp_path / "async", *short)
+    _demo_on("cuda", tmp_path / "sync", *short, "name=sync", "max_staleness=0", "async_training.partial_rollout=false")
+    cfg = load(["fully_async"], ["model.device=cuda", *short])
+    assert cfg.publisher_transport == "cuda_ipc"
+    for run_dir in (tmp_path / "async" / "fully_async", tmp_path / "sync" / "sync"):
+        assert len(load_steps(run_dir)) == 20
+
+
 @pytest.mark.slow
 def test_fully_async_training_raises_the_reward(tmp_path):
     run = subprocess.run(
