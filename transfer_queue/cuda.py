@@ -7,13 +7,15 @@ memory that CUDA copies read or write (a mapped arena, a staging slot) is regist
 asynchronous, and it is unregistered before the mapping goes away. CUDA IPC handles
 (`ipc_share`, `ipc_open`) are plain fields that callers encode themselves (never pickled).
 Copies run on a side stream per device and end with one synchronisation per call (`copies`): the caller's tensors and host
-buffers are then safe to reuse, whatever stream the caller works on.
+buffers are then safe to reuse, whatever stream the caller works on. Copies the host need not
+wait for (`background_copies`, a publisher staging GPU weights into host memory) run on a
+second side stream, ordered before the caller's later work by the GPU rather than by the host.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ __all__ = [
     "HostRegistry",
     "tensor_ptr",
     "copies",
+    "background_copies",
     "synchronize",
     "ipc_share",
     "ipc_open",
@@ -130,7 +133,16 @@ def tensor_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-_streams: dict[int, Any] = {}
+_streams: dict[tuple[int, str], Any] = {}
+
+
+def _side_stream(device: torch.device, purpose: str) -> Any:
+    """One stream per device and purpose, so one purpose's waits never include another's copies."""
+    key = (device.index, purpose)
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = torch.cuda.Stream(device)
+    return stream
 
 
 @contextlib.contextmanager
@@ -143,13 +155,41 @@ def copies(device: torch.device | None) -> Iterator[None]:
     if device is None or device.type != "cuda":
         yield
         return
-    stream = _streams.get(device.index)
-    if stream is None:
-        stream = _streams[device.index] = torch.cuda.Stream(device)
+    stream = _side_stream(device, "copies")
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()
+
+
+@contextlib.contextmanager
+def background_copies(device: torch.device) -> Iterator[Callable[[], Callable[[], None]]]:
+    """Issue the block's copies from CUDA `device` on a side stream and return without waiting
+    for them: the host goes on at once, and the GPU orders the caller's later work after them.
+
+    The block calls the yielded `mark()` after each group of copies; it records an event there
+    and returns a function that blocks until the group is done (raising `RuntimeError` if the
+    GPU failed it). The side stream first waits for the caller's current stream (the copies
+    see what the caller wrote); on leaving, the caller's current stream waits for the side
+    stream, so a kernel the caller issues next (an optimizer step changing the copied tensors)
+    cannot start before the copies have read them. Host memory the copies write must be
+    registered (`HostRegistry`) for them to run asynchronously; unregistered, each copy blocks
+    the host until done, which is slower but still correct.
+    """
+    stream = _side_stream(device, "background")
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+
+    def mark() -> Callable[[], None]:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event.synchronize
+
+    try:
+        with torch.cuda.stream(stream):
+            yield mark
+    finally:
+        caller.wait_stream(stream)
 
 
 def synchronize(device: torch.device | None) -> None:

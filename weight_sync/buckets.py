@@ -54,6 +54,9 @@ def pack(
 
     `progress(nbytes)` is called whenever bytes [0, nbytes) are staged and at least one more
     bucket boundary has been passed; large tensors are copied bucket by bucket for that.
+    Copies between devices are issued `non_blocking`: a caller packing CUDA tensors into host
+    memory must wait for them (`progress` then marks where they were issued, not done; the
+    publisher waits on an event per mark).
     """
     bucket = manifest.bucket_bytes
     reported = 0
@@ -68,13 +71,18 @@ def pack(
         start = manifest.start(entry)
         dst = slot[start : start + entry.nbytes].view(dtype_of(entry.dtype))
         tensor = tensor.detach()
+        if tensor.device != slot.device:
+            # cast where the tensor lives: a copy between devices is then one plain transfer,
+            # asynchronous into registered host memory (torch casts across devices via a
+            # temporary on the host, which waits)
+            tensor = tensor.to(dst.dtype)
         if tensor.is_contiguous():
             src = tensor.view(-1)
             for lo, hi in _bucket_chunks(start, dst.numel(), dst.element_size(), bucket):
-                dst[lo:hi].copy_(src[lo:hi])
+                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
                 staged(start + hi * dst.element_size())
         else:
-            dst.view(tensor.shape).copy_(tensor)  # strided source: one copy
+            dst.view(tensor.shape).copy_(tensor, non_blocking=True)  # strided source: one copy
             staged(start + entry.nbytes)
     progress(manifest.nbytes)
 

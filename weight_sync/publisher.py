@@ -1,7 +1,10 @@
 """`WeightPublisher`: the trainer's side of the weight channel.
 
 `publish(tensors, version)` makes one snapshot copy of the weights into a pre-faulted staging
-slot (casting as declared) and returns: the trainer may change its weights again at once.
+slot (casting as declared) and returns: the trainer may change its weights again at once. CUDA
+weights going to host staging are copied on a side stream that the trainer's stream then waits
+for: `publish` returns once the copies are issued, and the finisher waits for them (an event
+per bucket) before readers see each bucket and before the version is offered.
 Everything else happens in the background: transports stream the slot bucket by bucket as it
 fills, a finisher thread checksums it (validation mode) and marks it complete, and the
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
@@ -25,7 +28,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,7 +38,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
-from transfer_queue.cuda import is_cuda, synchronize
+from transfer_queue.cuda import background_copies, is_cuda, synchronize
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -217,6 +220,9 @@ class WeightPublisher:
                 coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials
             )
             self._upstream.call(Join(self.info))
+        self._drained = threading.Event()
+        """Clear while a version's copies to host staging are still draining (`_pack_in_background`)."""
+        self._drained.set()
         self._finished: queue.Queue = queue.Queue()
         self._finisher = threading.Thread(target=self._finish_loop, name="sluice-ws-finisher", daemon=True)
         self._finisher.start()
@@ -272,6 +278,8 @@ class WeightPublisher:
         items = _items(tensors)
         manifest = self._manifest(items)
         self._place_staging(items)
+        if not self._drained.wait(self.timeout):
+            raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
         if self._comparing is not None:
             wait([self._comparing])  # the slot about to be claimed may be the base it reads
         base = self._table.find(self._last)
@@ -293,17 +301,56 @@ class WeightPublisher:
         if staged is not None and base is not None:
             progress = functools.partial(self._staged_with_delta, slot, base, staged)
         self._record_stats(version, manifest.nbytes, staged)
+        device = self._host_copies_from(items)
+        drain = None
         try:
-            pack(manifest, [t for _, t in items], slot.mapped.tensor, progress)
+            if device is None:
+                pack(manifest, [t for _, t in items], slot.mapped.tensor, progress)
+            else:
+                drain = self._pack_in_background(manifest, items, slot, device, progress)
         except Exception as exc:
             if staged is not None:
                 staged.fail()
             self._table.fail(slot)
-            self._finished.put((slot, version, False))
+            self._finished.put((slot, version, False, None))
             raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
         synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
-        self._finished.put((slot, version, True))
+        self._finished.put((slot, version, True, drain))
         self.last_publish_seconds = time.perf_counter() - start
+
+    def _host_copies_from(self, items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
+        """The CUDA device whose weights this version copies into host staging, else None."""
+        if self._table.device is not None:
+            return None  # GPU staging: a device-to-device snapshot, waited for in `publish`
+        return next((t.device for _, t in items if is_cuda(t)), None)
+
+    def _pack_in_background(
+        self,
+        manifest: Manifest,
+        items: list[tuple[str, torch.Tensor]],
+        slot: Slot,
+        device: torch.device,
+        progress: Callable[[int], None],
+    ) -> Callable[[], None]:
+        """Issue the device-to-host copies of CUDA weights into the (registered) slot on a side
+        stream, an event after each bucket, and return without waiting: the trainer's stream is
+        ordered after them, so it may change its tensors at once. Returns the drain the finisher
+        runs: wait for each bucket's event, then report it staged (readers stream it), so the
+        version is offered only once every copy is done. The next `publish` waits for it."""
+        marks: list[tuple[Callable[[], None], int]] = []
+        with background_copies(device) as mark:
+            pack(manifest, [t for _, t in items], slot.mapped.tensor, lambda end: marks.append((mark(), end)))
+        self._drained.clear()
+
+        def drain() -> None:
+            try:
+                for copied, end in marks:
+                    copied()
+                    progress(end)
+            finally:
+                self._drained.set()
+
+        return drain
 
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
         """Build the manifest of `model`'s tensors and allocate every slot for it now."""
@@ -413,7 +460,17 @@ class WeightPublisher:
     def _finish_loop(self) -> None:
         """Background: checksum (validation mode) and complete each staged version in order."""
         while (job := self._finished.get()) is not None:
-            slot, version, ok = job
+            slot, version, ok, drain = job
+            if drain is not None:
+                try:
+                    drain()
+                except Exception:  # noqa: BLE001 - a failed copy: readers get WeightSyncError
+                    log.exception("copying version %d to host staging failed", version)
+                    staged = self._deltas.get(slot.index)
+                    if staged is not None and staged.version == version:
+                        staged.fail()  # delta readers too
+                    self._table.fail(slot)
+                    ok = False
             if ok and self.validate:
                 self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
             if ok:

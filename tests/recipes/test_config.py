@@ -79,7 +79,7 @@ def test_a_missing_config_file_is_a_schema_error():
 def test_cuda_on_a_machine_without_it_is_a_schema_error_that_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(tq.SchemaError, match="model.device='cuda': this machine has no CUDA device"):
+    with pytest.raises(tq.SchemaError, match=r"model\.device='cuda': this machine has no CUDA device"):
         load(["fully_async"], ["model.device=cuda"])
 
 

@@ -38,3 +38,28 @@ def test_cuda_weights_through_host_staging(transport):
             check(summary, 3)
     finally:
         pub.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_publish_returns_before_its_copies_and_the_trainer_may_overwrite_at_once(dtype):
+    """The copies to host staging run on a side stream: `publish` returns once they are issued,
+    and a kernel the trainer issues next (here: zeroing its tensors, as an optimizer step
+    changes them) runs only after they read the tensors. Every version arrives exact, with a
+    cast from float32 on the GPU too."""
+    live = {n: t.to(dtype).cuda() for n, t in weights(0).items()}
+    cast = {torch.float32: torch.bfloat16}
+    pub = WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, model=live, cast=cast)
+    subs = Subscribers(2, pub.endpoint, "shm", device="cuda")
+    try:
+        for version in (1, 2, 3):
+            for name, t in weights(version, torch.float32).items():
+                live[name].copy_(t.to(dtype))
+            pub.publish(live, version)
+            for t in live.values():
+                t.zero_()  # on the trainer's stream, ordered after the copies
+            subs.wait_applied(version)
+        for summary in subs.finish().values():
+            check(summary, 3)
+    finally:
+        pub.close()
