@@ -119,7 +119,8 @@ class WeightPublisher:
             pairs; meta tensors of the same shapes and dtypes do): every staging slot is then
             allocated and faulted in here (and registered with CUDA when they are CUDA
             tensors), so the first versions publish as fast as the next. Without it, the first
-            `publish` into each slot allocates it.
+            `publish` allocates its slot and starts allocating the others on a thread, so that
+            only the first version pays for its staging.
         delta: compare each staged bucket with the previous version's (one vectorised pass
             per bucket, on a compare thread while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
@@ -195,6 +196,10 @@ class WeightPublisher:
         self._relays: dict[tuple[int, int, str], list[str]] = {}
         self._snapshots: dict[int, Snapshot] = {}  # slot index -> checksums taken after staging
         self._closed = False
+        self._prepared = model is not None
+        """Whether every slot was allocated (`model=`) or is being allocated (`_preparing`)."""
+        self._preparing: threading.Thread | None = None
+        """The thread the first `publish` starts to allocate the other slots, without `model=`."""
         if model is not None:
             self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
@@ -284,6 +289,9 @@ class WeightPublisher:
             wait([self._comparing])  # the slot about to be claimed may be the base it reads
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
+        if not self._prepared:  # not given the model: ready the other slots for the next versions
+            self._prepared = True
+            self._preparing = self._table.prepare_in_background(manifest.nbytes)
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
         if self.delta and not skip and base is not None and base is not slot and base.manifest is manifest:

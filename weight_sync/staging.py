@@ -163,6 +163,9 @@ class SlotTable:
         """Register every segment with CUDA (set once the owner copies GPU tensors through them)."""
         self._lease_ids = itertools.count(1)
         self._lease_slot: dict[int, Slot] = {}
+        self._growing: set[int] = set()
+        """Indexes of slots whose segment `prepare` is allocating outside the lock."""
+        self._closed = False
 
     def claim(self, version: int, size: int, timeout: float) -> Slot:
         """A slot to stage `version` into (`size` bytes), waiting for its readers to finish.
@@ -177,23 +180,66 @@ class SlotTable:
                 newest = max((s.version for s in self.slots if s.complete), default=-1)
                 candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
                 for slot in candidates:
-                    if not slot.busy(now):
-                        self._reset(slot, version, size)
-                        return slot
+                    if slot.busy(now):
+                        continue
+                    if slot.index in self._growing:
+                        break  # the best free slot is being prepared: wait for it, not the next best
+                    self._reset(slot, version, size)
+                    return slot
                 if now >= deadline:
                     raise TimeoutError(
                         f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow"
                     )
-                expiry = min(d for s in self.slots for d in s.leases.values() if d > now)
+                # woken by a release or a prepared slot; otherwise at the first lease's expiry
+                expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
                 self.cond.wait(min(deadline, expiry) - now)
 
     def prepare(self, size: int) -> None:
         """Allocate and fault in (and register, when `pin` is set) `size` bytes in every slot
-        never claimed yet, now rather than in the first versions' `claim`."""
+        never claimed yet, now rather than in the first versions' `claim`. The memory is made
+        outside the lock, so readers and releases go on meanwhile; `claim` waits for a slot
+        being prepared rather than allocating it twice."""
+        for slot in self.slots:
+            with self.cond:
+                if slot.version >= 0 or slot.index in self._growing or self._closed:
+                    continue
+                if slot.segment is not None and slot.segment.size >= size:
+                    if self.pin:
+                        slot.segment.pin()
+                    continue
+                self._growing.add(slot.index)
+            segment = None
+            try:
+                segment = Segment(size, shared=self.shared, device=self.device)
+                if self.pin:
+                    segment.pin()
+            finally:
+                self._install(slot, segment)
+
+    def prepare_in_background(self, size: int) -> threading.Thread:
+        """`prepare(size)` on a thread (started and returned): a publisher that learns the
+        model's size only from its first version gets its other slots ready for the next ones."""
+        thread = threading.Thread(target=self.prepare, args=(size,), name="sluice-ws-staging", daemon=True)
+        thread.start()
+        return thread
+
+    def _install(self, slot: Slot, segment: Segment | None) -> None:
+        """Put a segment `prepare` made into `slot` (`claim` skips it until then), unless the
+        table closed meanwhile (then the segment is freed)."""
         with self.cond:
-            for slot in self.slots:
-                if slot.version < 0:
-                    self._grow(slot, size)
+            self._growing.discard(slot.index)
+            self.cond.notify_all()
+            if segment is None:
+                return
+            if self._closed:
+                segment.close()
+                return
+            if slot.segment is not None:
+                slot.segment.close()
+            slot.segment = segment
+            slot.generation += 1
+            if self.pin:
+                segment.pin()  # `pin_all` may have come while it was being made
 
     def pin_all(self) -> None:
         """Register every segment with CUDA, those there now and those made later."""
@@ -262,6 +308,7 @@ class SlotTable:
 
     def close(self) -> None:
         with self.cond:
+            self._closed = True
             for slot in self.slots:
                 if slot.segment is not None:
                     slot.segment.close()

@@ -1,5 +1,6 @@
 """Staging is allocated when the publisher is built from the model's tensors (or meta tensors of
-their shapes), not inside the first `publish`; a version published then arrives whole."""
+their shapes), not inside the first `publish`; a version published then arrives whole. Without
+the model, the first `publish` allocates its own slot and the others on a thread."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def test_without_the_model_the_first_publish_allocates():
         assert _segments(pub) == [(0, 0)]
         pub.publish(weights(1), 1)
         assert _segments(pub)[0][0] == 1
+
+
+def test_without_the_model_the_other_slots_are_allocated_in_the_background():
+    nbytes = sum(t.numel() * 2 for t in weights(0).values())
+    pub = WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=3)
+    subs = Subscribers(1, pub.endpoint, "shm")
+    try:
+        pub.publish(weights(1), 1)
+        assert pub._preparing is not None
+        pub._preparing.join(timeout=60)
+        prepared = _segments(pub)
+        assert all(gen == 1 and size >= nbytes for gen, size in prepared), prepared
+        for version in (2, 3, 4):
+            pub.publish(weights(version), version)
+        subs.wait_applied(4)
+        assert _segments(pub) == prepared, "a later publish allocated a slot prepared in the background"
+        (summary,) = subs.finish().values()
+        check(summary, 4)
+    finally:
+        pub.close()
+    no_segments_left()
