@@ -187,9 +187,8 @@ class Table:
                 continue
             dropped += 1
             for col in part.columns.values():
-                row = col.rows.pop(index, None)
-                if row is not None:
-                    unref(row[3])
+                if index in col.rows:
+                    unref(col.rows.pop(index)[3])
         if dropped:
             for name in [n for n, c in part.columns.items() if not c.rows]:
                 del part.columns[name]
