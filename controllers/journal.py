@@ -263,7 +263,7 @@ def _finish(ledger: Ledger) -> None:
 
 def _partition(rec: Table) -> Partition:
     """The partition a snapshot's `Table` record holds."""
-    part = Partition(rec.name, sealed=rec.sealed, sources=[tuple(s) for s in rec.sources])
+    part = Partition(rec.name, sealed=rec.sealed, sources=list(rec.sources))
     n = len(rec.columns["gidx"])
     part.add_fields(rec.schema)
     part._grow(max(part.capacity, n))

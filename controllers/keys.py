@@ -17,7 +17,7 @@ that sees a tag (verl's replay buffer polling `kv_list` for `status: finished`) 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -100,6 +100,10 @@ class KeyService:
             KvClear: self.on_clear,
         }
 
+    @overload
+    def _index(self, partition: str, create: Literal[True]) -> KeyIndex: ...
+    @overload
+    def _index(self, partition: str, create: bool) -> KeyIndex | None: ...
     def _index(self, partition: str, create: bool) -> KeyIndex | None:
         part = self.ledger.partitions.get(partition)
         if part is None:

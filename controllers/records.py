@@ -33,20 +33,20 @@ class _Rec(msgspec.Struct, frozen=True, tag_field="rec"):
     pass
 
 
-class Header(_Rec, tag="header"):
+class Header(_Rec, tag="header", frozen=True):
     cluster_id: str
     next_index: int = 0
 
 
-class Unit(_Rec, tag="unit"):
+class Unit(_Rec, tag="unit", frozen=True):
     info: UnitInfo
 
 
-class Retired(_Rec, tag="retired"):
+class Retired(_Rec, tag="retired", frozen=True):
     unit_id: int
 
 
-class Placed(_Rec, tag="placed"):
+class Placed(_Rec, tag="placed", frozen=True):
     """New rows first..first+n-1 on `units`: a BeginPut's (committed later) or keys' (committed)."""
 
     partition: str
@@ -57,30 +57,30 @@ class Placed(_Rec, tag="placed"):
     committed: bool = False
 
 
-class Committed(_Rec, tag="committed"):
+class Committed(_Rec, tag="committed", frozen=True):
     put: CommitPut
 
 
-class Freed(_Rec, tag="freed"):
+class Freed(_Rec, tag="freed", frozen=True):
     partition: str
     indexes: list[int]
 
 
-class Acked(_Rec, tag="acked"):
+class Acked(_Rec, tag="acked", frozen=True):
     partition: str
     task: str
     indexes: list[int]
 
 
-class Sealed(_Rec, tag="sealed"):
+class Sealed(_Rec, tag="sealed", frozen=True):
     partition: str
 
 
-class Dropped(_Rec, tag="dropped"):
+class Dropped(_Rec, tag="dropped", frozen=True):
     partition: str
 
 
-class Keyed(_Rec, tag="keyed"):
+class Keyed(_Rec, tag="keyed", frozen=True):
     """TransferQueue keys given to the rows at global `indexes` (their rows are `Placed`)."""
 
     partition: str
@@ -88,7 +88,7 @@ class Keyed(_Rec, tag="keyed"):
     indexes: list[int]
 
 
-class Tagged(_Rec, tag="tagged"):
+class Tagged(_Rec, tag="tagged", frozen=True):
     """Tags merged into `keys`' tags (dict update), one per key."""
 
     partition: str
@@ -96,11 +96,11 @@ class Tagged(_Rec, tag="tagged"):
     tags: list[dict[str, Any]]
 
 
-class Version(_Rec, tag="version"):
+class Version(_Rec, tag="version", frozen=True):
     version: int
 
 
-class Table(_Rec, tag="table"):
+class Table(_Rec, tag="table", frozen=True):
     """One partition's live rows, as a compaction writes them."""
 
     name: str

@@ -179,6 +179,7 @@ class Scheduler:
             if not req.allow_partial:
                 return self._give_up(req, part, len(ready))
             rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
+        assert rows is not None  # asked for a partial batch, a sampler returns one (maybe short or empty)
         return self._lease(part, task, req, rows)
 
     def _drained(self, part: Partition, task: TaskState, n_ready: int, bound: int | None) -> bool:
@@ -222,7 +223,7 @@ class Scheduler:
         task writes later: waiting for those is legitimate, so this stays a timeout)."""
         have = "no such partition yet" if part is None else f"{part.n} samples in partition"
         unknown = [] if part is None else [f for f in req.fields if f not in part.schema]
-        if unknown:
+        if part is not None and unknown:
             raise TimeoutError(
                 f"get_meta(task={req.task!r}, partition={req.partition!r}) waited {req.timeout:g}s for field(s) "
                 f"{unknown} that no put has brought yet (the partition has {sorted(part.schema)}): check the "
@@ -350,7 +351,9 @@ class Scheduler:
 
     def _expire_lease(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)
-        part = None if lease is None else self.partitions.get(lease.partition)
+        if lease is None:
+            return
+        part = self.partitions.get(lease.partition)
         if part is None:
             return
         task = part.task(lease.task)

@@ -16,6 +16,8 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -133,7 +135,7 @@ class Controller(Service):
         self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
-        for msg_type, handler in {
+        handlers: dict[type, Callable[..., Any]] = {
             Hello: self.on_hello,
             GetMeta: self.on_get_meta,
             Ack: self.on_ack,
@@ -152,7 +154,8 @@ class Controller(Service):
             **self.links.handlers(),
             **self.puts.handlers(),
             **self.keys.handlers(),
-        }.items():
+        }
+        for msg_type, handler in handlers.items():
             self.route(msg_type, handler)
         if self.journal is not None:  # replay what a previous controller recorded, then record from here on
             replayed = self.journal.open(
@@ -183,7 +186,7 @@ class Controller(Service):
             )
         part = self.ledger.partitions.get(msg.partition)
         unknown = [] if part is None else [f for f in msg.fields if f not in part.schema]
-        if unknown and part.sealed and not part.alive[: part.n].any():
+        if part is not None and unknown and part.sealed and not part.alive[: part.n].any():
             raise SchemaError(
                 f"get_meta(task={msg.task!r}) asks for field(s) {unknown} that partition {msg.partition!r} never had "
                 f"(it has {sorted(part.schema)}), and it is sealed with no samples left, so no put can bring them: "

@@ -8,6 +8,7 @@ the live window, not at the partition's whole history.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,7 +121,7 @@ class Partition:
         rows = np.minimum(np.searchsorted(self.gidx[: self.n], idx), max(self.n - 1, 0))
         return rows, (self.n > 0) & (self.gidx[rows] == idx)
 
-    def rows_of(self, indexes: list[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
+    def rows_of(self, indexes: Sequence[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
         """Row numbers of global `indexes`; `SchemaError` names any index this partition lacks."""
         idx = np.asarray(indexes, dtype=np.int64)
         rows, known = self.locate(idx)

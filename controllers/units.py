@@ -10,6 +10,7 @@ controller (registration, reports of put writes) carry the cluster secret (`auth
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -114,7 +115,7 @@ class UnitLinks:
             self._codec,
             name=f"storage unit {unit.unit_id} at {unit.address}",
             credentials=self._credentials,
-            on_reply=lambda reply, uid=unit.unit_id: self._replied(uid, reply),
+            on_reply=functools.partial(self._replied, unit.unit_id),
         )
         self.intake.wake()
         self._record(Unit(unit))

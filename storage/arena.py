@@ -185,7 +185,7 @@ class Arena:
             raise
         os.close(fd)
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.view: memoryview = memoryview(self.array)
+        self.view: memoryview = self.array.data
         self._stop = threading.Event()
         self._prefault: threading.Thread | None = None
         self.prefaulted = 0

@@ -146,6 +146,7 @@ class StorageUnit(Service):
         quiet = self._received == received_before
         if quiet and busy:
             give_back_freed_memory(self.arena.capacity // 20)
+        assert self._loop is not None  # set when the unit starts serving
         self._trimmer = self._loop.call_later(_TRIM_EVERY, self._trim, self._received, not quiet)
 
     # -- Write / CommitWrite -------------------------------------------------------------
@@ -214,7 +215,7 @@ class StorageUnit(Service):
         report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
         asyncio.get_running_loop().call_soon(channel.post, report)
 
-    def _write(self, msg: Write, frames: list[Any]) -> Handled | Ticket[Handled | None] | None:
+    def _write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled] | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)
         check_frames(msg, frames, sizes)
         if frames:
@@ -350,7 +351,7 @@ class StorageUnit(Service):
         source = self.arena.array if staged is None else staged
         start = offset if staged is None else offset - chunks[0].offset
         if nbytes < zmq.COPY_THRESHOLD:
-            return memoryview(source[start : start + nbytes])
+            return source[start : start + nbytes].data
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         frame = source[start : start + nbytes]

@@ -82,11 +82,12 @@ class Ticket(Generic[T]):
     def __init__(self, space: SpaceQueue, waiter: _Waiter, then: Callable[[Placed], T]):
         self._space = space
         self._waiter = waiter
-        self._then = then
+        self._then: Callable[[Placed], T] | None = then
 
     def __await__(self) -> Generator[Any, None, T]:
         placed = yield from self._space._wait(self._waiter).__await__()
         then, self._then = self._then, None  # drop what `then` holds (a write's frames) before replying
+        assert then is not None  # awaited once
         return then(placed)
 
 

@@ -187,9 +187,9 @@ class Table:
                 continue
             dropped += 1
             for col in part.columns.values():
-                row = col.rows.pop(index, None)
-                if row is not None:
-                    unref(row[3])
+                freed = col.rows.pop(index, None)
+                if freed is not None:
+                    unref(freed[3])
         if dropped:
             for name in [n for n, c in part.columns.items() if not c.rows]:
                 del part.columns[name]

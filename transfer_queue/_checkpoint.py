@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -76,7 +77,7 @@ def write_batch(
     meta: BatchMeta,
     data: TensorDict,
     rows: ExportRows | None = None,
-    sources: list[tuple[str, str]] = (),
+    sources: Sequence[tuple[str, str]] = (),
 ) -> None:
     """One batch file: header, then each field's bytes."""
     _, sizes, lengths, buffers = encode_columns(data)
@@ -187,7 +188,7 @@ def restore_puts(header: BatchHeader, restored: dict[str, dict[int, int]]) -> li
     meta, rows = header.meta, header.rows
     groups: dict[tuple, RestorePut] = {}
     for p in range(len(meta)):
-        span = (meta.policy_versions[p], meta.version_last[p])
+        span: tuple[int, int] | None = (meta.policy_versions[p], meta.version_last[p])
         if rows is not None and not rows.versioned[p]:
             span = None
         src_key, src_index = None, -1

@@ -63,6 +63,7 @@ from .wire.messages import (
     Status,
     StatusReply,
     VersionReply,
+    Via,
     Write,
     WriteReply,
 )
@@ -245,7 +246,7 @@ class ClientCore(ControlCore):
                     f"{len(positions)} samples ({nbytes} bytes) exceed storage unit {unit_id}'s whole capacity "
                     f"of {self.units[unit_id].capacity} bytes; put smaller batches or raise storage_capacity"
                 )
-            via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
+            via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             ticket = b"" if tickets is None else tickets.get(unit_id, b"")
             msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put, ticket)
             data = _host_frames(buffers, cols.device) if via == "frames" else ()
@@ -290,7 +291,7 @@ class ClientCore(ControlCore):
             grant.remaining = max(0, grant.remaining - n)
             if grant.remaining == 0 and grant in self.grants:
                 self.grants.remove(grant)
-        src = ("", "", [])
+        src: tuple[str, str, list[int]] = ("", "", [])
         if source is not None:
             if len(source) != n:
                 raise SchemaError(f"source has {len(source)} samples, the batch has {n}")
@@ -364,7 +365,7 @@ class ClientCore(ControlCore):
         targets = np.unique(units).tolist()
         calls = []
         for unit_id in targets:
-            via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
+            via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
@@ -478,7 +479,7 @@ class ClientCore(ControlCore):
         saved = 0
         for p, name in enumerate(sorted(status["partitions"])):
             export = yield from self.one(CONTROLLER, Export(name), ExportReply)
-            files = []
+            files: list[str] = []
             details = export.rows or [None] * len(export.batches)
             for meta, rows in zip(export.batches, details):
                 if not meta.fields:

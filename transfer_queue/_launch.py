@@ -200,6 +200,7 @@ def address_of(proc: subprocess.Popen, tag: str) -> str:
     """Wait for the `TAG address` line a service prints once it serves."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
+        assert proc.stdout is not None  # started with stdout=PIPE
         ready, _, _ = select.select([proc.stdout], [], [], 0.5)
         if ready:
             line = proc.stdout.readline()
@@ -210,7 +211,8 @@ def address_of(proc: subprocess.Popen, tag: str) -> str:
         elif proc.poll() is not None:
             break
     proc.kill()
-    raise ServiceError(f"`{' '.join(proc.args[1:4])} ...` did not start (exit code {proc.poll()}); see its stderr")
+    command = " ".join(map(str, proc.args[1:4])) if isinstance(proc.args, (list, tuple)) else str(proc.args)
+    raise ServiceError(f"`{command} ...` did not start (exit code {proc.poll()}); see its stderr")
 
 
 def _find_prctl() -> Any:

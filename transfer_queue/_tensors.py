@@ -11,7 +11,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from .cuda import check_tensor_device, is_cuda
 from .wire.errors import SchemaError
 from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 from .wire.sizes import arena_bytes
+
+if TYPE_CHECKING:  # a jagged tensor's class: torch's stubs give `Tensor` no `offsets()`
+    from torch.nested._internal.nested_tensor import NestedTensor
 
 # Received frames are read-only buffers; torch warns on viewing them although we only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -79,6 +82,7 @@ class _Column:
 
     @property
     def lengths(self) -> np.ndarray:
+        assert self.offsets is not None  # asked of ragged columns only
         return np.diff(self.offsets)
 
 
@@ -132,7 +136,7 @@ class Columns:
             if is_cuda(tensor):  # stays in GPU memory: copied once, straight to its destination
                 self.device = tensor.device
             if tensor.is_nested:
-                offsets = tensor.offsets().cpu().numpy().astype(np.int64)
+                offsets = cast("NestedTensor", tensor).offsets().cpu().numpy().astype(np.int64)
                 if len(offsets) != self.n + 1:
                     raise SchemaError(f"field {name!r} has {len(offsets) - 1} samples, the batch has {self.n}")
                 values = tensor.values().contiguous()
@@ -157,6 +161,7 @@ class Columns:
             if col.dense is not None:
                 total += arena_bytes(col.spec.row_bytes * self.n)
             else:
+                assert col.offsets is not None  # a column is dense or ragged
                 total += arena_bytes(int(col.offsets[-1]) * col.spec.row_bytes)
         return -(-total // self.n)
 
@@ -186,12 +191,13 @@ class Columns:
                     rows = col.dense.index_select(0, torch.from_numpy(positions).to(col.dense.device))
                 buffers.append(as_bytes(rows))
                 continue
-            offs = col.offsets
+            offs, values = col.offsets, col.values
+            assert offs is not None and values is not None  # a column is dense or ragged
             lengths[name] = (offs[positions + 1] - offs[positions]).tolist()
             if contiguous:
-                vals = col.values[int(offs[positions[0]]) : int(offs[positions[-1] + 1])]
+                vals = values[int(offs[positions[0]]) : int(offs[positions[-1] + 1])]
             else:
-                vals = torch.cat([col.values[int(offs[p]) : int(offs[p + 1])] for p in positions])
+                vals = torch.cat([values[int(offs[p]) : int(offs[p + 1])] for p in positions])
             buffers.append(as_bytes(vals))
         return buffers, lengths
 
@@ -256,9 +262,10 @@ class BufferPool:
         if _use_count is None or nbytes < self.min_bytes or nbytes > self.max_bytes:
             return torch.empty(shape, dtype=dtype)
         storage = self._take(nbytes)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _strides(shape))
 
     def _take(self, nbytes: int) -> torch.UntypedStorage:
+        assert _use_count is not None  # `empty` pools only where torch counts storage uses
         entries = self._entries
         for i, (size, storage, idle) in enumerate(entries):
             if size == nbytes and _use_count(storage._cdata) == idle:
@@ -420,7 +427,18 @@ def _on_bytes(src: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> 
     itemsize = _ITEMSIZES[dtype]
     if src.storage_offset() % itemsize or src.data_ptr() % itemsize:
         return None
-    return torch.empty(0, dtype=dtype).set_(src.untyped_storage(), src.storage_offset() // itemsize, shape)
+    offset = src.storage_offset() // itemsize
+    return torch.empty(0, dtype=dtype).set_(src.untyped_storage(), offset, shape, _strides(shape))
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The contiguous strides of `shape`, which `Tensor.set_` computes itself when given none (its
+    type stubs only know the form that is given them)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -462,5 +480,9 @@ def jagged(values: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     """A jagged nested tensor of `values` split at `offsets`, its longest and shortest row
     recorded: without them torch pads `to_padded_tensor()` to the total length of all rows."""
     lengths = np.diff(offsets)
-    bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if len(lengths) else {}
-    return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(offsets).to(values.device), **bounds)
+    return torch.nested.nested_tensor_from_jagged(
+        values,
+        torch.from_numpy(offsets).to(values.device),
+        min_seqlen=int(lengths.min()) if len(lengths) else None,
+        max_seqlen=int(lengths.max()) if len(lengths) else None,
+    )

@@ -158,7 +158,11 @@ def _frames(reader: ControlClient, as_json: bool, watch: float | None) -> Iterat
     while True:
         time.sleep(gap)
         now = reader.status()
-        yield json.dumps(now, indent=2) if as_json else _as_tables(now, before)
+        if as_json:
+            yield json.dumps(now, indent=2)
+        else:
+            assert before is not None  # tables take their first snapshot before the loop
+            yield _as_tables(now, before)
         if watch is None:
             return
         before, gap = now, watch

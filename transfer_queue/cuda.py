@@ -213,4 +213,4 @@ def ipc_open(fields: tuple, nbytes: int) -> torch.Tensor:
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
     device = torch.device("cuda", fields[0])
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,))
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))

@@ -127,7 +127,9 @@ class BackgroundReceiver(Receiver):
         """Mark `version` whole in `slot`; it stays pinned until applied or superseded."""
         self._fetched = version
         self.table.advance(slot, filled, complete=True)
-        lease, _ = self.table.lease(version)
+        leased = self.table.lease(version)
+        assert leased is not None  # `slot` holds `version`, whole, and only this thread fails slots
+        lease, _ = leased
         with self.cond:
             old, self._received = self._received, _Received(version, plan, buffer, lease, checksums)
             self._error = None
@@ -208,10 +210,10 @@ class ReadsReceiver(BackgroundReceiver):
         if not self._await_free_buffer():
             return
         after = max(self._fetched, self.targets.version)
+        coordinator = self._coordinator
+        assert coordinator is not None  # made when the thread started (`_loop`)
         try:
-            offer: Offer = self._coordinator.call(
-                Latest(after, not self.settings.pipelined, 1.0), timeout=1.0 + self.timeout
-            )
+            offer: Offer = coordinator.call(Latest(after, not self.settings.pipelined, 1.0), timeout=1.0 + self.timeout)
         except TimeoutError:
             return
         if offer.version <= after:
@@ -231,7 +233,7 @@ class ReadsReceiver(BackgroundReceiver):
                 self._pull(r, version, g, plan, slot, base) if plan.reads(r) else "" for r, g in enumerate(grants)
             ]
             if not offer.complete:
-                self._coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
+                coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
             checksums = self._checksums(plan, grants)
         except BaseException:
             if slot is not None:
@@ -308,6 +310,7 @@ class ImageReceiver(BackgroundReceiver):
         try:
             image = self.ranks.transport.receive(job)
             plan = self.ranks.plan((job.manifest,))
+            assert self._coordinator is not None  # made when the thread started (`_loop`)
             self._coordinator.call(Confirm(job.version, self.timeout), timeout=self.timeout * 2)
             checksums = {}
             if self.settings.validate:
@@ -320,6 +323,7 @@ class ImageReceiver(BackgroundReceiver):
             if slot is not None:
                 self.table.fail(slot)
             raise
+        assert slot is not None  # the transport received into the buffer `into` claimed
         self._ready(job.version, plan, slot, slot.size, image, checksums)
 
     def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:

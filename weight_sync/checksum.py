@@ -26,7 +26,7 @@ __all__ = ["checksum", "box_checksum", "Snapshot", "compare"]
 
 def checksum(tensor: torch.Tensor) -> int:
     """xxh3-64 of `tensor`'s bytes, row-major."""
-    return xxhash.xxh3_64_intdigest(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+    return xxhash.xxh3_64_intdigest(tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
 
 
 def box_checksum(slot: torch.Tensor, read: Read) -> int:

@@ -70,7 +70,7 @@ class Coordinator:
         self.started = -1
         self.recent: deque[int] = deque(maxlen=RECENT)
         self.abandoned: deque[int] = deque(maxlen=RECENT)
-        self.waiters: list[tuple[msgspec.Struct, Pending]] = []
+        self.waiters: list[tuple[Latest | Confirm, Pending]] = []
 
     def handle(self, msg: msgspec.Struct, pending: Pending) -> None:
         """Serve one request meant for the coordinator."""
@@ -114,6 +114,7 @@ class Coordinator:
 
     def _record(self, version: int) -> None:
         """Worker thread: record `version` in the controller, then report to the server thread."""
+        assert self.record is not None  # the recording worker exists only with a `record`
         error: Exception | None = None
         try:
             self.record(version)
@@ -136,7 +137,7 @@ class Coordinator:
         if self._recorder is not None:
             self._recorder.shutdown(wait=False, cancel_futures=True)
 
-    def _answer(self, msg: msgspec.Struct, pending: Pending) -> bool:
+    def _answer(self, msg: Latest | Confirm, pending: Pending) -> bool:
         """Answer `msg` now if it can be; False to keep waiting."""
         if isinstance(msg, Confirm):
             if msg.version in self.recent:

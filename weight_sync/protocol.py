@@ -104,17 +104,17 @@ class SlotInfo(msgspec.Struct, frozen=True):
 _Msg = Message
 
 
-class Join(_Msg, tag="join"):
+class Join(_Msg, tag="join", frozen=True):
     info: RankInfo
 
 
-class Staged(_Msg, tag="staged"):
+class Staged(_Msg, tag="staged", frozen=True):
     rank: int
     version: int
     complete: bool
 
 
-class Latest(_Msg, tag="latest"):
+class Latest(_Msg, tag="latest", frozen=True):
     """The newest version above `after`: only complete ones, or also one being staged."""
 
     after: int
@@ -122,12 +122,12 @@ class Latest(_Msg, tag="latest"):
     timeout: float = 0.0
 
 
-class Confirm(_Msg, tag="confirm"):
+class Confirm(_Msg, tag="confirm", frozen=True):
     version: int
     timeout: float = 30.0
 
 
-class Lease(_Msg, tag="lease"):
+class Lease(_Msg, tag="lease", frozen=True):
     """Pin `version`'s slot (waiting up to `timeout` for this rank to start staging it).
     `transport`, `plan`, `relay`: the transport the subscriber pulls with, the digest of its
     reads and the endpoint where it re-serves them (relay trees); `direct` refuses a relay."""
@@ -140,15 +140,15 @@ class Lease(_Msg, tag="lease"):
     timeout: float = 30.0
 
 
-class Release(_Msg, tag="release"):
+class Release(_Msg, tag="release", frozen=True):
     lease: int
 
 
-class Describe(_Msg, tag="describe"):
+class Describe(_Msg, tag="describe", frozen=True):
     manifest: int
 
 
-class Verify(_Msg, tag="verify"):
+class Verify(_Msg, tag="verify", frozen=True):
     lease: int
     reads: list[Read]
 
@@ -156,13 +156,13 @@ class Verify(_Msg, tag="verify"):
 Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Verify, Cancel, Ping]
 
 
-class Offer(_Msg, tag="offer"):
+class Offer(_Msg, tag="offer", frozen=True):
     version: int
     complete: bool
     ranks: list[RankInfo]
 
 
-class Granted(_Msg, tag="granted"):
+class Granted(_Msg, tag="granted", frozen=True):
     """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself);
     `base`: the version the rank can send a delta against (-1: whole only)."""
 
@@ -174,11 +174,11 @@ class Granted(_Msg, tag="granted"):
     base: int = -1
 
 
-class Described(_Msg, tag="described"):
+class Described(_Msg, tag="described", frozen=True):
     manifest: Manifest
 
 
-class Checksums(_Msg, tag="checksums"):
+class Checksums(_Msg, tag="checksums", frozen=True):
     """xxh3-64 of each requested box; `corrupt`: staged tensors that changed since staging."""
 
     values: list[int]
@@ -194,7 +194,7 @@ class _Data(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=T
     pass
 
 
-class Pull(_Data, tag="pull"):
+class Pull(_Data, tag="pull", frozen=True):
     """Send these reads of the slot pinned by `lease`, each as its box's contiguous bytes; with
     a `base` (>= 0), as delta frames against that version (`stream.delta_frames`)."""
 
@@ -204,7 +204,7 @@ class Pull(_Data, tag="pull"):
     base: int = -1
 
 
-class RelayPull(_Data, tag="relay"):
+class RelayPull(_Data, tag="relay", frozen=True):
     """Send what you pulled of `version` from `rank`, for a plan with this digest."""
 
     version: int

@@ -8,11 +8,14 @@ checksums for validation; and the `Job` a transport is handed for one rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from transfer_queue import SluiceError
+from transfer_queue.wire.rpc import Message
 
+from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
 from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Verify
@@ -47,11 +50,11 @@ class PublisherRanks:
         self._shard = shard
         self._mapping = mapping
         self._clients: dict[int, RpcClient] = {}
-        self._manifests: dict[int, object] = {}
+        self._manifests: dict[int, Manifest] = {}
         self._plans: dict[tuple[int, ...], Plan] = {}
 
-    def call(self, rank: int, msg: object, timeout: float | None = None) -> object:
-        """Send `msg` to rank `rank`'s control server and return its reply.
+    def call(self, rank: int, msg: Message, timeout: float | None = None) -> Any:
+        """Send `msg` to rank `rank`'s control server and return its reply (of the type `msg` asks for).
 
         Raises:
             WeightSyncError: the rank is gone or did not answer in time.
@@ -127,9 +130,11 @@ class PublisherRanks:
         copies = [c for c in plan.copies if c.rank == rank]
 
         def into(nbytes: int) -> torch.Tensor:
+            assert slot is not None  # without a slot the transport maps the rank's memory and asks for no buffer
             return slot.mapped.tensor[start : start + nbytes]
 
         def progress(nbytes: int) -> None:
+            assert slot is not None and table is not None  # given with a slot only (below), its table with it
             table.advance(slot, start + nbytes)
 
         return Job(

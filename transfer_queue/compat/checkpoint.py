@@ -141,10 +141,10 @@ def _partition(client: Any, partition: str, tags_of: dict[str, dict]) -> tuple[K
         by_fields: dict[frozenset[str], list[int]] = {}
         for p, names in enumerate(have):
             by_fields.setdefault(frozenset(names), []).append(p)
-        for names, positions in by_fields.items():
-            if not names:
+        for selected, positions in by_fields.items():
+            if not selected:
                 continue
-            data = client.kv_batch_get([keys[p] for p in positions], partition, sorted(names))
+            data = client.kv_batch_get([keys[p] for p in positions], partition, sorted(selected))
             fields, sizes, lengths, columns = encode_columns(data)
             groups.append(KvGroup(positions, fields, sizes, lengths))
             buffers.extend(columns)

@@ -36,7 +36,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from ..wire.auth import Credentials
 from ..wire.errors import ClosedError, SchemaError
@@ -277,7 +277,9 @@ def _register_with_ray(address: str, conf: dict[str, Any], credentials: Credenti
 
     from .._ray_backend import _runtime_env
 
-    actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(_Registry)
+    # Ray's stubs type `ray.remote(**options)` as a decorator of functions only, and its
+    # runtime_env as never None (Ray takes None for "no runtime_env")
+    actor = cast(Any, ray.remote)(num_cpus=0, max_restarts=0, runtime_env=_runtime_env())(_Registry)
     try:
         handle = actor.options(name=RAY_NAME, namespace=RAY_NAMESPACE).remote(
             address, json.dumps(conf), credentials.token() if credentials else ""
@@ -316,11 +318,14 @@ def _find() -> _Face | None:
 # -- config ------------------------------------------------------------------------------
 
 
-def _plain(conf: Mapping) -> dict[str, Any]:
+def _plain(conf: Mapping) -> dict[Any, Any]:
+    """`conf` as plain dicts, keys as the user's config has them (OmegaConf's may be ints or enums)."""
     if type(conf).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(conf, resolve=True)
+        plain = OmegaConf.to_container(conf, resolve=True)
+        assert isinstance(plain, dict)  # the container of a mapping config is a dict
+        return plain
     return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in conf.items()}
 
 
@@ -409,19 +414,26 @@ def _check_put(keys: Sequence[str], fields: Any, tags: Sequence[dict] | None, da
         raise SchemaError(f"{len(keys)} keys for {len(tags)} tags")
 
 
+@overload
+def _listed(value: str | Sequence[str]) -> list[str]: ...
+@overload
+def _listed(value: None) -> None: ...
+@overload
+def _listed(value: str | Sequence[str] | None) -> list[str] | None: ...
 def _listed(value: str | Sequence[str] | None) -> list[str] | None:
     return [value] if isinstance(value, str) else (None if value is None else list(value))
 
 
-def _by_meta_fields(meta: KVBatchMeta, select_fields: str | Sequence[str] | None) -> list[str] | None:
+def _by_meta(meta: KVBatchMeta, select_fields: str | Sequence[str] | None) -> tuple[str, list[str] | None]:
+    """The partition and the fields to read of `meta`'s keys."""
     if meta.partition_id is None:
         raise SchemaError("the KVBatchMeta has no partition_id")
     fields = _listed(select_fields)
     if fields is None:
-        return meta.fields
+        return meta.partition_id, meta.fields
     if meta.fields is None or any(f not in meta.fields for f in fields):
         raise SchemaError(f"select_fields {fields} are not all among the KVBatchMeta's fields {meta.fields}")
-    return fields
+    return meta.partition_id, fields
 
 
 def kv_put(
@@ -462,7 +474,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[s
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
     """`kv_batch_get` of a `KVBatchMeta`'s keys and fields (`select_fields` must be among them)."""
-    return get_client().kv_batch_get(meta.keys, meta.partition_id, _by_meta_fields(meta, select_fields))
+    return get_client().kv_batch_get(meta.keys, *_by_meta(meta, select_fields))
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:
@@ -504,7 +516,7 @@ async def async_kv_batch_get(
 
 async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
     """`kv_batch_get_by_meta` for asyncio code."""
-    return await get_client().async_kv_batch_get(meta.keys, meta.partition_id, _by_meta_fields(meta, select_fields))
+    return await get_client().async_kv_batch_get(meta.keys, *_by_meta(meta, select_fields))
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict]]:

@@ -130,18 +130,18 @@ _Msg = Message
 # -- controller requests -----------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     pass
 
 
-class RegisterUnit(_Msg, tag="register_unit"):
+class RegisterUnit(_Msg, tag="register_unit", frozen=True):
     """Join the cluster (or come back after a restart); refused without the cluster's secret."""
 
     unit: UnitInfo
     secret: str = ""
 
 
-class BeginPut(_Msg, tag="begin_put"):
+class BeginPut(_Msg, tag="begin_put", frozen=True):
     """Validate the schema and place `n` new rows (new columns of existing rows need none: their
     `CommitPut` checks and accounts for them)."""
 
@@ -158,7 +158,7 @@ class BeginPut(_Msg, tag="begin_put"):
     far ahead of the others (`controllers.placement`); -1: none."""
 
 
-class CommitPut(_Msg, tag="commit_put"):
+class CommitPut(_Msg, tag="commit_put", frozen=True):
     """Mark `fields` ready for `indexes`. With `rows`, it registers the new rows of an open put,
     once every unit of the put reported its write stored (it may be sent with the writes);
     without, the fields are new columns of existing rows the units already hold (checked against
@@ -171,7 +171,7 @@ class CommitPut(_Msg, tag="commit_put"):
     row_bytes: int = 0
 
 
-class WriteLanded(_Msg, tag="write_landed"):
+class WriteLanded(_Msg, tag="write_landed", frozen=True):
     """From a storage unit: its write of `indexes` for open put `put` (`Write.put`) was stored
     (`code` empty) or failed with the error `code`/`message`. A notice: the controller answers
     only a refusal. Carries the cluster secret, so only a unit can report; the controller takes a
@@ -186,12 +186,12 @@ class WriteLanded(_Msg, tag="write_landed"):
     message: str = ""
 
 
-class AbortPut(_Msg, tag="abort_put"):
+class AbortPut(_Msg, tag="abort_put", frozen=True):
     partition: str
     indexes: list[int]
 
 
-class GetMeta(_Msg, tag="get_meta"):
+class GetMeta(_Msg, tag="get_meta", frozen=True):
     partition: str
     task: str
     fields: list[str]
@@ -204,64 +204,64 @@ class GetMeta(_Msg, tag="get_meta"):
     lease_timeout: float | None = None
 
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, tag="ack", frozen=True):
     partition: str
     task: str
     indexes: list[int]
 
 
-class Nack(_Msg, tag="nack"):
+class Nack(_Msg, tag="nack", frozen=True):
     partition: str
     task: str
     indexes: list[int]
 
 
-class Clear(_Msg, tag="clear"):
+class Clear(_Msg, tag="clear", frozen=True):
     partition: str
     indexes: list[int]
 
 
-class ClearPartition(_Msg, tag="clear_partition"):
+class ClearPartition(_Msg, tag="clear_partition", frozen=True):
     partition: str
 
 
-class Seal(_Msg, tag="seal"):
+class Seal(_Msg, tag="seal", frozen=True):
     partition: str
 
 
-class SetVersion(_Msg, tag="set_version"):
+class SetVersion(_Msg, tag="set_version", frozen=True):
     version: int
 
 
-class WaitVersion(_Msg, tag="wait_version"):
+class WaitVersion(_Msg, tag="wait_version", frozen=True):
     """Answer once the version exceeds `after`, with every version set since, in order."""
 
     after: int
     timeout: float = 30.0
 
 
-class Acquire(_Msg, tag="acquire"):
+class Acquire(_Msg, tag="acquire", frozen=True):
     n: int
     timeout: float = 30.0
 
 
-class Release(_Msg, tag="release"):
+class Release(_Msg, tag="release", frozen=True):
     grant_id: int
     n: int
 
 
-class Status(_Msg, tag="status"):
+class Status(_Msg, tag="status", frozen=True):
     pass
 
 
-class Announce(_Msg, tag="announce"):
+class Announce(_Msg, tag="announce", frozen=True):
     """Publish a small value under `key` (e.g. a weight publisher's endpoint)."""
 
     key: str
     value: bytes
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(_Msg, tag="lookup", frozen=True):
     key: str
     timeout: float = 0.0
 
@@ -272,7 +272,7 @@ Tags = dict[str, Any]
 """A key's tags: msgpack-typed metadata (None, bool, int, float, str, lists and dicts of them)."""
 
 
-class KvResolve(_Msg, tag="kv_resolve"):
+class KvResolve(_Msg, tag="kv_resolve", frozen=True):
     """The samples of `keys` in `partition`, in key order. `create=True` gives keys the partition
     lacks new rows (no fields yet); otherwise a missing key is a `SchemaError` naming it."""
 
@@ -281,7 +281,7 @@ class KvResolve(_Msg, tag="kv_resolve"):
     create: bool = False
 
 
-class KvTag(_Msg, tag="kv_tag"):
+class KvTag(_Msg, tag="kv_tag", frozen=True):
     """Merge `tags[i]` into the tags of `keys[i]` (dict update), after their data is written."""
 
     partition: str
@@ -289,27 +289,27 @@ class KvTag(_Msg, tag="kv_tag"):
     tags: list[Tags]
 
 
-class KvList(_Msg, tag="kv_list"):
+class KvList(_Msg, tag="kv_list", frozen=True):
     """Every live key with its tags, of one partition (or of all when `partition` is None)."""
 
     partition: str | None = None
 
 
-class KvKeys(_Msg, tag="kv_keys"):
+class KvKeys(_Msg, tag="kv_keys", frozen=True):
     """The keys of global `indexes` of `partition` (`SchemaError` for an index without a key)."""
 
     partition: str
     indexes: list[int]
 
 
-class KvClear(_Msg, tag="kv_clear"):
+class KvClear(_Msg, tag="kv_clear", frozen=True):
     """Delete `keys` and their samples (keys the partition lacks are ignored)."""
 
     partition: str
     keys: list[str]
 
 
-class Export(_Msg, tag="export"):
+class Export(_Msg, tag="export", frozen=True):
     """A partition's committed samples, for a checkpoint (answered with `ExportReply`)."""
 
     partition: str
@@ -350,7 +350,7 @@ ControllerRequest = Union[
 Via = Literal["frames", "shm"]
 
 
-class Write(_Msg, tag="write"):
+class Write(_Msg, tag="write", frozen=True):
     """Store rows. `via="frames"`: one frame per field follows (rows in `indexes` order, ragged
     values concatenated). `via="shm"`: reserve space and reply with arena offsets; the client
     copies, then sends `CommitWrite`."""
@@ -370,12 +370,12 @@ class Write(_Msg, tag="write"):
     registered with a controller refuses such a write without the right one."""
 
 
-class CommitWrite(_Msg, tag="commit_write"):
+class CommitWrite(_Msg, tag="commit_write", frozen=True):
     token: int
     abort: bool = False
 
 
-class Read(_Msg, tag="read"):
+class Read(_Msg, tag="read", frozen=True):
     """Return `fields` of `indexes`: as frames, or as arena runs for a co-located client."""
 
     partition: str
@@ -384,14 +384,14 @@ class Read(_Msg, tag="read"):
     via: Via = "frames"
 
 
-class Free(_Msg, tag="free"):
+class Free(_Msg, tag="free", frozen=True):
     """Drop rows (all rows of the partition when `indexes` is None)."""
 
     partition: str
     indexes: list[int] | None = None
 
 
-class UnitStatus(_Msg, tag="unit_status"):
+class UnitStatus(_Msg, tag="unit_status", frozen=True):
     pass
 
 
@@ -400,44 +400,44 @@ StorageRequest = Union[Cancel, Write, CommitWrite, Read, Free, UnitStatus, Ping]
 # -- replies -----------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_reply"):
+class HelloReply(_Msg, tag="hello_reply", frozen=True):
     cluster_id: str
     config: ClusterConfig
     units: list[UnitInfo]
     version: int
 
 
-class PutPlan(_Msg, tag="put_plan"):
+class PutPlan(_Msg, tag="put_plan", frozen=True):
     indexes: list[int]
     units: list[int]
     tickets: dict[int, bytes] = {}
     """Unit id -> the ticket of its share of the put (`Write.ticket`)."""
 
 
-class MetaReply(_Msg, tag="meta_reply"):
+class MetaReply(_Msg, tag="meta_reply", frozen=True):
     meta: BatchMeta
 
 
-class VersionReply(_Msg, tag="version_reply"):
+class VersionReply(_Msg, tag="version_reply", frozen=True):
     version: int
     history: list[int] = []
 
 
-class GrantReply(_Msg, tag="grant_reply"):
+class GrantReply(_Msg, tag="grant_reply", frozen=True):
     grant_id: int
     n: int
     version: int
 
 
-class StatusReply(_Msg, tag="status_reply"):
+class StatusReply(_Msg, tag="status_reply", frozen=True):
     status: dict
 
 
-class LookupReply(_Msg, tag="lookup_reply"):
+class LookupReply(_Msg, tag="lookup_reply", frozen=True):
     value: bytes | None
 
 
-class KvMetaReply(_Msg, tag="kv_meta_reply"):
+class KvMetaReply(_Msg, tag="kv_meta_reply", frozen=True):
     """`meta.fields`: the fields ready for every key; `partial`: per field ready for only some
     keys, their positions in `meta`; `tags`: each key's tags."""
 
@@ -446,22 +446,22 @@ class KvMetaReply(_Msg, tag="kv_meta_reply"):
     partial: dict[str, list[int]] = {}
 
 
-class KvListReply(_Msg, tag="kv_list_reply"):
+class KvListReply(_Msg, tag="kv_list_reply", frozen=True):
     partitions: dict[str, dict[str, Tags]]
 
 
-class KvKeysReply(_Msg, tag="kv_keys_reply"):
+class KvKeysReply(_Msg, tag="kv_keys_reply", frozen=True):
     keys: list[str]
 
 
-class WriteReply(_Msg, tag="write_reply"):
+class WriteReply(_Msg, tag="write_reply", frozen=True):
     """`token`/`offsets` are set for a shm reservation (field -> arena offset)."""
 
     token: int = 0
     offsets: dict[str, int] = {}
 
 
-class ReadReply(_Msg, tag="read_reply"):
+class ReadReply(_Msg, tag="read_reply", frozen=True):
     """Per field: `lengths` (ragged fields, per row) and `runs` of (arena offset, nbytes) in row
     order; with frames, one frame per run follows, fields in request order."""
 
@@ -480,7 +480,7 @@ class ExportRows(msgspec.Struct, frozen=True):
     """The prompt's index in that partition (for the `requeue` policy); -1: none."""
 
 
-class ExportReply(_Msg, tag="export_reply"):
+class ExportReply(_Msg, tag="export_reply", frozen=True):
     """Live committed samples grouped by their ready fields (one `BatchMeta` per group, with
     its `ExportRows` in `rows`); per consumer task the indexes it consumed (leased ones are not
     consumed); sealed or not; the (partition, task) prompt sources the rows refer to."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import msgspec
 
@@ -45,10 +46,12 @@ _BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.
 
 
 @functools.cache
-def _constraints(cls: type) -> list[tuple[str, str, object, float]]:
+def _constraints(cls: type) -> list[tuple[str, str, Callable[[Any, Any], bool], float]]:
     """(field, op, comparison, bound) for every numeric `msgspec.Meta` bound on `cls`'s fields."""
-    out = []
-    for field in msgspec.inspect.type_info(cls).fields:
+    out: list[tuple[str, str, Callable[[Any, Any], bool], float]] = []
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
         kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
         for kind in kinds:
             if isinstance(kind, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):

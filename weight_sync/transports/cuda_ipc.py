@@ -113,7 +113,9 @@ class CudaIpcTransport(Transport):
         return held[1]
 
     def receive(self, job: Job) -> torch.Tensor:
-        slot = job.grant.slot
+        grant = job.grant
+        assert grant is not None  # a subscriber leases the slot before a "map" transport reads it
+        slot = grant.slot
         key = (job.rank, slot.index)
         held = self._opened.get(key)
         if held is not None and held[0] == slot.generation:

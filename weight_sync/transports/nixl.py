@@ -151,8 +151,10 @@ class NixlTransport(Transport):
     # -- subscriber side -----------------------------------------------------------------
 
     def receive(self, job: Job) -> torch.Tensor:
+        grant = job.grant
+        assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
         try:
-            where = _SLOT_DECODER.decode(job.grant.slot.handle)
+            where = _SLOT_DECODER.decode(grant.slot.handle)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise WeightSyncError(f"rank {job.rank} granted a slot without a nixl handle: {exc}") from None
         total = job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0

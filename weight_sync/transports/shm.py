@@ -39,7 +39,9 @@ class ShmTransport(Transport):
         return "memfd"
 
     def receive(self, job: Job) -> torch.Tensor:
-        slot = job.grant.slot
+        grant = job.grant
+        assert grant is not None  # a subscriber leases the slot before a "map" transport reads it
+        slot = grant.slot
         key = (job.rank, slot.index)
         held = self._maps.get(key)
         if held is not None and held[0] == slot.generation:

@@ -118,12 +118,12 @@ def gather(slot: torch.Tensor, read: Read, box: Box, scratch: Scratch) -> memory
     part = piece[tuple(slice(l, h) for l, h in zip(lo, hi))]
     if not part.is_contiguous():
         part = scratch.take()[: part.numel()].view(part.shape).copy_(part)
-    return memoryview(part.numpy()).cast("B")
+    return part.numpy().data.cast("B")
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous uint8 tensor (for `recv_into`-style receives)."""
-    return memoryview(tensor.numpy()).cast("B")
+    return tensor.numpy().data.cast("B")
 
 
 STATUS = struct.Struct("<BI")

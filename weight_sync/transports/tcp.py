@@ -119,12 +119,12 @@ class TcpTransport(Transport):
 
     def serve(self, source: Source) -> str:
         handshake.check_serve(self._key, self.host)
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((self.host, 0))
-        self._listener.listen(64)
-        self._spawn(self._accept, source)
-        host, port = self._listener.getsockname()
+        listener = self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, 0))
+        listener.listen(64)
+        self._spawn(self._accept, listener, source)
+        host, port = listener.getsockname()
         return f"{host}:{port}"
 
     def _spawn(self, target, *args) -> None:  # noqa: ANN001
@@ -134,10 +134,10 @@ class TcpTransport(Transport):
             self._threads.append(thread)
         thread.start()
 
-    def _accept(self, source: Source) -> None:
+    def _accept(self, listener: socket.socket, source: Source) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # closed
             _tune(conn)
@@ -189,10 +189,13 @@ class TcpTransport(Transport):
     # -- receiving -----------------------------------------------------------------------
 
     def receive(self, job: Job) -> torch.Tensor:
-        if job.grant.source:
-            endpoint, request = job.grant.source, RelayPull(job.version, job.rank, job.digest)
+        grant = job.grant
+        assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
+        request: Pull | RelayPull
+        if grant.source:
+            endpoint, request = grant.source, RelayPull(job.version, job.rank, job.digest)
         else:
-            endpoint, request = job.endpoint, Pull(job.grant.lease, job.version, job.reads, job.base)
+            endpoint, request = job.endpoint, Pull(grant.lease, job.version, job.reads, job.base)
         try:
             sock = self._peer(endpoint)
             sock.settimeout(job.timeout)

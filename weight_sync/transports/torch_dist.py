@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from transfer_queue import SluiceError, WeightSyncError
 from transfer_queue.cuda import synchronize
 
 from .base import Job, Transport, register
+
+if TYPE_CHECKING:  # the class of ProcessGroupGloo/NCCL (a torch without distributed lacks the module)
+    from torch._C._distributed_c10d import Backend as _Backend
 
 __all__ = ["TorchTransport"]
 
@@ -56,7 +60,7 @@ class TorchTransport(Transport):
             self.staging = "cuda"
             self.receive_device = self.device
         self._store: dist.TCPStore | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._group: _Backend | None = None
         self._cond = threading.Condition()
         self._queued: tuple | None = None
         self._closed = False
@@ -70,7 +74,7 @@ class TorchTransport(Transport):
 
     # -- group ---------------------------------------------------------------------------
 
-    def _make_group(self, store: dist.Store, rank: int) -> dist.ProcessGroup:
+    def _make_group(self, store: dist.Store, rank: int) -> _Backend:
         timeout = datetime.timedelta(seconds=self.timeout)
         if self.backend == "nccl":
             return dist.ProcessGroupNCCL(store, rank, self.world_size)
@@ -82,14 +86,16 @@ class TorchTransport(Transport):
     def _broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None) -> None:
         """Broadcast `tensor` from group rank 0: in place when it is on the group's device, else
         (a small CPU header under NCCL) through a device buffer."""
+        group = self._group
+        assert group is not None  # publisher and subscriber form the group before broadcasting
         if tensor.device == self.device:
-            self._group.broadcast(tensor, 0, timeout).wait()
+            group.broadcast(tensor, 0, timeout).wait()
             return
         if self._bounce is None or self._bounce.numel() < tensor.numel():
             self._bounce = torch.empty(tensor.numel(), dtype=tensor.dtype, device=self.device)
         bounce = self._bounce[: tensor.numel()]
         bounce.copy_(tensor)
-        self._group.broadcast(bounce, 0, timeout).wait()
+        group.broadcast(bounce, 0, timeout).wait()
         tensor.copy_(bounce)
 
     # -- publisher -----------------------------------------------------------------------
@@ -112,6 +118,7 @@ class TorchTransport(Transport):
             self._cond.notify_all()
 
     def _push_loop(self) -> None:
+        assert self._store is not None  # `serve` made it before starting this thread
         try:
             self._group = self._make_group(self._store, 0)
         except Exception:  # noqa: BLE001 - the group never formed (closed, or peers missing)
@@ -126,6 +133,7 @@ class TorchTransport(Transport):
                     except RuntimeError:
                         pass  # members are gone already
                     return
+                assert self._queued is not None  # woken with a slot queued, or closed (returned above)
                 slot, version, release = self._queued
                 self._queued = None
             try:

@@ -130,6 +130,7 @@ class _Runtime:
             if self._owned:
                 asyncio.run_coroutine_threadsafe(self._reset(), loop).result()
             loop.call_soon_threadsafe(loop.stop)
+            assert self._thread is not None  # started with the loop
             self._thread.join(timeout=5)
             loop.close()
 
@@ -269,6 +270,7 @@ class UcxTransport(Transport):
 
     async def _serve_ep(self, ep: Any, worker: int) -> None:
         source = self._source
+        assert source is not None  # endpoints connect only once `serve` listens
         try:
             try:
                 admitted = await self._greet(ep)
@@ -330,9 +332,11 @@ class UcxTransport(Transport):
     # -- receiving -----------------------------------------------------------------------
 
     def receive(self, job: Job) -> torch.Tensor:
-        if job.grant.source:
+        grant = job.grant
+        assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
+        if grant.source:
             raise WeightSyncError("ucx does not relay")
-        return self._run(self._pull(job, Pull(job.grant.lease, job.version, job.reads)))
+        return self._run(self._pull(job, Pull(grant.lease, job.version, job.reads)))
 
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         try:
