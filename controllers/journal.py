@@ -209,6 +209,8 @@ class Journal:
             part = ledger.partitions.get(rec.partition)
             if part is not None:
                 ledger.free_rows(part, part.rows_of(rec.indexes, alive=False))
+                if part.wasteful():  # a long journal replays in the memory of its live rows
+                    part.compact()
         elif isinstance(rec, Acked):
             part = ledger.partitions.get(rec.partition)
             if part is not None:
@@ -267,10 +269,10 @@ def _partition(rec: Table) -> Partition:
     n = len(rec.columns["gidx"])
     part.add_fields(rec.schema)
     part._grow(max(part.capacity, n))
-    part.n = n
     for name, values in rec.columns.items():
         column = getattr(part, name)
         column[:n] = np.asarray(values, dtype=column.dtype)
+    part.loaded(n)
     for name, values in rec.ready.items():
         part.ready[name][:n] = np.asarray(values, bool)
     for name, values in rec.consumed.items():

@@ -72,7 +72,7 @@ class KeyIndex:
         known = [k for k in keys if k in self.index]
         if known:
             gidx = np.fromiter((self.index[k] for k in known), np.int64, len(known))
-            alive = self.part.alive[self.part.rows_of(gidx, alive=False)]
+            alive = self.part.holds(gidx)
             for key in [k for k, ok in zip(known, alive.tolist()) if not ok]:
                 self.drop(key)  # its row was freed meanwhile (Sluice's `clear`)
         found = [self.index[k] for k in keys if k in self.index]

@@ -4,16 +4,19 @@ and the next global sample index.
 The parts that create or free rows (`puts`, `keys`, the scheduler's stale drops, the service's
 clears) all go through one `Ledger`, so the units' byte counts that placement and intake read
 always match the live rows, a new row never reuses an index, and each change is journaled once.
-The ledger keeps the tables; telling the units which rows to free (and the puts waiting for
+Freed rows are compacted out of a partition's table once they make up half of it (`table`),
+at a turn of the event loop when no handler holds row numbers. The ledger keeps the tables; telling the units which rows to free (and the puts waiting for
 room that there is some) belongs to its `freed` hook, which the service sets to `UnitLinks.freed`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import numpy as np
 
+from transfer_queue.host import give_back_freed_memory
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.messages import UnitInfo
 
@@ -21,6 +24,9 @@ from .records import Freed, Placed, Record
 from .table import Partition
 
 __all__ = ["Ledger", "OnFreed"]
+
+_KEEP_FREED = 8 << 20
+"""Freed heap the controller keeps for its next allocations; beyond it, compaction returns it."""
 
 OnFreed = Callable[[str, "dict[int, list[int]] | None"], None]
 """Called after rows were freed: partition name and unit id -> global indexes to free there
@@ -44,6 +50,7 @@ class Ledger:
         """The global index of the next new row: indexes are never reused, across restarts too."""
         self._record = record
         self.freed: OnFreed = _nobody
+        self._compacting: set[str] = set()
         """Passes frees on to the units: set once they have links (which need the ledger first)."""
 
     # -- partitions ----------------------------------------------------------------------
@@ -181,6 +188,22 @@ class Ledger:
             self._uncount(unit_id, int(part.row_bytes[picked].sum()))
         self._record(Freed(part.name, part.gidx[rows].tolist()))
         self.freed(part.name, by_unit)
+        if part.wasteful() and part.name not in self._compacting:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a ledger on its own): the next free in one compacts
+                return
+            # not here: the caller may still hold row numbers; the loop runs it when no handler does
+            self._compacting.add(part.name)
+            loop.call_soon(self._compact, part.name)
+
+    def _compact(self, name: str) -> None:
+        """Drop a partition's freed rows and return the memory they held to the system."""
+        self._compacting.discard(name)
+        part = self.partitions.get(name)
+        if part is not None and part.wasteful():
+            part.compact()
+            give_back_freed_memory(_KEEP_FREED)
 
     def _uncount(self, unit_id: int, nbytes: int) -> None:
         if unit_id in self.unit_bytes:  # not a retired unit

@@ -29,12 +29,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from transfer_queue.wire.errors import CapacityError, ProtocolError, SchemaError, SealedError, SluiceError, TimeoutError
+from transfer_queue.wire.errors import (
+    CapacityError,
+    ProtocolError,
+    SchemaError,
+    SealedError,
+    ServiceError,
+    SluiceError,
+    TimeoutError,
+)
 from transfer_queue.wire.messages import AbortPut, BeginPut, CommitPut, Ok, PutPlan, WriteLanded
-from transfer_queue.wire.rpc import MAX_BATCH, error_from_code
+from transfer_queue.wire.rpc import MAX_BATCH, current_peer, error_from_code
 
 from .admission import Admission
-from .intake import Intake
+from .intake import WINDOW_SHARE, Intake
 from .ledger import Ledger
 from .placement import place_rows
 from .records import Committed, Record
@@ -61,6 +69,8 @@ class _OpenPut:
     """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
     unlanded: set[int]
     """Units that have not reported the put's write stored yet."""
+    peer: bytes = b""
+    """The connection that opened it (`rpc.current_peer`)."""
     landed: asyncio.Future | None = None
     """Set when `unlanded` empties or the put ends, for a commit that waits."""
 
@@ -90,6 +100,7 @@ class Puts:
         self.storage_capacity = storage_capacity
         self.open: dict[int, _OpenPut] = {}
         self.expired = 0
+        self.abandoned = 0
         self.reports_refused = 0
         self.samples = 0
         """Samples committed as new rows."""
@@ -115,16 +126,13 @@ class Puts:
             raise SchemaError(f"a put may hold at most {MAX_BATCH} samples, got {msg.n}; split it")
         if msg.row_bytes < 0 or not math.isfinite(msg.timeout) or msg.timeout < 0:
             raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
-        if msg.n * msg.row_bytes > self.storage_capacity:
-            raise CapacityError(
-                f"a put of {msg.n} samples x {msg.row_bytes} bytes exceeds the whole capacity of the "
-                f"cluster's storage, {self.storage_capacity} bytes; put smaller batches or raise storage_capacity"
-            )
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
-        return self.intake.admit(lambda: self._place(msg), msg.timeout, lambda: self._full(msg))
+        peer = current_peer.get()
+        self.intake.check(msg.n, msg.row_bytes, self.storage_capacity, len(self.open), peer)
+        return self.intake.admit(lambda: self._place(msg, peer), msg.timeout, lambda: self._full(msg))
 
-    def _place(self, msg: BeginPut) -> PutPlan | None:
+    def _place(self, msg: BeginPut, peer: bytes) -> PutPlan | None:
         """Place the put's rows now, or None while one of its units has no room."""
         ledger = self.ledger
         part = ledger.partition(msg.partition)
@@ -143,22 +151,36 @@ class Puts:
         else:
             return None
         first = ledger.new_rows(part, units, msg.row_bytes, msg.fields, shares)
-        self.intake.opened(framed)
+        self.intake.opened(framed, peer)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
-        self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares))
+        self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares), peer)
         sign = self.links.tickets.sign
         tickets = {
             u: sign(msg.partition, first, u, (first + np.flatnonzero(units == u)).tolist(), msg.fields) for u in shares
         }
         return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets)
 
-    def _full(self, msg: BeginPut) -> str:
+    def _full(self, msg: BeginPut) -> SluiceError:
+        """Why a put found no place within its timeout: no room (`CapacityError`), or room but
+        the frame window of its units full of open puts' frames (`TimeoutError`)."""
         ledger = self.ledger
+        shares = ledger.shares(place_rows(ledger.unit_bytes, msg.n, msg.row_bytes), msg.row_bytes)
+        if all(ledger.unit_bytes[u] + nbytes <= ledger.units[u].capacity for u, nbytes in shares.items()):
+            flying = ", ".join(
+                f"unit {u}: {self.intake.in_flight.get(u, 0)} of {ledger.units[u].capacity // WINDOW_SHARE}"
+                for u in shares
+            )
+            return TimeoutError(
+                f"a put of {msg.n} samples x {msg.row_bytes} bytes waited {msg.timeout:g} s for the frame window of its "
+                f"storage units (bytes of open puts' frames not yet stored: {flying}; {len(self.open)} puts open, "
+                f"{len(self.intake)} waiting); the units have room: a put whose producer stalled or died holds its "
+                f"share until its writes land or it expires (2 x its timeout + {_PUT_GRACE:g} s)"
+            )
         held = ", ".join(
             f"unit {u}: {ledger.unit_bytes[u]} of {ledger.units[u].capacity}" for u in sorted(ledger.unit_bytes)
         )
-        return (
+        return CapacityError(
             f"storage stayed full for {msg.timeout:g} s: a put of {msg.n} samples x {msg.row_bytes} bytes found no "
             f"room (bytes in use: {held}; {len(self.intake)} puts waiting); clear consumed samples or raise storage_capacity"
         )
@@ -208,6 +230,7 @@ class Puts:
         if put is None:
             return
         put.unlanded.discard(unit_id)
+        self.intake.closed({unit_id: put.framed.pop(unit_id, 0)})  # its frames are stored: out of the window
         if not put.unlanded and put.landed is not None and not put.landed.done():
             put.landed.set_result(None)
 
@@ -322,7 +345,7 @@ class Puts:
         put.unlanded.clear()
         if put.landed is not None and not put.landed.done():
             put.landed.set_result(None)
-        self.intake.closed(put.framed)
+        self.intake.ended(put.framed, put.peer)
 
     # -- ends --------------------------------------------------------------------------
 
@@ -340,6 +363,13 @@ class Puts:
             rows = part.rows_of(range(first, first + put.n), alive=False)
             self.ledger.free_rows(part, rows[~part.committed[rows]])
             self._wake(part.name)
+
+    def peer_gone(self, peer: bytes) -> None:
+        """The connection of `peer` closed: its open puts can never be committed, so end them
+        now (rows freed, frame window released) instead of at their expiry."""
+        for first in [k for k, put in self.open.items() if put.peer == peer]:
+            self.abandoned += 1
+            self.end(first, ServiceError("the producer's connection closed before it committed this put"))
 
     def end_in(self, partition: str, why: SluiceError) -> None:
         """End every open put of `partition` (sealed or cleared)."""

@@ -80,7 +80,8 @@ class _Waiter:
 class _Lease:
     partition: str
     task: str
-    rows: np.ndarray
+    indexes: np.ndarray
+    """Global indexes of the leased samples (row numbers change when the table compacts)."""
     outstanding: int
     timer: asyncio.TimerHandle
 
@@ -251,7 +252,7 @@ class Scheduler:
             task.lease[rows] = lease_id
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
-            self.leases[lease_id] = _Lease(part.name, req.task, rows, len(rows), timer)
+            self.leases[lease_id] = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer)
         granted = int(np.count_nonzero(part.granted[rows]))
         if granted:
             taken = self.demand.at(self.clock.current)
@@ -357,7 +358,8 @@ class Scheduler:
         if part is None:
             return
         task = part.task(lease.task)
-        rows = lease.rows[lease.rows < part.n]
+        rows, known = part.locate(lease.indexes)
+        rows = rows[known]
         back = rows[task.lease[rows] == lease_id]
         task.lease[back] = 0
         self.wake(part.name)

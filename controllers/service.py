@@ -132,6 +132,7 @@ class Controller(Service):
             self.record,
             config.storage_capacity,
         )
+        self.on_peer_gone = self.puts.peer_gone  # a dead producer's open puts end at once
         self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
@@ -298,7 +299,9 @@ class Controller(Service):
             stale_policy=self.config.stale_policy,
             partitions={name: part.status() for name, part in self.ledger.partitions.items()},
             units={
-                str(k): UnitStatus(u.address, u.capacity, self.ledger.unit_bytes.get(k, 0))
+                str(k): UnitStatus(
+                    u.address, u.capacity, self.ledger.unit_bytes.get(k, 0), self.intake.in_flight.get(k, 0)
+                )
                 for k, u in sorted(self.ledger.units.items())
             },
             retired_units={str(k): RetiredUnitStatus(u.address) for k, u in sorted(self.links.retired.items())},
@@ -320,8 +323,18 @@ class Controller(Service):
                 auth_refused=self.auth_refused,
                 requests_served=self.served,
                 requests_rejected=self.rejected,
+                puts_abandoned=self.puts.abandoned,
             ),
+            handling_us=self.handling_us(),
         )
+
+    def handling_us(self) -> dict[str, float]:
+        """p50, p99 and max of the controller's own time per request (`rpc.Service.handling`)."""
+        times = sorted(self.handling)
+        if not times:
+            return {}
+        at = [times[min(len(times) - 1, int(q * len(times)))] / 1000 for q in (0.5, 0.99, 1.0)]
+        return {"p50": round(at[0], 1), "p99": round(at[1], 1), "max": round(at[2], 1)}
 
     def on_status(self, msg: Status, data) -> StatusReply:
         return StatusReply(msgspec.to_builtins(self.status()))

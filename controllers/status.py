@@ -67,6 +67,8 @@ class UnitStatus(msgspec.Struct):
     capacity: int
     bytes: int
     """Bytes the controller has placed on it and not freed."""
+    frames_in_flight: int = 0
+    """Bytes of open puts' frames on their way to it, not yet stored (its frame window: `controllers.intake`)."""
 
 
 class RetiredUnitStatus(msgspec.Struct):
@@ -141,6 +143,8 @@ class Counters(msgspec.Struct):
     auth_refused: int
     requests_served: int
     requests_rejected: int
+    puts_abandoned: int = 0
+    """Puts whose producer's connection closed before their commit; ended at once, rows freed."""
 
 
 class ClusterStatus(msgspec.Struct):
@@ -159,3 +163,6 @@ class ClusterStatus(msgspec.Struct):
     staleness: StalenessStatus
     admission: AdmissionStatus
     counters: Counters
+    handling_us: dict[str, float] = {}
+    """The controller's own time per request over its last 4,096 (`rpc.Service.handling`):
+    p50, p99 and max in microseconds."""

@@ -4,6 +4,11 @@ Rows are appended in arrival order (global indexes grow monotonically, so a bina
 an index to its row). Each consumer task keeps a `consumed` flag and a lease id per row, plus a
 cursor below which every row is consumed or gone, so the scan for ready samples only looks at
 the live window, not at the partition's whole history.
+
+Freed rows stay in the columns until they make up half of them (and at least `_INITIAL_ROWS`);
+then `compact` drops them and shrinks the columns, so the table's memory follows the live
+samples, not every sample ever put. Global indexes are never reused (keys and journals name
+them); only row numbers change, so nobody keeps a row number past the call that looked it up.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class Partition:
     tasks: dict[str, TaskState] = field(default_factory=dict)
     ready: dict[str, np.ndarray] = field(default_factory=dict)
     sources: list[tuple[str, str]] = field(default_factory=lambda: [("", "")])
+    live: int = 0
+    """Rows alive among the first `n`."""
+    high: int = 0
+    """One past the highest global index this partition was given: lower ones it no longer
+    holds were freed and compacted away (or belong to another partition)."""
 
     def __post_init__(self) -> None:
         c = self.capacity
@@ -102,7 +112,15 @@ class Partition:
         self.unit[rows] = units
         self.row_bytes[rows] = row_bytes
         self.n += n
+        self.live += n
+        self.high = max(self.high, first_gidx + n)
         return rows
+
+    def loaded(self, n: int) -> None:
+        """The first `n` rows were filled in directly (a checkpoint's table): count them."""
+        self.n = n
+        self.live = int(np.count_nonzero(self.alive[:n]))
+        self.high = int(self.gidx[n - 1]) + 1 if n else 0
 
     def _grow(self, capacity: int) -> None:
         for name in self._COLUMNS:
@@ -114,6 +132,28 @@ class Partition:
             task.grow(capacity)
         self.capacity = capacity
 
+    def wasteful(self) -> bool:
+        """Whether freed rows make up half the table (and at least `_INITIAL_ROWS`): time to `compact`."""
+        return self.n - self.live >= max(_INITIAL_ROWS, self.live)
+
+    def compact(self) -> None:
+        """Drop the freed rows and shrink the columns to twice the live ones (at least
+        `_INITIAL_ROWS`). Live rows keep their order and global indexes; their row numbers change,
+        and each task's cursor moves with them."""
+        keep = np.flatnonzero(self.alive[: self.n])
+        capacity = max(_INITIAL_ROWS, 2 * len(keep))
+        for name in self._COLUMNS:
+            setattr(self, name, _kept(getattr(self, name), keep, capacity))
+        self.source_index[len(keep) :] = -1
+        for name, arr in self.ready.items():
+            self.ready[name] = _kept(arr, keep, capacity)
+        for task in self.tasks.values():
+            task.consumed = _kept(task.consumed, keep, capacity)
+            task.lease = _kept(task.lease, keep, capacity)
+            task.cursor = int(np.searchsorted(keep, task.cursor))  # kept rows below the old cursor
+        self.n = self.live = len(keep)
+        self.capacity = capacity
+
     def locate(self, indexes: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Row numbers of global `indexes`, and which of them this partition has (the others'
         row numbers mean nothing)."""
@@ -122,18 +162,30 @@ class Partition:
         return rows, (self.n > 0) & (self.gidx[rows] == idx)
 
     def rows_of(self, indexes: Sequence[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
-        """Row numbers of global `indexes`; `SchemaError` names any index this partition lacks."""
+        """Row numbers of global `indexes`, which must all be live samples of this partition.
+        With `alive=False` they may be gone too: those freed and compacted away are left out, and
+        only indexes the partition was never given (at or past `high`) are refused.
+
+        Raises:
+            SchemaError: names up to five indexes the partition lacks."""
         idx = np.asarray(indexes, dtype=np.int64)
         rows, known = self.locate(idx)
-        bad = ~known
         if alive:
-            bad |= ~self.alive[rows]
+            bad = ~known | ~self.alive[rows]
+        else:
+            bad = ~known & ((idx >= self.high) | (idx < 0))
         if np.any(bad):
             missing = idx[bad][:5].tolist()
             raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {missing}")
-        return rows
+        return rows if alive else rows[known]
+
+    def holds(self, indexes: list[int] | np.ndarray) -> np.ndarray:
+        """Mask over `indexes`: which are live samples of this partition."""
+        rows, known = self.locate(indexes)
+        return known & self.alive[rows]
 
     def kill(self, rows: np.ndarray) -> None:
+        self.live -= int(np.count_nonzero(self.alive[np.unique(rows)]))
         self.alive[rows] = False
         for task in self.tasks.values():
             task.lease[rows] = 0
@@ -259,6 +311,12 @@ class Partition:
         done = task.consumed[w] | ~self.alive[w]
         pending = np.flatnonzero(~done)
         task.cursor += int(pending[0]) if len(pending) else int(done.size)
+
+
+def _kept(arr: np.ndarray, keep: np.ndarray, capacity: int) -> np.ndarray:
+    out = np.zeros(capacity, dtype=arr.dtype)
+    out[: len(keep)] = arr[keep]
+    return out
 
 
 def _show(spec: FieldSpec) -> str:

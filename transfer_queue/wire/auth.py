@@ -32,6 +32,7 @@ from .errors import SchemaError
 __all__ = [
     "CREDENTIALS_ENV",
     "Credentials",
+    "REFUSALS",
     "WriteTickets",
     "from_env",
     "is_loopback",
@@ -41,7 +42,7 @@ __all__ = [
 
 CREDENTIALS_ENV = "SLUICE_CREDENTIALS"
 
-_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class Credentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,11 +106,12 @@ class _Keys:
         return key == self.client_public
 
 
-def secure_server(sock: zmq.Socket, creds: Credentials) -> tuple[Any, zmq.Socket]:
+def secure_server(sock: zmq.Socket, creds: Credentials, events: int = 0) -> tuple[Any, zmq.Socket]:
     """Make `sock` a CurveZMQ server admitting only the cluster's clients (before it binds).
 
     Returns the ZAP thread (stop it with the socket) and a monitor socket that receives one
-    event per refused handshake (of `sock`'s kind: asyncio or blocking)."""
+    event per refused handshake, and the other `events` asked for (of `sock`'s kind: asyncio or
+    blocking; a socket has one monitor)."""
     if not creds.server_secret:
         raise SchemaError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
     from zmq.auth.thread import ThreadAuthenticator
@@ -121,7 +123,7 @@ def secure_server(sock: zmq.Socket, creds: Credentials) -> tuple[Any, zmq.Socket
     sock.curve_server = True
     sock.curve_publickey = creds.server_public.encode()
     sock.curve_secretkey = creds.server_secret.encode()
-    return auth, sock.get_monitor_socket(_REFUSALS)
+    return auth, sock.get_monitor_socket(REFUSALS | events)
 
 
 class WriteTickets:

@@ -15,7 +15,7 @@ import msgspec
 
 from .meta import BatchMeta, FieldSpec
 from .rpc import Cancel, ErrorReply, Message, Ok, Ping
-from .staleness import StalenessConfig
+from .staleness import Checked, StalenessConfig
 
 __all__ = [
     "ClusterConfig",
@@ -124,7 +124,16 @@ class RowInfo(msgspec.Struct, frozen=True):
     """False: put with no policy version and no grant (e.g. prompts); such rows are never stale."""
 
 
-_Msg = Message
+MAX_TIMEOUT = 1e9
+"""The longest wait a request may ask for, in seconds (about 31 years: "forever", but a number)."""
+
+Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT)]
+"""Seconds a request may wait. NaN (a timer that never fires), negative and infinite waits are
+refused: by `SchemaError` where the message is built, by `ProtocolError` where it is decoded."""
+
+
+class _Msg(Message, Checked, frozen=True):
+    """A request whose field bounds (`Timeout`, ...) hold when built in Python as on the wire."""
 
 
 # -- controller requests -----------------------------------------------------------------
@@ -149,7 +158,7 @@ class BeginPut(_Msg, tag="begin_put", frozen=True):
     fields: dict[str, FieldSpec]
     n: int
     row_bytes: int
-    timeout: float = 30.0
+    timeout: Timeout = 30.0
     """The put's own timeout: new rows not committed within 2 x timeout + a grace expire."""
     mapped: list[int] = []
     """Units the producer writes through its own mapping of their arenas (no data frames)."""
@@ -199,9 +208,9 @@ class GetMeta(_Msg, tag="get_meta", frozen=True):
     sampler: str = "fifo"
     sampler_options: dict[str, int | float | str] = {}
     max_staleness: int | None = None
-    timeout: float = 30.0
+    timeout: Timeout = 30.0
     allow_partial: bool = False
-    lease_timeout: float | None = None
+    lease_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT)] | None = None
 
 
 class Ack(_Msg, tag="ack", frozen=True):
@@ -237,12 +246,12 @@ class WaitVersion(_Msg, tag="wait_version", frozen=True):
     """Answer once the version exceeds `after`, with every version set since, in order."""
 
     after: int
-    timeout: float = 30.0
+    timeout: Timeout = 30.0
 
 
 class Acquire(_Msg, tag="acquire", frozen=True):
     n: int
-    timeout: float = 30.0
+    timeout: Timeout = 30.0
 
 
 class Release(_Msg, tag="release", frozen=True):
@@ -263,7 +272,7 @@ class Announce(_Msg, tag="announce", frozen=True):
 
 class Lookup(_Msg, tag="lookup", frozen=True):
     key: str
-    timeout: float = 0.0
+    timeout: Timeout = 0.0
 
 
 # -- the key index (TransferQueue's KV API): user keys and tags over global indexes ----------
@@ -360,7 +369,7 @@ class Write(_Msg, tag="write", frozen=True):
     fields: dict[str, FieldSpec]
     lengths: dict[str, list[int]] = {}
     via: Via = "frames"
-    timeout: float = 30.0
+    timeout: Timeout = 30.0
     put: int = -1
     """The first index of the open put these rows belong to: the unit reports the write's outcome
     to the controller (`WriteLanded`), which commits the put once all its units did; -1 for new

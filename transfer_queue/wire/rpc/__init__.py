@@ -20,9 +20,10 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
   malformed, oversized or unknown input is a `ProtocolError`, never anything else, and nothing
   is ever unpickled.
 - Servers: `Service` (asyncio: a handler returns a reply, or a coroutine that parks the request
-  as its own task) and `ThreadService` (a thread: a handler answers a `Pending` now or later,
-  `park` bounds the wait). Both answer `Ping` and `Cancel`, turn every handler failure into an
-  `ErrorReply`, and refuse to bind beyond loopback without CurveZMQ `Credentials`.
+  as its own task; `current_peer` names the connection a handler serves) and `ThreadService`
+  (a thread: a handler answers a `Pending` now or later, `park` bounds the wait). Both answer
+  `Ping` and `Cancel`, turn every handler failure into an `ErrorReply`, and refuse to bind
+  beyond loopback without CurveZMQ `Credentials`.
 - Clients: `Channel` (blocking) and `AsyncChannel` (asyncio), one DEALER to one endpoint each:
   request ids, replies matched by id (many requests may be in flight), deadlines, `cancel`, and
   liveness (a silent peer is pinged after `PROBE_AFTER` s and reported dead after `DEAD_AFTER`
@@ -59,7 +60,7 @@ from ._codec import (
     pack_prefix,
     unpack_prefix,
 )
-from ._service import Handled, Service, run_service
+from ._service import Handled, Service, current_peer, run_service
 from ._thread import Pending, ThreadService
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "check",
     "Handled",
     "Service",
+    "current_peer",
     "run_service",
     "Pending",
     "ThreadService",

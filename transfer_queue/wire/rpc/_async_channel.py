@@ -13,6 +13,7 @@ import zmq.asyncio
 from ..auth import Credentials
 from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
 from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
+from ._context import shared_context
 from ._peer import _Peer
 
 
@@ -37,7 +38,7 @@ class AsyncChannel(_Peer):
         on_reply: Callable[[Any], None] | None = None,
     ):
         super().__init__(
-            zmq.asyncio.Context.instance(),
+            shared_context(zmq.asyncio.Context),
             endpoint,
             replies,
             name=name,

@@ -11,6 +11,7 @@ import zmq
 from ..auth import Credentials
 from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
 from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
+from ._context import shared_context
 from ._peer import _Peer
 
 
@@ -40,7 +41,7 @@ class Channel(_Peer):
         watch_disconnect: bool = False,
     ):
         super().__init__(
-            zmq.Context.instance(),
+            shared_context(zmq.Context),
             endpoint,
             replies,
             name=name,

@@ -10,6 +10,7 @@ import zmq
 from ..auth import Credentials, secure_client
 from ..errors import SluiceError
 from ._codec import PROBE_AFTER, SOCKET_BUFFER_BYTES, Codec
+from ._context import socket
 
 
 class _Peer:
@@ -44,7 +45,7 @@ class _Peer:
         self.dead = False  # reported dead and silent since
         self._pinged = float("-inf")
         self._ids = itertools.count(1)
-        self.sock = ctx.socket(zmq.DEALER)
+        self.sock = socket(ctx, zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)

@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import signal
 import struct
 import sys
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from ..auth import Credentials, secure_server
+from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
+from ._context import shared_context, socket
+from ._peers import PEER_EVENTS, PeerWatch
 
 # -- asyncio service -----------------------------------------------------------------------
+
+HANDLING_KEPT = 4096
+"""Requests whose handling time a `Service` keeps (`handling`), for its status's percentiles."""
+
+current_peer: contextvars.ContextVar[bytes] = contextvars.ContextVar("current_peer", default=b"")
+"""The routing identity of the connection whose request a `Service` handler is running (one per
+connection: a handler may count what each peer holds)."""
 
 Handled = Message | tuple[Message, list[Any]]
 Handler = Callable[[Any, list[Any]], Handled | Awaitable[Handled | None] | None]
@@ -46,8 +58,8 @@ class Service:
         refuse_unauthenticated(bind, credentials)
         self.codec = codec
         self.handlers: dict[type, Handler] = {}
-        self.ctx = zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.ctx = shared_context(zmq.asyncio.Context)
+        self.sock = socket(self.ctx, zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
@@ -55,10 +67,17 @@ class Service:
         if max_frame_bytes > 0:
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.auth_refused = 0
-        self._guard = None
+        self._auth = None
         if credentials is not None:
-            auth, monitor = secure_server(self.sock, credentials)
-            self._guard = auth, asyncio.ensure_future(self._count_refusals(monitor))
+            self._auth, monitor = secure_server(self.sock, credentials, PEER_EVENTS)
+        else:
+            monitor = self.sock.get_monitor_socket(PEER_EVENTS)
+        self._monitor: zmq.Socket = zmq.Socket.shadow(monitor.underlying)
+        self._monitor_owner = monitor  # keeps the monitor socket open as long as the service
+        self.peers = PeerWatch(self._peer_gone, self._read_events)
+        self.on_peer_gone: Callable[[bytes], None] | None = None
+        """Called with the routing identity of a peer whose connection closed (`current_peer`
+        named it to the handlers), after its parked requests were withdrawn."""
         self.sock.bind(bind)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
@@ -68,14 +87,30 @@ class Service:
         self.served = 0
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
         self._serving: asyncio.Task | None = None
+        self.handling: deque[int] = deque(maxlen=HANDLING_KEPT)
+        """Nanoseconds the loop spent on each of the last `HANDLING_KEPT` requests: decoding,
+        the handler's own step (not what a parked request waits for) and the reply."""
 
-    async def _count_refusals(self, monitor: Any) -> None:
-        while True:
+    def _read_events(self) -> None:
+        """Take every queued monitor event: refused handshakes are counted, connections' ends
+        reported (`PeerWatch`). Edge-triggered like the ROUTER: read until empty."""
+        while not self._monitor.closed:
             try:
-                frames = await monitor.recv_multipart()
-            except (zmq.ZMQError, asyncio.CancelledError):
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            self.auth_refused += refusals(frames)
+            except zmq.ZMQError:  # closed underneath us: the service is stopping
+                return
+            if refusals(frames):
+                self.auth_refused += 1
+            else:
+                self.peers.event(frames)
+
+    def _peer_gone(self, identity: bytes) -> None:
+        for key in [k for k in self._tasks if k[0] == identity]:
+            self._tasks.pop(key).cancel()  # nobody is left to answer
+        if self.on_peer_gone is not None:
+            self.on_peer_gone(identity)
 
     def route(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
@@ -89,20 +124,24 @@ class Service:
         self._serving = asyncio.current_task()
         loop = asyncio.get_running_loop()
         fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        events: int = self._monitor.getsockopt(zmq.FD)  # type: ignore[assignment]
         loop.add_reader(fd, self._drain)
+        loop.add_reader(events, self._read_events)
         try:
+            self._read_events()
             self._drain()  # requests that came before the reader was registered
             await loop.create_future()  # until cancelled
         except asyncio.CancelledError:
             pass
         finally:
             loop.remove_reader(fd)
+            loop.remove_reader(events)
             for task in list(self._tasks.values()):
                 task.cancel()
-            if self._guard is not None:
-                auth, monitor = self._guard
-                monitor.cancel()
-                auth.stop()
+            if self._auth is not None:
+                self._auth.stop()
+            self.sock.disable_monitor()
+            self._monitor_owner.close(linger=0)
             self.sock.close(linger=0)
 
     def _drain(self, budget: int = 64) -> None:
@@ -135,12 +174,20 @@ class Service:
             self._serving.get_loop().call_soon(self._drain)
 
     def _dispatch(self, frames: list[Any]) -> None:
+        started = time.perf_counter_ns()
+        try:
+            self._handle(frames)
+        finally:
+            self.handling.append(time.perf_counter_ns() - started)
+
+    def _handle(self, frames: list[Any]) -> None:
         identity, body = frames[0], frames[1:]
         if body and len(body[0].bytes if hasattr(body[0], "bytes") else body[0]) == 0:
             body = body[1:]  # REQ peers add an empty delimiter
         request_id = 0
         try:
             request_id, msg, data = self.codec.decode(body)
+            self.peers.seen(identity)
             if isinstance(msg, Cancel):
                 task = self._tasks.pop((identity.bytes, msg.request_id), None)
                 if task is not None:
@@ -153,6 +200,7 @@ class Service:
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError(f"{type(msg).__name__} is not served here")
+            current_peer.set(identity.bytes)  # seen by the handler and by the task of its coroutine
             result = handler(msg, data)
         except ProtocolError as exc:
             self.rejected += 1
@@ -214,5 +262,6 @@ def run_service(make: Callable[[], Awaitable[Service]], announce: Callable[[Serv
 
 
 def refusals(frames: list[Any]) -> int:
+    """1 if the monitor event (its frames) is a refused handshake, else 0."""
     (event,) = struct.unpack("=H", bytes(frames[0])[:2])
-    return 1 if event else 0
+    return 1 if event & REFUSALS else 0

@@ -16,6 +16,7 @@ import zmq
 from ..auth import Credentials, secure_server
 from ..errors import ProtocolError, TimeoutError
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
+from ._context import shared_context, socket
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
@@ -70,7 +71,7 @@ class ThreadService:
         refuse_unauthenticated(bind, credentials)
         self._codec = codec
         self._handler = handler
-        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = socket(shared_context(zmq.Context), zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
         self._auth: Any = None

@@ -1,0 +1,80 @@
+"""The process's ZeroMQ contexts, sized to what the OS allows.
+
+ZeroMQ's default context allows 1,023 sockets, whatever the process's open-file limit, and each
+client holds up to one socket per service (the controller and every storage unit): a process of
+many clients (a rollout server's workers) would stop at a few hundred. So before its first
+socket each shared context is allowed as many sockets as the process may open files, after the
+soft `RLIMIT_NOFILE` is raised to the hard one where the OS allows. `socket` names the limit a
+refused socket hit.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from typing import TypeVar
+
+import zmq
+
+from ..errors import CapacityError
+
+__all__ = ["shared_context", "socket", "open_file_limit"]
+
+MAX_SOCKETS_CAP = 1 << 17
+"""At most this many sockets per context: ZeroMQ allocates a mailbox slot per allowed socket."""
+
+C = TypeVar("C", bound=zmq.Context)
+_sized: set[int] = set()
+
+
+def open_file_limit() -> int:
+    """The soft `RLIMIT_NOFILE`, first raised to the hard limit where the OS allows it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_SOCKETS_CAP if hard == resource.RLIM_INFINITY else min(hard, MAX_SOCKETS_CAP)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return MAX_SOCKETS_CAP if soft == resource.RLIM_INFINITY else min(soft, MAX_SOCKETS_CAP)
+
+
+def shared_context(kind: type[C]) -> C:
+    """`kind.instance()` (the process's shared context of that kind), allowed as many sockets as
+    the process may open files. The limit is set before the context's first socket; a context
+    some other code already started keeps its own."""
+    ctx = kind.instance()
+    if id(ctx) not in _sized:
+        _sized.add(id(ctx))
+        ctx.set(zmq.MAX_SOCKETS, open_file_limit())
+    return ctx
+
+
+def socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A new socket of `ctx`.
+
+    Raises:
+        CapacityError: the process is out of sockets or files, naming which limit it hit.
+        zmq.ZMQError: any other failure.
+    """
+    try:
+        return ctx.socket(kind)
+    except zmq.ZMQError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            files = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            files = -1
+        allowed = ctx.get(zmq.MAX_SOCKETS)
+        if 0 <= files < soft - 16:
+            which = f"its ZeroMQ context's socket limit (MAX_SOCKETS {allowed}; {files} files open of {soft})"
+        else:
+            which = f"its open-file limit (RLIMIT_NOFILE soft {soft}, hard {hard}; {files} open)"
+        raise CapacityError(
+            f"this process can open no more ZeroMQ sockets: it hit {which}; close clients it no longer "
+            "uses, or raise the limit (ulimit -n)"
+        ) from None
