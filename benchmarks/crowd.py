@@ -209,8 +209,13 @@ def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: s
                 "unit_bytes": {k: u["bytes"] for k, u in status["units"].items()},
             },
         }
-        after = _proc(ctl_pid)
-        summary["controller_anon_after_mib"] = after["anon"]
+        after = _proc(ctl_pid)["anon"]
+        for _ in range(10):  # the controller takes in the clients' disconnections
+            time.sleep(0.5)
+            after, before = _proc(ctl_pid)["anon"], after
+            if after >= before:
+                break
+        summary["controller_anon_after_mib"] = after
         watcher.close()
         return summary
     finally:

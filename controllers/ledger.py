@@ -23,9 +23,9 @@ from transfer_queue.wire.messages import UnitInfo
 from .records import Freed, Placed, Record
 from .table import Partition
 
-__all__ = ["Ledger", "OnFreed"]
+__all__ = ["Ledger", "OnFreed", "KEEP_FREED"]
 
-_KEEP_FREED = 8 << 20
+KEEP_FREED = 8 << 20
 """Freed heap the controller keeps for its next allocations; beyond it, compaction returns it."""
 
 OnFreed = Callable[[str, "dict[int, list[int]] | None"], None]
@@ -203,7 +203,7 @@ class Ledger:
         part = self.partitions.get(name)
         if part is not None and part.wasteful():
             part.compact()
-            give_back_freed_memory(_KEEP_FREED)
+            give_back_freed_memory(KEEP_FREED)
 
     def _uncount(self, unit_id: int, nbytes: int) -> None:
         if unit_id in self.unit_bytes:  # not a retired unit

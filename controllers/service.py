@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from transfer_queue.host import give_back_freed_memory
 from transfer_queue.wire.errors import (
     SchemaError,
     SealedError,
@@ -58,7 +59,7 @@ from .admission import Admission
 from .intake import Intake
 from .journal import Journal, Recorded
 from .keys import KeyService
-from .ledger import Ledger
+from .ledger import KEEP_FREED, Ledger
 from .puts import Puts
 from .records import Acked, Dropped, Record, Sealed, Version
 from .samplers import SamplerRegistry
@@ -72,6 +73,8 @@ __all__ = ["Controller"]
 log = logging.getLogger("sluice.controller")
 
 _MAX_ANNOUNCE_BYTES = 1 << 20
+_CROWD = 64
+"""Peers at the busiest moment below which their leaving does not return heap (too little to matter)."""
 
 
 def _unrecorded(rec: Record) -> None:
@@ -132,7 +135,8 @@ class Controller(Service):
             self.record,
             config.storage_capacity,
         )
-        self.on_peer_gone = self.puts.peer_gone  # a dead producer's open puts end at once
+        self.on_peer_gone = self._peer_left
+        self._peers_peak = 0
         self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
         self._announce_waiters: dict[str, list[asyncio.Future]] = {}
@@ -327,6 +331,16 @@ class Controller(Service):
             ),
             handling_us=self.handling_us(),
         )
+
+    def _peer_left(self, peer: bytes) -> None:
+        """A connection closed: its open puts end at once. Once half the peers of the busiest
+        moment since the last time have left (a crowd leaving), freed heap goes back to the system."""
+        self.puts.peer_gone(peer)
+        watched = len(self.peers)
+        self._peers_peak = max(self._peers_peak, watched + 1)
+        if self._peers_peak >= _CROWD and watched <= self._peers_peak // 2:
+            self._peers_peak = watched
+            give_back_freed_memory(KEEP_FREED)
 
     def handling_us(self) -> dict[str, float]:
         """p50, p99 and max of the controller's own time per request (`rpc.Service.handling`)."""
