@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
@@ -52,8 +52,8 @@ def shared_context(kind: type[C]) -> C:
     return ctx
 
 
-def socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    """A new socket of `ctx`.
+def socket(ctx: zmq.Context, kind: int) -> Any:
+    """A new socket of `ctx`, of `ctx`'s kind (an asyncio context's sockets are awaitable).
 
     Raises:
         CapacityError: the process is out of sockets or files, naming which limit it hit.

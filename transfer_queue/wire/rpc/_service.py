@@ -123,7 +123,7 @@ class Service:
         """Serve until `stop()` (or until the task running this is cancelled)."""
         self._serving = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        fd: int = self.sock.getsockopt(zmq.FD)
         events: int = self._monitor.getsockopt(zmq.FD)  # type: ignore[assignment]
         loop.add_reader(fd, self._drain)
         loop.add_reader(events, self._read_events)
