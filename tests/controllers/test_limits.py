@@ -54,7 +54,8 @@ def test_a_puts_frames_leave_the_window_once_stored_though_it_never_commits(make
     first = controller.call(BeginPut("train", SPEC, 4, 256 << 10, timeout=20.0))
     assert _in_flight(controller, 0) == 1 << 20
     unit = peer(controller.call(Status()).status["units"]["0"]["address"])
-    unit.post(Write("train", first.indexes, SPEC, put=first.indexes[0]), [np.zeros(1 << 20, np.uint8)])
+    write = Write("train", first.indexes, SPEC, put=first.indexes[0], ticket=first.tickets[0])
+    unit.post(write, [np.zeros(1 << 20, np.uint8)])
     eventually(lambda: _in_flight(controller, 0) == 0, 10, "the stored frames left the window")
     second = ask(controller, BeginPut("train", SPEC, 4, 256 << 10, timeout=0.0))
     assert isinstance(second, PutPlan), second
