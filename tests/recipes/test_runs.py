@@ -109,12 +109,10 @@ def test_every_config_runs_through_the_experiment_runner(tmp_path):
     assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
 
 
-def test_a_transformers_policy_trains_through_the_same_processes(tmp_path):
-    """The `hf` engine behind the same interface: a locally built Qwen2, its weights published by
-    the trainer and swapped into the worker's model in place, the run's invariants intact."""
-    overrides = ["rollout.engine=hf", "model.family=qwen2", "trainer.total_steps=3", *SMALL]
+def _fully_async(out: Path, overrides: list[str]) -> None:
+    """`python -m recipes.experiments fully_async --out OUT OVERRIDES...`, which must succeed."""
     run = subprocess.run(
-        [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(tmp_path), *overrides],
+        [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(out), *overrides],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
@@ -122,6 +120,13 @@ def test_a_transformers_policy_trains_through_the_same_processes(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_a_transformers_policy_trains_through_the_same_processes(tmp_path):
+    """The `hf` engine behind the same interface: a locally built Qwen2, its weights published by
+    the trainer and swapped into the worker's model in place, the run's invariants intact."""
+    overrides = ["rollout.engine=hf", "model.family=qwen2", "trainer.total_steps=3", *SMALL]
+    _fully_async(tmp_path, overrides)
     totals = check_run(tmp_path / "fully_async", load(["fully_async"], overrides))
     assert totals["final_version"] == 3
 
@@ -402,15 +407,7 @@ def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
     reads batches with `get_data(device=)`, the worker reads prompts and generates on the
     engine's device and puts from it, weights flow over the transport the config chooses."""
     overrides = ["model.device=cpu", "trainer.total_steps=3", *SMALL]
-    run = subprocess.run(
-        [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(tmp_path), *overrides],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _fully_async(tmp_path, overrides)
     cfg = load(["fully_async"], overrides)
     assert check_run(tmp_path / "fully_async", cfg)["final_version"] == 3
     assert "device: cpu" in (tmp_path / "fully_async" / "fully_async.yaml").read_text()
