@@ -242,7 +242,7 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 class BufferPool:
     """Reuses the memory of output tensors that their users have dropped.
 
-    A fresh tensor's pages fault in on first touch, which costs ~10x a warm copy (docs/architecture.md,
+    A fresh tensor's pages fault in on first touch, which costs far more than a warm copy (docs/architecture.md,
     section 3), and the allocator hands big blocks back to the OS when they are freed, so every
     batch would pay that again. The pool keeps the storages of large outputs (`min_bytes` and up,
     at most `max_bytes` in all, least recently used forgotten first) and hands one out again once

@@ -1,7 +1,7 @@
 """Staging memory: pre-faulted segments that stay mapped, and the slots that hold versions.
 
 A `Segment` is one buffer allocated and touched once, then reused for every version (first
-touch costs ~10x a warm copy on these machines, docs/architecture.md, section 3). Shared segments are
+touch costs far more than a warm copy: docs/architecture.md, section 3). Shared segments are
 `memfd`s: another process on the host maps one through `/proc/<pid>/fd/<fd>` and it vanishes
 with its last user, so a killed publisher leaves nothing behind in /dev/shm. Private segments
 (a subscriber's receive buffer) are anonymous memory advised to use huge pages.
