@@ -16,6 +16,11 @@ side by side in the same run. Per learning rate it reports medians of:
 - "block whole", "block delta": how long `publish` blocked the trainer (the compare is the
   difference).
 
+With `--micro`, it instead times the encoder alone on one 64 MiB staging bucket of bf16 values
+with 2.6%, 6% and 16% of them moved by one unit in the last place: `compare`, building the
+bucket's frame (`encode`) and applying it (`apply`), in GB/s of bucket bytes and as a multiple of
+a plain copy of the same bytes timed in the same run (best of 7 each, the machine being shared).
+
 With `--recipe CONFIG`, it instead trains the recipes' own policy (`recipes.learner.Learner`:
 the demo's tiny transformer, or `model.family=qwen2 rollout.engine=hf` for the HF Qwen2) on
 rollouts it generates with the current weights (`recipes.engines`), and reports per version
@@ -27,6 +32,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py                       # 1 GiB, lr 1e-6, 3e-6, 1e-5
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --steps 4
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
+    .venv/bin/python benchmarks/weight_sync_delta.py --micro
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
 """
@@ -34,8 +40,10 @@ results/weight_sync_delta-<time>.json. Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -152,6 +160,63 @@ def summarize(record: dict) -> list:
     ]
 
 
+def _best(fn: Callable[[], object], repeats: int = 7) -> float:
+    """The fastest of `repeats` runs of `fn`, in seconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def micro(bucket: int = 64 << 20) -> list[list]:
+    """Encoder throughput on one bucket of bf16 values at three densities, against a copy."""
+    from weight_sync.delta import CompareScratch
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(bucket // 2, generator=gen).to(torch.bfloat16)
+    rows = []
+    for fraction in (0.026, 0.06, 0.16):
+        new = base.clone()
+        new.view(torch.int16)[torch.rand(base.numel(), generator=gen) < fraction] += 1
+        rows.append(
+            [f"{100 * fraction:.1f}%", *_micro_row(base.view(torch.uint8), new.view(torch.uint8), CompareScratch())]
+        )
+    return rows
+
+
+def _micro_row(old: torch.Tensor, new: torch.Tensor, scratch: object) -> list:
+    """copy GB/s, then compare, encode and apply GB/s each with its time over the copy's."""
+    from weight_sync.delta import apply, compare, encode
+
+    size = old.numel()
+    copy = torch.empty_like(old)
+    copy_s = _best(functools.partial(copy.copy_, old))
+    compare_s = _best(functools.partial(compare, new, old, scratch=scratch))
+    row = [size / copy_s / 1e9, size / compare_s / 1e9, compare_s / copy_s]
+    changes = compare(new, old, scratch=scratch)
+    if changes is None:
+        return [*row, "whole", "-", "-", "-", "-"]
+    encode_s = _best(functools.partial(encode, new, changes.positions, changes.old, 1))
+    frame, payload = encode(new, changes.positions, changes.old, 1)
+
+    def reapply() -> None:
+        copy.copy_(old)
+        apply(frame, payload, copy)
+
+    apply_s = _best(reapply) - copy_s
+    assert torch.equal(copy, new)
+    return [
+        *row,
+        f"{changes.count / size:.2%}",
+        size / encode_s / 1e9,
+        encode_s / copy_s,
+        size / apply_s / 1e9,
+        apply_s / copy_s,
+    ]
+
+
 def recipe(config: str, overrides: list[str], steps: int) -> dict:
     """Fraction of values changed per version in the recipes' real training (on-policy)."""
     from recipes.config import load
@@ -190,10 +255,29 @@ def main() -> None:
     parser.add_argument("--lrs", default="1e-6,3e-6,1e-5")
     parser.add_argument("--subscribers", default="1,2")
     parser.add_argument("--steps", type=int, default=6, help="Adam steps per trajectory (half whole, half delta)")
+    parser.add_argument("--micro", action="store_true", help="time the encoder alone on one 64 MiB bucket")
     parser.add_argument("--recipe", default=None, help="a recipes/configs name: measure its real training instead")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.micro:
+        header = [
+            "bf16 changed",
+            "copy GB/s",
+            "compare GB/s",
+            "x copy",
+            "bytes changed",
+            "encode GB/s",
+            "x copy",
+            "apply GB/s",
+            "x copy",
+        ]
+        rows = micro()
+        print_table(
+            "delta encoder on one 64 MiB bucket (best of 7; 'x copy': time over a copy of the bucket)", header, rows
+        )
+        print("wrote", write_record("weight_sync_delta_micro", {"header": header, "rows": rows}))
+        return
     if args.recipe is not None:
         record = recipe(args.recipe, args.overrides, args.steps)
         rows = [

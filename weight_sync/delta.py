@@ -14,7 +14,9 @@ the receiver's copy of the base and writes the new bytes in place.
 Every function takes and returns torch tensors. `compare` runs where the staged bytes are:
 torch ops on a device (a GPU staging buffer, before its device-to-host copy: only `Changes`,
 a few percent of the bytes, then cross to the host), numpy kernels over the same memory on the
-host. Frames are built, sent and applied on the host, so `encode` and `apply` use numpy.
+host, where it compares 8-byte words first and bytes only inside the words that changed, a
+cache-sized chunk at a time. Frames are built, sent and applied on the host, so `encode` and
+`apply` use numpy, with a fast path for the common frame whose gaps all fit a byte.
 
 Frame layout (`HEADER`, then the payload):
 
@@ -35,7 +37,19 @@ import xxhash
 
 from transfer_queue import WeightSyncError
 
-__all__ = ["WHOLE", "GAPS", "HEADER", "DENSE", "Changes", "Frame", "compare", "encode", "apply", "positions_of"]
+__all__ = [
+    "WHOLE",
+    "GAPS",
+    "HEADER",
+    "DENSE",
+    "Changes",
+    "CompareScratch",
+    "Frame",
+    "compare",
+    "encode",
+    "apply",
+    "positions_of",
+]
 
 WHOLE, GAPS = 0, 1
 HEADER = struct.Struct("<BxxxxxxxQQQqQQ")
@@ -43,9 +57,9 @@ DENSE = 0.05
 """Fraction of bytes changed above which `compare` gives up and the range goes whole (about
 a tenth of bf16 values moved by one unit in the last place). Byte-wise a frame breaks even
 only at half the bytes changed (a gap byte and a value byte per change), but each change
-also costs the publisher and the subscriber index work (~100 ns on these shared cores) that a
-whole copy does not: past a twentieth that work takes longer than sending the bytes whole at
-memory or fast-link speed."""
+also costs the publisher and the subscriber index work that a whole copy does not: past a
+twentieth that work takes longer than sending the bytes whole at memory or fast-link speed
+(`benchmarks/weight_sync_delta.py --micro`)."""
 
 _MAX_GAP = 255
 
@@ -66,32 +80,90 @@ class Changes:
         return self.positions.numel()
 
 
-def compare(new: torch.Tensor, old: torch.Tensor, dense: float = DENSE) -> Changes | None:
+_CHUNK_WORDS = 1 << 15
+"""Words `compare` handles per step on the host (256 KiB of each version): small enough that
+the changed words it gathers are still in cache, large enough that numpy's per-call cost is a
+few percent of the pass."""
+
+
+class CompareScratch:
+    """The word mask `compare` reuses from one chunk and one bucket to the next on the host
+    (one per thread that compares)."""
+
+    def __init__(self) -> None:
+        self.mask = np.empty(_CHUNK_WORDS, dtype=bool)
+
+
+def compare(
+    new: torch.Tensor, old: torch.Tensor, dense: float = DENSE, scratch: CompareScratch | None = None
+) -> Changes | None:
     """The changes from `old` to `new` (flat uint8 tensors of one size, on any device), or
     None when more than `dense` of the bytes changed (the range then goes whole).
 
-    One vectorised pass: compare, count, and list the positions only when they are few. CPU
-    tensors go through numpy views of the same memory (its compare and nonzero kernels ran
-    2-4x faster than torch's CPU ones here); device tensors stay in torch, where they are."""
+    On the host: one pass over 8-byte words (`_compare_host`), bytes looked at only inside
+    the words that changed; `scratch` (one per compare thread) keeps the word mask between
+    calls. Device tensors stay in torch, where they are (`_compare_device`).
+
+    Raises:
+        ValueError: the tensors are not flat uint8 of one size.
+    """
     if new.shape != old.shape or new.dtype != torch.uint8 or old.dtype != torch.uint8 or new.dim() != 1:
         raise ValueError("compare needs two flat uint8 tensors of the same size")
     if new.device.type == "cpu":
-        found = _compare(new.numpy(), old.numpy(), np.count_nonzero, np.flatnonzero, dense)
+        found = _compare_host(new.numpy(), old.numpy(), dense, scratch or CompareScratch())
         return None if found is None else Changes(torch.from_numpy(found[0]), torch.from_numpy(found[1]), new.numel())
-    found = _compare(new, old, torch.count_nonzero, _nonzero, dense)
+    found = _compare_device(new, old, dense)
     return None if found is None else Changes(found[0].cpu(), found[1].cpu(), new.numel())
 
 
-def _nonzero(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.nonzero().view(-1)
+def _compare_host(
+    new: np.ndarray, old: np.ndarray, dense: float, scratch: CompareScratch
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`compare` on the host: (positions, old bytes there) or None.
 
-
-def _compare(new, old, count, nonzero, dense: float):  # noqa: ANN001, ANN202 - numpy arrays or tensors alike
-    """`compare` over numpy arrays or torch tensors: (positions, old bytes there) or None."""
-    differ = new != old
-    if int(count(differ)) > dense * len(new):
+    Changed bf16 values are a few percent and mostly one byte each, so most 8-byte words are
+    equal: the pass compares words (one bool per word, not per byte) and looks at bytes only
+    inside the words that changed, chunk by chunk so that those words are gathered from cache
+    rather than from memory a second time. A changed word holds at least one changed byte, so
+    the range goes whole as soon as the changed words pass `dense` of its bytes; and after a
+    quarter of the range, once they pass `dense` of the bytes seen so far (updates spread
+    over a whole tensor, so a dense prefix means a dense range; whole is never wrong)."""
+    size = len(new)
+    aligned = size - size % 8
+    new_words, old_words = new[:aligned].view(np.uint64), old[:aligned].view(np.uint64)
+    limit, probe = dense * size, aligned // 32  # words in a quarter of the range
+    changed, positions, olds = 0, [], []
+    for first in range(0, len(new_words), _CHUNK_WORDS):
+        new_chunk, old_chunk = new_words[first : first + _CHUNK_WORDS], old_words[first : first + _CHUNK_WORDS]
+        mask = scratch.mask[: len(new_chunk)]
+        np.not_equal(new_chunk, old_chunk, out=mask)
+        words = np.flatnonzero(mask)
+        changed += len(words)
+        if changed > limit or (first >= probe and changed > dense * 8 * (first + len(new_chunk))):
+            return None
+        if len(words):
+            was = np.take(old_chunk, words)
+            inside = np.flatnonzero(np.take(new_chunk, words).view(np.uint8) != was.view(np.uint8))
+            words += first
+            words *= 8
+            at = np.take(words, inside >> 3)
+            at += inside & 7
+            positions.append(at)
+            olds.append(np.take(was.view(np.uint8), inside))
+    tail = np.flatnonzero(new[aligned:] != old[aligned:]) + aligned
+    positions.append(tail)
+    olds.append(old[tail])
+    if sum(map(len, positions)) > limit:
         return None
-    positions = nonzero(differ)
+    return np.concatenate(positions), np.concatenate(olds)
+
+
+def _compare_device(new: torch.Tensor, old: torch.Tensor, dense: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`compare` as torch ops on the tensors' device: (positions, old bytes there) or None."""
+    differ = new != old
+    if int(torch.count_nonzero(differ)) > dense * len(new):
+        return None
+    positions = differ.nonzero().view(-1)
     return positions, old[positions]
 
 
@@ -139,14 +211,19 @@ def encode(
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
     at = positions.numpy()
     gaps = np.diff(at, prepend=-1)
-    extra = (gaps - 1) // _MAX_GAP
-    ends = np.cumsum(extra + 1) - 1
-    stream_len = int(ends[-1]) + 1 if count else 0
-    if stream_len + count >= span:
-        return Frame(WHOLE, span, 0, 0, base, 0, 0), None
-    payload = np.zeros(stream_len + count, dtype=np.uint8)
-    payload[ends] = gaps - extra * _MAX_GAP
-    payload[stream_len:] = new.numpy()[at]
+    if not count or int(gaps.max()) <= _MAX_GAP:  # the common case: every gap is one byte
+        stream_len = count
+        payload = np.empty(2 * count, dtype=np.uint8)
+        payload[:count] = gaps
+    else:
+        extra = (gaps - 1) // _MAX_GAP
+        ends = np.cumsum(extra + 1) - 1
+        stream_len = int(ends[-1]) + 1
+        if stream_len + count >= span:
+            return Frame(WHOLE, span, 0, 0, base, 0, 0), None
+        payload = np.zeros(stream_len + count, dtype=np.uint8)
+        payload[ends] = gaps - extra * _MAX_GAP
+    np.take(new.numpy(), at, out=payload[stream_len:])
     frame = Frame(GAPS, span, stream_len, count, base, _sum(old.numpy()), _sum(payload))
     return frame, torch.from_numpy(payload)
 
@@ -154,8 +231,12 @@ def encode(
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:
     """Decode a gap stream (host uint8) back to sorted positions (int64)."""
     stream = gaps.numpy()
-    steps = np.where(stream == 0, _MAX_GAP, stream.astype(np.int64))
-    return torch.from_numpy(np.cumsum(steps)[stream != 0] - 1)
+    if np.count_nonzero(stream) == len(stream):  # no gap over 255
+        at = np.cumsum(stream, dtype=np.int64)
+    else:
+        at = np.cumsum(np.where(stream == 0, _MAX_GAP, stream.astype(np.int64)))[stream != 0]
+    at -= 1
+    return torch.from_numpy(at)
 
 
 def apply(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
@@ -176,8 +257,8 @@ def apply(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
     if len(at) != frame.count or (frame.count and int(at[-1]) >= frame.span):
         raise WeightSyncError("a delta frame's positions do not match its header")
     into = target.numpy()
-    if _sum(into[at]) != frame.base_sum:
+    if _sum(np.take(into, at)) != frame.base_sum:
         raise WeightSyncError(
             f"this subscriber's copy of version {frame.base} differs from the publisher's: delta refused"
         )
-    into[at] = body[frame.gaps :]
+    np.put(into, at, body[frame.gaps :])

@@ -45,7 +45,7 @@ from transfer_queue.wire.rpc import Credentials, credentials_from_env
 from .buckets import layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
-from .delta import Changes, compare
+from .delta import Changes, CompareScratch, compare
 from .layout import Layout
 from .manifest import Manifest
 from .mapping import FlatShard, TPShard
@@ -183,6 +183,7 @@ class WeightPublisher:
         self._stats: OrderedDict[int, VersionStats] = OrderedDict()
         self._stats_lock = threading.Lock()
         self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
+        self._compare_scratch = CompareScratch()  # the compare thread's alone
         self._comparing: Future | None = None
         """The last compare handed to `_comparer` (it runs them in order)."""
         self._skip_dense = 0
@@ -396,7 +397,13 @@ class WeightPublisher:
         new, old = slot.mapped.tensor, base.mapped.tensor
         try:
             for k in range(first, upto):
-                staged.add(compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket]))
+                staged.add(
+                    compare(
+                        new[k * bucket : (k + 1) * bucket],
+                        old[k * bucket : (k + 1) * bucket],
+                        scratch=self._compare_scratch,
+                    )
+                )
         except Exception:
             log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
             staged.fail()

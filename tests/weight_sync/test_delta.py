@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from transfer_queue import WeightSyncError
-from weight_sync.delta import GAPS, WHOLE, _compare, apply, compare, encode
+from weight_sync.delta import _CHUNK_WORDS, GAPS, WHOLE, _compare_device, apply, compare, encode
 from weight_sync.plan import Read
 from weight_sync.transports.stream import delta_frames, receive_frames
 
@@ -149,9 +149,22 @@ def test_stream_frames_cross_buckets_and_apply_to_the_base():
 
 
 def test_the_device_path_finds_the_same_changes():
-    """`compare` keeps device tensors in torch: the same algorithm over torch gives the numpy
-    path's answer (run here on CPU tensors)."""
-    base, new = _versions(torch.bfloat16, 50_000, 0.03)
+    """`compare` keeps device tensors in torch: its torch path gives the host path's answer
+    (run here on CPU tensors, of a size that leaves a tail after the last 8-byte word)."""
+    base, new = _versions(torch.bfloat16, 3 * _CHUNK_WORDS * 4 + 3, 0.03)  # three chunks and a tail
+    new[-1] ^= 0x10  # a change in the tail
     changes = compare(new, base)
-    positions, old = _compare(new, base, torch.count_nonzero, lambda t: t.nonzero().view(-1), 0.05)
+    positions, old = _compare_device(new, base, 0.05)
     assert torch.equal(positions, changes.positions) and torch.equal(old, changes.old)
+
+
+def test_a_dense_stretch_past_a_quarter_sends_the_range_whole():
+    """The host compare gives up once the changed words pass `dense` of the bytes seen after a
+    quarter of the range, though the range as a whole would be under it (whole is never wrong);
+    the same changes later in a larger range stay a delta."""
+    size = 8 * 8 * _CHUNK_WORDS
+    base = torch.zeros(size, dtype=torch.uint8)
+    new = base.clone()
+    new[: size // 4 : 8] = 1  # every word of the first quarter: 1/32 of the bytes, 1/4 of the words
+    assert compare(new, base, dense=0.05) is None
+    assert compare(new.roll(size // 2), base, dense=0.05).count == size // 32
