@@ -25,6 +25,7 @@ import torch
 from transfer_queue import SluiceError, TimeoutError, WeightSyncError
 from transfer_queue.cuda import in_use
 
+from .delta import WHOLE, Frame
 from .layout import numel
 from .plan import Copy, Plan
 from .protocol import Checksums, Confirm, Granted, Latest, Offer, Pull, RelayPull, RpcClient
@@ -32,7 +33,7 @@ from .ranks import PublisherRanks
 from .receivers import Receiver, ReceiveSettings, Targets
 from .staging import Slot, SlotTable
 from .transports import Job, Source
-from .transports.stream import as_bytes, read_chunks
+from .transports.stream import FrameLog, as_bytes, read_chunks
 
 __all__ = ["BackgroundReceiver", "ReadsReceiver", "ImageReceiver", "RelaySource"]
 
@@ -71,6 +72,9 @@ class BackgroundReceiver(Receiver):
         self.closed = False
         self.holding: tuple[int, Plan] | None = None
         """(version, plan) of what the receive buffer holds or is filling (relays serve it)."""
+        self.frame_logs: dict[int, FrameLog] = {}
+        """Per publisher rank, the delta frames received of `holding`'s version (relays
+        forward them to subscribers on the same base); set with `holding`."""
         self._received: _Received | None = None
         self._error: WeightSyncError | None = None
         self._fetched = -1
@@ -226,11 +230,14 @@ class ReadsReceiver(BackgroundReceiver):
             slot = self.table.claim(version, plan.nbytes, self.timeout)
             held = self._bases.pop(slot.index, None)
             base = held[0] if held is not None and held[1] is plan and held[2] == slot.generation else -1
+            bases = [self._delta_base(g, base) for g in grants]
+            logs = {r: FrameLog(b) for r, b in enumerate(bases) if b >= 0 and self.ranks.relay_endpoint}
             with self.cond:
-                self.holding = (version, plan)
+                self.holding, self.frame_logs = (version, plan), logs
                 self.cond.notify_all()
-            sources = [
-                self._pull(r, version, g, plan, slot, base) if plan.reads(r) else "" for r, g in enumerate(grants)
+            pulled = [
+                self._pull(r, version, g, plan, slot, bases[r]) if plan.reads(r) else ("", 0)
+                for r, g in enumerate(grants)
             ]
             if not offer.complete:
                 coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
@@ -241,36 +248,41 @@ class ReadsReceiver(BackgroundReceiver):
             raise
         finally:
             self.ranks.release(grants)
-        self.last_sources = sources
+        self.last_sources = [source for source, _ in pulled]
+        self.last_received = [received for _, received in pulled]
         self._ready(version, plan, slot, plan.nbytes, slot.mapped.tensor, checksums)
         self._bases[slot.index] = (version, plan, slot.generation)
 
-    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot, base: int) -> str:
-        """Receive rank `rank`'s reads (a delta against `base` if the rank offers one); if a
-        relay fails, once more straight from the rank. Returns where they came from ("" for
-        the rank itself)."""
+    def _delta_base(self, grant: Granted, base: int) -> int:
+        """The version to pull `grant`'s reads against: `base` when the rank offers a delta
+        against it, or a relay serves them (it forwards its frames if it pulled them against
+        the same base, else its bytes as WHOLE frames); -1: whole."""
+        if base >= 0 and (grant.base == base or grant.source) and self.ranks.transport.deltas:
+            return base
+        return -1
+
+    def _pull(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot, base: int) -> tuple[str, int]:
+        """Receive rank `rank`'s reads (a delta against `base` if >= 0); if a relay fails, once
+        more straight from the rank and whole, since the relay's stream may have left part of
+        the buffer new. Returns where they came from ("" for the rank itself) and the bytes
+        the stream carried."""
         transport = self.ranks.transport
+        job = self.ranks.job(rank, version, grant, plan, slot, self.table)
+        job.base, job.log = base, self.frame_logs.get(rank)
         try:
-            transport.receive(self._job(rank, version, grant, plan, slot, base))
-            return grant.source
+            transport.receive(job)
+            return grant.source, job.received
         except WeightSyncError as exc:
             if not grant.source:
                 raise
             log.info("relay %s failed (%s); pulling from rank %d directly", grant.source, exc, rank)
             direct = self.ranks.lease(rank, version, direct=True)
             try:
-                transport.receive(self._job(rank, version, direct, plan, slot, base))
+                job = self.ranks.job(rank, version, direct, plan, slot, self.table)
+                transport.receive(job)
             finally:
                 self.ranks.release_one(rank, direct)
-            return ""
-
-    def _job(self, rank: int, version: int, grant: Granted, plan: Plan, slot: Slot, base: int) -> Job:
-        """The transport's job; a delta against `base` when the rank pulled from offers one
-        (relays forward whole versions)."""
-        job = self.ranks.job(rank, version, grant, plan, slot, self.table)
-        if base >= 0 and grant.base == base and not grant.source and self.ranks.transport.deltas:
-            job.base = base
-        return job
+            return "", job.received
 
     def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
         buffer = received.buffer
@@ -335,7 +347,9 @@ class ImageReceiver(BackgroundReceiver):
 
 
 class RelaySource(Source):
-    """Serves `RelayPull`s from a subscriber's receive buffer, as its bytes arrive."""
+    """Serves `RelayPull`s from a subscriber's receive buffer, as its bytes arrive: whole, or
+    with a base, as the delta frames this subscriber received against that base (`FrameLog`),
+    else its bytes as WHOLE frames."""
 
     def __init__(self, receiver: BackgroundReceiver):
         self.receiver = receiver
@@ -348,7 +362,7 @@ class RelaySource(Source):
             rx.cond.wait_for(
                 lambda: rx.closed or (rx.holding is not None and rx.holding[0] >= request.version), rx.timeout
             )
-            holding = rx.holding
+            holding, frame_log = rx.holding, rx.frame_logs.get(request.rank)
         if holding is None or holding[0] != request.version:
             raise WeightSyncError(f"this relay does not hold version {request.version}")
         got = rx.table.lease(request.version)
@@ -356,15 +370,34 @@ class RelaySource(Source):
             raise WeightSyncError(f"this relay moved past version {request.version}")
         lease, slot = got
         copies = [c for c in holding[1].copies if c.rank == request.rank]
+        version, base, timeout = request.version, request.base, rx.timeout
 
         def views():  # noqa: ANN202
             buffer = slot.mapped.tensor
             for c in copies:
-                slot.wait_filled(c.recv + c.read.nbytes, request.version, rx.timeout)
+                slot.wait_filled(c.recv + c.read.nbytes, version, timeout)
                 position = c.recv
                 for lo, hi in read_chunks(c.read):
                     n = c.read.itemsize * numel(lo, hi)
+                    if base >= 0:
+                        yield memoryview(Frame(WHOLE, n, 0, 0, base, 0, 0).pack())
                     yield as_bytes(buffer[position : position + n])
                     position += n
 
-        return views(), lambda ok: rx.table.release(lease)
+        def forwarded(frames: list[tuple[Frame, torch.Tensor | None]]):  # noqa: ANN202
+            buffer, taken = slot.mapped.tensor, 0
+            for c in copies:
+                covered = 0
+                while covered < c.read.nbytes:
+                    slot.wait_filled(c.recv + covered + 1, version, timeout)  # frames are logged first
+                    if taken == len(frames):
+                        raise WeightSyncError(f"this relay's delta stream of version {version} broke off")
+                    frame, payload = frames[taken]
+                    taken += 1
+                    yield memoryview(frame.pack())
+                    start = c.recv + covered
+                    yield as_bytes(buffer[start : start + frame.span] if payload is None else payload)
+                    covered += frame.span
+
+        forward = base >= 0 and frame_log is not None and frame_log.base == base
+        return (forwarded(frame_log.frames) if forward else views()), lambda ok: rx.table.release(lease)

@@ -205,11 +205,14 @@ class Pull(_Data, tag="pull", frozen=True):
 
 
 class RelayPull(_Data, tag="relay", frozen=True):
-    """Send what you pulled of `version` from `rank`, for a plan with this digest."""
+    """Send what you pulled of `version` from `rank`, for a plan with this digest; with a
+    `base` (>= 0), as delta frames against that version: the frames the relay received when
+    it pulled a delta against the same base, else its bytes as WHOLE frames."""
 
     version: int
     rank: int
     plan: int
+    base: int = -1
 
 
 DataRequest = Union[Pull, RelayPull]

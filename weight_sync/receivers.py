@@ -95,6 +95,9 @@ class Receiver(ABC):
         self.last_sources: list[str] = []
         """Per publisher rank, where the last received version came from: "" for the rank
         itself, else the endpoint of the subscriber that relayed it."""
+        self.last_received: list[int] = []
+        """Per publisher rank, the bytes its stream carried for the last received version:
+        delta frames, or the whole reads (0 where the transport does not stream)."""
 
     @abstractmethod
     def poll(self, timeout: float) -> int | None:

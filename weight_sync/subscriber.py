@@ -117,6 +117,12 @@ class WeightSubscriber:
         itself, else the endpoint of the subscriber that relayed it."""
         return [] if self._receiver is None else self._receiver.last_sources
 
+    @property
+    def last_received(self) -> list[int]:
+        """Per publisher rank, the bytes its stream carried for the last received version:
+        delta frames, or the whole reads (0 where the transport does not stream)."""
+        return [] if self._receiver is None else self._receiver.last_received
+
     # -- public ---------------------------------------------------------------------------
 
     def poll(self) -> int | None:

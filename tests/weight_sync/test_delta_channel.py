@@ -15,6 +15,7 @@ import torch
 import weight_sync.transports.tcp as tcp_module
 from transfer_queue import WeightSyncError
 from weight_sync import WeightPublisher, WeightSubscriber
+from weight_sync.transports.tcp import TcpTransport
 
 from .harness import CTX, Subscribers, check
 from .workers import BUCKET, kill, publisher, sparse_weights, weights, zeros
@@ -43,6 +44,31 @@ def test_sparse_versions_cross_as_deltas_and_land_exact():
         for summary in subs.finish().values():
             assert summary["applied"] == [1, 2, 3, 4, 5]
             check(summary, 5)
+    finally:
+        pub.close()
+
+
+def test_relays_forward_deltas_down_a_chain():
+    """fanout 1: the first subscriber pulls deltas from the rank, the second from the first and
+    the third from the second, each relay forwarding the frames it received; only the first
+    pulls from the trainer, every stream carries a fifth of the bytes or less, and every apply
+    is exact (validated)."""
+    pub = WeightPublisher(None, transport=TcpTransport(fanout=1), bucket_bytes=BUCKET, delta="auto", validate=True)
+    subs = Subscribers(3, pub.endpoint, "tcp", sparse=True, validate=True)
+    try:
+        for version in range(1, 5):
+            pub.publish(sparse_weights(version), version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in (2, 3, 4):
+            assert stats[version].delta_pulls == 1 and stats[version].whole_pulls == 0, stats[version]
+        summaries = subs.finish().values()
+        sources = sorted(s["sources"][0] for s in summaries)
+        assert sources[0] == "" and all(source.startswith("127.0.0.1:") for source in sources[1:]), sources
+        for summary in summaries:
+            assert summary["applied"] == [1, 2, 3, 4]
+            assert 0 < summary["received"][0] * 5 < stats[4].requested, (summary["received"], stats[4])
+            check(summary, 4)
     finally:
         pub.close()
 
@@ -127,14 +153,14 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
     real = tcp_module.receive_frames
     flipped = []
 
-    def flipping(recv, buffer, reads, offsets, base, progress):  # noqa: ANN001
+    def flipping(recv, buffer, reads, offsets, base, progress, log):  # noqa: ANN001, ANN202
         def corrupting(view: memoryview) -> None:
             recv(view)
             if len(view) > 64 and not flipped:  # a payload, not a header
                 view[len(view) - 1] ^= 0x01
                 flipped.append(len(view))
 
-        real(corrupting, buffer, reads, offsets, base, progress)
+        return real(corrupting, buffer, reads, offsets, base, progress, log)
 
     monkeypatch.setattr(tcp_module, "receive_frames", flipping)
     with (

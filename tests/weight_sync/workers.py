@@ -107,6 +107,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
             summary["applied"].append(version)
             out.put(("applied", sub_id, version))
         summary["sources"] = list(sub.last_sources)
+        summary["received"] = list(sub.last_received)
         sub.close()
         summary["final"] = sub.version
         final = local_targets(tp[0], tp[1], sub.version) if tp is not None else version_of(sub.version, shapes=shapes)

@@ -27,6 +27,7 @@ import torch
 
 from ..plan import Read
 from ..protocol import Granted, Pull, RelayPull
+from .stream import FrameLog
 
 __all__ = ["Transport", "Mode", "Job", "Source", "register", "get", "names"]
 
@@ -59,6 +60,10 @@ class Job:
     base: int = -1
     """The version the buffer already holds for these reads, to pull a delta against
     (-1: pull whole). Only transports with `deltas` are given one."""
+    log: FrameLog | None = None
+    """Where a relaying subscriber keeps the delta frames it receives, to forward them."""
+    received: int = 0
+    """Set by streaming transports: the bytes the stream carried (frames or whole reads)."""
 
 
 class Source(ABC):

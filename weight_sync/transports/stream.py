@@ -8,7 +8,8 @@ that are still being staged; `gather` builds a strided box's bytes on the sendin
 A `Pull` with a base is answered with delta frames instead (`weight_sync.delta`): per read, a
 header and its payload for each part of the read inside one staging bucket (`delta_frames`;
 a strided read goes as WHOLE frames, `whole_frames`), which `receive_frames` applies to the
-subscriber's copy of the base in its receive buffer.
+subscriber's copy of the base in its receive buffer. A relaying subscriber keeps the frames
+it received (`FrameLog`) and forwards them to a `RelayPull` against the same base.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "delta_frames",
     "whole_frames",
     "receive_frames",
+    "FrameLog",
 ]
 
 GATHER_BYTES = 4 << 20
@@ -202,6 +204,17 @@ def whole_frames(slot: torch.Tensor, read: Read, scratch: Scratch, base: int) ->
         yield view
 
 
+class FrameLog:
+    """The delta frames one rank's stream brought a relaying subscriber, in order, so that it
+    can forward them to subscribers that hold the same base: each frame with its payload
+    (None for WHOLE frames, whose bytes are the buffer's). No bigger than the version, and
+    replaced by the next version's."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.frames: list[tuple[Frame, torch.Tensor | None]] = []
+
+
 def receive_frames(
     recv: Callable[[memoryview], None],
     buffer: torch.Tensor,
@@ -209,16 +222,19 @@ def receive_frames(
     offsets: Sequence[int],
     base: int,
     progress: Callable[[int], None],
-) -> None:
+    log: FrameLog | None = None,
+) -> int:
     """Apply a delta stream to `buffer` (uint8, holding version `base` of these reads at
     `offsets`): `recv(view)` fills `view` from the stream; `progress(n)` once bytes [0, n) of
-    the buffer hold the new version.
+    the buffer hold the new version, each frame having been added to `log` before. Returns
+    the bytes the stream carried.
 
     Raises:
         WeightSyncError: a frame is malformed, corrupt or meant for another base (the buffer
             is then part new, part base: the caller discards it).
     """
     head = bytearray(HEADER.size)
+    carried = 0
     for read, offset in zip(reads, offsets):
         covered = 0
         while covered < read.nbytes:
@@ -227,6 +243,7 @@ def receive_frames(
             if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
                 raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
             target = buffer[offset + covered : offset + covered + frame.span]
+            payload = None
             if frame.kind == WHOLE:
                 recv(as_bytes(target))
             else:
@@ -234,5 +251,9 @@ def receive_frames(
                 payload = torch.empty(frame.payload, dtype=torch.uint8)
                 recv(as_bytes(payload))
                 apply(frame, payload, target)
+            if log is not None:
+                log.frames.append((frame, payload))
+            carried += HEADER.size + frame.payload
             covered += frame.span
             progress(offset + covered)
+    return carried

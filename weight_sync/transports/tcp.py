@@ -193,7 +193,7 @@ class TcpTransport(Transport):
         assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
         request: Pull | RelayPull
         if grant.source:
-            endpoint, request = grant.source, RelayPull(job.version, job.rank, job.digest)
+            endpoint, request = grant.source, RelayPull(job.version, job.rank, job.digest, job.base)
         else:
             endpoint, request = job.endpoint, Pull(grant.lease, job.version, job.reads, job.base)
         try:
@@ -209,15 +209,16 @@ class TcpTransport(Transport):
                 _recv_exact(sock, memoryview(text))
                 raise_status(bytes(text))
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
-            if isinstance(request, Pull) and request.base >= 0:
-                receive_frames(
-                    lambda view: _recv_exact(sock, view), into, job.reads, job.offsets, job.base, job.progress
+            if request.base >= 0:
+                job.received = receive_frames(
+                    lambda view: _recv_exact(sock, view), into, job.reads, job.offsets, job.base, job.progress, job.log
                 )
                 return into
             buf = as_bytes(into)
             for read, offset in zip(job.reads, job.offsets):
                 _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)
                 job.progress(offset + read.nbytes)
+            job.received = sum(read.nbytes for read in job.reads)
         except (OSError, WeightSyncError) as exc:
             self._drop(endpoint)
             if isinstance(exc, WeightSyncError):
