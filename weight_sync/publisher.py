@@ -125,10 +125,11 @@ class WeightPublisher:
             per bucket, on a compare thread while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
             only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
-            (tcp) and there are two slots or more; True: on (needs `slots >= 2`);
-            False (the default): every subscriber pulls whole versions. Off by default because
-            the compare runs below loopback speed: deltas pay where the link is slower than the
-            compare (across hosts), not between processes of one machine.
+            (tcp, its relays included, and ucx) and there are two slots or more; True: on (needs
+            `slots >= 2`); False (the default): every subscriber pulls whole versions. Off by
+            default because comparing, framing and applying a delta on the host still cost more
+            CPU than a copy of the bytes: deltas pay where the link is slower than those passes
+            (across hosts), not between processes of one machine.
     """
 
     def __init__(

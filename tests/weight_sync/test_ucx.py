@@ -14,7 +14,7 @@ from weight_sync import UcxTransport, WeightPublisher
 from weight_sync.transports import ucx
 
 from .harness import Subscribers, check
-from .workers import BUCKET, weights
+from .workers import BUCKET, sparse_weights, weights
 
 pytestmark = pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
 
@@ -57,6 +57,27 @@ def test_two_subscribers_pull_identical_exact_weights_through_different_workers(
         assert len(served._listeners) == min(2, ucx._runtime.workers), "a listener per worker serving"
         for summary in subs.finish().values():
             check(summary, 3)
+    finally:
+        pub.close()
+
+
+def test_sparse_versions_cross_ucx_as_deltas_and_land_exact():
+    """Two validating subscribers take versions 1..4 over ucx: 1 whole, 2..4 as delta frames
+    of a few percent of the bytes, received a message at a time; every apply is exact."""
+    pub = WeightPublisher(None, transport="ucx", bucket_bytes=BUCKET, delta="auto", validate=True)
+    subs = Subscribers(2, pub.endpoint, "ucx", sparse=True, validate=True)
+    try:
+        for version in range(1, 5):
+            pub.publish(sparse_weights(version), version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in (2, 3, 4):
+            assert stats[version].delta_pulls == 2 and stats[version].whole_pulls == 0, stats[version]
+            assert stats[version].sent * 5 < stats[version].requested, stats[version]
+        for summary in subs.finish().values():
+            assert summary["applied"] == [1, 2, 3, 4]
+            assert 0 < summary["received"][0] * 5 < stats[4].requested / 2, summary["received"]
+            check(summary, 4)
     finally:
         pub.close()
 

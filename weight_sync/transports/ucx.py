@@ -51,7 +51,16 @@ from ..layout import numel
 from ..protocol import Pull, RelayPull
 from . import handshake
 from .base import Job, Source, Transport, register
-from .stream import IN_FLIGHT, STATUS, decode_request, encode_request, raise_status, read_chunks, status_header
+from .stream import (
+    IN_FLIGHT,
+    STATUS,
+    decode_request,
+    encode_request,
+    raise_status,
+    read_chunks,
+    receive_frames,
+    status_header,
+)
 
 __all__ = ["UcxTransport"]
 
@@ -190,6 +199,7 @@ class UcxTransport(Transport):
 
     name = "ucx"
     mode = "reads"  # no relaying (fanout None): every subscriber pulls from the rank
+    deltas = True
 
     def __init__(self, host: str = "127.0.0.1", credentials: Credentials | None = None):
         self.host = host
@@ -336,7 +346,48 @@ class UcxTransport(Transport):
         assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
         if grant.source:
             raise WeightSyncError("ucx does not relay")
-        return self._run(self._pull(job, Pull(grant.lease, job.version, job.reads)))
+        request = Pull(grant.lease, job.version, job.reads, job.base)
+        if job.base < 0:
+            return self._run(self._pull(job, request))
+        into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
+        try:
+            ep = self._run(self._request_frames(job, request))
+            job.received = receive_frames(
+                lambda view: self._run(_bounded(ep.recv(np.frombuffer(view, dtype=np.uint8)), job)),
+                into,
+                job.reads,
+                job.offsets,
+                job.base,
+                job.progress,
+                job.log,
+            )
+        except WeightSyncError:
+            self._run(self._drop(job.endpoint))
+            raise
+        except Exception as exc:  # noqa: BLE001 - ucxx raises its own hierarchy
+            self._run(self._drop(job.endpoint))
+            raise WeightSyncError(f"ucx delta transfer from {job.endpoint} failed: {exc}") from exc
+        return into
+
+    async def _request_frames(self, job: Job, request: Pull) -> Any:
+        """Send a delta `request` and receive its status (raising the error the publisher
+        reported, if any); the endpoint, whose next messages are the frames, a header then its
+        payload each (`stream.delta_frames`). They are received one at a time, since each
+        header gives the next payload's size."""
+        ep = self._peers.get(job.endpoint)
+        if ep is None or ep.closed:
+            ep = self._peers[job.endpoint] = await self._connect(job)
+        body = encode_request(request)
+        await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
+        await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
+        head = np.empty(STATUS.size, dtype=np.uint8)
+        await _bounded(ep.recv(head, tag=_STATUS_TAG), job)
+        failed, length = STATUS.unpack(head.tobytes())
+        if failed:
+            text = np.empty(length, dtype=np.uint8)
+            await _bounded(ep.recv(text, tag=_STATUS_TAG), job)
+            raise_status(text.tobytes())
+        return ep
 
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         try:
