@@ -399,5 +399,6 @@ class RelaySource(Source):
                     yield as_bytes(buffer[start : start + frame.span] if payload is None else payload)
                     covered += frame.span
 
-        forward = base >= 0 and frame_log is not None and frame_log.base == base
-        return (forwarded(frame_log.frames) if forward else views()), lambda ok: rx.table.release(lease)
+        if base >= 0 and frame_log is not None and frame_log.base == base:
+            return forwarded(frame_log.frames), lambda ok: rx.table.release(lease)
+        return views(), lambda ok: rx.table.release(lease)

@@ -110,10 +110,10 @@ def compare(
     if new.shape != old.shape or new.dtype != torch.uint8 or old.dtype != torch.uint8 or new.dim() != 1:
         raise ValueError("compare needs two flat uint8 tensors of the same size")
     if new.device.type == "cpu":
-        found = _compare_host(new.numpy(), old.numpy(), dense, scratch or CompareScratch())
-        return None if found is None else Changes(torch.from_numpy(found[0]), torch.from_numpy(found[1]), new.numel())
-    found = _compare_device(new, old, dense)
-    return None if found is None else Changes(found[0].cpu(), found[1].cpu(), new.numel())
+        host = _compare_host(new.numpy(), old.numpy(), dense, scratch or CompareScratch())
+        return None if host is None else Changes(torch.from_numpy(host[0]), torch.from_numpy(host[1]), new.numel())
+    device = _compare_device(new, old, dense)
+    return None if device is None else Changes(device[0].cpu(), device[1].cpu(), new.numel())
 
 
 def _compare_host(
