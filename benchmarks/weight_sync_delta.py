@@ -198,8 +198,8 @@ def _micro_row(old: torch.Tensor, new: torch.Tensor, scratch: object) -> list:
     changes = compare(new, old, scratch=scratch)
     if changes is None:
         return [*row, "whole", "-", "-", "-", "-"]
-    encode_s = _best(functools.partial(encode, new, changes.positions, changes.old, 1))
-    frame, payload = encode(new, changes.positions, changes.old, 1)
+    encode_s = _best(functools.partial(encode, size, changes.positions, changes.old, changes.new, 1))
+    frame, payload = encode(size, changes.positions, changes.old, changes.new, 1)
 
     def reapply() -> None:
         copy.copy_(old)

@@ -72,6 +72,8 @@ class Changes:
     """Sorted byte positions from the start of the range (int64, host)."""
     old: torch.Tensor
     """The base's bytes at `positions` (uint8, host): what a delta assumes the receiver holds."""
+    new: torch.Tensor
+    """The new version's bytes at `positions` (uint8, host): what a delta carries."""
     size: int
     """Bytes in the range."""
 
@@ -111,15 +113,21 @@ def compare(
         raise ValueError("compare needs two flat uint8 tensors of the same size")
     if new.device.type == "cpu":
         host = _compare_host(new.numpy(), old.numpy(), dense, scratch or CompareScratch())
-        return None if host is None else Changes(torch.from_numpy(host[0]), torch.from_numpy(host[1]), new.numel())
-    device = _compare_device(new, old, dense)
-    return None if device is None else Changes(device[0].cpu(), device[1].cpu(), new.numel())
+        if host is None:
+            return None
+        positions, before, after = (torch.from_numpy(found) for found in host)
+    else:
+        device = _compare_device(new, old, dense)
+        if device is None:
+            return None
+        positions, before, after = (found.cpu() for found in device)
+    return Changes(positions, before, after, new.numel())
 
 
 def _compare_host(
     new: np.ndarray, old: np.ndarray, dense: float, scratch: CompareScratch
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """`compare` on the host: (positions, old bytes there) or None.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`compare` on the host: (positions, old bytes there, new bytes there) or None.
 
     Changed bf16 values are a few percent and mostly one byte each, so most 8-byte words are
     equal: the pass compares words (one bool per word, not per byte) and looks at bytes only
@@ -132,7 +140,7 @@ def _compare_host(
     aligned = size - size % 8
     new_words, old_words = new[:aligned].view(np.uint64), old[:aligned].view(np.uint64)
     limit, probe = dense * size, aligned // 32  # words in a quarter of the range
-    changed, positions, olds = 0, [], []
+    changed, positions, olds, news = 0, [], [], []
     for first in range(0, len(new_words), _CHUNK_WORDS):
         new_chunk, old_chunk = new_words[first : first + _CHUNK_WORDS], old_words[first : first + _CHUNK_WORDS]
         mask = scratch.mask[: len(new_chunk)]
@@ -142,29 +150,34 @@ def _compare_host(
         if changed > limit or (first >= probe and changed > dense * 8 * (first + len(new_chunk))):
             return None
         if len(words):
-            was = np.take(old_chunk, words)
-            inside = np.flatnonzero(np.take(new_chunk, words).view(np.uint8) != was.view(np.uint8))
+            was, now = np.take(old_chunk, words), np.take(new_chunk, words)
+            inside = np.flatnonzero(now.view(np.uint8) != was.view(np.uint8))
             words += first
             words *= 8
             at = np.take(words, inside >> 3)
             at += inside & 7
             positions.append(at)
             olds.append(np.take(was.view(np.uint8), inside))
+            news.append(np.take(now.view(np.uint8), inside))
     tail = np.flatnonzero(new[aligned:] != old[aligned:]) + aligned
     positions.append(tail)
     olds.append(old[tail])
+    news.append(new[tail])
     if sum(map(len, positions)) > limit:
         return None
-    return np.concatenate(positions), np.concatenate(olds)
+    return np.concatenate(positions), np.concatenate(olds), np.concatenate(news)
 
 
-def _compare_device(new: torch.Tensor, old: torch.Tensor, dense: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`compare` as torch ops on the tensors' device: (positions, old bytes there) or None."""
+def _compare_device(
+    new: torch.Tensor, old: torch.Tensor, dense: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`compare` as torch ops on the tensors' device: (positions, old bytes there, new bytes
+    there) or None."""
     differ = new != old
     if int(torch.count_nonzero(differ)) > dense * len(new):
         return None
     positions = differ.nonzero().view(-1)
-    return positions, old[positions]
+    return positions, old[positions], new[positions]
 
 
 @dataclass(frozen=True)
@@ -200,41 +213,43 @@ def _sum(array: np.ndarray) -> int:
 
 
 def encode(
-    new: torch.Tensor, positions: torch.Tensor, old: torch.Tensor, base: int
+    span: int, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, base: int
 ) -> tuple[Frame, torch.Tensor | None]:
-    """The frame for span `new` (host uint8) whose bytes at `positions` (sorted, from the
-    span's start) changed from `old`: (frame, payload), the payload None for a WHOLE frame
-    (send `new` itself). Frames live on the host, where they are sent: numpy kernels."""
-    span = new.numel()
+    """The frame for a span of `span` bytes whose bytes at `positions` (sorted, from the
+    span's start) changed from `old` to `new` (host uint8): (frame, payload), the payload None
+    for a WHOLE frame (send the span itself). Frames live on the host, where they are sent:
+    numpy kernels."""
     count = positions.numel()
     if 2 * count >= span:
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
-    at = positions.numpy()
-    gaps = np.diff(at, prepend=-1)
-    if not count or int(gaps.max()) <= _MAX_GAP:  # the common case: every gap is one byte
-        stream_len = count
-        payload = np.empty(2 * count, dtype=np.uint8)
-        payload[:count] = gaps
-    else:
-        extra = (gaps - 1) // _MAX_GAP
-        ends = np.cumsum(extra + 1) - 1
-        stream_len = int(ends[-1]) + 1
-        if stream_len + count >= span:
-            return Frame(WHOLE, span, 0, 0, base, 0, 0), None
-        payload = np.zeros(stream_len + count, dtype=np.uint8)
-        payload[ends] = gaps - extra * _MAX_GAP
-    np.take(new.numpy(), at, out=payload[stream_len:])
+    gaps = np.diff(positions.numpy(), prepend=-1)
+    long = np.flatnonzero(gaps > _MAX_GAP)  # few: most changes are within 255 bytes of the last
+    extra = (gaps[long] - 1) // _MAX_GAP
+    gaps[long] -= extra * _MAX_GAP
+    stream_len = count + int(extra.sum())
+    if stream_len + count >= span:
+        return Frame(WHOLE, span, 0, 0, base, 0, 0), None
+    payload = np.empty(stream_len + count, dtype=np.uint8)
+    stream = gaps.astype(np.uint8)
+    payload[:stream_len] = np.insert(stream, np.repeat(long, extra), 0) if len(long) else stream
+    payload[stream_len:] = new.numpy()
     frame = Frame(GAPS, span, stream_len, count, base, _sum(old.numpy()), _sum(payload))
     return frame, torch.from_numpy(payload)
 
 
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:
-    """Decode a gap stream (host uint8) back to sorted positions (int64)."""
+    """Decode a gap stream (host uint8) back to sorted positions (int64).
+
+    Raises:
+        WeightSyncError: the stream ends in a 0 byte (a gap with no change after it).
+    """
     stream = gaps.numpy()
-    if np.count_nonzero(stream) == len(stream):  # no gap over 255
-        at = np.cumsum(stream, dtype=np.int64)
-    else:
-        at = np.cumsum(np.where(stream == 0, _MAX_GAP, stream.astype(np.int64)))[stream != 0]
+    zeros = np.flatnonzero(stream == 0)  # few: one per 255 bytes of a gap over 255
+    if len(zeros) and zeros[-1] == len(stream) - 1:
+        raise WeightSyncError("a delta frame's gap stream ends without a change")
+    steps = np.delete(stream, zeros).astype(np.int64) if len(zeros) else stream.astype(np.int64)
+    np.add.at(steps, zeros - np.arange(len(zeros)), _MAX_GAP)  # a 0 adds 255 to the next gap
+    at = np.cumsum(steps)
     at -= 1
     return torch.from_numpy(at)
 

@@ -33,7 +33,7 @@ def _round_trip(base: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
     """Encode base -> new and apply it to a copy of base; returns (frame kind, payload bytes)."""
     changes = compare(new, base)
     assert changes is not None
-    frame, payload = encode(new, changes.positions, changes.old, base=7)
+    frame, payload = encode(new.numel(), changes.positions, changes.old, changes.new, base=7)
     target = base.clone()
     if payload is None:
         target.copy_(new)
@@ -75,7 +75,9 @@ def test_dense_changes_go_whole():
     new[:1024] = 1  # 2.5% of the bytes changed: sparse enough to compare...
     changes = compare(new, base)
     assert changes is not None and changes.count == 1024
-    frame, payload = encode(new[:1000], changes.positions[:1000], changes.old[:1000], base=1)  # ...not its start
+    frame, payload = encode(
+        1000, changes.positions[:1000], changes.old[:1000], changes.new[:1000], base=1
+    )  # ...not its start
     assert frame.kind == WHOLE and payload is None and frame.span == 1000
 
 
@@ -83,7 +85,7 @@ def test_empty_and_full_change():
     base = torch.arange(512, dtype=torch.int32).view(torch.uint8)
     changes = compare(base.clone(), base)
     assert changes is not None and changes.count == 0
-    frame, payload = encode(base, changes.positions, changes.old, base=1)
+    frame, payload = encode(base.numel(), changes.positions, changes.old, changes.new, base=1)
     assert frame.kind == GAPS and payload.numel() == 0
     target = base.clone()
     apply(frame, payload, target)
@@ -102,7 +104,7 @@ def test_gaps_longer_than_a_byte_and_unaligned_spans():
 def test_a_corrupt_payload_or_a_wrong_base_is_refused_untouched():
     base, new = _versions(torch.bfloat16, 4096, 0.02)
     changes = compare(new, base)
-    frame, payload = encode(new, changes.positions, changes.old, base=3)
+    frame, payload = encode(new.numel(), changes.positions, changes.old, changes.new, base=3)
     corrupt = payload.clone()
     corrupt[-1] ^= 0x10
     target = base.clone()
@@ -154,8 +156,9 @@ def test_the_device_path_finds_the_same_changes():
     base, new = _versions(torch.bfloat16, 3 * _CHUNK_WORDS * 4 + 3, 0.03)  # three chunks and a tail
     new[-1] ^= 0x10  # a change in the tail
     changes = compare(new, base)
-    positions, old = _compare_device(new, base, 0.05)
+    positions, old, now = _compare_device(new, base, 0.05)
     assert torch.equal(positions, changes.positions) and torch.equal(old, changes.old)
+    assert torch.equal(now, changes.new) and torch.equal(now, new[positions])
 
 
 def test_a_dense_stretch_past_a_quarter_sends_the_range_whole():

@@ -191,7 +191,13 @@ def delta_frames(
         else:
             at = k * bucket_bytes
             first, last = torch.searchsorted(changes.positions, torch.tensor([lo - at, hi - at])).tolist()
-            frame, payload = encode(new, changes.positions[first:last] - (lo - at), changes.old[first:last], base)
+            frame, payload = encode(
+                hi - lo,
+                changes.positions[first:last] - (lo - at),
+                changes.old[first:last],
+                changes.new[first:last],
+                base,
+            )
         yield memoryview(frame.pack())
         yield as_bytes(new if payload is None else payload)
 
