@@ -85,6 +85,11 @@ _DENSE_PROBE = 8
 a compare (which readers of a delta would wait for); then one is compared again, since update
 sizes change slowly (learning-rate schedules)."""
 
+_DENSE_RUN = 2
+"""Buckets in a row found dense after which the rest of the version go whole without a compare:
+an update that large is spread over the whole model, and the readers of a probed version then
+wait for two compares that give up early, not for one per bucket."""
+
 
 Sharding = TPShard | FlatShard | Mapping[str, Layout] | None
 
@@ -398,6 +403,10 @@ class WeightPublisher:
         new, old = slot.mapped.tensor, base.mapped.tensor
         try:
             for k in range(first, upto):
+                dense = staged.buckets[-_DENSE_RUN:]
+                if len(dense) == _DENSE_RUN and all(c is None for c in dense):
+                    staged.add(None)
+                    continue
                 staged.add(
                     compare(
                         new[k * bucket : (k + 1) * bucket],

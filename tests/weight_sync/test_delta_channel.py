@@ -12,6 +12,7 @@ import signal
 import pytest
 import torch
 
+import weight_sync.publisher as publisher_module
 import weight_sync.transports.tcp as tcp_module
 from transfer_queue import WeightSyncError
 from weight_sync import WeightPublisher, WeightSubscriber
@@ -177,11 +178,17 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
         assert _exact(mine, 2)
 
 
-def test_dense_updates_stop_the_compare_until_the_next_probe():
-    """Versions that change most bytes go whole: after one compare finds them dense, the next
-    seven are not compared (nobody waits for a compare), the eighth is compared again."""
+def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
+    """Versions that change most bytes go whole: in a probed version, two buckets in a row
+    found dense end the compares (the rest go whole); after it the next seven versions are not
+    compared (nobody waits for a compare), the eighth is probed again."""
+    compared = []
+    real = publisher_module.compare
+    monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
     with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
+        pub._comparing.result(timeout=60)  # version 10's compare has run (close would cancel it)
         bases = {s.version: s.base for s in pub.stats()}
     assert bases == {1: -1, 2: 1, **{v: -1 for v in range(3, 10)}, 10: 9}
+    assert len(compared) == 2 * 2, "two compares in each of the two probed versions"
