@@ -8,13 +8,15 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.helpers import eventually
-from weight_sync import UcxTransport, WeightPublisher
+from transfer_queue import WeightSyncError
+from weight_sync import UcxTransport, WeightPublisher, WeightSubscriber
 from weight_sync.transports import ucx
 
 from .harness import Subscribers, check
-from .workers import BUCKET, sparse_weights, weights
+from .workers import BUCKET, sparse_weights, weights, zeros
 
 pytestmark = pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
 
@@ -80,6 +82,29 @@ def test_sparse_versions_cross_ucx_as_deltas_and_land_exact():
             check(summary, 4)
     finally:
         pub.close()
+
+
+def test_a_ucx_delta_on_a_damaged_base_is_refused_then_the_whole_version_lands():
+    """The subscriber's receive buffer (its base) is damaged after version 1: the delta for 2
+    is refused (`WeightSyncError`; the endpoint is dropped, whatever of the stream was left),
+    the tensors stay exactly 1, and 2 then comes whole over a new endpoint."""
+    expected = {v: sparse_weights(v) for v in (1, 2)}
+    with (
+        WeightPublisher(None, transport="ucx", bucket_bytes=BUCKET, delta="auto") as pub,
+        WeightSubscriber(None, mine := zeros(), transport="ucx", publisher=pub.endpoint) as sub,
+    ):
+        pub.publish(expected[1], 1)
+        sub.wait(1)
+        (buffer,) = sub._receiver.table.slots  # fault injection: the memory under the base
+        buffer.mapped.tensor.bitwise_not_()
+        pub.publish(expected[2], 2)
+        with pytest.raises(WeightSyncError, match="differs from the publisher's"):
+            sub.wait(2, timeout=30)
+        assert sub.version == 1 and all(torch.equal(mine[n], expected[1][n]) for n in mine)
+        sub.wait(2, timeout=30)
+        assert all(torch.equal(mine[n], expected[2][n]) for n in mine)
+        (stats,) = [s for s in pub.stats() if s.version == 2]
+        assert stats.delta_pulls == 1 and stats.whole_pulls == 1, stats
 
 
 def test_the_last_transport_to_close_ends_the_ucx_threads_and_a_new_one_restarts_them():
