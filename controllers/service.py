@@ -213,7 +213,8 @@ class Controller(Service):
     def on_clear(self, msg: Clear, data) -> Ok:
         part = self.ledger.existing(msg.partition)
         self.ledger.free_rows(part, part.rows_of(msg.indexes, alive=False))
-        self.scheduler.wake(part.name)
+        if part.sealed:  # fewer samples left may drain it; unsealed, no parked request gains from a clear
+            self.scheduler.wake(part.name)
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:
