@@ -9,6 +9,14 @@ is sealed and the consumers drain it. Then every id put must have been read exac
 - lost: ids put and never read; duplicated: ids read more than once;
 - hung: clients still running 60 s after the seal (or that failed: `errors`).
 
+With `--kill-producers K` the crowd runs twice, in fresh clusters: as above, then with K more
+producer processes that, halfway through the run, each begin one big put (a unit's whole
+frame window but for 64 of the crowd's puts), send it part way (even ones: only the `BeginPut`; odd ones: the first half of
+their writes, no commit) and are SIGKILLed there (those whose put is not planned within 5 s,
+while waiting for it). Reported: the other producers'
+put p50/p99 in both runs and their ratio (goal: p99 within 2x), also over the 5 s after the kill,
+and their errors (goal: 0).
+
 Reported: the controller's requests/s and CPU share (near 100% of a core: saturated), its own
 request handling p50/p99 (measured inside it, `status()["handling_us"]`), p50/p99 of `acquire`,
 `put` and `get_meta` as the clients see them, the controller's anonymous memory per connected
@@ -16,6 +24,7 @@ client and its fds. Results go to results/crowd-*.json; the last line is the sum
 
     .venv/bin/python benchmarks/crowd.py [--producers 800 --consumers 200 --procs 4 --seconds 60]
                                          [--ray-nodes 4]   # services as Ray actors on a local 4-node Ray cluster
+                                         [--kill-producers 4]  # with and without producers killed mid-put
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 from collections import Counter
 from typing import Any
@@ -39,10 +49,21 @@ import torch
 
 import transfer_queue as tq
 from benchmarks._common import percentile, print_table, write_record
+from controllers.intake import WINDOW_SHARE
+from transfer_queue.wire.messages import BeginPut, CommitPut, Write
 
 PUT = 4
 TAKE = 16
 DRAIN_S = 60.0
+ROW_FLOATS = 248
+ROW_BYTES = 8 + 4 * ROW_FLOATS
+CAPACITY = 2 << 30
+"""The units' capacity, in all."""
+UNITS = 2
+AFTER_KILL_S = 5.0
+MID_S = 5.0
+VICTIM_SPARE = 64
+"""How long the victims have to get their puts planned before all are killed."""
 
 
 def _proc(pid: int) -> dict[str, float]:
@@ -62,6 +83,7 @@ async def _worker(
     ready.put(wid)
     await asyncio.get_running_loop().run_in_executor(None, go.wait)
     lat: dict[str, list[float]] = {"acquire": [], "put": [], "get_meta": []}
+    put_started: list[float] = []  # wall clock, to pick the puts made just after a kill
     seen: list[int] = []
     put_ids: list[int] = []
     errors: list[str] = []
@@ -72,15 +94,19 @@ async def _worker(
             t0 = time.perf_counter()
             grant = await client.acquire(PUT, timeout=60)
             t1 = time.perf_counter()
+            started = time.time()
             if stop.is_set():  # the partition is about to be sealed
                 await client.release(grant)
                 return
             base = ((wid * producers + pno) << 32) + seq
             ids = torch.arange(base, base + PUT, dtype=torch.int64)
-            await client.put({"id": ids, "x": torch.zeros(PUT, 248, dtype=torch.float32)}, grant=grant, timeout=60)
+            await client.put(
+                {"id": ids, "x": torch.zeros(PUT, ROW_FLOATS, dtype=torch.float32)}, grant=grant, timeout=60
+            )
             t2 = time.perf_counter()
             lat["acquire"].append(t1 - t0)
             lat["put"].append(t2 - t1)
+            put_started.append(started)
             put_ids.extend(ids.tolist())
             seq += PUT
 
@@ -109,7 +135,14 @@ async def _worker(
         task.cancel()
     for client in clients:
         await client.close()
-    return {"lat": lat, "seen": seen, "put": put_ids, "errors": errors, "hung": len(pending)}
+    return {
+        "lat": lat,
+        "put_started": put_started,
+        "seen": seen,
+        "put": put_ids,
+        "errors": errors,
+        "hung": len(pending),
+    }
 
 
 def _run_worker(
@@ -118,12 +151,50 @@ def _run_worker(
     out.put(asyncio.run(_worker(address, wid, producers, consumers, ready, go, stop, seconds)))
 
 
-def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: str = "local") -> dict[str, Any]:
-    """Run the crowd; returns its figures (see the module doc)."""
-    cluster = tq.init(num_storage_units=2, storage_capacity="2GiB", consumer_batch_size=TAKE, backend=backend)
+def _victim(address: str, no: int, nbytes: int, arm: Any, mid: Any) -> None:
+    """A producer that, once `arm` is set, drives one put of `nbytes` part way (the `BeginPut`;
+    for odd `no` also the first half of its writes, not the commit), says so on `mid` and
+    waits to be SIGKILLed."""
+    client = tq.connect(address, use_shm=False)
+    arm.wait()
+    rows = nbytes // ROW_BYTES  # the crowd's own rows: a put must keep the fields' shapes
+    data = {"id": torch.full((rows,), -1, dtype=torch.int64), "x": torch.zeros(rows, ROW_FLOATS, dtype=torch.float32)}
+    flow = client._core.put(data, timeout=60)
+    begin = next(flow)
+    assert len(begin) == 1 and isinstance(begin[0].msg, BeginPut), begin
+    channel = client._channel(begin[0].target)
+    calls = flow.send([channel.reply(channel.send(begin[0].msg, begin[0].data), 90)])
+    if no % 2:
+        writes = [c for c in calls if isinstance(c.msg, Write)]
+        assert not any(isinstance(c.msg, CommitPut) for c in calls[: (len(writes) + 1) // 2]), calls
+        for c in writes[: (len(writes) + 1) // 2]:
+            channel = client._channel(c.target)
+            if c.notice:
+                channel.post(c.msg, c.data)
+            else:
+                channel.send(c.msg, c.data)
+    mid.put(no)
+    time.sleep(3600)  # until the benchmark kills this process
+
+
+def crowd(
+    producers: int, consumers: int, procs: int, seconds: float, backend: str = "local", kills: int = 0
+) -> dict[str, Any]:
+    """Run the crowd, with `kills` producers SIGKILLed mid-put halfway through; returns its
+    figures (see the module doc)."""
+    cluster = tq.init(num_storage_units=UNITS, storage_capacity=CAPACITY, consumer_batch_size=TAKE, backend=backend)
     ctx = mp.get_context("spawn")
-    ready, out = ctx.Queue(), ctx.Queue()
-    go, stop = ctx.Event(), ctx.Event()
+    ready, out, mid = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    go, stop, arm = ctx.Event(), ctx.Event(), ctx.Event()
+    # each victim's put fills a unit's frame window (`storage_capacity` is the total) but for
+    # VICTIM_SPARE of the crowd's puts: the others wait for its release, as they would after a kill
+    victim_bytes = CAPACITY // UNITS // WINDOW_SHARE - VICTIM_SPARE * PUT * ROW_BYTES
+    victims = [
+        ctx.Process(target=_victim, args=(cluster.address, v, victim_bytes, arm, mid), daemon=True)
+        for v in range(kills)
+    ]
+    for v in victims:
+        v.start()
     try:
         ctl_pid = cluster.services[0]["pid"]
         watcher = cluster.connect(use_shm=False)
@@ -150,7 +221,24 @@ def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: s
         served0 = watcher.status()["counters"]["requests_served"]
         t0 = time.perf_counter()
         go.set()
-        time.sleep(seconds)  # the benchmark's run time: the crowd works meanwhile
+        killed_at = time.time() + seconds / 2
+        time.sleep(seconds / 2)  # the benchmark's run time: the crowd works meanwhile
+        held = reached = 0
+        if victims:
+            arm.set()
+            reached = 0  # victims whose put got its plan; the others are killed waiting for one
+            deadline = time.monotonic() + MID_S
+            while reached < len(victims) and time.monotonic() < deadline:
+                try:
+                    mid.get(timeout=max(0.01, deadline - time.monotonic()))
+                    reached += 1
+                except queue.Empty:
+                    break
+            held = sum(u["frames_in_flight"] for u in watcher.status()["units"].values())
+            killed_at = time.time()
+            for v in victims:
+                os.kill(v.pid, signal.SIGKILL)
+        time.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
         loaded = _proc(ctl_pid)
         status = watcher.status()
         elapsed = time.perf_counter() - t0
@@ -181,6 +269,12 @@ def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: s
         seen = Counter(i for r in results for i in r["seen"])
         lat = {k: [x for r in results for x in r["lat"][k]] for k in ("acquire", "put", "get_meta")}
         errors = [e for r in results for e in r["errors"]]
+        after_kill = [
+            d
+            for r in results
+            for d, t in zip(r["lat"]["put"], r["put_started"], strict=True)
+            if killed_at <= t < killed_at + AFTER_KILL_S
+        ]
         clients = producers // procs * procs + consumers // procs * procs
         summary = {
             "clients": clients,
@@ -199,6 +293,10 @@ def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: s
             "controller_handling_us": handling,
             "p50_ms": {k: percentile(v, 50) * 1e3 for k, v in lat.items()},
             "p99_ms": {k: percentile(v, 99) * 1e3 for k, v in lat.items()},
+            "killed": kills,
+            "window_bytes_held_at_the_kill": held,
+            "killed_with_a_plan": reached,
+            "put_after_kill_ms": {"p50": percentile(after_kill, 50) * 1e3, "p99": percentile(after_kill, 99) * 1e3},
             "controller_anon_idle_mib": idle["anon"],
             "controller_kib_per_client": (connected["anon"] - idle["anon"]) * 1024 / clients,
             "controller_fds": {"idle": idle["fds"], "connected": connected["fds"], "loaded": loaded["fds"]},
@@ -221,7 +319,29 @@ def crowd(producers: int, consumers: int, procs: int, seconds: float, backend: s
     finally:
         stop.set()
         go.set()
+        for v in victims:
+            v.kill()
         cluster.shutdown()
+
+
+def _report(s: dict[str, Any]) -> None:
+    rows = [[op, s["p50_ms"][op], s["p99_ms"][op]] for op in ("acquire", "put", "get_meta")]
+    print_table(
+        f"crowd: {s['clients']} clients ({s['producers']} producers, {s['consumers']} consumers) in {s['procs']} "
+        f"processes, {s['seconds']} s, {s['killed']} producers killed mid-put",
+        ["op (client side)", "p50 ms", "p99 ms"],
+        rows,
+    )
+    h = s["controller_handling_us"]
+    print(
+        f"controller: {s['controller_requests_per_s']:,.0f} requests/s at {s['controller_cpu_share']:.0%} of a core; "
+        f"own handling p50 {h.get('p50', float('nan'))} us, p99 {h.get('p99', float('nan'))} us (goal p99 <= 5000); "
+        f"{s['controller_kib_per_client']:.1f} KiB per connected client; fds {s['controller_fds']}"
+    )
+    print(
+        f"samples put {s['samples_put']:,}: lost {s['lost']}, duplicated {s['duplicated']}, hung {s['hung']}, "
+        f"errors {s['errors']} {s['error_kinds']}"
+    )
 
 
 def main() -> None:
@@ -236,6 +356,12 @@ def main() -> None:
         default=0,
         help="run the services with the Ray backend on a local Ray cluster of N nodes",
     )
+    parser.add_argument(
+        "--kill-producers",
+        type=int,
+        default=0,
+        help="run the crowd without, then with K more producers SIGKILLed mid-put halfway through",
+    )
     args = parser.parse_args()
     if args.ray_nodes:
         import ray
@@ -248,30 +374,35 @@ def main() -> None:
         for _ in range(args.ray_nodes - 1):
             nodes.add_node(num_cpus=1, object_store_memory=100 << 20)
         ray.init(address=nodes.address)
+    backend = "ray" if args.ray_nodes else "local"
     try:
-        s = crowd(args.producers, args.consumers, args.procs, args.seconds, "ray" if args.ray_nodes else "local")
+        runs = [
+            crowd(args.producers, args.consumers, args.procs, args.seconds, backend, kills)
+            for kills in sorted({0, args.kill_producers})
+        ]
     finally:
         if args.ray_nodes:
             ray.shutdown()
             nodes.shutdown()
-    s["ray_nodes"] = args.ray_nodes
-    rows = [[op, s["p50_ms"][op], s["p99_ms"][op]] for op in ("acquire", "put", "get_meta")]
-    print_table(
-        f"crowd: {s['clients']} clients ({s['producers']} producers, {s['consumers']} consumers) in {s['procs']} "
-        f"processes, {s['seconds']} s",
-        ["op (client side)", "p50 ms", "p99 ms"],
-        rows,
-    )
-    h = s["controller_handling_us"]
-    print(
-        f"controller: {s['controller_requests_per_s']:,.0f} requests/s at {s['controller_cpu_share']:.0%} of a core; "
-        f"own handling p50 {h.get('p50', float('nan'))} us, p99 {h.get('p99', float('nan'))} us (goal p99 <= 5000); "
-        f"{s['controller_kib_per_client']:.1f} KiB per connected client; fds {s['controller_fds']}"
-    )
-    print(
-        f"samples put {s['samples_put']:,}: lost {s['lost']}, duplicated {s['duplicated']}, hung {s['hung']}, "
-        f"errors {s['errors']} {s['error_kinds']}"
-    )
+    for s in runs:
+        s["ray_nodes"] = args.ray_nodes
+        _report(s)
+    s = runs[-1]
+    if args.kill_producers:
+        calm, hit = runs
+        s = {**hit, "without_kills": calm}
+        s["put_p99_ratio"] = hit["p99_ms"]["put"] / calm["p99_ms"]["put"]
+        s["put_p99_after_kill_ratio"] = hit["put_after_kill_ms"]["p99"] / calm["put_after_kill_ms"]["p99"]
+        print(
+            f"{args.kill_producers} producers killed mid-put: the others' put p50 {calm['p50_ms']['put']:.0f} -> "
+            f"{hit['p50_ms']['put']:.0f} ms, p99 {calm['p99_ms']['put']:.0f} -> {hit['p99_ms']['put']:.0f} ms "
+            f"(x{s['put_p99_ratio']:.2f}, goal <= 2); in the {AFTER_KILL_S:.0f} s after the kill p99 "
+            f"{calm['put_after_kill_ms']['p99']:.0f} -> {hit['put_after_kill_ms']['p99']:.0f} ms "
+            f"(x{s['put_p99_after_kill_ratio']:.2f}); errors {hit['errors']} (goal 0); the killed puts held "
+            f"{hit['window_bytes_held_at_the_kill'] / 2**20:.0f} MiB of the units' {CAPACITY // WINDOW_SHARE / 2**20:.0f} MiB "
+            "frame windows; "
+            f"{hit['killed_with_a_plan']} of {args.kill_producers} had their put planned"
+        )
     write_record("crowd", {**s, "args": vars(args)})
     print(json.dumps(s))
 
