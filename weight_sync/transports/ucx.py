@@ -374,29 +374,24 @@ class UcxTransport(Transport):
         reported, if any); the endpoint, whose next messages are the frames, a header then its
         payload each (`stream.delta_frames`). They are received one at a time, since each
         header gives the next payload's size."""
+        ep = await self._send_request(job, request)
+        await _status(ep, job)
+        return ep
+
+    async def _send_request(self, job: Job, request: Pull | RelayPull) -> Any:
+        """Send `request` on the endpoint to `job`'s publisher rank (connected on first use);
+        returns the endpoint."""
         ep = self._peers.get(job.endpoint)
         if ep is None or ep.closed:
             ep = self._peers[job.endpoint] = await self._connect(job)
         body = encode_request(request)
         await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
         await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
-        head = np.empty(STATUS.size, dtype=np.uint8)
-        await _bounded(ep.recv(head, tag=_STATUS_TAG), job)
-        failed, length = STATUS.unpack(head.tobytes())
-        if failed:
-            text = np.empty(length, dtype=np.uint8)
-            await _bounded(ep.recv(text, tag=_STATUS_TAG), job)
-            raise_status(text.tobytes())
         return ep
 
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         try:
-            ep = self._peers.get(job.endpoint)
-            if ep is None or ep.closed:
-                ep = self._peers[job.endpoint] = await self._connect(job)
-            body = encode_request(request)
-            await _bounded(ep.send(np.array([len(body)], dtype=np.uint64)), job)
-            await _bounded(ep.send(np.frombuffer(body, dtype=np.uint8)), job)
+            ep = await self._send_request(job, request)
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
             await self._receive_pieces(ep, job, into.numpy())
             return into
@@ -468,13 +463,7 @@ class UcxTransport(Transport):
         try:
             for start, end, complete in pieces:  # posted before the status: no piece arrives unexpected
                 pending.append((asyncio.ensure_future(ep.recv(buf[start:end])), complete))
-            head = np.empty(STATUS.size, dtype=np.uint8)
-            await _bounded(ep.recv(head, tag=_STATUS_TAG), job)
-            failed, length = STATUS.unpack(head.tobytes())
-            if failed:
-                text = np.empty(length, dtype=np.uint8)
-                await _bounded(ep.recv(text, tag=_STATUS_TAG), job)
-                raise_status(text.tobytes())
+            await _status(ep, job)
             while pending:
                 await landed()
         finally:  # a failed transfer: its receives end with the endpoint, dropped next
@@ -508,6 +497,17 @@ class UcxTransport(Transport):
             self._sources.shutdown(wait=False, cancel_futures=True)
             self._sources = None
         _runtime.release()
+
+
+async def _status(ep: Any, job: Job) -> None:
+    """Receive the publisher's status header for a request; raise the error it reports, if any."""
+    head = np.empty(STATUS.size, dtype=np.uint8)
+    await _bounded(ep.recv(head, tag=_STATUS_TAG), job)
+    failed, length = STATUS.unpack(head.tobytes())
+    if failed:
+        text = np.empty(length, dtype=np.uint8)
+        await _bounded(ep.recv(text, tag=_STATUS_TAG), job)
+        raise_status(text.tobytes())
 
 
 async def _bounded(step: Coroutine | asyncio.Future, job: Job) -> Any:
