@@ -4,9 +4,13 @@ on a fixed sleep; a small batch builder; a put from a new producer; a free loopb
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,3 +70,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 600) -> tuple[dict, str]:
+    """Run `benchmarks/<script>` with `args` from the repository root; it must exit 0. Returns
+    the JSON summary on its last line and its whole stdout (for assertion messages)."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout

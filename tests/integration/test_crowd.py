@@ -3,26 +3,15 @@ once, and no client hangs or fails."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.faults import ROOT
+from tests.helpers import run_benchmark
 
 
 @pytest.mark.slow
 def test_a_crowd_loses_duplicates_and_hangs_nothing():
-    done = subprocess.run(
-        [sys.executable, "benchmarks/crowd.py", "--producers", "160", "--consumers", "40", "--procs", "2"]
-        + ["--seconds", "10"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    summary, out = run_benchmark(
+        "crowd.py", "--producers", "160", "--consumers", "40", "--procs", "2", "--seconds", "10"
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["samples_put"] > 0, done.stdout
-    assert (summary["lost"], summary["duplicated"], summary["hung"], summary["errors"]) == (0, 0, 0, 0), done.stdout
+    assert summary["samples_put"] > 0, out
+    assert (summary["lost"], summary["duplicated"], summary["hung"], summary["errors"]) == (0, 0, 0, 0), out
