@@ -12,9 +12,15 @@ or to the host for CPU tensors), with the same resharding reads as `shm` and one
 copies before the lease is released. Slots, leases and versions are the slot table's, as for
 `shm`: the GPU memory held is `slots` × the model's bytes (`slots=1` halves it, and `publish`
 then waits for the previous version's readers).
+
+CUDA refuses to open an IPC handle in the process that made it, so a subscriber in the
+publisher's own process (a colocated trainer and rollout engine) reads the slot tensor itself:
+a publisher lists the slots it has shared in `_OWN_SLOTS`, keyed by their handle.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import msgspec
 import torch
@@ -22,6 +28,7 @@ import torch
 from transfer_queue import WeightSyncError
 from transfer_queue.cuda import ipc_open, ipc_share
 
+from ..protocol import SlotInfo
 from .base import Job, Transport, register
 
 __all__ = ["CudaIpcTransport", "IpcSlot", "encode_slot", "decode_slot"]
@@ -52,6 +59,10 @@ class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
             self.event_sync_required,
         )
 
+
+_OWN_SLOTS: dict[tuple[bytes, int], torch.Tensor] = {}
+"""This process's shared GPU slots, by (memory handle, offset): what a subscriber in the same
+process reads instead of opening the handle."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(IpcSlot)
@@ -92,7 +103,7 @@ class CudaIpcTransport(Transport):
     staging = "cuda"
 
     def __init__(self) -> None:
-        self._shared: dict[int, tuple[int, bytes]] = {}  # slot index -> (generation, handle)
+        self._shared: dict[int, tuple[int, bytes, tuple[bytes, int]]] = {}  # slot index -> (generation, handle, key)
         self._opened: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
 
     @classmethod
@@ -109,28 +120,42 @@ class CudaIpcTransport(Transport):
             tensor = slot.mapped.tensor
             if not tensor.is_cuda:
                 raise WeightSyncError("cuda_ipc serves GPU staging slots only")
-            held = self._shared[slot.index] = (slot.generation, encode_slot(ipc_share(tensor)))
+            if held is not None:
+                _OWN_SLOTS.pop(held[2], None)
+            fields = ipc_share(tensor)
+            key = (bytes(fields[1]), int(fields[3]))
+            _OWN_SLOTS[key] = tensor
+            held = self._shared[slot.index] = (slot.generation, encode_slot(fields), key)
         return held[1]
 
     def receive(self, job: Job) -> torch.Tensor:
-        grant = job.grant
-        assert grant is not None  # a subscriber leases the slot before a "map" transport reads it
-        slot = grant.slot
-        key = (job.rank, slot.index)
+        assert job.grant is not None  # a subscriber leases the slot before a "map" transport reads it
+        return self._open(job.rank, job.grant.slot)
+
+    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
+        with contextlib.suppress(WeightSyncError):
+            self._open(rank, slot)
+
+    def _open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
+        """A view of rank `rank`'s GPU `slot`, opened once per slot generation."""
+        key = (rank, slot.index)
         held = self._opened.get(key)
         if held is not None and held[0] == slot.generation:
             return held[1]
         self._opened.pop(key, None)
         where = decode_slot(slot.handle)
+        own = _OWN_SLOTS.get((where.handle, where.offset))
         try:
-            view = ipc_open(where.fields(), slot.size)
+            view = own[: slot.size] if own is not None else ipc_open(where.fields(), slot.size)
         except RuntimeError as exc:
             raise WeightSyncError(
-                f"cannot open rank {job.rank}'s GPU slot {slot.index}: {exc} (not on the same host, or the publisher is gone)"
+                f"cannot open rank {rank}'s GPU slot {slot.index}: {exc} (not on the same host, or the publisher is gone)"
             ) from exc
         self._opened[key] = (slot.generation, view)
         return view
 
     def close(self) -> None:
         self._opened.clear()
+        for _, _, key in self._shared.values():
+            _OWN_SLOTS.pop(key, None)
         self._shared.clear()
