@@ -17,6 +17,7 @@ Requests, and what answers them::
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
     Release(lease)                   done reading                                      Ok
     Describe(manifest)               the manifest with this id                         Described
+    Slots(transport)                 the slots staged so far, described for it        SlotList
     Verify(lease, reads)             checksums of these boxes of the staged snapshot   Checksums
 """
 
@@ -55,11 +56,13 @@ __all__ = [
     "Lease",
     "Release",
     "Describe",
+    "Slots",
     "Verify",
     "Ok",
     "Offer",
     "Granted",
     "Described",
+    "SlotList",
     "Checksums",
     "Pull",
     "RelayPull",
@@ -148,12 +151,19 @@ class Describe(_Msg, tag="describe", frozen=True):
     manifest: int
 
 
+class Slots(_Msg, tag="slots", frozen=True):
+    """Which slots exist, described for `transport`: a co-located subscriber opens them before
+    the first version, so its first apply does not pay for mapping and registering them."""
+
+    transport: str
+
+
 class Verify(_Msg, tag="verify", frozen=True):
     lease: int
     reads: list[Read]
 
 
-Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Verify, Cancel, Ping]
+Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Slots, Verify, Cancel, Ping]
 
 
 class Offer(_Msg, tag="offer", frozen=True):
@@ -178,6 +188,10 @@ class Described(_Msg, tag="described", frozen=True):
     manifest: Manifest
 
 
+class SlotList(_Msg, tag="slot_list", frozen=True):
+    slots: list[SlotInfo]
+
+
 class Checksums(_Msg, tag="checksums", frozen=True):
     """xxh3-64 of each requested box; `corrupt`: staged tensors that changed since staging."""
 
@@ -185,7 +199,7 @@ class Checksums(_Msg, tag="checksums", frozen=True):
     corrupt: list[str] = []
 
 
-Reply = Union[Ok, ErrorReply, Offer, Granted, Described, Checksums]
+Reply = Union[Ok, ErrorReply, Offer, Granted, Described, SlotList, Checksums]
 
 # -- data plane (stream transports): one request, then the reads' bytes back to back --------
 

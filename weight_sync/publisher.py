@@ -66,6 +66,8 @@ from .protocol import (
     Release,
     RpcClient,
     SlotInfo,
+    SlotList,
+    Slots,
     Staged,
     Verify,
     directory_key,
@@ -523,6 +525,8 @@ class WeightPublisher:
                 if manifest is None:
                     raise WeightSyncError(f"manifest {mid:#x} is no longer kept by rank {self.rank}")
                 pending.reply(Described(manifest))
+            case Slots(transport=name):
+                pending.reply(SlotList(self._describe_slots(name)))
             case Verify():
                 pending.reply(self._verify(msg))
             case Join() | Staged() | Latest() | Confirm() if self._coordinator is not None:
@@ -562,6 +566,18 @@ class WeightPublisher:
         base = staged.base if staged is not None and staged.version == msg.version else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base))
+
+    def _describe_slots(self, name: str) -> list[SlotInfo]:
+        """The slots allocated so far, as a subscriber of transport `name` reaches them (none
+        for a transport this rank does not serve)."""
+        transport = self._transports.get(name)
+        if transport is None:
+            return []
+        return [
+            SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))
+            for slot in self._table.slots
+            if slot.segment is not None
+        ]
 
     def _relay_source(self, msg: Lease) -> str:
         """Where this subscriber should pull from: "" (this rank) or a relay's endpoint.

@@ -18,7 +18,7 @@ from transfer_queue.wire.rpc import Message
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
-from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Verify
+from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Slots, Verify
 from .staging import Slot, SlotTable
 from .transports import Job, Transport
 
@@ -77,6 +77,20 @@ class PublisherRanks:
             bindings = self._mapping.bind(shapes, self._targets, self._shard)
             plan = self._plans[ids] = build_plan(manifests, bindings, first=self._shard.rank)
         return plan
+
+    def open_slots(self) -> None:
+        """ "map" transports: open every rank's allocated staging slots now, so the first
+        version applies as fast as the next (a rank that does not answer is left for the
+        first lease to report)."""
+        if self.transport.mode != "map":
+            return
+        for rank in range(len(self.info)):
+            try:
+                slots = self.call(rank, Slots(self.transport.name)).slots
+            except SluiceError:
+                continue
+            for slot in slots:
+                self.transport.open_ahead(rank, slot)
 
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`

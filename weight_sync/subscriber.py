@@ -128,7 +128,9 @@ class WeightSubscriber:
     def poll(self) -> int | None:
         """Apply the newest complete version if it is newer than `version`.
 
-        Returns the version applied, or None.
+        The first call that finds the publishers connects: it picks the transport and, on the
+        publishers' host, opens their staging slots, so a rollout worker that polls once at
+        start-up does not pay for that in its first version. Returns the version applied, or None.
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
@@ -213,6 +215,7 @@ class WeightSubscriber:
         self._ranks = PublisherRanks(
             offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
         )
+        self._ranks.open_slots()
         settings = self._settings if transport.pipelined else dataclasses.replace(self._settings, pipelined=False)
         self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, settings)
         return True

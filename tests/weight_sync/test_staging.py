@@ -1,12 +1,13 @@
 """Staging is allocated when the publisher is built from the model's tensors (or meta tensors of
 their shapes), not inside the first `publish`; a version published then arrives whole. Without
-the model, the first `publish` allocates its own slot and the others on a thread."""
+the model, the first `publish` allocates its own slot and the others on a thread. A co-located
+subscriber's first poll maps those slots, before any version exists."""
 
 from __future__ import annotations
 
 import torch
 
-from weight_sync import WeightPublisher
+from weight_sync import WeightPublisher, WeightSubscriber
 
 from .harness import Subscribers, check, no_segments_left
 from .workers import BUCKET, SHAPES, weights
@@ -34,6 +35,24 @@ def test_staging_is_allocated_when_the_publisher_is_built():
     finally:
         pub.close()
     no_segments_left()
+
+
+def test_a_subscribers_first_poll_maps_the_prepared_slots():
+    model = weights(0)
+    mine = {n: torch.zeros_like(t) for n, t in model.items()}
+    with (
+        WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=2, model=model) as pub,
+        WeightSubscriber(None, mine, publisher=pub.endpoint) as sub,
+    ):
+        assert sub.poll() is None  # no version yet: it connects and maps
+        transport = sub._ranks.transport
+        assert sorted(transport._maps) == [(0, 0), (0, 1)]
+        mapped = {key: held[2] for key, held in transport._maps.items()}
+        for version in (1, 2):
+            pub.publish(weights(version), version)
+            assert sub.wait(version, timeout=30) == version
+            assert all(torch.equal(mine[n], t) for n, t in weights(version).items())
+        assert all(transport._maps[key][2] is view for key, view in mapped.items()), "remapped a slot"
 
 
 def test_a_module_prepares_staging_too():

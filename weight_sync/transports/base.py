@@ -26,7 +26,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..plan import Read
-from ..protocol import Granted, Pull, RelayPull
+from ..protocol import Granted, Pull, RelayPull, SlotInfo
 from .stream import FrameLog
 
 __all__ = ["Transport", "Mode", "Job", "Source", "register", "get", "names"]
@@ -113,6 +113,11 @@ class Transport(ABC):
         """Publisher side: a version started staging in `slot`, pinned for this transport
         until it calls `release()` (pull transports have nothing to push: they release at once)."""
         release()
+
+    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
+        """Subscriber side, "map" transports: open rank `rank`'s `slot` now (map it, register
+        it with CUDA, open its IPC handle), before any version needs it; a failure is left for
+        `receive` to report."""
 
     @abstractmethod
     def receive(self, job: Job) -> torch.Tensor:

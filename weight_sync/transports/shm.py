@@ -10,6 +10,7 @@ stages version v+1 into the other slot while v is read, and never reuses a slot 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -18,6 +19,7 @@ from transfer_queue import WeightSyncError
 from transfer_queue.cuda import HostRegistry, in_use, tensor_ptr
 from transfer_queue.host import unmap
 
+from ..protocol import SlotInfo
 from ..staging import map_segment
 from .base import Job, Transport, register
 
@@ -39,21 +41,27 @@ class ShmTransport(Transport):
         return "memfd"
 
     def receive(self, job: Job) -> torch.Tensor:
-        grant = job.grant
-        assert grant is not None  # a subscriber leases the slot before a "map" transport reads it
-        slot = grant.slot
-        key = (job.rank, slot.index)
+        assert job.grant is not None  # a subscriber leases the slot before a "map" transport reads it
+        return self._open(job.rank, job.grant.slot)
+
+    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
+        with contextlib.suppress(WeightSyncError):
+            self._open(rank, slot)
+
+    def _open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
+        """Rank `rank`'s `slot`, mapped (and registered) once per slot generation."""
+        key = (rank, slot.index)
         held = self._maps.get(key)
         if held is not None and held[0] == slot.generation:
             return held[2]
         self._unmap(key)
         if not slot.path:
-            raise WeightSyncError(f"rank {job.rank} does not share its staging memory")
+            raise WeightSyncError(f"rank {rank} does not share its staging memory")
         try:
             mm, view = map_segment(slot.path, slot.size)
         except OSError as exc:
             raise WeightSyncError(
-                f"cannot map rank {job.rank}'s slot {slot.path}: {exc} (not on the same host, or the publisher is gone)"
+                f"cannot map rank {rank}'s slot {slot.path}: {exc} (not on the same host, or the publisher is gone)"
             ) from exc
         self._maps[key] = (slot.generation, mm, view)
         if in_use():
