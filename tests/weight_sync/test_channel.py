@@ -113,11 +113,16 @@ def test_tcp_relay_chain():
 
 
 def test_publisher_cleans_up_its_threads_and_memory():
+    # the first publish starts process-wide threads that outlive its publisher (UCX's, torch's
+    # CPU pool): start them first
+    with WeightPublisher(None, transport="auto", bucket_bytes=BUCKET) as warm:
+        warm.publish(weights(0), 0)
     before = {t for t in os.listdir(f"/proc/{os.getpid()}/task")}
     pub = WeightPublisher(None, transport="auto", bucket_bytes=BUCKET)
     pub.publish(weights(1), 1)
     pub.close()
-    # ucx keeps its progress thread; the others end (joined by close, or just after)
+    # the publisher's own threads end (joined by close, or just after); UCX's native worker
+    # thread goes later, with its context
     eventually(lambda: len(set(os.listdir(f"/proc/{os.getpid()}/task")) - before) <= 1, 10, "publisher threads gone")
     fds = os.listdir(f"/proc/{os.getpid()}/fd")
     assert not any(
