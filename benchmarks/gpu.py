@@ -215,6 +215,7 @@ def _subscriber(conn, gpu: int, device: str) -> None:  # noqa: ANN001
             name, backend, endpoint, versions = args
             transport = TorchTransport(backend=backend) if name == "torch" else name
             with WeightSubscriber(None, targets, transport=transport, publisher=endpoint, timeout=300) as sub:
+                sub.poll()  # connect and open co-located slots now, as a rollout worker does at start-up
                 conn.send("ready")
                 for version in versions:
                     sub.wait(version, timeout=600)
@@ -377,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
                     s, b = median(res["seconds"]), median(res["blocking"])
                     rows.append(
                         [label, s, gbps(nbytes, s), s / limit, b, b / block_limit, res["first"] / s, res["exact"]]
+                    )
+                    print(
+                        f"  {size} {label}: {s * 1e3:.1f} ms ({s / limit:.2f}x limit), blocks {b * 1e3:.1f} ms, "
+                        f"first {res['first'] * 1e3:.1f} ms, exact {res['exact']}",
+                        flush=True,
                     )
                 subs.all(n, "shapes", {})
             if "cuda_ipc_baseline" in entry:
