@@ -53,7 +53,8 @@ def pack(
     """Copy `tensors` (in manifest order) into `slot`, casting to each entry's wire dtype.
 
     `progress(nbytes)` is called whenever bytes [0, nbytes) are staged and at least one more
-    bucket boundary has been passed; large tensors are copied bucket by bucket for that.
+    bucket boundary has been passed; large tensors are copied bucket by bucket for that, except
+    into a GPU slot (offered only once whole: one copy per tensor, fewer launches).
     Copies between devices are issued `non_blocking`: a caller packing CUDA tensors into host
     memory must wait for them (`progress` then marks where they were issued, not done; the
     publisher waits on an event per mark).
@@ -76,7 +77,10 @@ def pack(
             # asynchronous into registered host memory (torch casts across devices via a
             # temporary on the host, which waits)
             tensor = tensor.to(dst.dtype)
-        if tensor.is_contiguous():
+        if slot.is_cuda and tensor.is_contiguous():
+            dst.copy_(tensor.view(-1), non_blocking=True)  # GPU staging is offered whole: one copy
+            staged(start + entry.nbytes)
+        elif tensor.is_contiguous():
             src = tensor.view(-1)
             for lo, hi in _bucket_chunks(start, dst.numel(), dst.element_size(), bucket):
                 dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
