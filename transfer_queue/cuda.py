@@ -100,27 +100,32 @@ class HostRegistry:
 
     def __init__(self) -> None:
         self._ranges: dict[int, int] = {}  # address -> bytes
+        self._refused: set[int] = set()  # addresses CUDA would not register: not asked again
 
     def register(self, ptr: int, nbytes: int, read_only: bool = False) -> bool:
         """Page-lock `nbytes` at `ptr` for CUDA copies (once; `read_only` for memory mapped
         without write access); False when CUDA is absent or refuses (the copies then run at
-        pageable speed, still correct)."""
+        pageable speed, still correct). A refused range is not tried again until `unregister`
+        or `clear`: callers register on every copy, and a refusal can cost as much as the copy."""
         if ptr in self._ranges:
             return True
-        if nbytes <= 0 or not torch.cuda.is_available():
+        if nbytes <= 0 or ptr in self._refused or not torch.cuda.is_available():
             return False
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _READ_ONLY if read_only else 0)
         if int(err) != 0:
+            self._refused.add(ptr)
             return False
         self._ranges[ptr] = nbytes
         return True
 
     def unregister(self, ptr: int) -> None:
         """Unregister the range at `ptr` (before its memory is unmapped or freed)."""
+        self._refused.discard(ptr)
         if self._ranges.pop(ptr, None) is not None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def clear(self) -> None:
+        self._refused.clear()
         for ptr in list(self._ranges):
             self.unregister(ptr)
 
