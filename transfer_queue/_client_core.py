@@ -30,7 +30,7 @@ from ._checkpoint import (
 from ._control import INT64, ControlCore, as_int, count
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._tensors import Assembler, BufferPool, Columns
-from .cuda import HostRegistry, copies, target_device, tensor_ptr
+from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
 from .wire.errors import CapacityError, SchemaError, SluiceError
 from .wire.messages import (
@@ -600,7 +600,7 @@ def _host_frames(buffers: list[torch.Tensor], device: torch.device | None) -> li
     with copies(device):
         for b in buffers:
             if b.is_cuda:
-                b = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=True).copy_(b, non_blocking=True)
+                b = pinned_empty(b.numel()).copy_(b, non_blocking=True)
             host.append(b)
     return [b.numpy() for b in host]
 

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from ._objects import decode_values, encode_values
-from .cuda import check_tensor_device, is_cuda
+from .cuda import check_tensor_device, is_cuda, pinned_source
 from .wire.errors import SchemaError
 from .wire.meta import ITEMSIZE, OBJECT_DTYPES, RAGGED, FieldSpec
 from .wire.sizes import arena_bytes
@@ -449,6 +449,8 @@ def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int
     """Copy `len(positions)` rows of `rb` bytes from `src` to those rows of `flat`."""
     if not len(positions):
         return
+    if flat.is_cuda:
+        src = pinned_source(src)
     if _consecutive(positions):
         start = int(positions[0]) * rb
         flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)
@@ -462,6 +464,8 @@ def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int
 def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
     if not len(positions):
         return
+    if flat.is_cuda:
+        src = pinned_source(src)
     if _consecutive(positions):
         start = int(offsets[positions[0]]) * eb
         flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)

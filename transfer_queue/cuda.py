@@ -29,6 +29,8 @@ __all__ = [
     "target_device",
     "HostRegistry",
     "tensor_ptr",
+    "pinned_source",
+    "pinned_empty",
     "copies",
     "background_copies",
     "synchronize",
@@ -136,6 +138,25 @@ class HostRegistry:
 def tensor_ptr(t: torch.Tensor) -> int:
     """The address of a host tensor's storage (what `HostRegistry` keys on)."""
     return t.untyped_storage().data_ptr()
+
+
+def pinned_source(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor with `t`'s bytes that a copy to a GPU can read asynchronously, at pinned
+    speed: `t` itself when its memory is pinned or registered (an arena), else a copy of it in
+    pinned memory (a received frame, which lands in ordinary heap memory).
+
+    A copy from pageable memory is staged by the driver through its own small pinned buffers,
+    one chunk at a time and blocking the host, at a fraction of pinned speed; copying into
+    pinned memory first (on all of torch's CPU threads) and then letting the GPU read it costs
+    less, and leaves the copy asynchronous. The pinned block comes from torch's caching host
+    allocator, which hands it out again only once the copies that read it are done."""
+    return t if t.is_pinned() else t.pin_memory()
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` of pinned host memory (uint8) for a GPU to copy into asynchronously; from
+    torch's caching host allocator, so the same blocks serve call after call once freed."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 _streams: dict[tuple[int, str], Any] = {}

@@ -12,7 +12,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import transfer_queue as tq
-from transfer_queue.cuda import HostRegistry
+from transfer_queue.cuda import HostRegistry, pinned_source
 
 
 def _batch(n: int = 8, device: str = "cpu") -> dict:
@@ -132,3 +132,11 @@ def test_cuda_batches_round_trip(shared_cluster, use_shm):
         c.seal(part)
         got = list(c.stream(["ids"], 8, "t", part, timeout=30, device="cuda"))
         assert got[0][0]["ids"].is_cuda and torch.equal(got[0][0]["ids"], data["ids"])
+
+
+@pytest.mark.cuda
+def test_h2d_sources_are_pinned_once():
+    frame = torch.arange(1 << 16, dtype=torch.uint8)  # ordinary heap memory, like a received frame
+    staged = pinned_source(frame)
+    assert staged.is_pinned() and staged.data_ptr() != frame.data_ptr() and torch.equal(staged, frame)
+    assert pinned_source(staged) is staged  # pinned (or registered) memory is read where it is
