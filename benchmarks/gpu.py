@@ -24,6 +24,7 @@ nothing beyond the project's dependencies. Writes results/gpu-<time>.json. Run:
     python benchmarks/gpu.py                          # 4 GiB and 16 GiB, every transport
     python benchmarks/gpu.py --sizes 4GiB --reps 3    # one size
     python benchmarks/gpu.py --transports cuda_ipc,shm --subscribers 1
+    python benchmarks/gpu.py --data-plane-only        # the data plane alone (seconds)
     python benchmarks/gpu.py --device cpu --sizes 256MiB --transports shm --subscribers 1 --reps 1
         # the script's own check on a machine without a GPU (host paths only, not GPU figures)
 """
@@ -167,7 +168,10 @@ def data_plane(device: torch.device, reps: int) -> dict[str, dict]:
             back[name].copy_(tensor, non_blocking=True)
 
     out: dict[str, dict] = {"raw pinned": {"bytes": nbytes, "seconds": [_timed(raw, device, reps)]}}
-    with tq.init(num_storage_units=1, storage_capacity=f"{4 * nbytes >> 20}MiB") as cluster:
+    # The default capacity (2 GiB): a unit far smaller than the batches it takes would measure
+    # its allocator instead, since frames over 1/32 of a unit's capacity land in fresh pages
+    # (storage/__main__.py).
+    with tq.init(num_storage_units=1) as cluster:
         for label, use_shm in (("mapped arena", True), ("tcp frames", False)):
             with tq.connect(cluster.address, use_shm=use_shm) as client:
                 seconds, exact = [], True
@@ -312,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated transports")
     parser.add_argument("--reps", type=int, default=5, help="measured versions (and batches) per configuration")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check the script itself")
+    parser.add_argument("--data-plane-only", action="store_true", help="measure the data plane, not weight sync")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here (torch sees none); nothing to measure")
@@ -347,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
 
+    if args.data_plane_only:
+        print(f"wrote {write_record('gpu', record)}")
+        return 0
     subs = Subscribers(max(counts), args.device)
     try:
         for size in args.sizes.split(","):
