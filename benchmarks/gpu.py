@@ -50,6 +50,8 @@ WARMUP = 2
 TRANSPORTS = ("cuda_ipc", "shm", "tcp", "ucx", "nixl", "torch")
 BATCH = (256, 8192)
 """The data plane's batch: samples x tokens."""
+FIXED = (256, 8)
+"""A batch whose copies cost next to nothing: its round trip is a path's fixed cost per call."""
 
 
 # -- limits ------------------------------------------------------------------------------------
@@ -139,8 +141,8 @@ def ipc_baseline(state: dict[str, torch.Tensor], reps: int) -> list[float]:
 # -- the data plane ------------------------------------------------------------------------------
 
 
-def batch(device: torch.device) -> dict[str, torch.Tensor]:
-    n, t = BATCH
+def batch(device: torch.device, shape: tuple[int, int] = BATCH) -> dict[str, torch.Tensor]:
+    n, t = shape
     return {
         "input_ids": torch.randint(0, 128000, (n, t), device=device),
         "attention_mask": torch.ones(n, t, dtype=torch.int64, device=device),
@@ -151,7 +153,9 @@ def batch(device: torch.device) -> dict[str, torch.Tensor]:
 
 def data_plane(device: torch.device, reps: int) -> dict[str, dict]:
     """Seconds per round trip (put from `device`, get_data onto it, clear), mapped and over TCP,
-    and whether every batch came back equal; with the raw pinned round trip as the limit."""
+    put and get_data apart, and whether every batch came back equal; with the raw pinned round
+    trip as the limit. The same round trip of a tiny batch (`FIXED`) gives each path's fixed
+    cost per call (messages and Python), which the big batch pays on top of its copies."""
     import transfer_queue as tq
 
     data = batch(device)
@@ -168,24 +172,30 @@ def data_plane(device: torch.device, reps: int) -> dict[str, dict]:
             back[name].copy_(tensor, non_blocking=True)
 
     out: dict[str, dict] = {"raw pinned": {"bytes": nbytes, "seconds": [_timed(raw, device, reps)]}}
+    small = batch(device, FIXED)
     # The default capacity (2 GiB): a unit far smaller than the batches it takes would measure
     # its allocator instead, since frames over 1/32 of a unit's capacity land in fresh pages
     # (storage/__main__.py).
     with tq.init(num_storage_units=1) as cluster:
         for label, use_shm in (("mapped arena", True), ("tcp frames", False)):
             with tq.connect(cluster.address, use_shm=use_shm) as client:
-                seconds, exact = [], True
-                for i in range(reps + 2):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    meta = client.put(data, "gpu")
-                    got = client.get_data(meta, device=device)
-                    _sync(device)
-                    if i >= 2:
-                        seconds.append(time.perf_counter() - t0)
-                    exact = exact and all(torch.equal(got[n], t) for n, t in data.items())
-                    client.clear(meta)
-                out[label] = {"bytes": nbytes, "seconds": seconds, "exact": exact}
+                for suffix, tensors in (("", data), (f" {FIXED[0]}x{FIXED[1]}", small)):
+                    puts, gets, exact = [], [], True
+                    for i in range(reps + 2):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        meta = client.put(tensors, f"gpu{suffix}")
+                        t1 = time.perf_counter()
+                        got = client.get_data(meta, device=device)
+                        _sync(device)
+                        if i >= 2:
+                            puts.append(t1 - t0)
+                            gets.append(time.perf_counter() - t1)
+                        exact = exact and all(torch.equal(got[n], t) for n, t in tensors.items())
+                        client.clear(meta)
+                    size = sum(t.numel() * t.element_size() for t in tensors.values())
+                    seconds = [p + g for p, g in zip(puts, gets)]
+                    out[label + suffix] = {"bytes": size, "seconds": seconds, "put": puts, "get": gets, "exact": exact}
     return out
 
 
@@ -340,15 +350,18 @@ def main(argv: list[str] | None = None) -> int:
             label,
             f["bytes"] / 1e6,
             median(f["seconds"]),
+            median(f["put"]) if "put" in f else float("nan"),
+            median(f["get"]) if "get" in f else float("nan"),
             gbps(f["bytes"], median(f["seconds"])),
-            raw / median(f["seconds"]),
+            raw / median(f["seconds"]) if f["bytes"] == dp["raw pinned"]["bytes"] else float("nan"),
             f.get("exact", "-"),
         ]
         for label, f in dp.items()
     ]
     print_table(
-        f"data plane: put {BATCH[0]}x{BATCH[1]} CUDA batches, get_data(device=) back, medians of {args.reps}",
-        ["path", "MB", "s", "GB/s", "raw pinned/s (goal >= 0.5)", "exact"],
+        f"data plane: put {BATCH[0]}x{BATCH[1]} CUDA batches (and {FIXED[0]}x{FIXED[1]}: the fixed cost), "
+        f"get_data(device=) back, medians of {args.reps}",
+        ["path", "MB", "s", "put s", "get s", "GB/s", "raw pinned/s (goal >= 0.5)", "exact"],
         rows,
     )
 
