@@ -41,4 +41,17 @@ def test_the_host_paths_run_on_the_cpu():
     record = json.loads(path.read_text())
     rows = record["sizes"]["256MiB"]["rows"]
     assert set(rows) == {"shm x1", "tcp x1"} and all(r["exact"] for r in rows.values())
-    assert all(record["data_plane"][k]["exact"] for k in ("mapped arena", "tcp frames"))
+    paths = ("mapped arena", "tcp frames", "mapped arena 256x8", "tcp frames 256x8")
+    assert all(record["data_plane"][k]["exact"] for k in paths)
+
+
+@pytest.mark.slow
+def test_the_data_plane_alone():
+    done = _run("--device", "cpu", "--data-plane-only", "--reps", "1", timeout=300)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip().splitlines()[-1].removeprefix("wrote "))
+    record = json.loads(path.read_text())
+    assert record["sizes"] == {}  # no weight sync
+    dp = record["data_plane"]
+    assert set(dp) == {"raw pinned", "mapped arena", "tcp frames", "mapped arena 256x8", "tcp frames 256x8"}
+    assert all(f["exact"] and len(f["put"]) == len(f["get"]) == 1 for k, f in dp.items() if k != "raw pinned")
