@@ -258,15 +258,15 @@ class ClientCore(ControlCore):
         replies = yield calls
         errors = [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
         commits = []
-        for (unit_id, via, buffers), (reply, _) in zip(jobs, replies):
-            if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
-                if not errors:
-                    arena = self._arenas[unit_id][1]
-                    with copies(cols.device):  # a GPU batch: device to the arena, one wait per unit
+        with copies(cols.device):  # a GPU batch: device to the arenas, one wait for all of them
+            for (unit_id, via, buffers), (reply, _) in zip(jobs, replies):
+                if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
+                    if not errors:
+                        arena = self._arenas[unit_id][1]
                         for name, buf in zip(cols.specs, buffers):
                             off = reply.offsets[name]
                             arena[off : off + buf.numel()].copy_(buf, non_blocking=cols.device is not None)
-                commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
+                    commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
         if commit is not None and not errors:
             commits.append(commit)
         if commits:
