@@ -177,15 +177,19 @@ def copies(device: torch.device | None) -> Iterator[None]:
     host memory is pinned, and wait for them once at the end (nothing happens for the CPU).
 
     The side stream first waits for the caller's current stream, so copies see what the caller
-    wrote to its tensors."""
+    wrote to its tensors. The wait happens when the block raises too: host memory the copies
+    already issued read or write (an arena reservation the failed put gives up) is reused only
+    once they are done."""
     if device is None or device.type != "cuda":
         yield
         return
     stream = _side_stream(device, "copies")
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 @contextlib.contextmanager
