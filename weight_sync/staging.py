@@ -130,6 +130,12 @@ class Slot:
     def busy(self, now: float) -> bool:
         return any(deadline > now for deadline in self.leases.values())
 
+    @property
+    def finishing(self) -> bool:
+        """Claimed for a version that is neither complete nor failed yet: its publisher's
+        finisher has still to mark it, so the slot must not be claimed again before that."""
+        return self.version >= 0 and not self.complete and not self.failed
+
     def wait_filled(self, end: int, version: int, timeout: float) -> None:
         """Block until bytes [0, end) of `version` are staged.
 
@@ -170,8 +176,10 @@ class SlotTable:
     def claim(self, version: int, size: int, timeout: float) -> Slot:
         """A slot to stage `version` into (`size` bytes), waiting for its readers to finish.
 
-        The slot holding the newest complete version is taken only when it is the only one.
-        Raises `TimeoutError` if readers still hold every candidate after `timeout` seconds.
+        The slot holding the newest complete version is taken only when it is the only one; a
+        slot whose version is still being finished is never taken (the finisher would mark the
+        new version complete half-staged). Raises `TimeoutError` if readers still hold every
+        candidate after `timeout` seconds.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -180,7 +188,7 @@ class SlotTable:
                 newest = max((s.version for s in self.slots if s.complete), default=-1)
                 candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
                 for slot in candidates:
-                    if slot.busy(now):
+                    if slot.busy(now) or slot.finishing:
                         continue
                     if slot.index in self._growing:
                         break  # the best free slot is being prepared: wait for it, not the next best

@@ -185,7 +185,8 @@ def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     compared = []
     real = publisher_module.compare
     monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
-    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub:
+    # staging made up front: without the model, version 2 may find only version 1's slot ready
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", model=weights(0)) as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
         pub._comparing.result(timeout=60)  # version 10's compare has run (close would cancel it)

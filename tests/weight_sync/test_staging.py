@@ -1,13 +1,18 @@
 """Staging is allocated when the publisher is built from the model's tensors (or meta tensors of
 their shapes), not inside the first `publish`; a version published then arrives whole. Without
 the model, the first `publish` allocates its own slot and the others on a thread. A co-located
-subscriber's first poll maps those slots, before any version exists."""
+subscriber's first poll maps those slots and plans its reads, before any version exists."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
+import transfer_queue as tq
 from weight_sync import WeightPublisher, WeightSubscriber
+from weight_sync.staging import SlotTable
 
 from .harness import Subscribers, check, no_segments_left
 from .workers import BUCKET, SHAPES, weights
@@ -47,6 +52,7 @@ def test_a_subscribers_first_poll_maps_the_prepared_slots():
         assert sub.poll() is None  # no version yet: it connects and maps
         transport = sub._ranks.transport
         assert sorted(transport._maps) == [(0, 0), (0, 1)]
+        assert len(sub._ranks._plans) == 1, "the reads of the prepared manifest were not planned ahead"
         mapped = {key: held[2] for key, held in transport._maps.items()}
         for version in (1, 2):
             pub.publish(weights(version), version)
@@ -90,3 +96,25 @@ def test_without_the_model_the_other_slots_are_allocated_in_the_background():
     finally:
         pub.close()
     no_segments_left()
+
+
+def test_a_slot_is_not_claimed_again_before_its_version_is_finished():
+    """Publish v and at once v+1: v's slot is taken by neither while v's finisher has still to
+    mark it complete (it would mark v+1 complete half-staged, a torn version for readers)."""
+    two = SlotTable(2, shared=False, lease_timeout=5)
+    try:
+        first = two.claim(1, 4096, timeout=5)
+        assert two.claim(2, 4096, timeout=5) is not first
+    finally:
+        two.close()
+    one = SlotTable(1, shared=False, lease_timeout=5)
+    try:
+        slot = one.claim(1, 4096, timeout=5)
+        with pytest.raises(tq.TimeoutError):
+            one.claim(2, 4096, timeout=0.2)
+        finished = threading.Thread(target=one.advance, args=(slot, 4096, True))
+        finished.start()
+        assert one.claim(2, 4096, timeout=30) is slot and slot.version == 2 and not slot.complete
+        finished.join()
+    finally:
+        one.close()
