@@ -17,7 +17,8 @@ Requests, and what answers them::
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
     Release(lease)                   done reading                                      Ok
     Describe(manifest)               the manifest with this id                         Described
-    Slots(transport)                 the slots staged so far, described for it        SlotList
+    Slots(transport)                 the slots made so far, described for it, and     SlotList
+                                     the manifest they were made for
     Verify(lease, reads)             checksums of these boxes of the staged snapshot   Checksums
 """
 
@@ -189,7 +190,10 @@ class Described(_Msg, tag="described", frozen=True):
 
 
 class SlotList(_Msg, tag="slot_list", frozen=True):
+    """`manifest`: the id of the manifest the slots were made for (0: none yet)."""
+
     slots: list[SlotInfo]
+    manifest: int = 0
 
 
 class Checksums(_Msg, tag="checksums", frozen=True):

@@ -198,6 +198,8 @@ class WeightPublisher:
         """Versions still to publish without a compare, since the last compare found most
         buckets dense (updates too large for deltas)."""
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._latest_manifest = 0
+        """The id of the newest manifest (what a subscriber plans for ahead of the first version)."""
         self._manifest_key: tuple | None = None
         self._last = -1
         self._started = -1  # newest version this rank began staging (server thread's copy)
@@ -471,6 +473,7 @@ class WeightPublisher:
             specs.append((name, self.cast.get(tensor.dtype, tensor.dtype), layout))
         manifest = layout_buckets(specs, self.bucket_bytes, self.rank, self.world_size)
         self._manifest_key = key
+        self._latest_manifest = manifest.id
         self._manifests[manifest.id] = manifest
         self._manifests.move_to_end(manifest.id)
         while len(self._manifests) > _KEPT_MANIFESTS:
@@ -526,7 +529,7 @@ class WeightPublisher:
                     raise WeightSyncError(f"manifest {mid:#x} is no longer kept by rank {self.rank}")
                 pending.reply(Described(manifest))
             case Slots(transport=name):
-                pending.reply(SlotList(self._describe_slots(name)))
+                pending.reply(SlotList(self._describe_slots(name), self._latest_manifest))
             case Verify():
                 pending.reply(self._verify(msg))
             case Join() | Staged() | Latest() | Confirm() if self._coordinator is not None:

@@ -7,12 +7,14 @@ checksums for validation; and the `Job` a transport is handed for one rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from transfer_queue import SluiceError
+from transfer_queue.cuda import copies, is_cuda
 from transfer_queue.wire.rpc import Message
 
 from .manifest import Manifest
@@ -79,18 +81,26 @@ class PublisherRanks:
         return plan
 
     def open_slots(self) -> None:
-        """ "map" transports: open every rank's allocated staging slots now, so the first
-        version applies as fast as the next (a rank that does not answer is left for the
-        first lease to report)."""
+        """For "map" transports: open every rank's staging slots made so far, plan the reads of
+        the manifest they were made for and start the copy stream, so the first version
+        applies as fast as the next (a rank that does not answer is left for the first lease
+        to report)."""
         if self.transport.mode != "map":
             return
+        manifests = []
         for rank in range(len(self.info)):
             try:
-                slots = self.call(rank, Slots(self.transport.name)).slots
+                reply = self.call(rank, Slots(self.transport.name))
             except SluiceError:
-                continue
-            for slot in slots:
+                return
+            for slot in reply.slots:
                 self.transport.open_ahead(rank, slot)
+            manifests.append(reply.manifest)
+        if all(manifests):
+            with contextlib.suppress(SluiceError):
+                self.plan(tuple(manifests))
+        with copies(next((t.device for t in self._targets.values() if is_cuda(t)), None)):
+            pass  # the copy stream exists before the first version needs it
 
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`
