@@ -22,7 +22,7 @@ from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
 from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Slots, Verify
 from .staging import Slot, SlotTable
-from .transports import Job, Transport
+from .transports import Job, MapTransport, Transport
 
 __all__ = ["PublisherRanks"]
 
@@ -85,7 +85,7 @@ class PublisherRanks:
         the manifest they were made for and start the copy stream, so the first version
         applies as fast as the next (a rank that does not answer is left for the first lease
         to report)."""
-        if self.transport.mode != "map":
+        if not isinstance(self.transport, MapTransport):
             return
         manifests = []
         for rank in range(len(self.info)):

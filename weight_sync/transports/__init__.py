@@ -9,9 +9,9 @@ name; `resolve` turns a name (or "auto") into instances, `auto_choice` picks one
 from __future__ import annotations
 
 from . import cuda_ipc, nixl, shm, tcp, torch_dist, ucx  # noqa: F401 - importing registers them
-from .base import Job, Source, Transport, get, names, register
+from .base import Job, MapTransport, Source, Transport, get, names, register
 
-__all__ = ["Transport", "Job", "Source", "register", "get", "names", "resolve", "AUTO_ORDER"]
+__all__ = ["Transport", "MapTransport", "Job", "Source", "register", "get", "names", "resolve", "AUTO_ORDER"]
 
 AUTO_ORDER = ("cuda_ipc", "shm", "ucx", "tcp")
 """What "auto" offers (publisher) and prefers, in order (subscriber): cuda_ipc when co-located

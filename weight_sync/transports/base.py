@@ -18,6 +18,7 @@ What the byte-stream transports (tcp, ucx) share beyond this lives in `stream`.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ from typing import ClassVar, Literal
 
 import torch
 
+from transfer_queue import WeightSyncError
+
 from ..plan import Read
 from ..protocol import Granted, Pull, RelayPull, SlotInfo
 from .stream import FrameLog
 
-__all__ = ["Transport", "Mode", "Job", "Source", "register", "get", "names"]
+__all__ = ["Transport", "MapTransport", "Mode", "Job", "Source", "register", "get", "names"]
 
 Mode = Literal["map", "image", "reads"]
 
@@ -114,11 +117,6 @@ class Transport(ABC):
         until it calls `release()` (pull transports have nothing to push: they release at once)."""
         release()
 
-    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
-        """Subscriber side, "map" transports: open rank `rank`'s `slot` now (map it, register
-        it with CUDA, open its IPC handle), before any version needs it; a failure is left for
-        `receive` to report."""
-
     @abstractmethod
     def receive(self, job: Job) -> torch.Tensor:
         """Subscriber side: bring `job`'s bytes in; raises `WeightSyncError` on failure."""
@@ -128,6 +126,28 @@ class Transport(ABC):
 
 
 _REGISTRY: dict[str, type[Transport]] = {}
+
+
+class MapTransport(Transport):
+    """A "map" transport: subscribers read the publisher's slots in place, each opened once per
+    slot generation (`open`), on the lease's grant or ahead of the first version."""
+
+    mode = "map"
+
+    @abstractmethod
+    def open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
+        """Rank `rank`'s `slot` as a uint8 tensor (mapped, registered or opened once per slot
+        generation); raises `WeightSyncError` if it cannot be reached."""
+
+    def receive(self, job: Job) -> torch.Tensor:
+        assert job.grant is not None  # a subscriber leases the slot before a "map" transport reads it
+        return self.open(job.rank, job.grant.slot)
+
+    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
+        """Open rank `rank`'s `slot` before any version needs it; a failure is left for the
+        version's `receive` to report."""
+        with contextlib.suppress(WeightSyncError):
+            self.open(rank, slot)
 
 
 def register(cls: type[Transport]) -> type[Transport]:

@@ -20,8 +20,6 @@ a publisher lists the slots it has shared in `_OWN_SLOTS`, keyed by their handle
 
 from __future__ import annotations
 
-import contextlib
-
 import msgspec
 import torch
 
@@ -29,7 +27,7 @@ from transfer_queue import WeightSyncError
 from transfer_queue.cuda import ipc_open, ipc_share
 
 from ..protocol import SlotInfo
-from .base import Job, Transport, register
+from .base import MapTransport, register
 
 __all__ = ["CudaIpcTransport", "IpcSlot", "encode_slot", "decode_slot"]
 
@@ -94,12 +92,11 @@ def decode_slot(raw: bytes) -> IpcSlot:
 
 
 @register
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(MapTransport):
     """Opens publisher GPU slots through CUDA IPC; one opening per (rank, slot), kept until the
     slot's generation changes."""
 
     name = "cuda_ipc"
-    mode = "map"
     staging = "cuda"
 
     def __init__(self) -> None:
@@ -128,15 +125,7 @@ class CudaIpcTransport(Transport):
             held = self._shared[slot.index] = (slot.generation, encode_slot(fields), key)
         return held[1]
 
-    def receive(self, job: Job) -> torch.Tensor:
-        assert job.grant is not None  # a subscriber leases the slot before a "map" transport reads it
-        return self._open(job.rank, job.grant.slot)
-
-    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
-        with contextlib.suppress(WeightSyncError):
-            self._open(rank, slot)
-
-    def _open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
+    def open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
         """A view of rank `rank`'s GPU `slot`, opened once per slot generation."""
         key = (rank, slot.index)
         held = self._opened.get(key)

@@ -10,7 +10,6 @@ stages version v+1 into the other slot while v is read, and never reuses a slot 
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 
 import torch
@@ -21,17 +20,16 @@ from transfer_queue.host import unmap
 
 from ..protocol import SlotInfo
 from ..staging import map_segment
-from .base import Job, Transport, register
+from .base import MapTransport, register
 
 __all__ = ["ShmTransport"]
 
 
 @register
-class ShmTransport(Transport):
+class ShmTransport(MapTransport):
     """Maps publisher slots read-only; one mapping per (rank, slot), kept until it changes."""
 
     name = "shm"
-    mode = "map"
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap, torch.Tensor]] = {}
@@ -40,15 +38,7 @@ class ShmTransport(Transport):
     def serve(self, source) -> str:  # noqa: ANN001 - nothing to serve: slots are shared
         return "memfd"
 
-    def receive(self, job: Job) -> torch.Tensor:
-        assert job.grant is not None  # a subscriber leases the slot before a "map" transport reads it
-        return self._open(job.rank, job.grant.slot)
-
-    def open_ahead(self, rank: int, slot: SlotInfo) -> None:
-        with contextlib.suppress(WeightSyncError):
-            self._open(rank, slot)
-
-    def _open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
+    def open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
         """Rank `rank`'s `slot`, mapped (and registered) once per slot generation."""
         key = (rank, slot.index)
         held = self._maps.get(key)
