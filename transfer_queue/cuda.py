@@ -15,6 +15,8 @@ second side stream, ordered before the caller's later work by the GPU rather tha
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -115,6 +117,7 @@ class HostRegistry:
             return False
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _READ_ONLY if read_only else 0)
         if int(err) != 0:
+            _reset_last_error()
             self._refused.add(ptr)
             return False
         self._ranges[ptr] = nbytes
@@ -133,6 +136,33 @@ class HostRegistry:
 
     def __contains__(self, ptr: int) -> bool:
         return ptr in self._ranges
+
+
+def _reset_last_error() -> None:
+    """Reset the CUDA runtime's last error after a refusal Sluice tolerates.
+
+    A refused `cudaHostRegister` stays the runtime's last error, and torch reads that after its
+    next kernel launch: the refusal would surface there as an unrelated failure. torch binds no
+    `cudaGetLastError`, so it is called in the runtime library this process has loaded (nothing
+    happens where it cannot be found, e.g. a build that links the runtime statically)."""
+    library = _runtime_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
+@functools.cache
+def _runtime_library() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded in this process, or None if there is none to find."""
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(path)
+        library.cudaGetLastError.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return library
 
 
 def tensor_ptr(t: torch.Tensor) -> int:
