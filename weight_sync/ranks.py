@@ -62,10 +62,13 @@ class PublisherRanks:
             WeightSyncError: the rank is gone or did not answer in time.
             SluiceError: the rank refused (the error it named).
         """
+        return self._client(rank).call(msg, timeout=timeout)
+
+    def _client(self, rank: int) -> RpcClient:
         client = self._clients.get(rank)
         if client is None:
             client = self._clients[rank] = RpcClient(self.info[rank].control, timeout=self.timeout)
-        return client.call(msg, timeout=timeout)
+        return client
 
     def plan(self, ids: tuple[int, ...]) -> Plan:
         """The plan for the ranks' manifests `ids` (fetched once per id, planned once per set)."""
@@ -126,8 +129,11 @@ class PublisherRanks:
             self.release_one(rank, grant)
 
     def release_one(self, rank: int, grant: Granted) -> None:
+        """Release one rank's lease without waiting for its answer: the reads are done, and
+        the rank serves this client's requests in order, so a later lease cannot overtake it
+        (its `Ok` is dropped on arrival)."""
         try:
-            self.call(rank, Release(grant.lease))
+            self._client(rank).post(Release(grant.lease))
         except SluiceError:
             pass  # the rank is gone; so is its lease
 
