@@ -24,6 +24,7 @@ from transfer_queue import WeightSyncError
 
 from .protocol import (
     Confirm,
+    Granted,
     Join,
     Latest,
     Offer,
@@ -48,6 +49,8 @@ class Coordinator:
     deadline); `submit(fn)` runs `fn` in the server thread; `record(version)` registers a
     complete version with the controller (blocking; it runs on the coordinator's own worker
     thread), or is None without one, and may raise when the controller cannot be reached.
+    `grant(version, transport)` leases rank 0's slot holding `version` for a `Latest` that
+    asks for it (None when it cannot be pinned: the subscriber then sends a `Lease`).
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class Coordinator:
         park: Callable[[Pending, float, str], None],
         submit: Callable[[Callable[[], None]], None],
         record: Callable[[int], None] | None,
+        grant: Callable[[int, str], Granted | None],
     ):
         self.world_size = world_size
+        self.grant = grant
         self.park = park
         self.submit = submit
         self.record = record
@@ -149,7 +154,8 @@ class Coordinator:
             return True
         ready = len(self.ranks) == self.world_size
         if ready and self.complete > msg.after:
-            pending.reply(Offer(self.complete, True, self._rank_list()))
+            granted = self.grant(self.complete, msg.lease) if msg.lease else None
+            pending.reply(Offer(self.complete, True, self._rank_list(), granted))
         elif (
             ready
             and not msg.complete

@@ -12,7 +12,8 @@ Requests, and what answers them::
 
     Join(info)                       rank r -> coordinator: here are my endpoints      Ok
     Staged(rank, version, complete)  rank r -> coordinator: I started / finished v     Ok
-    Latest(after, complete, timeout) newest version > after (parked until one exists)  Offer
+    Latest(after, complete, timeout, newest version > after (parked until one exists)  Offer
+           lease)                    and, with `lease`, rank 0's lease on it
     Confirm(version, timeout)        wait until `version` is complete on every rank    Ok
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
     Release(lease)                   done reading                                      Ok
@@ -119,11 +120,16 @@ class Staged(_Msg, tag="staged", frozen=True):
 
 
 class Latest(_Msg, tag="latest", frozen=True):
-    """The newest version above `after`: only complete ones, or also one being staged."""
+    """The newest version above `after`: only complete ones, or also one being staged.
+
+    `lease` names a "map" transport: a complete offer then carries rank 0's lease on its slot,
+    granted as for a `Lease` with that transport (one round trip less per version; the other
+    ranks are still asked)."""
 
     after: int
     complete: bool = True
     timeout: float = 0.0
+    lease: str = ""
 
 
 class Confirm(_Msg, tag="confirm", frozen=True):
@@ -167,12 +173,6 @@ class Verify(_Msg, tag="verify", frozen=True):
 Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Slots, Verify, Cancel, Ping]
 
 
-class Offer(_Msg, tag="offer", frozen=True):
-    version: int
-    complete: bool
-    ranks: list[RankInfo]
-
-
 class Granted(_Msg, tag="granted", frozen=True):
     """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself);
     `base`: the version the rank can send a delta against (-1: whole only)."""
@@ -183,6 +183,16 @@ class Granted(_Msg, tag="granted", frozen=True):
     slot: SlotInfo
     source: str = ""
     base: int = -1
+
+
+class Offer(_Msg, tag="offer", frozen=True):
+    """`granted`: rank 0's lease on `version`, when `Latest.lease` asked for it and the slot
+    could be pinned (None: lease it with `Lease`)."""
+
+    version: int
+    complete: bool
+    ranks: list[RankInfo]
+    granted: Granted | None = None
 
 
 class Described(_Msg, tag="described", frozen=True):

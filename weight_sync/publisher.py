@@ -222,7 +222,12 @@ class WeightPublisher:
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
         self._coordinator = (
             Coordinator(
-                self.info, world_size, self._server.park, self._server.submit, self._record if self._client else None
+                self.info,
+                world_size,
+                self._server.park,
+                self._server.submit,
+                self._record if self._client else None,
+                self._grant_offered,
             )
             if rank == 0
             else None
@@ -547,17 +552,36 @@ class WeightPublisher:
             self._coordinator.on_started(version)
 
     def _lease(self, msg: Lease, pending: Pending) -> None:
-        got = self._table.lease(msg.version)
-        if got is None:
-            if msg.version > self._started and not self._closed:
-                self._lease_waiters.append((msg, pending))
-                self._server.park(
-                    pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
-                )
-                return
+        granted = self._grant(msg)
+        if granted is not None:
+            pending.reply(granted)
+        elif msg.version > self._started and not self._closed:
+            self._lease_waiters.append((msg, pending))
+            self._server.park(
+                pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
+            )
+        else:
             raise WeightSyncError(
                 f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
             )
+
+    def _grant_offered(self, version: int, transport: str) -> Granted | None:
+        """Rank 0: the lease a `Latest` asked for with its offer of `version`, or None (the
+        subscriber then leases with `Lease`, which reports why)."""
+        try:
+            return self._grant(Lease(version, transport))
+        except Exception:  # noqa: BLE001 - the subscriber's own Lease gets the error
+            return None
+
+    def _grant(self, msg: Lease) -> Granted | None:
+        """Pin the slot holding `msg.version` for the requester; None if no slot holds it.
+
+        Raises:
+            WeightSyncError: the transport cannot describe the slot (nothing stays pinned).
+        """
+        got = self._table.lease(msg.version)
+        if got is None:
+            return None
         lease, slot = got
         transport = self._transports.get(msg.transport)
         try:
@@ -568,7 +592,7 @@ class WeightPublisher:
         staged = self._deltas.get(slot.index)
         base = staged.base if staged is not None and staged.version == msg.version else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
-        pending.reply(Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base))
+        return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
 
     def _describe_slots(self, name: str) -> list[SlotInfo]:
         """The slots allocated so far, as a subscriber of transport `name` reaches them (none

@@ -112,11 +112,12 @@ class PublisherRanks:
         lease = Lease(version, self.transport.name, self.signature, relay, direct=direct, timeout=self.timeout)
         return self.call(rank, lease, timeout=self.timeout + 5)
 
-    def lease_all(self, version: int) -> list[Granted]:
-        """Leases on `version` from every rank; none are left held if one fails."""
-        grants: list[Granted] = []
+    def lease_all(self, version: int, first: Granted | None = None) -> list[Granted]:
+        """Leases on `version` from every rank (rank 0's is `first` when its offer carried
+        it); none are left held if one fails."""
+        grants: list[Granted] = [] if first is None else [first]
         try:
-            for rank in range(len(self.info)):
+            for rank in range(len(grants), len(self.info)):
                 grants.append(self.lease(rank, version))
         except SluiceError:
             self.release(grants)

@@ -1,8 +1,9 @@
 """How a subscriber brings versions in: one receiver strategy per transport mode, chosen once.
 
-- `MappedReceiver` ("map": shm, here): nothing moves ahead of time. `poll` leases the newest
-  complete version on every rank, copies the planned reads straight out of the mapped slots
-  into the tensors, and releases the leases.
+- `MappedReceiver` ("map": shm, cuda_ipc, here): nothing moves ahead of time. `poll` asks rank 0
+  for the newest complete version and its lease in one call (`Latest.lease`), leases it on the
+  other ranks, copies the planned reads straight out of the mapped slots into the tensors, and
+  posts the releases.
 - `ReadsReceiver` ("reads": tcp, ucx) and `ImageReceiver` ("image": torch), in `background`: a
   thread pulls (or is broadcast) each new version into the subscriber's own pre-faulted buffer
   while the worker keeps generating; `poll` applies a version once all of it is in.
@@ -127,10 +128,11 @@ class MappedReceiver(Receiver):
 
     def poll(self, timeout: float) -> int | None:
         held = self.targets.version
-        offer: Offer = self._coordinator.call(Latest(held, True, timeout), timeout=timeout + self.timeout)
+        latest = Latest(held, True, timeout, lease=self.ranks.transport.name)
+        offer: Offer = self._coordinator.call(latest, timeout=timeout + self.timeout)
         if offer.version <= held:
             return None
-        grants = self.ranks.lease_all(offer.version)
+        grants = self.ranks.lease_all(offer.version, first=offer.granted)
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
             slots = {
