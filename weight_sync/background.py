@@ -166,7 +166,9 @@ class BackgroundReceiver(Receiver):
             return None
         lease, _ = got
         try:
-            self.targets.apply(received.version, received.plan, self._source(received), received.checksums)
+            self.targets.apply(
+                received.version, received.plan, map(self._source(received), received.plan.copies), received.checksums
+            )
         except WeightSyncError:
             with self.cond:  # checksums disagree: discard this copy, wait for the next version
                 if self._received is received:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +25,7 @@ from transfer_queue import WeightSyncError
 from transfer_queue.cuda import copies, is_cuda
 
 from .checksum import compare
-from .plan import Copy, Plan
+from .plan import Plan
 from .protocol import Checksums, Granted, Latest, Offer, RpcClient
 from .ranks import PublisherRanks
 
@@ -42,9 +42,10 @@ class Targets:
         """How long the last apply (the copy into the tensors) took."""
 
     def apply(
-        self, version: int, plan: Plan, source: Callable[[Copy], torch.Tensor], checksums: dict[int, Checksums]
+        self, version: int, plan: Plan, sources: Iterable[torch.Tensor], checksums: dict[int, Checksums]
     ) -> None:
-        """Copy every planned read into the tensors, then check checksums if validating.
+        """Copy every planned read (from `sources`, one per copy of `plan`, in order) into the
+        tensors, then check checksums if validating.
 
         A source tensor the publisher found changed since staging stops the apply before any
         copy; a slice that differs after the copy is reported by name. Either way the version
@@ -61,8 +62,8 @@ class Targets:
         start = time.perf_counter()
         device = next((c.dst.device for c in plan.copies if is_cuda(c.dst)), None)
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
-            for copy in plan.copies:
-                copy.dst.copy_(source(copy), non_blocking=device is not None)
+            for copy, source in zip(plan.copies, sources, strict=True):
+                copy.dst.copy_(source, non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
         if checksums:
             compare(plan, checksums)
@@ -125,6 +126,9 @@ class MappedReceiver(Receiver):
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
         self._coordinator = RpcClient(coordinator, timeout=self.timeout)
+        self._views: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], list[torch.Tensor]] = {}
+        """(manifest ids, (slot index, generation) per rank) -> the source view of each
+        planned copy in those slots: made once, not per version."""
 
     def poll(self, timeout: float) -> int | None:
         held = self.targets.version
@@ -135,16 +139,44 @@ class MappedReceiver(Receiver):
         grants = self.ranks.lease_all(offer.version, first=offer.granted)
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
-            slots = {
-                rank: self.ranks.transport.receive(self.ranks.job(rank, offer.version, grant, plan))
-                for rank, grant in enumerate(grants)
-            }
+            sources = self._sources(offer.version, grants, plan)
             checksums = self._checksums(plan, grants)
-            self.targets.apply(offer.version, plan, lambda c: c.read.view(slots[c.rank], c.dtype), checksums)
+            self.targets.apply(offer.version, plan, sources, checksums)
         finally:
             self.ranks.release(grants)
         return offer.version
 
+    def _sources(self, version: int, grants: list[Granted], plan: Plan) -> list[torch.Tensor]:
+        """Where each copy of `plan` reads in the granted slots: views made once per set of
+        manifests and slot generations (a replaced slot is mapped again and its views are
+        dropped, so they do not keep its old mapping alive)."""
+        key = (tuple(g.manifest for g in grants), tuple((g.slot.index, g.slot.generation) for g in grants))
+        views = self._views.get(key)
+        if views is None:
+            slots = {
+                rank: self.ranks.transport.receive(self.ranks.job(rank, version, grant, plan))
+                for rank, grant in enumerate(grants)
+            }
+            views = [c.read.view(slots[c.rank], c.dtype) for c in plan.copies]
+            self._views = {k: v for k, v in self._views.items() if _same_memory(k, key)}
+            while len(self._views) >= _KEPT_VIEWS:
+                del self._views[next(iter(self._views))]
+            self._views[key] = views
+        return views
+
     def close(self) -> None:
+        self._views.clear()
         self.ranks.transport.close()
         self._coordinator.close()
+
+
+_KEPT_VIEWS = 8
+"""Sets of source views a "map" receiver keeps (one per combination of slots in use)."""
+
+
+def _same_memory(
+    kept: tuple[tuple[int, ...], tuple[tuple[int, int], ...]], new: tuple[tuple[int, ...], tuple[tuple[int, int], ...]]
+) -> bool:
+    """Whether views kept for `kept` still read live slots once `new`'s are in use: same
+    manifests, and no slot of a rank replaced by a newer generation."""
+    return kept[0] == new[0] and all(a[0] != b[0] or a[1] == b[1] for a, b in zip(kept[1], new[1]))
