@@ -118,3 +118,25 @@ def test_a_slot_is_not_claimed_again_before_its_version_is_finished():
         finished.join()
     finally:
         one.close()
+
+
+def test_a_replaced_slot_is_read_anew_not_through_views_of_the_old_one():
+    """A subscriber reuses its views into a slot from version to version; once the slot grows
+    (a new segment, a new generation, a new manifest) it maps the new one and drops the views
+    of the old mapping, which would read stale or unmapped memory."""
+    small = {"a": torch.zeros(64, dtype=torch.bfloat16)}
+    mine = {"a": torch.zeros(64, dtype=torch.bfloat16)}
+    with (
+        WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=1, model=small) as pub,
+        WeightSubscriber(None, mine, publisher=pub.endpoint) as sub,
+    ):
+        sub.poll()
+        for version, extra in ((1, 0), (2, 0), (3, 1 << 20), (4, 0), (5, 0)):
+            tensors = {"a": torch.full((64,), float(version), dtype=torch.bfloat16)}
+            if extra:  # a tensor the subscriber does not hold: the slot grows for it
+                tensors["b"] = torch.ones(extra, dtype=torch.bfloat16)
+            pub.publish(tensors, version)
+            assert sub.wait(version, timeout=30) == version
+            assert torch.equal(mine["a"], tensors["a"]), f"version {version} applied stale bytes"
+        assert pub._table.slots[0].generation == 2, "the slot did not grow: this test tests nothing"
+        assert len(sub._receiver._views) == 1, "views of the replaced slot were kept"
