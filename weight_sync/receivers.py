@@ -41,9 +41,7 @@ class Targets:
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 
-    def apply(
-        self, version: int, plan: Plan, sources: Iterable[torch.Tensor], checksums: dict[int, Checksums]
-    ) -> None:
+    def apply(self, version: int, plan: Plan, sources: Iterable[torch.Tensor], checksums: dict[int, Checksums]) -> None:
         """Copy every planned read (from `sources`, one per copy of `plan`, in order) into the
         tensors, then check checksums if validating.
 
