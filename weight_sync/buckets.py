@@ -2,7 +2,7 @@
 
 `layout_buckets` assigns every tensor a (bucket, offset): tensors go in order, each 64-byte
 aligned; one that does not fit the rest of a bucket starts the next, one larger than a bucket
-is split over consecutive buckets. `Packer` then copies (and casts) the tensors into the slot
+is split over consecutive buckets. `pack` then copies (and casts) the tensors into the slot
 in that order and reports progress bucket by bucket, so readers stream bucket k while bucket
 k+1 is still being packed. Packing is the only copy a publisher makes: the trainer may change
 its weights as soon as it returns.
@@ -17,7 +17,7 @@ import torch
 from .layout import Layout
 from .manifest import Entry, Manifest, dtype_name, dtype_of
 
-__all__ = ["ALIGN", "layout_buckets", "pack"]
+__all__ = ["ALIGN", "layout_buckets", "Destinations", "pack"]
 
 ALIGN = 64
 """Byte alignment of every staged tensor (cache lines; any dtype may view it)."""
@@ -47,10 +47,37 @@ def layout_buckets(
     return Manifest(rank, world_size, bucket_bytes, num_buckets, tuple(entries))
 
 
+class Destinations:
+    """Where each entry of `manifest` goes in `slot` (a uint8 tensor): its typed view there,
+    the byte offset one past it, and the pieces it is copied in as (first element, end element, view of them, byte
+    offset one past them in the slot), cut at bucket boundaries (one piece into a GPU slot,
+    which is offered only once whole: fewer launches). Made once per manifest and slot, so a
+    `pack` does no per-tensor arithmetic or slicing of the slot from version to version."""
+
+    def __init__(self, manifest: Manifest, slot: torch.Tensor):
+        self.manifest = manifest
+        self.entries: list[tuple[torch.Tensor, int, list[tuple[int, int, torch.Tensor, int]]]] = []
+        for entry in manifest.entries:
+            start = manifest.start(entry)
+            dst = slot[start : start + entry.nbytes].view(dtype_of(entry.dtype))
+            size = dst.element_size()
+            if slot.is_cuda:
+                pieces = [(0, dst.numel(), dst, start + entry.nbytes)]
+            else:
+                chunks = _bucket_chunks(start, dst.numel(), size, manifest.bucket_bytes)
+                pieces = [(lo, hi, dst[lo:hi], start + hi * size) for lo, hi in chunks]
+            self.entries.append((dst, start + entry.nbytes, pieces))
+
+
 def pack(
-    manifest: Manifest, tensors: Sequence[torch.Tensor], slot: torch.Tensor, progress: Callable[[int], None]
+    manifest: Manifest,
+    tensors: Sequence[torch.Tensor],
+    slot: torch.Tensor,
+    progress: Callable[[int], None],
+    destinations: Destinations | None = None,
 ) -> None:
-    """Copy `tensors` (in manifest order) into `slot`, casting to each entry's wire dtype.
+    """Copy `tensors` (in manifest order) into `slot`, casting to each entry's wire dtype,
+    through `destinations` (made for this manifest and slot, or here when not given).
 
     `progress(nbytes)` is called whenever bytes [0, nbytes) are staged and at least one more
     bucket boundary has been passed; large tensors are copied bucket by bucket for that, except
@@ -68,26 +95,23 @@ def pack(
             progress(end)
             reported = end
 
-    for entry, tensor in zip(manifest.entries, tensors, strict=True):
-        start = manifest.start(entry)
-        dst = slot[start : start + entry.nbytes].view(dtype_of(entry.dtype))
+    if destinations is None:
+        destinations = Destinations(manifest, slot)
+    for (dst, end, pieces), tensor in zip(destinations.entries, tensors, strict=True):
         tensor = tensor.detach()
         if tensor.device != slot.device:
             # cast where the tensor lives: a copy between devices is then one plain transfer,
             # asynchronous into registered host memory (torch casts across devices via a
             # temporary on the host, which waits)
             tensor = tensor.to(dst.dtype)
-        if slot.is_cuda and tensor.is_contiguous():
-            dst.copy_(tensor.view(-1), non_blocking=True)  # GPU staging is offered whole: one copy
-            staged(start + entry.nbytes)
-        elif tensor.is_contiguous():
+        if tensor.is_contiguous():
             src = tensor.view(-1)
-            for lo, hi in _bucket_chunks(start, dst.numel(), dst.element_size(), bucket):
-                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-                staged(start + hi * dst.element_size())
+            for lo, hi, piece, upto in pieces:
+                piece.copy_(src if len(pieces) == 1 else src[lo:hi], non_blocking=True)
+                staged(upto)
         else:
             dst.view(tensor.shape).copy_(tensor, non_blocking=True)  # strided source: one copy
-            staged(start + entry.nbytes)
+            staged(end)
     progress(manifest.nbytes)
 
 

@@ -42,7 +42,7 @@ from transfer_queue.cuda import background_copies, is_cuda, synchronize
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
-from .buckets import layout_buckets, pack
+from .buckets import Destinations, layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
 from .delta import Changes, CompareScratch, compare
@@ -329,7 +329,7 @@ class WeightPublisher:
         drain = None
         try:
             if device is None:
-                pack(manifest, [t for _, t in items], slot.mapped.tensor, progress)
+                pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             else:
                 drain = self._pack_in_background(manifest, items, slot, device, progress)
         except Exception as exc:
@@ -363,7 +363,13 @@ class WeightPublisher:
         version is offered only once every copy is done. The next `publish` waits for it."""
         marks: list[tuple[Callable[[], None], int]] = []
         with background_copies(device) as mark:
-            pack(manifest, [t for _, t in items], slot.mapped.tensor, lambda end: marks.append((mark(), end)))
+            pack(
+                manifest,
+                [t for _, t in items],
+                slot.mapped.tensor,
+                lambda end: marks.append((mark(), end)),
+                _destinations(slot),
+            )
         self._drained.clear()
 
         def drain() -> None:
@@ -660,6 +666,15 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _destinations(slot: Slot) -> Destinations:
+    """Where `slot`'s manifest packs into its segment: made once per manifest and segment."""
+    segment = slot.mapped
+    made = segment.derived.get("pack")
+    if made is None or made.manifest is not slot.manifest:
+        made = segment.derived["pack"] = Destinations(slot.manifest, segment.tensor)
+    return made
 
 
 def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

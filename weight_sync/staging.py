@@ -43,6 +43,9 @@ class Segment:
     ):
         self.size = size
         self.fd = -1
+        self.derived: dict[str, Any] = {}
+        """What the owner derives from this segment and reuses while it lives (views into it,
+        e.g. where each tensor is packed): dropped when it closes, so nothing keeps it alive."""
         self._pinned = HostRegistry()
         if device is not None:
             self._mm = None
@@ -75,6 +78,7 @@ class Segment:
         if not hasattr(self, "tensor"):
             return  # closed already
         self._pinned.clear()  # before the memory goes
+        self.derived.clear()
         del self.tensor
         if self._mm is None:  # GPU memory: freed with its tensor
             return

@@ -121,9 +121,9 @@ def test_a_slot_is_not_claimed_again_before_its_version_is_finished():
 
 
 def test_a_replaced_slot_is_read_anew_not_through_views_of_the_old_one():
-    """A subscriber reuses its views into a slot from version to version; once the slot grows
-    (a new segment, a new generation, a new manifest) it maps the new one and drops the views
-    of the old mapping, which would read stale or unmapped memory."""
+    """Publisher and subscriber reuse their views into a slot from version to version; once the
+    slot grows (a new segment, a new generation, a new manifest) or its manifest changes, both
+    make them anew: views of the old mapping or layout would touch stale or unmapped memory."""
     small = {"a": torch.zeros(64, dtype=torch.bfloat16)}
     mine = {"a": torch.zeros(64, dtype=torch.bfloat16)}
     with (

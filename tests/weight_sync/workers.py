@@ -173,14 +173,14 @@ def publisher(out, commands, address, transport, kwargs: dict) -> None:
     out.put(("endpoint", pub.endpoint))
     real_pack = publisher_module.pack
 
-    def stalling_pack(manifest, tensors, slot, progress):  # noqa: ANN001
+    def stalling_pack(manifest, tensors, slot, progress, destinations=None):  # noqa: ANN001
         def stall(nbytes: int) -> None:
             progress(nbytes)
             out.put(("stalled", nbytes))
             while True:
                 time.sleep(1)
 
-        real_pack(manifest, tensors, slot, stall)
+        real_pack(manifest, tensors, slot, stall, destinations)
 
     while True:
         try:
