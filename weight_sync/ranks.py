@@ -15,7 +15,7 @@ import torch
 
 from transfer_queue import SluiceError
 from transfer_queue.cuda import copies, is_cuda
-from transfer_queue.wire.rpc import Message
+from transfer_queue.wire.rpc import Message, check
 
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
@@ -108,21 +108,41 @@ class PublisherRanks:
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`
         asks for the rank itself, not a relay (and offers nothing: its relay just failed)."""
+        return self.call(rank, self._lease(version, direct), timeout=self.timeout + 5)
+
+    def _lease(self, version: int, direct: bool = False) -> Lease:
         relay = "" if direct else self.relay_endpoint
-        lease = Lease(version, self.transport.name, self.signature, relay, direct=direct, timeout=self.timeout)
-        return self.call(rank, lease, timeout=self.timeout + 5)
+        return Lease(version, self.transport.name, self.signature, relay, direct=direct, timeout=self.timeout)
 
     def lease_all(self, version: int, first: Granted | None = None) -> list[Granted]:
         """Leases on `version` from every rank (rank 0's is `first` when its offer carried
-        it); none are left held if one fails."""
-        grants: list[Granted] = [] if first is None else [first]
-        try:
-            for rank in range(len(grants), len(self.info)):
-                grants.append(self.lease(rank, version))
-        except SluiceError:
-            self.release(grants)
-            raise
-        return grants
+        it), asked of all ranks at once and then awaited: one round trip, not one per rank.
+        None are left held if one fails.
+
+        Raises:
+            WeightSyncError: a rank is gone or did not answer in time.
+            SluiceError: a rank refused (the error it named).
+        """
+        grants: dict[int, Granted] = {} if first is None else {0: first}
+        asked: dict[int, int] = {}
+        error: SluiceError | None = None
+        for rank in range(len(grants), len(self.info)):
+            try:
+                asked[rank] = self._client(rank).send(self._lease(version))
+            except SluiceError as exc:
+                error = exc
+                break
+        for rank, rid in asked.items():  # every answer is awaited, so no grant is left behind
+            try:
+                reply, _ = self._client(rank).reply(rid, self.timeout + 5, what="Lease")
+                grants[rank] = check(reply, Granted)
+            except SluiceError as exc:
+                error = error or exc
+        if error is not None:
+            for rank, grant in grants.items():
+                self.release_one(rank, grant)
+            raise error
+        return [grants[rank] for rank in range(len(self.info))]
 
     def release(self, grants: list[Granted]) -> None:
         """Release `grants` (one per rank, in rank order)."""
