@@ -1,5 +1,8 @@
 """The weight channel's control plane over the RPC kernel: its server thread never waits on the
-controller, and beyond loopback it is a CurveZMQ server like every data-plane service."""
+controller, beyond loopback it is a CurveZMQ server like every data-plane service, and a
+subscriber's per-version messages take as few round trips as they can without leaving a slot
+pinned: rank 0's lease rides on its offer, the other ranks are leased at once, and a refusal
+anywhere releases what the others granted."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
-from weight_sync import WeightPublisher
-from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient
+from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher
+from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient, Slots
+from weight_sync.ranks import PublisherRanks
 
 
 def test_subscribers_are_answered_while_a_version_is_being_recorded(cluster):
@@ -62,3 +66,48 @@ def test_the_control_endpoint_admits_only_the_clusters_clients(monkeypatch):
         member = RpcClient(pub.endpoint, timeout=5.0, credentials=creds.for_clients())
         assert member.call(Latest(after=-1, timeout=0.0)).version == 1
         member.close()
+
+
+def _leases(pub: WeightPublisher) -> int:
+    return sum(len(slot.leases) for slot in pub._table.slots)
+
+
+def test_an_offer_carries_rank_0s_lease_when_asked():
+    with WeightPublisher(None, "shm") as pub:
+        pub.publish({"w": torch.ones(8)}, version=1)
+        client = RpcClient(pub.endpoint, timeout=5.0)
+        try:
+            assert client.call(Latest(after=-1, timeout=0.0)).granted is None  # not asked: nothing pinned
+            assert client.call(Latest(after=1, timeout=0.0, lease="shm")).granted is None  # nothing newer
+            assert _leases(pub) == 0
+            offer = client.call(Latest(after=-1, timeout=0.0, lease="shm"))
+            granted = offer.granted
+            assert isinstance(granted, Granted) and granted.version == offer.version == 1 and granted.slot.path
+            assert pub._table.leased(granted.lease) is not None
+            assert isinstance(client.call(Release(granted.lease)), Ok)
+            assert _leases(pub) == 0
+        finally:
+            client.close()
+
+
+def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
+    p0 = WeightPublisher(None, "shm", world_size=2, timeout=10)
+    p1 = WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
+    ranks = PublisherRanks([p0.info, p1.info], ShmTransport(), {}, TPShard(), NameMapping(), 0, timeout=0.5)
+    try:
+        p0.publish({"w": torch.ones(8)}, version=1)  # rank 1 never stages it: its Lease waits, then fails
+        with pytest.raises(tq.TimeoutError, match="did not start staging version 1"):
+            ranks.lease_all(1)
+        ranks.call(0, Slots("shm"))  # served after the release posted to rank 0
+        assert _leases(p0) == 0, "rank 0's lease was left pinned when rank 1 refused"
+        p1.publish({"w": torch.ones(8)}, version=1)
+        grants = ranks.lease_all(1)
+        assert [g.version for g in grants] == [1, 1] and _leases(p0) == _leases(p1) == 1
+        ranks.release(grants)
+        ranks.call(0, Slots("shm"))
+        ranks.call(1, Slots("shm"))
+        assert _leases(p0) == _leases(p1) == 0
+    finally:
+        ranks.close()
+        p1.close()
+        p0.close()
