@@ -88,7 +88,7 @@ class Coordinator:
                 self.on_staged(rank, version, ok)
                 pending.reply(Ok())
             case Latest() | Confirm():
-                if not self._answer(msg, pending):
+                if not self._answer(msg, pending, parked=False):
                     self.waiters.append((msg, pending))
                     self.park(pending, msg.timeout, "no newer version in time")
 
@@ -142,8 +142,11 @@ class Coordinator:
         if self._recorder is not None:
             self._recorder.shutdown(wait=False, cancel_futures=True)
 
-    def _answer(self, msg: Latest | Confirm, pending: Pending) -> bool:
-        """Answer `msg` now if it can be; False to keep waiting."""
+    def _answer(self, msg: Latest | Confirm, pending: Pending, parked: bool) -> bool:
+        """Answer `msg` now if it can be; False to keep waiting. Rank 0's lease goes with an
+        offer only to a request answered as it arrives: a `parked` one's subscriber may have
+        died meanwhile (its reply would be dropped, and the lease would pin the slot until it
+        expires), so it leases with `Lease` after the offer."""
         if isinstance(msg, Confirm):
             if msg.version in self.recent:
                 pending.reply(Ok())
@@ -154,7 +157,7 @@ class Coordinator:
             return True
         ready = len(self.ranks) == self.world_size
         if ready and self.complete > msg.after:
-            granted = self.grant(self.complete, msg.lease) if msg.lease else None
+            granted = self.grant(self.complete, msg.lease) if msg.lease and not parked else None
             pending.reply(Offer(self.complete, True, self._rank_list(), granted))
         elif (
             ready
@@ -175,5 +178,5 @@ class Coordinator:
     def _wake(self) -> None:
         waiting, self.waiters = self.waiters, []
         for msg, pending in waiting:
-            if not pending.done and not self._answer(msg, pending):
+            if not pending.done and not self._answer(msg, pending, parked=True):
                 self.waiters.append((msg, pending))

@@ -17,6 +17,8 @@ from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher
 from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient, Slots
 from weight_sync.ranks import PublisherRanks
 
+from ..helpers import eventually
+
 
 def test_subscribers_are_answered_while_a_version_is_being_recorded(cluster):
     """Recording a complete version in the controller is a round trip of up to seconds; leases,
@@ -87,6 +89,28 @@ def test_an_offer_carries_rank_0s_lease_when_asked():
             assert isinstance(client.call(Release(granted.lease)), Ok)
             assert _leases(pub) == 0
         finally:
+            client.close()
+
+
+def test_a_parked_offer_carries_no_lease():
+    """A subscriber parked in `Latest` may die before its offer arrives (the reply is then
+    dropped): rank 0 grants no lease with an offer that waited, only with one answered at once,
+    so a dead waiter never pins a slot until its lease expires."""
+    with WeightPublisher(None, "shm") as pub:
+        client = RpcClient(pub.endpoint, timeout=30.0)
+        offers: list[Offer] = []
+        waiter = threading.Thread(
+            target=lambda: offers.append(client.call(Latest(after=-1, timeout=20.0, lease="shm")))
+        )
+        try:
+            waiter.start()
+            eventually(lambda: pub._coordinator.waiters, 10, "the Latest parked")
+            pub.publish({"w": torch.ones(8)}, version=1)
+            waiter.join(30)
+            assert offers and offers[0].version == 1 and offers[0].granted is None
+            assert _leases(pub) == 0
+        finally:
+            waiter.join(30)
             client.close()
 
 
