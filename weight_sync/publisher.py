@@ -21,6 +21,7 @@ finisher, the compare thread, and whatever the transports serve with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -305,6 +306,33 @@ class WeightPublisher:
             wait([self._comparing])  # the slot about to be claimed may be the base it reads
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
+        try:
+            drain = self._stage(version, manifest, items, slot, base)
+            synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
+        except BaseException as exc:
+            # whatever fails once the slot is claimed fails the version, so the slot is free
+            # again (a slot left neither complete nor failed is never claimed)
+            staged = self._deltas.get(slot.index)
+            if staged is not None and staged.version == version:
+                staged.fail()
+            self._table.fail(slot)
+            self._finished.put((slot, version, False, None))
+            if isinstance(exc, Exception):
+                raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
+            raise
+        self._finished.put((slot, version, True, drain))
+        self.last_publish_seconds = time.perf_counter() - start
+
+    def _stage(
+        self,
+        version: int,
+        manifest: Manifest,
+        items: list[tuple[str, torch.Tensor]],
+        slot: Slot,
+        base: Slot | None,
+    ) -> Callable[[], None] | None:
+        """Stage `version` into the claimed `slot` (deltas against `base` when on) and offer it
+        to the transports as it stages; returns the drain of background GPU copies, if any."""
         if not self._prepared:  # not given the model: ready the other slots for the next versions
             self._prepared = True
             self._preparing = self._table.prepare_in_background(manifest.nbytes)
@@ -327,20 +355,11 @@ class WeightPublisher:
         self._record_stats(version, manifest.nbytes, staged)
         device = self._host_copies_from(items)
         drain = None
-        try:
-            if device is None:
-                pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
-            else:
-                drain = self._pack_in_background(manifest, items, slot, device, progress)
-        except Exception as exc:
-            if staged is not None:
-                staged.fail()
-            self._table.fail(slot)
-            self._finished.put((slot, version, False, None))
-            raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
-        synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
-        self._finished.put((slot, version, True, drain))
-        self.last_publish_seconds = time.perf_counter() - start
+        if device is None:
+            pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
+        else:
+            drain = self._pack_in_background(manifest, items, slot, device, progress)
+        return drain
 
     def _host_copies_from(self, items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
         """The CUDA device whose weights this version copies into host staging, else None."""
@@ -512,13 +531,19 @@ class WeightPublisher:
                         staged.fail()  # delta readers too
                     self._table.fail(slot)
                     ok = False
-            if ok and self.validate:
-                self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
+            try:
+                if ok and self.validate:
+                    self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
+            except Exception:  # noqa: BLE001 - the version fails, the loop goes on
+                log.exception("checksumming version %d failed", version)
+                self._table.fail(slot)
+                ok = False
             if ok:
                 self._table.advance(slot, slot.manifest.nbytes, complete=True)
             coordinator, upstream = self._coordinator, self._upstream
             if coordinator is not None:
-                self._server.submit(functools.partial(coordinator.on_staged, 0, version, ok))
+                with contextlib.suppress(OSError):  # the server has stopped: the publisher is closing
+                    self._server.submit(functools.partial(coordinator.on_staged, 0, version, ok))
             elif upstream is not None:
                 try:
                     upstream.call(Staged(self.rank, version, ok))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import transfer_queue as tq
+import weight_sync.publisher as publisher_module
 from weight_sync import WeightPublisher, WeightSubscriber
 from weight_sync.staging import SlotTable
 
@@ -140,3 +141,23 @@ def test_a_replaced_slot_is_read_anew_not_through_views_of_the_old_one():
             assert torch.equal(mine["a"], tensors["a"]), f"version {version} applied stale bytes"
         assert pub._table.slots[0].generation == 2, "the slot did not grow: this test tests nothing"
         assert len(sub._receiver._views) == 1, "views of the replaced slot were kept"
+
+
+def test_a_publish_interrupted_after_its_claim_frees_the_slot(monkeypatch):
+    """Whatever stops a publish once its slot is claimed (here an interrupt in the copy) fails
+    that version and frees the slot: the next publish into the only slot goes ahead."""
+    real = publisher_module.pack
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    mine = {n: torch.zeros_like(t) for n, t in weights(0).items()}
+    with WeightPublisher(None, transport="shm", slots=1, bucket_bytes=BUCKET, timeout=5, model=weights(0)) as pub:
+        monkeypatch.setattr(publisher_module, "pack", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pub.publish(weights(1), 1)
+        monkeypatch.setattr(publisher_module, "pack", real)
+        pub.publish(weights(2), 2)
+        with WeightSubscriber(None, mine, publisher=pub.endpoint) as sub:
+            assert sub.wait(2, timeout=30) == 2
+            assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
