@@ -20,6 +20,8 @@ a publisher lists the slots it has shared in `_OWN_SLOTS`, keyed by their handle
 
 from __future__ import annotations
 
+import weakref
+
 import msgspec
 import torch
 
@@ -58,9 +60,9 @@ class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
         )
 
 
-_OWN_SLOTS: dict[tuple[bytes, int], torch.Tensor] = {}
+_OWN_SLOTS: weakref.WeakValueDictionary[tuple[bytes, int], torch.Tensor] = weakref.WeakValueDictionary()
 """This process's shared GPU slots, by (memory handle, offset): what a subscriber in the same
-process reads instead of opening the handle."""
+process reads instead of opening the handle. Weak: a replaced slot's memory is freed with it."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(IpcSlot)
