@@ -245,24 +245,15 @@ class StorageUnit(Service):
         return self.space.enqueue(shape, msg.timeout, lambda got: self._store(msg, frames, got), held)
 
     def _store(self, msg: Write, frames: list[Any], placed: Placed) -> Handled | None:
-        """Store frames into freshly allocated extents (`staging`) and register the rows. A shm
-        write (its fields never split: one piece each) gets arena offsets to copy into: new
-        columns are reserved until their `CommitWrite`, since registering them would let readers
-        of a replaced column see bytes not yet copied; an open put's rows are registered at once,
-        as its frames would be: nobody reads them before the controller commits the put, which
-        its producer asks for once its copy is done, so the put needs no `CommitWrite` and its
-        commit waits for no report sent after the copy."""
-        if msg.via == "shm" and msg.put < 0:
+        """Store frames into freshly allocated extents (`staging`) and register the rows, or
+        reserve them (a shm write's fields are never split: one piece each)."""
+        if msg.via == "shm":
             return self._reserve(msg, [pieces[0].chunk for pieces in placed])
         try:
             self.table.check_specs(msg.partition, msg.fields)  # may have changed while it waited
         except SchemaError:
             self.space.release(chunks_of(placed))
             raise  # reported by whoever called (`_on_write`, `_reported`)
-        if msg.via == "shm":
-            offsets = {name: pieces[0].chunk.offset for name, pieces in zip(msg.fields, placed)}
-            self._register(msg, placed)
-            return WriteReply(offsets=offsets)
         self.staging.store(placed, frames)
         self._register(msg, placed)
         self.staging.keep(self.arena.capacity // _HELD_SHARE - self.space.held)

@@ -231,9 +231,7 @@ class ClientCore(ControlCore):
         first). With `commit`, an open put's `CommitPut`: it goes with the writes, which are
         notices (`Write.put`, each with its unit's ticket from the put's plan): each unit reports
         its write to the controller, whose answer to the commit says how all of them went, so the
-        put costs no round trip of its own. A mapped unit registers an open put's rows and
-        reports them with its reservation, so the commit follows the copy alone; new columns
-        written through a mapping are committed to their unit (`CommitWrite`) after the copy."""
+        put costs no round trip of its own."""
         idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
         if cols.device is not None:
@@ -262,14 +260,13 @@ class ClientCore(ControlCore):
         commits = []
         with copies(cols.device):  # a GPU batch: device to the arenas, one wait for all of them
             for (unit_id, via, buffers), (reply, _) in zip(jobs, replies):
-                if via == "shm" and isinstance(reply, WriteReply):  # arena space: fill it
+                if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
                     if not errors:
                         arena = self._arenas[unit_id][1]
                         for name, buf in zip(cols.specs, buffers):
                             off = reply.offsets[name]
                             arena[off : off + buf.numel()].copy_(buf, non_blocking=cols.device is not None)
-                    if put < 0:  # a reservation of new columns: commit it (or drop it); a put's abort frees its rows
-                        commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors))))
+                    commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
         if commit is not None and not errors:
             commits.append(commit)
         if commits:

@@ -61,10 +61,9 @@ def test_a_put_of_new_rows_takes_two_round_trips(make_cluster, use_shm):
     with tq.connect(cluster.address, use_shm=use_shm) as client:
         rounds = _rounds(client, TensorDict({"x": torch.ones(8, 4)}, batch_size=[8]))
         # writes carrying their bytes are notices the units report to the controller; a mapped
-        # arena is reserved first (the unit registers and reports the rows then), filled, then
-        # the put is committed: no message to the unit after the copy
+        # arena is reserved first, filled, then committed with the put
         if use_shm:
-            assert rounds == [["BeginPut"], ["Write"], ["CommitPut"]]
+            assert rounds == [["BeginPut"], ["Write"], ["CommitWrite!", "CommitPut"]]
         else:
             assert rounds == [["BeginPut"], ["Write!", "CommitPut"]]
         meta = client.get_meta(["x"], 8, task="t", timeout=5)
