@@ -151,8 +151,8 @@ class PublisherRanks:
 
     def release_one(self, rank: int, grant: Granted) -> None:
         """Release one rank's lease without waiting for its answer: the reads are done, and
-        the rank serves this client's requests in order, so a later lease cannot overtake it
-        (its `Ok` is dropped on arrival)."""
+        each lease has its own id, so nothing later depends on this one (its `Ok` is dropped
+        on arrival)."""
         try:
             self._client(rank).post(Release(grant.lease))
         except SluiceError:
