@@ -15,7 +15,7 @@ import torch
 
 from transfer_queue import SluiceError
 from transfer_queue.cuda import copies, is_cuda
-from transfer_queue.wire.rpc import Message, check
+from transfer_queue.wire.rpc import Message, Ping, check
 
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
@@ -25,6 +25,10 @@ from .staging import Slot, SlotTable
 from .transports import Job, MapTransport, Transport
 
 __all__ = ["PublisherRanks"]
+
+
+_FLUSH_SECONDS = 2.0
+"""How long `close` waits for a rank to take the releases posted to it."""
 
 
 class PublisherRanks:
@@ -52,6 +56,8 @@ class PublisherRanks:
         self._shard = shard
         self._mapping = mapping
         self._clients: dict[int, RpcClient] = {}
+        self._posted: set[int] = set()
+        """Ranks posted a `Release` since: `close` makes sure it arrived before the socket goes."""
         self._manifests: dict[int, Manifest] = {}
         self._plans: dict[tuple[int, ...], Plan] = {}
 
@@ -155,6 +161,7 @@ class PublisherRanks:
         on arrival)."""
         try:
             self._client(rank).post(Release(grant.lease))
+            self._posted.add(rank)
         except SluiceError:
             pass  # the rank is gone; so is its lease
 
@@ -203,6 +210,13 @@ class PublisherRanks:
         )
 
     def close(self) -> None:
+        """Close the channels; a rank that was posted a `Release` is pinged first (it serves
+        a channel's requests in order): a socket closed at once would drop an unsent release,
+        and the slot would stay pinned until its lease expired."""
+        for rank in self._posted:
+            with contextlib.suppress(SluiceError):
+                self._clients[rank].call(Ping(), timeout=_FLUSH_SECONDS)
+        self._posted.clear()
         for client in self._clients.values():
             client.close()
         self._clients.clear()

@@ -13,7 +13,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
-from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher
+from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient, Slots
 from weight_sync.ranks import PublisherRanks
 
@@ -112,6 +112,18 @@ def test_a_parked_offer_carries_no_lease():
         finally:
             waiter.join(30)
             client.close()
+
+
+def test_a_closed_subscriber_leaves_no_lease_behind():
+    """Releases are posted, not awaited; closing a subscriber makes sure its last one arrived,
+    so the publisher's only slot is free the moment `close` returns."""
+    mine = {"w": torch.zeros(8)}
+    with WeightPublisher(None, "shm", slots=1, model=mine) as pub:
+        for version in range(1, 11):
+            with WeightSubscriber(None, mine, publisher=pub.endpoint) as sub:
+                pub.publish({"w": torch.full((8,), float(version))}, version)
+                assert sub.wait(version, timeout=30) == version
+            assert _leases(pub) == 0, f"version {version}'s lease outlived its subscriber"
 
 
 def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
