@@ -218,8 +218,11 @@ def copies(device: torch.device | None) -> Iterator[None]:
     try:
         with torch.cuda.stream(stream):
             yield
-    finally:
-        stream.synchronize()
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # a CUDA error raised again here: report the first
+            stream.synchronize()
+        raise
+    stream.synchronize()
 
 
 @contextlib.contextmanager
