@@ -631,11 +631,12 @@ class WeightPublisher:
         transport = self._transports.get(name)
         if transport is None:
             return []
-        return [
-            SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))
-            for slot in self._table.slots
-            if slot.segment is not None
-        ]
+        with self._table.cond:  # a slot being replaced is seen before or after, not half-way
+            return [
+                SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))
+                for slot in self._table.slots
+                if slot.segment is not None
+            ]
 
     def _relay_source(self, msg: Lease) -> str:
         """Where this subscriber should pull from: "" (this rank) or a relay's endpoint.
