@@ -7,7 +7,7 @@ import glob
 import multiprocessing as mp
 import time
 
-from .workers import subscriber
+from .workers import kill, publisher, subscriber
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["tests.weight_sync.workers"])  # workers fork from a process that imported torch once
@@ -75,6 +75,32 @@ class Subscribers:
         for p in self.procs:
             p.join(10)
         return summaries
+
+
+def publisher_killed_mid_version(transport, publisher_kwargs: dict, subscriber_transport, **subscriber_kwargs) -> None:  # noqa: ANN001 - transport specs
+    """Kill the trainer (a publisher process) while version 2 is half staged and half sent:
+    both subscribers report `WeightSyncError` and keep version 1, exactly."""
+    commands, out = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=publisher, args=(out, commands, None, transport, publisher_kwargs), daemon=True)
+    proc.start()
+    try:
+        _, endpoint = out.get(timeout=60)
+        # the subscribers' own timeout (5 s) is well inside the wait for their error (60 s):
+        # with 30 s each, one that had not started on version 2 raced the test and sometimes lost
+        subs = Subscribers(2, endpoint, subscriber_transport, timeout=5.0, **subscriber_kwargs)
+        commands.put(("publish", 1))
+        subs.wait_applied(1)
+        commands.put(("publish", 2, True))
+        while out.get(timeout=30)[0] != "stalled":
+            pass
+        kill(proc)
+        subs.wait_errors(timeout=60)
+        for summary in subs.finish().values():
+            assert 2 not in summary["applied"]
+            check(summary, 1)
+    finally:
+        if proc.is_alive():
+            kill(proc)
 
 
 def check(summary: dict, final: int) -> None:

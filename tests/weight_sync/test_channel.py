@@ -11,8 +11,8 @@ import pytest
 from tests.helpers import eventually
 from weight_sync import NixlTransport, TcpTransport, UcxTransport, WeightPublisher
 
-from .harness import CTX, Subscribers, check, no_segments_left, publisher_transport
-from .workers import BUCKET, kill, publisher, transport_of, weights
+from .harness import Subscribers, check, no_segments_left, publisher_killed_mid_version, publisher_transport
+from .workers import BUCKET, transport_of, weights
 
 TRANSPORTS = [
     pytest.param("shm", id="shm"),
@@ -68,31 +68,7 @@ def test_late_joiner_gets_the_newest(transport):
 def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
     """The trainer dies while version 2 is half staged (and, for streaming transports, half
     sent): subscribers report `WeightSyncError` and keep version 1, exactly."""
-    commands, out = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(
-        target=publisher,
-        args=(out, commands, None, publisher_transport(transport, 2), {"bucket_bytes": BUCKET}),
-        daemon=True,
-    )
-    proc.start()
-    try:
-        _, endpoint = out.get(timeout=60)
-        # the subscribers' own timeout (5 s) is well inside the test's wait for their error (60 s):
-        # with 30 s each, one that had not started on version 2 raced the test and sometimes lost
-        subs = Subscribers(2, endpoint, transport, timeout=5.0)
-        commands.put(("publish", 1))
-        subs.wait_applied(1)
-        commands.put(("publish", 2, True))
-        while out.get(timeout=30)[0] != "stalled":
-            pass
-        kill(proc)
-        subs.wait_errors(timeout=60)
-        for summary in subs.finish().values():
-            assert 2 not in summary["applied"]
-            check(summary, 1)
-    finally:
-        if proc.is_alive():
-            kill(proc)
+    publisher_killed_mid_version(publisher_transport(transport, 2), {"bucket_bytes": BUCKET}, transport)
 
 
 def test_tcp_relay_chain():

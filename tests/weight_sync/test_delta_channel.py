@@ -18,8 +18,8 @@ from transfer_queue import WeightSyncError
 from weight_sync import WeightPublisher, WeightSubscriber
 from weight_sync.transports.tcp import TcpTransport
 
-from .harness import CTX, Subscribers, check
-from .workers import BUCKET, kill, publisher, sparse_weights, weights, zeros
+from .harness import Subscribers, check, publisher_killed_mid_version
+from .workers import BUCKET, sparse_weights, weights, zeros
 
 
 def _exact(tensors: dict[str, torch.Tensor], version: int) -> bool:
@@ -103,29 +103,7 @@ def test_a_subscriber_that_missed_versions_gets_the_whole_version():
 
 def test_publisher_killed_mid_delta_leaves_the_previous_version():
     """The trainer dies while version 2, a delta against 1, is half staged and half sent."""
-    commands, out = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(
-        target=publisher,
-        args=(out, commands, None, "tcp", {"bucket_bytes": BUCKET, "sparse": True, "delta": "auto"}),
-        daemon=True,
-    )
-    proc.start()
-    try:
-        _, endpoint = out.get(timeout=60)
-        subs = Subscribers(2, endpoint, "tcp", timeout=5.0, sparse=True)
-        commands.put(("publish", 1))
-        subs.wait_applied(1)
-        commands.put(("publish", 2, True))
-        while out.get(timeout=30)[0] != "stalled":
-            pass
-        kill(proc)
-        subs.wait_errors(timeout=60)
-        for summary in subs.finish().values():
-            assert 2 not in summary["applied"]
-            check(summary, 1)
-    finally:
-        if proc.is_alive():
-            kill(proc)
+    publisher_killed_mid_version("tcp", {"bucket_bytes": BUCKET, "sparse": True, "delta": "auto"}, "tcp", sparse=True)
 
 
 def test_a_subscriber_whose_base_differs_refuses_the_delta_then_takes_the_whole_version():
