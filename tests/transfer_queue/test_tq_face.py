@@ -15,31 +15,11 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import transfer_queue as tq
+from tests.verl.tq_signatures import CLASSES, FUNCTIONS
 from transfer_queue.compat.face import ENV_ADDRESS
 
-TQ_NAMES = {
-    "init",
-    "close",
-    "get_client",
-    "get_metrics_endpoint",
-    "kv_put",
-    "kv_batch_put",
-    "kv_batch_get",
-    "kv_batch_get_by_meta",
-    "kv_list",
-    "kv_clear",
-    "async_kv_put",
-    "async_kv_batch_put",
-    "async_kv_batch_get",
-    "async_kv_batch_get_by_meta",
-    "async_kv_list",
-    "async_kv_clear",
-    "save_checkpoint",
-    "load_checkpoint",
-    "KVBatchMeta",
-    "BatchMeta",
-    "TransferQueueClient",
-}
+TQ_NAMES = {*FUNCTIONS, *CLASSES}
+"""TransferQueue's public names (the parity check's list: tests/verl/tq_signatures.py)."""
 CONF = {"backend": {"SimpleStorage": {"num_data_storage_units": 2}}, "sluice": {"storage_capacity": "64MiB"}}
 
 
