@@ -15,7 +15,6 @@ from transfer_queue.wire.messages import (
     Ack,
     BeginPut,
     ClearPartition,
-    ClusterConfig,
     CommitPut,
     KvClear,
     KvKeys,
@@ -31,17 +30,9 @@ from transfer_queue.wire.messages import (
 )
 from transfer_queue.wire.meta import FieldSpec
 
+from .journaled import journaled_controller, stop
+
 SPECS = {"x": FieldSpec("int64", ())}
-
-
-def _controller(path) -> Controller:
-    ctl = Controller(
-        ClusterConfig(num_storage_units=1, storage_capacity=1 << 30, journal=str(path)),
-        "tcp://127.0.0.1:*",
-        cluster_id="journaltest",
-        secret="s",
-    )
-    return ctl
 
 
 def _state(ctl: Controller) -> dict:
@@ -97,22 +88,13 @@ async def _fill(ctl: Controller) -> list[int]:
     return gone
 
 
-def _stop(ctl: Controller) -> None:
-    if ctl.links.pinger is not None:
-        ctl.links.pinger.cancel()
-    ctl.journal.close()
-    for channel in ctl.links.channels.values():
-        channel.close()
-    ctl.sock.close(linger=0)
-
-
 async def test_replay_restores_the_tables(tmp_path) -> None:
     path = tmp_path / "j"
-    ctl = _controller(path)
+    ctl = journaled_controller(path, "journaltest")
     gone = await _fill(ctl)
     before = _state(ctl)
-    _stop(ctl)
-    again = _controller(path)
+    stop(ctl)
+    again = journaled_controller(path, "journaltest")
     after = _state(again)
     # the uncommitted put died with the old controller: its rows are freed, its index not reused
     assert after["a"]["gidx"] == before["a"]["gidx"][:-2] and all(after["a"]["committed"])
@@ -126,14 +108,14 @@ async def test_replay_restores_the_tables(tmp_path) -> None:
     with pytest.raises(SchemaError):  # the freed row of a key put again has no key any more
         again.keys.on_keys(KvKeys("k", gone), [])
     assert after["b"]["sealed"] and after["version"] == 2 and after["a"]["consumed"]["t"][:4] == [True] * 3 + [False]
-    _stop(again)
+    stop(again)
 
 
 async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     path = tmp_path / "j"
     monkeypatch.setattr(journal_mod, "_CHECK_EVERY", 1)
     monkeypatch.setattr(journal_mod, "_COMPACT_BYTES", 512)
-    ctl = _controller(path)
+    ctl = journaled_controller(path, "journaltest")
     await _fill(ctl)
     ctl.on_clear_partition(ClearPartition("b"), [])
     for _ in range(20):  # grows past the threshold again and again: compacted each time
@@ -141,14 +123,14 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     size = os.path.getsize(path)
     assert size < 2 * 4096, size
     before = _state(ctl)
-    _stop(ctl)
+    stop(ctl)
     with open(path, "ab") as f:
         f.write(b"\xff\x00\x00\x00partial")  # the process died in the middle of a write
-    again = _controller(path)
+    again = journaled_controller(path, "journaltest")
     after = _state(again)
     assert "b" not in after and after["c"] == before["c"] and after["next"] >= before["next"]
     assert after["keys"] == before["keys"] and after["keys"]["k"]["p1"][1] == {"status": "finished", "n": 2}
-    _stop(again)
+    stop(again)
 
 
 def test_a_corrupt_journal_is_refused(tmp_path) -> None:

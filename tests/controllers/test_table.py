@@ -15,7 +15,6 @@ from transfer_queue.wire.messages import (
     Ack,
     BeginPut,
     Clear,
-    ClusterConfig,
     CommitPut,
     GetMeta,
     Ok,
@@ -24,6 +23,8 @@ from transfer_queue.wire.messages import (
     UnitInfo,
 )
 from transfer_queue.wire.meta import FieldSpec
+
+from .journaled import journaled_controller, stop
 
 SPECS = {"x": FieldSpec("int64", ())}
 
@@ -91,12 +92,7 @@ def test_the_table_shrinks_back_after_a_long_stream() -> None:
 
 
 def _controller(path) -> Controller:
-    ctl = Controller(
-        ClusterConfig(num_storage_units=1, storage_capacity=1 << 30, journal=str(path)),
-        "tcp://127.0.0.1:*",
-        cluster_id="tabletest",
-        secret="s",
-    )
+    ctl = journaled_controller(path, "tabletest")
     ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
     return ctl
 
@@ -106,15 +102,6 @@ def _put(ctl: Controller, n: int) -> list[int]:
     ctl.puts.landed(plan.indexes[0], 0)
     assert ctl.puts.on_commit_put(CommitPut("p", plan.indexes, SPECS, RowInfo([0] * n, [0] * n, [0] * n, [0] * n)), [])
     return plan.indexes
-
-
-def _stop(ctl: Controller) -> None:
-    if ctl.links.pinger is not None:
-        ctl.links.pinger.cancel()
-    ctl.journal.close()
-    for channel in ctl.links.channels.values():
-        channel.close()
-    ctl.sock.close(linger=0)
 
 
 async def test_a_controller_compacts_once_its_handlers_are_done_and_replays_after(tmp_path) -> None:
@@ -137,9 +124,9 @@ async def test_a_controller_compacts_once_its_handlers_are_done_and_replays_afte
     again = (await ctl.on_get_meta(GetMeta("p", "t", ["x"], 50, timeout=0), [])).meta
     assert again.indexes == kept
     assert ctl.on_clear(Clear("p", kept[:10] + indexes[:3]), []) == Ok(), "clearing freed samples again is harmless"
-    _stop(ctl)
+    stop(ctl)
     replayed = _controller(tmp_path / "j")
     part = replayed.ledger.partitions["p"]
     assert part.gidx[: part.n][part.alive[: part.n]].tolist() == kept[10:]
     assert part.capacity <= 2 * _INITIAL_ROWS and replayed.ledger.next_index == 250 + 40_000
-    _stop(replayed)
+    stop(replayed)
