@@ -82,24 +82,7 @@ def check_run(run_dir: Path, cfg: RecipeConfig) -> dict:
 
 def test_every_config_runs_through_the_experiment_runner(tmp_path):
     configs = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.experiments",
-            *configs,
-            "--out",
-            str(tmp_path),
-            "trainer.total_steps=4",
-            *SMALL,
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    _recipe("experiments", *configs, "--out", str(tmp_path), "trainer.total_steps=4", *SMALL, timeout=900)
     for name in configs:
         check_run(tmp_path / name, load([name], ["trainer.total_steps=4", *SMALL]))
     summary = (tmp_path / "summary.md").read_text()
@@ -109,17 +92,23 @@ def test_every_config_runs_through_the_experiment_runner(tmp_path):
     assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
 
 
-def _fully_async(out: Path, overrides: list[str]) -> None:
-    """`python -m recipes.experiments fully_async --out OUT OVERRIDES...`, which must succeed."""
+def _recipe(module: str, *args: str, timeout: float) -> str:
+    """`python -m recipes.MODULE ARGS...` from the repository root, which must succeed; its stdout."""
     run = subprocess.run(
-        [sys.executable, "-m", "recipes.experiments", "fully_async", "--out", str(out), *overrides],
+        [sys.executable, "-m", f"recipes.{module}", *args],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def _fully_async(out: Path, overrides: list[str]) -> None:
+    """`python -m recipes.experiments fully_async --out OUT OVERRIDES...`, which must succeed."""
+    _recipe("experiments", "fully_async", "--out", str(out), *overrides, timeout=600)
 
 
 def test_a_transformers_policy_trains_through_the_same_processes(tmp_path):
@@ -387,19 +376,11 @@ def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):
 
 
 def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "recipes.demo", "--out", str(tmp_path), "trainer.total_steps=8", *SMALL],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    reward = [line for line in run.stdout.splitlines() if line.startswith("reward ")]
+    stdout = _recipe("demo", "--out", str(tmp_path), "trainer.total_steps=8", *SMALL, timeout=300)
+    reward = [line for line in stdout.splitlines() if line.startswith("reward ")]
     assert len(reward) == 1 and " -> " in reward[0]
-    assert f"plot: {tmp_path / 'compare.png'}" in run.stdout
-    assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in run.stdout
+    assert f"plot: {tmp_path / 'compare.png'}" in stdout
+    assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in stdout
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
@@ -415,19 +396,11 @@ def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
 
 def _demo_on(device: str, tmp_path: Path, *overrides: str) -> str:
     """`make demo`'s command on `device`; its stdout, after checking the lines it prints."""
-    run = subprocess.run(
-        [sys.executable, "-m", "recipes.demo", "--out", str(tmp_path), f"model.device={device}", *overrides],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert len([line for line in run.stdout.splitlines() if line.startswith("reward ") and " -> " in line]) == 1
-    assert "samples/s " in run.stdout and "worst staleness consumed" in run.stdout
-    print(run.stdout)  # the reward and samples/s on the GPU, for the log
-    return run.stdout
+    stdout = _recipe("demo", "--out", str(tmp_path), f"model.device={device}", *overrides, timeout=600)
+    assert len([line for line in stdout.splitlines() if line.startswith("reward ") and " -> " in line]) == 1
+    assert "samples/s " in stdout and "worst staleness consumed" in stdout
+    print(stdout)  # the reward and samples/s on the GPU, for the log
+    return stdout
 
 
 @pytest.mark.cuda
@@ -445,15 +418,7 @@ def test_fully_async_and_sync_runs_on_one_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_fully_async_training_raises_the_reward(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "recipes.demo", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    _recipe("demo", "--out", str(tmp_path), timeout=900)
     steps = load_steps(tmp_path / "fully_async")
     start = sum(s["reward_mean"] for s in steps[:10]) / 10
     end = sum(s["reward_mean"] for s in steps[-10:]) / 10
