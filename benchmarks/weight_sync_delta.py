@@ -32,6 +32,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py                       # 1 GiB, lr 1e-6, 3e-6, 1e-5
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --steps 4
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
@@ -71,12 +72,14 @@ HEADER = [
 
 
 class Trainer:
-    """fp32 master weights under Adam with Gaussian gradients, published as bf16."""
+    """fp32 master weights under Adam with Gaussian gradients, published as bf16, on `device`."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], lr: float, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
+    def __init__(self, shapes: dict[str, tuple[int, ...]], lr: float, seed: int = 0, device: str = "cpu"):
+        gen = torch.Generator(device).manual_seed(seed)
         self.master = {
-            n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=gen).mul_(0.02)).requires_grad_()
+            n: (
+                torch.ones(s, device=device) if len(s) == 1 else torch.randn(s, generator=gen, device=device).mul_(0.02)
+            ).requires_grad_()
             for n, s in shapes.items()
         }
         self.optimizers = {n: torch.optim.Adam([p], lr=lr, foreach=False) for n, p in self.master.items()}
@@ -87,7 +90,7 @@ class Trainer:
         """One Adam step, cast into the bf16 state; returns how many bf16 values changed."""
         changed = 0
         for name, param in self.master.items():
-            param.grad = torch.randn(param.shape, generator=self.gen).mul_(1e-3)
+            param.grad = torch.randn(param.shape, generator=self.gen, device=param.device).mul_(1e-3)
             self.optimizers[name].step()
             param.grad = None
             new = param.detach().to(torch.bfloat16)
@@ -96,13 +99,13 @@ class Trainer:
         return changed
 
 
-def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: list[int]) -> dict:
-    """One trajectory of `steps` Adam steps published to `n` subscribers, alternating whole and
-    delta versions; returns per-version records."""
+def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: list[int], device: str = "cpu") -> dict:
+    """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (host
+    tensors), alternating whole and delta versions; returns per-version records."""
     from weight_sync import WeightPublisher
 
     shapes = llama_shapes(size)
-    trainer = Trainer(shapes, lr)
+    trainer = Trainer(shapes, lr, device=device)
     numel = sum(t.numel() for t in trainer.bf16.values())
     rows = []
     with WeightPublisher(None, transport="tcp", delta=True, timeout=300) as pub:
@@ -131,10 +134,11 @@ def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: lis
                     "seconds": max(t for _, t, _ in done) - t0,
                     "blocking": pub.last_publish_seconds,
                     "density": stats.density,
+                    "compared_on": stats.compared_on,
                 }
             )
         workers.recv(n)  # the session's checksum
-    return {"size": size, "lr": lr, "subscribers": n, "versions": rows}
+    return {"size": size, "lr": lr, "subscribers": n, "device": device, "versions": rows}
 
 
 def summarize(record: dict) -> list:
@@ -257,6 +261,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="Adam steps per trajectory (half whole, half delta)")
     parser.add_argument("--micro", action="store_true", help="time the encoder alone on one 64 MiB bucket")
     parser.add_argument("--recipe", default=None, help="a recipes/configs name: measure its real training instead")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the trainer's weights live (cuda: compared there)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -297,13 +307,13 @@ def main() -> None:
             workers.hold(llama_shapes(size), max(counts))
             for n in counts:
                 for lr in (float(x) for x in args.lrs.split(",")):
-                    record = run(size, lr, n, args.steps, workers, version)
+                    record = run(size, lr, n, args.steps, workers, version, args.device)
                     records.append(record)
                     rows.append(summarize(record))
-                    print_table("delta weight sync over tcp (so far)", HEADER, rows[-1:])
+                    print_table(f"delta weight sync over tcp, {args.device} weights (so far)", HEADER, rows[-1:])
     finally:
         workers.close()
-    print_table("delta weight sync over tcp: medians per learning rate", HEADER, rows)
+    print_table(f"delta weight sync over tcp, {args.device} weights: medians per learning rate", HEADER, rows)
     print("wrote", write_record("weight_sync_delta", {"args": vars(args), "runs": records}))
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "pinned_empty",
     "copies",
     "background_copies",
+    "side_stream",
     "synchronize",
     "ipc_share",
     "ipc_open",
@@ -253,6 +254,15 @@ def background_copies(device: torch.device) -> Iterator[Callable[[], Callable[[]
             yield mark
     finally:
         caller.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device, purpose: str) -> Iterator[None]:
+    """Run the block's GPU work on `device`'s side stream for `purpose`, apart from the
+    caller's stream and from every other purpose's; nothing is waited for: the block orders its
+    work itself (events, or a host synchronisation such as `.item()`)."""
+    with torch.cuda.stream(_side_stream(device, purpose)):
+        yield
 
 
 def synchronize(device: torch.device | None) -> None:

@@ -56,6 +56,7 @@ class Destinations:
 
     def __init__(self, manifest: Manifest, slot: torch.Tensor):
         self.manifest = manifest
+        self.slot = slot
         self.entries: list[tuple[torch.Tensor, int, list[tuple[int, int, torch.Tensor, int]]]] = []
         for entry in manifest.entries:
             start = manifest.start(entry)

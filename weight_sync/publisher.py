@@ -39,7 +39,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
-from transfer_queue.cuda import background_copies, is_cuda, synchronize
+from transfer_queue.cuda import background_copies, is_cuda, side_stream, synchronize
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -47,6 +47,7 @@ from .buckets import Destinations, layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
 from .delta import Changes, CompareScratch, compare
+from .device_packs import DevicePacks
 from .layout import Layout
 from .manifest import Manifest
 from .mapping import FlatShard, TPShard
@@ -194,6 +195,9 @@ class WeightPublisher:
         self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
         self._compare_scratch = CompareScratch()  # the compare thread's alone
         self._comparing: Future | None = None
+        self._device_packs = DevicePacks() if self.delta else None
+        """With deltas on, CUDA weights are packed on the GPU first, so the compare runs there
+        (every version, also one published with `delta` turned off: it is the next one's base)."""
         """The last compare handed to `_comparer` (it runs them in order)."""
         self._skip_dense = 0
         """Versions still to publish without a compare, since the last compare found most
@@ -349,17 +353,17 @@ class WeightPublisher:
             got = self._table.lease(version)
             assert got is not None  # the slot was claimed for `version` just above
             transport.send(slot, functools.partial(self._table.release, got[0]))
+        self._record_stats(version, manifest.nbytes, staged)
+        device = self._host_copies_from(items)
+        if device is not None and self._device_packs is not None:
+            return self._pack_on_device(version, manifest, items, slot, device, staged)
         progress = functools.partial(self._table.advance, slot)
         if staged is not None and base is not None:
             progress = functools.partial(self._staged_with_delta, slot, base, staged)
-        self._record_stats(version, manifest.nbytes, staged)
-        device = self._host_copies_from(items)
-        drain = None
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
-        else:
-            drain = self._pack_in_background(manifest, items, slot, device, progress)
-        return drain
+            return None
+        return self._pack_in_background(manifest, items, slot, device, progress)
 
     def _host_copies_from(self, items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
         """The CUDA device whose weights this version copies into host staging, else None."""
@@ -401,6 +405,51 @@ class WeightPublisher:
 
         return drain
 
+    def _pack_on_device(
+        self,
+        version: int,
+        manifest: Manifest,
+        items: list[tuple[str, torch.Tensor]],
+        slot: Slot,
+        device: torch.device,
+        staged: _StagedDelta | None,
+    ) -> Callable[[], None]:
+        """`_pack_in_background` for CUDA weights with deltas on: pack the version on the GPU
+        (`DevicePacks`), copy it to the host slot bucket by bucket from there, and have the
+        compare thread compare it with the base's packed bytes on the device (whole buckets
+        when the base was not packed there). Returns the drain of the copies to the host."""
+        assert self._device_packs is not None  # deltas are on
+        bucket = manifest.bucket_bytes
+        marks: list[tuple[Callable[[], None], int]] = []
+        with background_copies(device) as mark:
+            packed = self._device_packs.pack(version, manifest, [t for _, t in items], device)
+            ready = mark()
+            host = slot.mapped.tensor
+            for k in range(manifest.num_buckets):
+                lo, hi = k * bucket, min((k + 1) * bucket, manifest.nbytes)
+                host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
+                marks.append((mark(), hi))
+        self._drained.clear()
+        if staged is not None:
+            old = self._device_packs.base(staged.base, manifest)
+            if old is None:  # the base was not packed on the GPU (its tensors were not CUDA): go whole
+                for _ in range(manifest.num_buckets):
+                    staged.add(None)
+            else:
+                self._comparing = self._comparer.submit(
+                    self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready
+                )
+
+        def drain() -> None:
+            try:
+                for copied, end in marks:
+                    copied()
+                    self._table.advance(slot, end)
+            finally:
+                self._drained.set()
+
+        return drain
+
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
         """Build the manifest of `model`'s tensors and allocate every slot for it now."""
         items = _items(model.state_dict() if isinstance(model, torch.nn.Module) else model)
@@ -428,31 +477,35 @@ class WeightPublisher:
         upto = manifest.num_buckets if filled >= manifest.nbytes else filled // manifest.bucket_bytes
         if upto > staged.submitted:
             first, staged.submitted = staged.submitted, upto
-            self._comparing = self._comparer.submit(self._compare, slot, base, staged, first, upto)
+            self._comparing = self._comparer.submit(
+                self._compare, slot.mapped.tensor, base.mapped.tensor, manifest, staged, first, upto
+            )
 
-    def _compare(self, slot: Slot, base: Slot, staged: _StagedDelta, first: int, upto: int) -> None:
-        """Compare thread: buckets [first, upto) of `slot` against the same bytes of `base`
-        (one vectorised pass each); records the version's density once the last is done."""
+    def _compare(
+        self,
+        new: torch.Tensor,
+        old: torch.Tensor,
+        manifest: Manifest,
+        staged: _StagedDelta,
+        first: int,
+        upto: int,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
+        """Compare thread: buckets [first, upto) of `new` (a version's staged bytes, on the
+        host or packed on the GPU) against the same bytes of `old` (its base's), one vectorised
+        pass each, once `ready()` returns (the GPU pack is done); records the version's density
+        once the last is done."""
         bucket = staged.bucket_bytes
-        new, old = slot.mapped.tensor, base.mapped.tensor
         try:
-            for k in range(first, upto):
-                dense = staged.buckets[-_DENSE_RUN:]
-                if len(dense) == _DENSE_RUN and all(c is None for c in dense):
-                    staged.add(None)
-                    continue
-                staged.add(
-                    compare(
-                        new[k * bucket : (k + 1) * bucket],
-                        old[k * bucket : (k + 1) * bucket],
-                        scratch=self._compare_scratch,
-                    )
-                )
+            if ready is not None:
+                ready()
+            with side_stream(new.device, "compare") if new.is_cuda else contextlib.nullcontext():
+                self._compare_buckets(new, old, staged, first, upto)
         except Exception:
             log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
             staged.fail()
             raise
-        if upto == slot.manifest.num_buckets:
+        if upto == manifest.num_buckets:
             if sum(c is None for c in staged.buckets) * 2 > len(staged.buckets):
                 self._skip_dense = _DENSE_PROBE - 1
             changed = sum(bucket if c is None else c.count for c in staged.buckets)
@@ -460,6 +513,24 @@ class WeightPublisher:
                 stats = self._stats.get(staged.version)
                 if stats is not None:
                     stats.changed = changed
+                    stats.compared_on = str(new.device)
+
+    def _compare_buckets(
+        self, new: torch.Tensor, old: torch.Tensor, staged: _StagedDelta, first: int, upto: int
+    ) -> None:
+        bucket = staged.bucket_bytes
+        for k in range(first, upto):
+            dense = staged.buckets[-_DENSE_RUN:]
+            if len(dense) == _DENSE_RUN and all(c is None for c in dense):
+                staged.add(None)
+                continue
+            staged.add(
+                compare(
+                    new[k * bucket : (k + 1) * bucket],
+                    old[k * bucket : (k + 1) * bucket],
+                    scratch=self._compare_scratch,
+                )
+            )
 
     def _record_stats(self, version: int, nbytes: int, staged: _StagedDelta | None) -> None:
         with self._stats_lock:
@@ -684,6 +755,8 @@ class WeightPublisher:
         if self._upstream is not None:
             self._upstream.close()
         self._table.close()
+        if self._device_packs is not None:
+            self._device_packs.clear()
         if self._client is not None:
             self._client.close()
 
@@ -724,6 +797,9 @@ class VersionStats:
     """Bytes those pulls put on the wire (frames included)."""
     delta_pulls: int = 0
     whole_pulls: int = 0
+    compared_on: str = ""
+    """Where the compare ran: "cpu" (host staging), a CUDA device (weights packed on the GPU
+    first), or "" (not compared)."""
 
     @property
     def density(self) -> float:

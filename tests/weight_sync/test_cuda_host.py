@@ -1,7 +1,8 @@
 """CUDA weights through the host-staged transports (marked `cuda`): the publisher's slots are
 registered with CUDA when it is built from CUDA tensors, and subscriber processes holding CUDA
 tensors take every version exact over shm (a registered mapping) and tcp (registered receive
-buffers). Without CUDA, registration is never attempted."""
+buffers); with deltas on, versions are packed and compared on the GPU and still land exact.
+Without CUDA, registration is never attempted."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transfer_queue.cuda import in_use
 from weight_sync import WeightPublisher
 
 from .harness import Subscribers, check
-from .workers import BUCKET, weights
+from .workers import BUCKET, sparse_weights, weights
 
 
 def test_a_process_without_cuda_registers_nothing():
@@ -61,5 +62,26 @@ def test_publish_returns_before_its_copies_and_the_trainer_may_overwrite_at_once
             subs.wait_applied(version)
         for summary in subs.finish().values():
             check(summary, 3)
+    finally:
+        pub.close()
+
+
+@pytest.mark.cuda
+def test_deltas_of_cuda_weights_are_compared_on_the_gpu():
+    """With deltas on, each version of CUDA weights is packed on the GPU and compared with the
+    previous one there; subscribers (validating) pull deltas and every apply is exact."""
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
+    subs = Subscribers(2, pub.endpoint, "tcp", sparse=True, validate=True)
+    try:
+        for version in range(1, 6):
+            pub.publish({n: t.cuda() for n, t in sparse_weights(version).items()}, version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in range(2, 6):
+            assert stats[version].compared_on.startswith("cuda"), stats[version]
+            assert stats[version].delta_pulls == 2 and stats[version].sent * 5 < stats[version].requested
+        for summary in subs.finish().values():
+            assert summary["applied"] == [1, 2, 3, 4, 5]
+            check(summary, 5)
     finally:
         pub.close()

@@ -42,6 +42,7 @@ def test_sparse_versions_cross_as_deltas_and_land_exact():
             assert stats[version].delta_pulls == 2 and stats[version].whole_pulls == 0, stats[version]
             assert stats[version].sent * 5 < stats[version].requested, stats[version]
             assert 0 < stats[version].density < 0.1
+            assert stats[version].compared_on == "cpu"
         for summary in subs.finish().values():
             assert summary["applied"] == [1, 2, 3, 4, 5]
             check(summary, 5)
