@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check in one command: the `cuda` tests, then benchmarks/gpu.py in three parts, each
-# under its own timeout so one hang cannot eat the others. Log and JSON records go to $OUT.
+# The GPU check in one command: the `cuda` tests, benchmarks/gpu.py in three parts, then the delta
+# benchmark with a GPU trainer, each under its own timeout so one hang cannot eat the others.
+# Log and JSON records go to $OUT.
 #   bash benchmarks/gpu_check.sh                            # the project installed
 #   WHEELS=.whl OUT=/tmp/out bash benchmarks/gpu_check.sh   # offline: install cp312 wheels first
 # See docs/gpu.md ("Running the GPU check") for what each part measures.
@@ -29,4 +30,5 @@ step 150 $PY -m pytest -q -s -p no:cacheprovider -m cuda -rs --timeout 120 tests
 step 120 $PY benchmarks/gpu.py --sizes 4GiB --reps 3 --transports cuda_ipc,shm
 step 150 $PY benchmarks/gpu.py --sizes 4GiB --reps 2 --subscribers 1 --transports tcp,ucx,nixl,torch
 step 150 $PY benchmarks/gpu.py --sizes 16GiB --reps 2 --subscribers 1 --transports cuda_ipc,shm
-cp results/gpu-*.json "$OUT"/ 2>/dev/null || true
+step 150 $PY benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6,1e-5 --subscribers 1 --steps 4 --device cuda
+cp results/gpu-*.json results/weight_sync_delta-*.json "$OUT"/ 2>/dev/null || true
