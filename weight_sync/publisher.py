@@ -106,7 +106,8 @@ class WeightPublisher:
             (subscribers are then given `publisher.endpoint` directly).
         transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
             "nixl", "torch", or "cuda_ipc", which stages on the GPU and so serves alone), a
-            `Transport` instance (e.g. `TcpTransport(fanout=1)`), or a list.
+            `Transport` instance (e.g. `TcpTransport(fanout=1)`; `NixlTransport(memory="cuda")`
+            stages on the GPU too), or a list.
         name: the channel; one coordinator (rank 0) per name and controller.
         rank, world_size: this trainer rank among those that publish shards of the model.
         coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
@@ -115,7 +116,7 @@ class WeightPublisher:
         cast: dtype conversions applied while staging, e.g. {torch.float32: torch.bfloat16}.
         bucket_bytes: staging bucket size: the unit of pipelining.
         slots: staging slots (2 = double buffering; 1 halves memory but `publish` then waits
-            for readers of the previous version). Over cuda_ipc they are GPU memory:
+            for readers of the previous version). Over GPU-staging transports they are GPU memory:
             `slots` × the model's bytes on the weights' device.
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead.
@@ -178,11 +179,11 @@ class WeightPublisher:
         if len(staging) > 1:
             raise ValueError(
                 f"transports {sorted(self._transports)} stage in different memories (host and GPU); "
-                "serve cuda_ipc from its own publisher"
+                "serve the GPU-staging ones (cuda_ipc, nixl with memory='cuda', torch with NCCL) from their own publisher"
             )
         self._gpu_staging = staging == {"cuda"}
         if self._gpu_staging and validate:
-            raise ValueError("validate=True checksums host staging; cuda_ipc stages on the GPU")
+            raise ValueError(f"validate=True checksums host staging; {sorted(self._transports)} stage on the GPU")
         if delta is True and slots < 2:
             raise ValueError("delta=True needs slots >= 2: the previous version is the base")
         self.delta = slots >= 2 and (

@@ -1,7 +1,10 @@
 """The nixl transport's own promises: a read's contiguous runs are exactly its box's bytes (on
-CPU, without NIXL), and through real processes two subscribers READ identical exact weights out
-of the publisher's registered staging, the slot's address and the agent's metadata reaching
-them only in their grants."""
+CPU, without NIXL); `memory=` picks host or GPU staging and receive buffers, and refuses
+anything else (and CUDA where there is none) with a `SchemaError`; through real processes two
+subscribers READ identical exact weights out of the publisher's registered host staging, the
+slot's address, memory and the agent's metadata reaching them only in their grants. Marked
+`cuda`: the publisher's GPU slots are registered as VRAM and read into subscribers' GPU (or host)
+receive buffers, every version exact in their CUDA tensors."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import msgspec
 import pytest
 import torch
 
+from transfer_queue import SchemaError
 from weight_sync import NixlTransport, WeightPublisher
 from weight_sync.plan import Read
 from weight_sync.transports.nixl import NixlSlot, runs
@@ -40,7 +44,32 @@ def test_runs_are_the_box_bytes_in_order(shape, lo, hi):
 
 def test_slot_handles_are_msgpack_structs():
     handle = msgspec.msgpack.encode(NixlSlot("sluice-1-0-ab", b"\x00md", 1 << 40))
-    assert msgspec.msgpack.decode(handle, type=NixlSlot) == NixlSlot("sluice-1-0-ab", b"\x00md", 1 << 40, 0)
+    assert msgspec.msgpack.decode(handle, type=NixlSlot) == NixlSlot("sluice-1-0-ab", b"\x00md", 1 << 40, 0, "DRAM")
+    gpu = NixlSlot("sluice-1-0-ab", b"\x00md", 1 << 40, 1, "VRAM")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(gpu), type=NixlSlot) == gpu
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(["a", b"", 0, 0, "HBM"]), type=NixlSlot)
+
+
+def test_memory_picks_where_it_stages_and_receives():
+    host = NixlTransport()
+    assert host.staging == "host" and host.receive_device is None
+    if torch.cuda.is_available():
+        gpu = NixlTransport(memory="cuda")
+        assert gpu.staging == "cuda" and gpu.receive_device == torch.device("cuda", torch.cuda.current_device())
+        assert NixlTransport(memory=torch.device("cuda", 0)).receive_device == torch.device("cuda", 0)
+        with pytest.raises(SchemaError, match="sees"):
+            NixlTransport(memory=f"cuda:{torch.cuda.device_count()}")
+    else:
+        for memory in ("cuda", "cuda:0", torch.device("cuda")):
+            with pytest.raises(SchemaError, match="no CUDA"):
+                NixlTransport(memory=memory)
+
+
+@pytest.mark.parametrize("memory", ["cpu", "gpu", "DRAM", "meta", "cuda:x", 0, None])
+def test_memory_other_than_host_or_cuda_is_refused(memory):
+    with pytest.raises(SchemaError, match="'host' or a CUDA device"):
+        NixlTransport(memory=memory)
 
 
 @pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
@@ -53,6 +82,38 @@ def test_two_subscribers_read_identical_exact_weights():
             pub.publish(weights(version), version)
             subs.wait_applied(version)
         assert sorted(served._slots) == [0, 1], "each slot registered once"
+        assert all(not s.mapped.tensor.is_cuda for s in pub._table.slots)
+        assert {_memory(handle) for _, _, handle in served._slots.values()} == {"DRAM"}
+        for summary in subs.finish().values():
+            check(summary, 3)
+    finally:
+        pub.close()
+    assert served._agent is None and not served._slots, "closing deregistered the slots"
+
+
+def _memory(handle: bytes) -> str:
+    return msgspec.msgpack.decode(handle, type=NixlSlot).memory
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
+@pytest.mark.parametrize("receive", ["cuda", "host"])
+def test_gpu_slots_are_read_into_receive_buffers(receive):
+    """GPU staging registered as VRAM; subscribers with CUDA targets READ it into a GPU receive
+    buffer (GPU to GPU, then a device-to-device apply) or a host one (UCX copies device to host)."""
+    gpu = {n: t.cuda() for n, t in weights(0).items()}
+    with pytest.raises(ValueError, match="different memories"):
+        WeightPublisher(None, transport=[NixlTransport(memory="cuda"), "shm"])
+    served = NixlTransport(memory="cuda")
+    pub = WeightPublisher(None, transport=served, bucket_bytes=BUCKET, model=gpu, timeout=30)
+    subs = Subscribers(2, pub.endpoint, ("nixl", {"memory": receive}), device="cuda", timeout=30.0)
+    try:
+        assert all(s.mapped.tensor.is_cuda for s in pub._table.slots), "GPU staging slots"
+        for version in (1, 2, 3):
+            pub.publish({n: t.cuda() for n, t in weights(version).items()}, version)
+            subs.wait_applied(version, timeout=60)
+        assert {_memory(handle) for _, _, handle in served._slots.values()} == {"VRAM"}
         for summary in subs.finish().values():
             check(summary, 3)
     finally:

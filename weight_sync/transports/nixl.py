@@ -2,14 +2,24 @@
 publisher's registered staging, with no server loop on the publisher's side.
 
 The publisher's NIXL agent registers each staging slot once (per slot generation); the slot's
-address and the agent's metadata (its connection info and the slot's remote keys) travel in the
-subscriber's `Granted` reply (`SlotInfo.handle`, a msgspec struct, never pickled), over the
-channel's control connection, which is authenticated like every other (CurveZMQ with the
-cluster's credentials): only a subscriber holding a lease learns where to read. A subscriber adds
-the publisher's agent once (again when its metadata changes, e.g. a slot was reallocated),
-registers each receive buffer once, and reads every read's contiguous runs in one NIXL transfer
-into the buffer where its plan puts them. A READ cannot wait for bytes still being staged, so
-subscribers read complete versions only (`pipelined = False`).
+address, its memory (host "DRAM" or GPU "VRAM", and which GPU) and the agent's metadata (its
+connection info and the slot's remote keys) travel in the subscriber's `Granted` reply
+(`SlotInfo.handle`, a msgspec struct, never pickled), over the channel's control connection,
+which is authenticated like every other (CurveZMQ with the cluster's credentials): only a
+subscriber holding a lease learns where to read. A subscriber adds the publisher's agent once
+(again when its metadata changes, e.g. a slot was reallocated), registers each receive buffer
+once, and reads every read's contiguous runs in one NIXL transfer into the buffer where its plan
+puts them. A READ cannot wait for bytes still being staged, so subscribers read complete
+versions only (`pipelined = False`).
+
+Memory: `NixlTransport(memory="host")` (the default) stages in host slots and receives into
+host buffers. `memory="cuda"` (or "cuda:N") stages in GPU slots on a publisher (a device-to-
+device snapshot, as for `cuda_ipc`) and receives into a GPU buffer on a subscriber
+(`receive_device`), so the READ is GPU to GPU: UCX moves it with cuda_ipc / cuda_copy on one
+host and GPUDirect RDMA across hosts where the NIC allows it, and the apply is a device-to-device
+copy. The two sides choose independently (a host-memory subscriber may read GPU slots, UCX then
+copies device to host). GPU memory needs a UCX built with CUDA (the `nixl-cu13` wheel's is);
+NIXL refusing to register it raises `WeightSyncError`.
 
 An optional extra (`pip install sluice-rl[nixl]`: PyPI `nixl-cu13`, import name `nixl_cu13`);
 `is_available()` is False without it. NIXL's UCX honours `UCX_TLS` like the `ucx` transport.
@@ -24,13 +34,13 @@ import math
 import os
 import threading
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
 import torch
 
-from transfer_queue import WeightSyncError
+from transfer_queue import SchemaError, WeightSyncError
 
 from ..plan import Read
 from .base import Job, Transport, register
@@ -61,7 +71,9 @@ class NixlSlot(msgspec.Struct, frozen=True, array_like=True):
     address: int
     """The slot's first byte in the publisher's address space."""
     device: int = 0
-    """NIXL's device id of the slot's memory (0 for host memory)."""
+    """NIXL's device id of the slot's memory: the CUDA device's index for "VRAM", 0 for "DRAM"."""
+    memory: Literal["DRAM", "VRAM"] = "DRAM"
+    """NIXL's memory type of the slot: host ("DRAM") or GPU ("VRAM") memory."""
 
 
 _SLOT_ENCODER = msgspec.msgpack.Encoder()
@@ -85,6 +97,57 @@ def runs(read: Read) -> np.ndarray:
     return np.stack([starts, np.full(len(starts), length, np.int64)], axis=1)
 
 
+def _memory_device(memory: str | torch.device) -> torch.device | None:
+    """What `NixlTransport(memory=)` names: None for "host", else the CUDA device (its index
+    filled in: the current device for a bare "cuda").
+
+    Raises:
+        SchemaError: `memory` is neither "host" nor a CUDA device, or names CUDA in a process
+            without CUDA, or a device it does not see.
+    """
+    if memory == "host":
+        return None
+    device = None
+    if isinstance(memory, (str, torch.device)):  # not an int: torch reads 0 as a CUDA device
+        try:
+            device = torch.device(memory)
+        except RuntimeError:
+            pass
+    if device is None or device.type != "cuda":
+        raise SchemaError(f"NixlTransport(memory={memory!r}): 'host' or a CUDA device ('cuda', 'cuda:1')")
+    if not torch.cuda.is_available():
+        raise SchemaError(
+            f"NixlTransport(memory={memory!r}) stages and receives in GPU memory, and this process has no CUDA "
+            "(torch sees no CUDA device); use memory='host'"
+        )
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise SchemaError(
+            f"NixlTransport(memory={memory!r}): this process sees {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return device
+
+
+def _where(tensor: torch.Tensor) -> tuple[Literal["DRAM", "VRAM"], int]:
+    """NIXL's (memory type, device id) of `tensor`'s memory."""
+    return ("VRAM", tensor.get_device()) if tensor.is_cuda else ("DRAM", 0)
+
+
+def _register(agent: Any, tensor: torch.Tensor, size: int, what: str) -> Any:
+    """Register `size` bytes from `tensor`'s first with `agent`; returns the registration.
+
+    Raises:
+        WeightSyncError: NIXL refused (GPU memory: a UCX built without CUDA support).
+    """
+    memory, device = _where(tensor)
+    try:
+        return agent.register_memory([(tensor.data_ptr(), size, device, "")], memory)
+    except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
+        hint = " (GPU memory needs a UCX with CUDA support, as in the nixl-cu13 wheel)" if memory == "VRAM" else ""
+        raise WeightSyncError(f"nixl could not register {what} ({memory}, {size} bytes){hint}: {exc!r}") from exc
+
+
 def _wait(agent: Any, handle: Any, timeout: float, what: str) -> None:
     """Poll a NIXL transfer until it is done; NIXL offers no blocking wait (backing off up to 1 ms)."""
     deadline = time.monotonic() + timeout
@@ -104,13 +167,29 @@ def _wait(agent: Any, handle: Any, timeout: float, what: str) -> None:
 @register
 class NixlTransport(Transport):
     """NIXL agents, one per transport: the publisher's registers its slots, a subscriber's its
-    receive buffers and reads into them."""
+    receive buffers and reads into them.
+
+    Args:
+        memory: "host" (the default): host staging slots and host receive buffers. "cuda" or
+            "cuda:N": a publisher stages in GPU slots on its weights' device (`slots` × the
+            model's bytes of GPU memory, as `cuda_ipc`; it then serves no host-staging
+            transport beside it) and a subscriber receives into a GPU buffer on that device
+            (the current one for "cuda"), so READs go GPU to GPU.
+
+    Raises:
+        SchemaError: `memory` is neither "host" nor a CUDA device, or names CUDA in a process
+            without CUDA, or a device it does not see.
+    """
 
     name = "nixl"
     mode = "reads"
     pipelined: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, memory: str | torch.device = "host") -> None:
+        device = _memory_device(memory)
+        if device is not None:
+            self.staging = "cuda"
+            self.receive_device = device
         self._agent: Any = None
         self._lock = threading.Lock()
         self._slots: dict[int, tuple[int, Any, bytes]] = {}  # slot index -> (generation, registration, handle)
@@ -134,7 +213,8 @@ class NixlTransport(Transport):
         return self._get_agent().name
 
     def describe(self, slot) -> bytes:  # noqa: ANN001 - a staging.Slot
-        """Register `slot`'s segment with the agent (once per generation) and say where it is."""
+        """Register `slot`'s segment with the agent (once per generation) and say where it is;
+        raises `WeightSyncError` if NIXL refuses the memory."""
         with self._lock:
             held = self._slots.get(slot.index)
             if held is not None and held[0] == slot.generation:
@@ -142,9 +222,13 @@ class NixlTransport(Transport):
             agent = self._get_agent()
             if held is not None:
                 agent.deregister_memory(held[1])
+                del self._slots[slot.index]
             tensor = slot.mapped.tensor
-            registration = agent.register_memory([(tensor.data_ptr(), slot.size, 0, "")], "DRAM")
-            handle = _SLOT_ENCODER.encode(NixlSlot(agent.name, agent.get_agent_metadata(), tensor.data_ptr()))
+            registration = _register(agent, tensor, slot.size, f"staging slot {slot.index}")
+            memory, device = _where(tensor)
+            handle = _SLOT_ENCODER.encode(
+                NixlSlot(agent.name, agent.get_agent_metadata(), tensor.data_ptr(), device, memory)
+            )
             self._slots[slot.index] = (slot.generation, registration, handle)
             return handle
 
@@ -172,12 +256,16 @@ class NixlTransport(Transport):
             [offset + np.concatenate(([0], np.cumsum(s[:-1, 1]))) for offset, s in zip(job.offsets, spans)]
         )
         zeros = np.zeros(len(starts), np.int64)
-        local_descs = np.stack([starts + local, lengths, zeros], axis=1).astype(np.uint64)
+        memory, device = _where(into)
+        local_descs = np.stack([starts + local, lengths, zeros + device], axis=1).astype(np.uint64)
         remote_descs = np.stack([remote_descs[:, 0], lengths, zeros + where.device], axis=1).astype(np.uint64)
         what = f"version {job.version} from rank {job.rank}"
         try:
             handle = agent.initialize_xfer(
-                "READ", agent.get_xfer_descs(local_descs, "DRAM"), agent.get_xfer_descs(remote_descs, "DRAM"), remote
+                "READ",
+                agent.get_xfer_descs(local_descs, memory),
+                agent.get_xfer_descs(remote_descs, where.memory),
+                remote,
             )
         except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
             raise WeightSyncError(f"nixl could not prepare the read of {what}: {exc}") from exc
@@ -208,7 +296,7 @@ class NixlTransport(Transport):
         if key not in self._buffers:
             for old in [k for k in self._buffers if k[0] < start + size and start < k[0] + k[1]]:
                 agent.deregister_memory(self._buffers.pop(old))
-            self._buffers[key] = agent.register_memory([(start, size, 0, "")], "DRAM")
+            self._buffers[key] = _register(agent, into, size, "the receive buffer")
         return start
 
     def close(self) -> None:
