@@ -11,19 +11,21 @@ It measures, on the first CUDA device (subscribers spread over the others when t
   mapped arena (co-located) and TCP frames, against the raw pinned round trip (D2H + H2D of the
   same bytes);
 - weight sync of Llama-shaped bf16 CUDA weights into CUDA tensors of 1 and 2 subscriber
-  processes, over cuda_ipc, shm, tcp, ucx and nixl (when installed) and torch (NCCL when there
-  is a GPU per member, else gloo): end to end (publish to the last subscriber's apply), how
-  long `publish` blocks, the first version's end to end over the steady state's, and whether
-  every version arrived exact (an exact integer checksum of all bytes, per version).
+  processes, over cuda_ipc, shm, tcp, ucx and nixl (when installed; `nixl_cuda` is nixl with
+  `memory="cuda"` on both sides: GPU staging read into GPU receive buffers) and torch (NCCL
+  when there is a GPU per member, else gloo): end to end (publish to the last subscriber's
+  apply), how long `publish` blocks, the first version's end to end over the steady state's, and
+  whether every version arrived exact (an exact integer checksum of all bytes, per version).
 
 Each figure is printed with its limit and the ratio (a row's limit: one D2D copy of the weights
-for cuda_ipc and NCCL, the pinned D2H + H2D of the same bytes for the host-staged transports;
-blocking against a D2D snapshot or a pinned D2H). Without CUDA it says so and exits 0. Needs
+for the GPU-staged rows, cuda_ipc, nixl_cuda and NCCL; the pinned D2H + H2D of the same bytes
+for the host-staged transports; blocking against a D2D snapshot or a pinned D2H). Without CUDA it says so and exits 0. Needs
 nothing beyond the project's dependencies. Writes results/gpu-<time>.json. Run:
 
     python benchmarks/gpu.py                          # 4 GiB and 16 GiB, every transport
     python benchmarks/gpu.py --sizes 4GiB --reps 3    # one size
     python benchmarks/gpu.py --transports cuda_ipc,shm --subscribers 1
+    python benchmarks/gpu.py --sizes 4GiB --transports nixl,nixl_cuda --subscribers 1   # nixl from host / GPU slots
     python benchmarks/gpu.py --data-plane-only        # the data plane alone (seconds)
     python benchmarks/gpu.py --device cpu --sizes 256MiB --transports shm --subscribers 1 --reps 1
         # the script's own check on a machine without a GPU (host paths only, not GPU figures)
@@ -47,7 +49,10 @@ from benchmarks.weight_sync import llama_shapes  # noqa: E402
 
 WARMUP = 2
 """Versions published before measuring (one per staging slot); the first one is reported apart."""
-TRANSPORTS = ("cuda_ipc", "shm", "tcp", "ucx", "nixl", "torch")
+TRANSPORTS = ("cuda_ipc", "shm", "tcp", "ucx", "nixl", "nixl_cuda", "torch")
+GPU_STAGED = ("cuda_ipc", "nixl_cuda")
+"""Rows whose publisher stages on the GPU, so they need CUDA (torch under NCCL stages there too:
+its limit is chosen by backend)."""
 BATCH = (256, 8192)
 """The data plane's batch: samples x tokens."""
 FIXED = (256, 8)
@@ -227,7 +232,7 @@ def _subscriber(conn, gpu: int, device: str) -> None:  # noqa: ANN001
             conn.send("ok")
         elif cmd == "session":
             name, backend, endpoint, versions = args
-            transport = TorchTransport(backend=backend) if name == "torch" else name
+            transport = TorchTransport(backend=backend) if name == "torch" else _named(name)
             with WeightSubscriber(None, targets, transport=transport, publisher=endpoint, timeout=300) as sub:
                 sub.poll()  # connect and open co-located slots now, as a rollout worker does at start-up
                 conn.send("ready")
@@ -266,12 +271,20 @@ class Subscribers:
             proc.join(30)
 
 
+def _named(name: str):  # noqa: ANN202 - a name or a Transport
+    """A row's transport as either side builds it (not torch's): `nixl_cuda` is nixl staging on
+    the publisher's GPU and receiving into the subscriber's."""
+    from weight_sync import NixlTransport
+
+    return NixlTransport(memory="cuda") if name == "nixl_cuda" else name
+
+
 def _transport(name: str, n: int, device: torch.device):  # noqa: ANN202
     """The publisher's transport and the torch backend its subscribers use."""
     from weight_sync import TorchTransport
 
     if name != "torch":
-        return name, ""
+        return _named(name), ""
     backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() > n else "gloo"
     return TorchTransport(world_size=n + 1, backend=backend), backend
 
@@ -311,9 +324,9 @@ def weight_sync(
 def _available(name: str, device: torch.device) -> bool:
     from weight_sync.transports import get
 
-    if name == "cuda_ipc" and device.type != "cuda":
+    if name in GPU_STAGED and device.type != "cuda":
         return False
-    return get(name).is_available()
+    return get("nixl" if name == "nixl_cuda" else name).is_available()
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -393,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                     _free(device)
                     label = f"{name}{'/' + res['backend'] if res['backend'] else ''} x{n}"
                     entry["rows"][label] = res
-                    gpu_limit = name == "cuda_ipc" or res["backend"] == "nccl"
+                    gpu_limit = name in GPU_STAGED or res["backend"] == "nccl"
                     limit = lim["d2d"] if gpu_limit else lim["d2h_pinned"] + lim["h2d_pinned"]
                     block_limit = lim["d2d"] if gpu_limit else lim["d2h_pinned"]
                     s, b = median(res["seconds"]), median(res["blocking"])
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print_table(
                 f"weight sync {size}, CUDA weights into CUDA tensors: medians of {args.reps} versions; limit = one D2D copy "
-                "(cuda_ipc, nccl; goal <= 3, blocks <= 2) or pinned D2H + H2D (host-staged; shm goal <= 2, blocks <= 1.5); "
+                "(cuda_ipc, nixl_cuda, nccl; goal <= 3, blocks <= 2) or pinned D2H + H2D (host-staged; shm goal <= 2, blocks <= 1.5); "
                 "first/s goal <= 1.5",
                 ["what", "s", "GB/s each", "s/limit", "blocks s", "blocks/limit", "first/s", "exact"],
                 rows,
