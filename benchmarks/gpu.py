@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -353,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sorted(set(args.transports.split(",")) - set(names))
     if skipped:
         print(f"not available here, skipped: {', '.join(skipped)}")
+    if "nixl_cuda" in names and "ucx" in names and "UCX_TLS" not in os.environ:
+        # the ucx row sets UCX_TLS (tcp,sm,self) in each process it runs in, which would leave the
+        # nixl_cuda rows after it without UCX's CUDA transports: set one list for every row
+        from weight_sync.transports.ucx import DEFAULT_TLS
+
+        os.environ["UCX_TLS"] = f"{DEFAULT_TLS},cuda_copy,cuda_ipc"
+        print(f"UCX_TLS={os.environ['UCX_TLS']} (ucx and nixl_cuda in one run)")
     record: dict = {"card": card, "gpus": gpus, "sizes": {}}
 
     dp = data_plane(device, args.reps)

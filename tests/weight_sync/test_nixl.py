@@ -12,10 +12,10 @@ import msgspec
 import pytest
 import torch
 
-from transfer_queue import SchemaError
+from transfer_queue import SchemaError, WeightSyncError
 from weight_sync import NixlTransport, WeightPublisher
 from weight_sync.plan import Read
-from weight_sync.transports.nixl import NixlSlot, runs
+from weight_sync.transports.nixl import NixlSlot, _register, runs
 
 from .harness import Subscribers, check
 from .workers import BUCKET, weights
@@ -89,6 +89,22 @@ def test_two_subscribers_read_identical_exact_weights():
     finally:
         pub.close()
     assert served._agent is None and not served._slots, "closing deregistered the slots"
+
+
+@pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine's UCX reaches GPU memory")
+def test_gpu_memory_a_ucx_cannot_reach_is_a_weight_sync_error():
+    """Without CUDA, NIXL's UCX takes any memory for host memory and refuses a VRAM registration:
+    the error says what GPU memory needs."""
+    transport = NixlTransport()
+    agent = transport._get_agent()
+    host = torch.zeros(4096, dtype=torch.uint8)
+    try:
+        with pytest.raises(WeightSyncError, match="UCX's CUDA transports"):
+            _register(agent, host.data_ptr(), host.numel(), "VRAM", 0, "staging slot 0")
+        agent.deregister_memory(_register(agent, host.data_ptr(), host.numel(), "DRAM", 0, "staging slot 0"))
+    finally:
+        transport.close()
 
 
 def _memory(handle: bytes) -> str:

@@ -18,8 +18,10 @@ device snapshot, as for `cuda_ipc`) and receives into a GPU buffer on a subscrib
 (`receive_device`), so the READ is GPU to GPU: UCX moves it with cuda_ipc / cuda_copy on one
 host and GPUDirect RDMA across hosts where the NIC allows it, and the apply is a device-to-device
 copy. The two sides choose independently (a host-memory subscriber may read GPU slots, UCX then
-copies device to host). GPU memory needs a UCX built with CUDA (the `nixl-cu13` wheel's is);
-NIXL refusing to register it raises `WeightSyncError`.
+copies device to host). GPU memory needs UCX's CUDA transports: a UCX built with CUDA (the
+`nixl-cu13` wheel's is) and, where `UCX_TLS` is set (the `ucx` transport sets `tcp,sm,self` in
+its process when it is not), `cuda_copy` and `cuda_ipc` among them; NIXL refusing to register
+GPU memory raises `WeightSyncError` saying so.
 
 An optional extra (`pip install sluice-rl[nixl]`: PyPI `nixl-cu13`, import name `nixl_cu13`);
 `is_available()` is False without it. NIXL's UCX honours `UCX_TLS` like the `ucx` transport.
@@ -134,17 +136,22 @@ def _where(tensor: torch.Tensor) -> tuple[Literal["DRAM", "VRAM"], int]:
     return ("VRAM", tensor.get_device()) if tensor.is_cuda else ("DRAM", 0)
 
 
-def _register(agent: Any, tensor: torch.Tensor, size: int, what: str) -> Any:
-    """Register `size` bytes from `tensor`'s first with `agent`; returns the registration.
+def _register(agent: Any, address: int, size: int, memory: str, device: int, what: str) -> Any:
+    """Register `size` bytes at `address` (NIXL's `memory` type on `device`) with `agent`;
+    returns the registration.
 
     Raises:
-        WeightSyncError: NIXL refused (GPU memory: a UCX built without CUDA support).
+        WeightSyncError: NIXL refused (GPU memory: a UCX without its CUDA transports).
     """
-    memory, device = _where(tensor)
     try:
-        return agent.register_memory([(tensor.data_ptr(), size, device, "")], memory)
+        return agent.register_memory([(address, size, device, "")], memory)
     except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
-        hint = " (GPU memory needs a UCX with CUDA support, as in the nixl-cu13 wheel)" if memory == "VRAM" else ""
+        hint = (
+            " (GPU memory needs UCX's CUDA transports: a UCX built with CUDA, as in the nixl-cu13 wheel, and "
+            f"cuda_copy and cuda_ipc among UCX_TLS where it is set; here UCX_TLS={os.environ.get('UCX_TLS')!r})"
+            if memory == "VRAM"
+            else ""
+        )
         raise WeightSyncError(f"nixl could not register {what} ({memory}, {size} bytes){hint}: {exc!r}") from exc
 
 
@@ -224,8 +231,8 @@ class NixlTransport(Transport):
                 agent.deregister_memory(held[1])
                 del self._slots[slot.index]
             tensor = slot.mapped.tensor
-            registration = _register(agent, tensor, slot.size, f"staging slot {slot.index}")
             memory, device = _where(tensor)
+            registration = _register(agent, tensor.data_ptr(), slot.size, memory, device, f"staging slot {slot.index}")
             handle = _SLOT_ENCODER.encode(
                 NixlSlot(agent.name, agent.get_agent_metadata(), tensor.data_ptr(), device, memory)
             )
@@ -296,7 +303,7 @@ class NixlTransport(Transport):
         if key not in self._buffers:
             for old in [k for k in self._buffers if k[0] < start + size and start < k[0] + k[1]]:
                 agent.deregister_memory(self._buffers.pop(old))
-            self._buffers[key] = _register(agent, into, size, "the receive buffer")
+            self._buffers[key] = _register(agent, start, size, *_where(into), "the receive buffer")
         return start
 
     def close(self) -> None:
