@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from transfer_queue import SchemaError, WeightSyncError
+from transfer_queue.cuda import synchronize
 
 from ..plan import Read
 from .base import Job, Transport, register
@@ -267,6 +268,9 @@ class NixlTransport(Transport):
         local_descs = np.stack([starts + local, lengths, zeros + device], axis=1).astype(np.uint64)
         remote_descs = np.stack([remote_descs[:, 0], lengths, zeros + where.device], axis=1).astype(np.uint64)
         what = f"version {job.version} from rank {job.rank}"
+        # UCX's copies are not ordered after this thread's stream: what is queued there on a GPU
+        # buffer (a new one's zero fill) ends first
+        synchronize(into.device)
         try:
             handle = agent.initialize_xfer(
                 "READ",
