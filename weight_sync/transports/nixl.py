@@ -179,10 +179,10 @@ class NixlTransport(Transport):
 
     Args:
         memory: "host" (the default): host staging slots and host receive buffers. "cuda" or
-            "cuda:N": a publisher stages in GPU slots on its weights' device (`slots` × the
-            model's bytes of GPU memory, as `cuda_ipc`; it then serves no host-staging
-            transport beside it) and a subscriber receives into a GPU buffer on that device
-            (the current one for "cuda"), so READs go GPU to GPU.
+            "cuda:N": a publisher stages in GPU slots on its weights' device (the current one
+            for CPU weights), `slots` × the model's bytes of GPU memory as for `cuda_ipc`, and
+            then serves no host-staging transport beside it; a subscriber receives into a GPU
+            buffer on the named device (the current one for "cuda"), so READs go GPU to GPU.
 
     Raises:
         SchemaError: `memory` is neither "host" nor a CUDA device, or names CUDA in a process
