@@ -20,7 +20,8 @@ It measures, on the first CUDA device (subscribers spread over the others when t
 Each figure is printed with its limit and the ratio (a row's limit: one D2D copy of the weights
 for the GPU-staged rows, cuda_ipc, nixl_cuda and NCCL; the pinned D2H + H2D of the same bytes
 for the host-staged transports; blocking against a D2D snapshot or a pinned D2H). Without CUDA
-it says so and exits 0. Needs nothing beyond the project's dependencies. Writes results/gpu-<time>.json. Run:
+it says so and exits 0. Needs nothing beyond the project's dependencies. Writes
+results/gpu-<time>.json. Run:
 
     python benchmarks/gpu.py                          # 4 GiB and 16 GiB, every transport
     python benchmarks/gpu.py --sizes 4GiB --reps 3    # one size
