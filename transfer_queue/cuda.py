@@ -37,6 +37,7 @@ __all__ = [
     "background_copies",
     "side_stream",
     "synchronize",
+    "make_current",
     "ipc_share",
     "ipc_open",
 ]
@@ -269,6 +270,15 @@ def synchronize(device: torch.device | None) -> None:
     """Wait for the copies issued on `device`'s current stream (nothing for the CPU)."""
     if device is not None and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def make_current(device: torch.device) -> None:
+    """Make CUDA `device` this thread's device, with its primary context current, and wait for
+    the work queued on its current stream: for libraries that call the CUDA driver on GPU memory
+    they are handed (UCX, through NIXL), which expect a current context in the calling thread
+    and do not order their copies after torch's streams."""
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device).synchronize()  # a runtime call: binds the context to this thread
 
 
 def ipc_share(t: torch.Tensor) -> tuple:

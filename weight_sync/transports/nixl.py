@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from transfer_queue import SchemaError, WeightSyncError
-from transfer_queue.cuda import synchronize
+from transfer_queue.cuda import make_current
 
 from ..plan import Read
 from .base import Job, Transport, register
@@ -145,8 +145,10 @@ def _register(agent: Any, address: int, size: int, memory: str, device: int, wha
         WeightSyncError: NIXL refused (GPU memory: a UCX without its CUDA transports).
     """
     try:
+        if memory == "VRAM" and torch.cuda.is_available():  # (without CUDA, UCX refuses it below)
+            make_current(torch.device("cuda", device))  # UCX registers it through this thread's context
         return agent.register_memory([(address, size, device, "")], memory)
-    except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types
+    except Exception as exc:  # noqa: BLE001 - nixlBind raises its own types, torch.cuda RuntimeError
         hint = (
             " (GPU memory needs UCX's CUDA transports: a UCX built with CUDA, as in the nixl-cu13 wheel, and "
             f"cuda_copy and cuda_ipc among UCX_TLS where it is set; here UCX_TLS={os.environ.get('UCX_TLS')!r})"
@@ -268,9 +270,8 @@ class NixlTransport(Transport):
         local_descs = np.stack([starts + local, lengths, zeros + device], axis=1).astype(np.uint64)
         remote_descs = np.stack([remote_descs[:, 0], lengths, zeros + where.device], axis=1).astype(np.uint64)
         what = f"version {job.version} from rank {job.rank}"
-        # UCX's copies are not ordered after this thread's stream: what is queued there on a GPU
-        # buffer (a new one's zero fill) ends first
-        synchronize(into.device)
+        if into.is_cuda:  # UCX's copies are not ordered after this thread's stream: what is queued
+            make_current(into.device)  # on the buffer (a new one's zero fill) ends first
         try:
             handle = agent.initialize_xfer(
                 "READ",
