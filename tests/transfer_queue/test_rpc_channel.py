@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import queue
 import warnings
 
 import pytest
@@ -13,7 +14,18 @@ import zmq.asyncio
 from tests.helpers import eventually_async
 from transfer_queue.wire.errors import InternalError, SchemaError, ServiceError
 from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
-from transfer_queue.wire.rpc import SOCKET_BUFFER_BYTES, AsyncChannel, Cancel, Channel, Codec, Ok, Ping, Service
+from transfer_queue.wire.rpc import (
+    SOCKET_BUFFER_BYTES,
+    AsyncChannel,
+    Cancel,
+    Channel,
+    Codec,
+    Ok,
+    Pending,
+    Ping,
+    Service,
+    ThreadService,
+)
 
 
 async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
@@ -197,3 +209,29 @@ async def test_channels_and_services_keep_their_socket_buffers_small():
         for channel in channels:
             channel.close()
         service.sock.close(linger=0)
+
+
+def test_a_thread_service_reports_each_closed_connection_and_drops_its_requests():
+    """`on_disconnect(peer)` names the connection a request came over (`Pending.peer`) when it
+    closes, once, after its open requests are dropped; a second client's requests are its own."""
+    gone: queue.Queue[bytes] = queue.Queue()
+    parked: list[Pending] = []
+    service = ThreadService(Codec(StorageRequest), lambda msg, pending: parked.append(pending), on_disconnect=gone.put)
+    first, second = Channel(service.endpoint, Codec(Reply)), Channel(service.endpoint, Codec(Reply))
+    try:
+        first.send(Read("p", [0], ["x"]))
+        second.send(Read("p", [0], ["x"]))
+        assert isinstance(first.call(Ping(), timeout=10), Ok) and isinstance(second.call(Ping(), timeout=10), Ok)
+        assert len(parked) == 2 and parked[0].peer != parked[1].peer
+        first.close()
+        peer = gone.get(timeout=30)
+        assert peer in {p.peer for p in parked}
+        dropped = next(p for p in parked if p.peer == peer)
+        kept = next(p for p in parked if p.peer != peer)
+        assert dropped.done and not kept.done
+        assert isinstance(second.call(Ping(), timeout=10), Ok)  # the loop goes on; nothing else closed
+        assert gone.empty()
+    finally:
+        first.close()
+        second.close()
+        service.close()

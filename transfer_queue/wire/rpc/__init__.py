@@ -21,7 +21,8 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
   is ever unpickled.
 - Servers: `Service` (asyncio: a handler returns a reply, or a coroutine that parks the request
   as its own task; `current_peer` names the connection a handler serves) and `ThreadService`
-  (a thread: a handler answers a `Pending` now or later, `park` bounds the wait). Both answer
+  (a thread: a handler answers a `Pending` now or later, `park` bounds the wait, and
+  `on_disconnect` reports a client connection that closed, by its `Pending.peer`). Both answer
   `Ping` and `Cancel`, turn every handler failure into an `ErrorReply`, and refuse to bind
   beyond loopback without CurveZMQ `Credentials`.
 - Clients: `Channel` (blocking) and `AsyncChannel` (asyncio), one DEALER to one endpoint each:

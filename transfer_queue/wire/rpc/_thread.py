@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -31,6 +32,12 @@ class Pending:
         self._server, self._key = server, (identity, rid)
         self.done = False
 
+    @property
+    def peer(self) -> bytes:
+        """The connection the request came over (its ROUTER identity): what a service that
+        hands out something held per client keys it by, for `on_disconnect`."""
+        return self._key[0]
+
     def reply(self, msg: Message) -> None:
         """Send `msg` as the answer (a second answer, or one to a cancelled request, is dropped)."""
         if self.done:
@@ -56,6 +63,13 @@ class ThreadService:
     which wakes the loop through a pipe; nothing here polls on a timer. `Ping` and `Cancel`
     are answered here; a handler's exception becomes the request's `ErrorReply`.
 
+    With `on_disconnect`, a client connection that closes (its process exited or died, or it
+    closed the channel) is reported in the server thread as `on_disconnect(peer)` (the
+    `Pending.peer` of its requests), after its open requests are dropped: a service frees what
+    it held for that client at once instead of at a timeout. The connection of each request is
+    known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
+    request is served, so a descriptor reused by a new connection is never mistaken for the old.
+
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
     """
@@ -67,17 +81,24 @@ class ThreadService:
         bind: str = "tcp://127.0.0.1:*",
         credentials: Credentials | None = None,
         name: str = "sluice-rpc",
+        on_disconnect: Callable[[bytes], None] | None = None,
     ):
         refuse_unauthenticated(bind, credentials)
         self._codec = codec
         self._handler = handler
+        self._on_disconnect = on_disconnect
+        self._peers: dict[int, set[bytes]] = {}
+        """Socket descriptor -> the peers (identities) whose requests came over it."""
         self._sock: zmq.Socket = socket(shared_context(zmq.Context), zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
         self._auth: Any = None
         self._monitor: zmq.Socket | None = None
+        events = zmq.EVENT_DISCONNECTED if on_disconnect is not None else 0
         if credentials is not None:
-            self._auth, self._monitor = secure_server(self._sock, credentials)
+            self._auth, self._monitor = secure_server(self._sock, credentials, events)
+        elif events:
+            self._monitor = self._sock.get_monitor_socket(events)
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
@@ -133,7 +154,7 @@ class ThreadService:
                 while self._calls:
                     self._calls.popleft()()
                 if self._monitor is not None and self._monitor in ready:
-                    self.auth_refused += refusals(self._monitor.recv_multipart())
+                    self._events()
                 while self._sock.poll(0, zmq.POLLIN):
                     self._serve(self._sock.recv_multipart(copy=False))
                 self._expire()
@@ -141,11 +162,38 @@ class ThreadService:
             if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
+            if self._auth is not None:
                 self._auth.stop()
             self._sock.close(linger=0)
 
+    def _events(self) -> None:
+        """Take the monitor's events: refused handshakes, and closed connections."""
+        assert self._monitor is not None  # called only with a monitor
+        while self._monitor.poll(0):
+            frames = self._monitor.recv_multipart()
+            self.auth_refused += refusals(frames)
+            event, fd = struct.unpack("=Hi", bytes(frames[0])[:6])
+            if event == zmq.EVENT_DISCONNECTED:
+                self._disconnected(fd)
+
+    def _disconnected(self, fd: int) -> None:
+        """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
+        assert self._on_disconnect is not None  # only then are disconnections watched
+        for peer in self._peers.pop(fd, ()):
+            for key in [k for k in self._open if k[0] == peer]:
+                self._open.pop(key).done = True
+            try:
+                self._on_disconnect(peer)
+            except Exception:  # noqa: BLE001 - the service's cleanup failing must not end the loop
+                log.exception("cleaning up after a disconnected client failed")
+
     def _serve(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
+        if self._on_disconnect is not None and len(frames) > 1:
+            # closings seen before this request are settled first: its descriptor may be one
+            # a closed connection freed (that closing is in the monitor by now)
+            self._events()
+            self._peers.setdefault(frames[1].get(zmq.SRCFD), set()).add(identity)
         rid = 0
         try:
             rid, msg, _ = self._codec.decode(frames[1:])
