@@ -49,8 +49,9 @@ class Coordinator:
     deadline); `submit(fn)` runs `fn` in the server thread; `record(version)` registers a
     complete version with the controller (blocking; it runs on the coordinator's own worker
     thread), or is None without one, and may raise when the controller cannot be reached.
-    `grant(version, transport)` leases rank 0's slot holding `version` for a `Latest` that
-    asks for it (None when it cannot be pinned: the subscriber then sends a `Lease`).
+    `grant(version, transport, peer)` leases rank 0's slot holding `version` to the connection
+    `peer` of a `Latest` that asks for it (None when it cannot be pinned: the subscriber then
+    sends a `Lease`).
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class Coordinator:
         park: Callable[[Pending, float, str], None],
         submit: Callable[[Callable[[], None]], None],
         record: Callable[[int], None] | None,
-        grant: Callable[[int, str], Granted | None],
+        grant: Callable[[int, str, bytes], Granted | None],
     ):
         self.world_size = world_size
         self.grant = grant
@@ -88,7 +89,7 @@ class Coordinator:
                 self.on_staged(rank, version, ok)
                 pending.reply(Ok())
             case Latest() | Confirm():
-                if not self._answer(msg, pending, parked=False):
+                if not self._answer(msg, pending):
                     self.waiters.append((msg, pending))
                     self.park(pending, msg.timeout, "no newer version in time")
 
@@ -142,11 +143,12 @@ class Coordinator:
         if self._recorder is not None:
             self._recorder.shutdown(wait=False, cancel_futures=True)
 
-    def _answer(self, msg: Latest | Confirm, pending: Pending, parked: bool) -> bool:
-        """Answer `msg` now if it can be; False to keep waiting. Rank 0's lease goes with an
-        offer only to a request answered as it arrives: a `parked` one's subscriber may have
-        died meanwhile (its reply would be dropped, and the lease would pin the slot until it
-        expires), so it leases with `Lease` after the offer."""
+    def _answer(self, msg: Latest | Confirm, pending: Pending) -> bool:
+        """Answer `msg` now if it can be; False to keep waiting. Rank 0's lease goes with a
+        complete offer, also to a request that waited for it: the lease is held by the
+        request's connection, so a subscriber that died while it waited (its connection
+        closed: the server drops its requests) is never granted one, and one that dies after
+        the offer went out frees it when its connection closes, not when it expires."""
         if isinstance(msg, Confirm):
             if msg.version in self.recent:
                 pending.reply(Ok())
@@ -157,7 +159,7 @@ class Coordinator:
             return True
         ready = len(self.ranks) == self.world_size
         if ready and self.complete > msg.after:
-            granted = self.grant(self.complete, msg.lease) if msg.lease and not parked else None
+            granted = self.grant(self.complete, msg.lease, pending.peer) if msg.lease else None
             pending.reply(Offer(self.complete, True, self._rank_list(), granted))
         elif (
             ready
@@ -178,5 +180,5 @@ class Coordinator:
     def _wake(self) -> None:
         waiting, self.waiters = self.waiters, []
         for msg, pending in waiting:
-            if not pending.done and not self._answer(msg, pending, parked=True):
+            if not pending.done and not self._answer(msg, pending):
                 self.waiters.append((msg, pending))

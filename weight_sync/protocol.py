@@ -124,7 +124,8 @@ class Latest(_Msg, tag="latest", frozen=True):
 
     `lease` names a "map" transport: a complete offer then carries rank 0's lease on its slot,
     granted as for a `Lease` with that transport (one round trip less per version; the other
-    ranks are still asked)."""
+    ranks are still asked), also when the request waited for the version: the lease is the
+    requesting connection's, released when that connection closes."""
 
     after: int
     complete: bool = True
@@ -248,14 +249,20 @@ DATA_DECODER = msgspec.msgpack.Decoder(DataRequest)
 DATA_ENCODER = msgspec.msgpack.Encoder()
 
 
-def serve(handler: Callable[[Any, Pending], None], bind: str, credentials: Credentials | None) -> ThreadService:
+def serve(
+    handler: Callable[[Any, Pending], None],
+    bind: str,
+    credentials: Credentials | None,
+    on_disconnect: Callable[[bytes], None] | None = None,
+) -> ThreadService:
     """This rank's control server: `handler(msg, pending)` runs in its thread (see
-    `rpc.ThreadService`); with `credentials` a CurveZMQ server admitting the cluster's clients.
+    `rpc.ThreadService`), and so does `on_disconnect(peer)` when a client's connection
+    closes; with `credentials` a CurveZMQ server admitting the cluster's clients.
 
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
     """
-    return ThreadService(Codec(Request), handler, bind, credentials, name="sluice-ws-rpc")
+    return ThreadService(Codec(Request), handler, bind, credentials, name="sluice-ws-rpc", on_disconnect=on_disconnect)
 
 
 class RpcClient(Channel):

@@ -182,6 +182,11 @@ class WeightPublisher:
                 "serve the GPU-staging ones (cuda_ipc, nixl with memory='cuda', torch with NCCL) from their own publisher"
             )
         self._gpu_staging = staging == {"cuda"}
+        self._announce_early = any(t.mode != "map" for t in self._transports.values())
+        """Whether the server thread hears of a version as it starts staging (readers that
+        pull or are pushed a version while it stages start then); a publisher serving only
+        "map" transports, whose readers read complete versions, tells it with the version's
+        completion, in one wake of that thread rather than two."""
         if self._gpu_staging and validate:
             raise ValueError(f"validate=True checksums host staging; {sorted(self._transports)} stage on the GPU")
         if delta is True and slots < 2:
@@ -224,7 +229,8 @@ class WeightPublisher:
         source = _SlotSource(self._table, timeout, self._deltas, self._count)
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
-        self._server = serve(self._handle, f"tcp://{host}:*", self.credentials)
+        # a lease is its reader's connection's: a reader that exits or dies frees its slots
+        self._server = serve(self._handle, f"tcp://{host}:*", self.credentials, self._table.release_holder)
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
         self._coordinator = (
             Coordinator(
@@ -325,7 +331,18 @@ class WeightPublisher:
             if isinstance(exc, Exception):
                 raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
             raise
-        self._finished.put((slot, version, True, drain))
+        if (
+            drain is None
+            and not self.validate
+            and self._coordinator is not None
+            and not self._finished.unfinished_tasks
+        ):
+            # complete already, nothing to checksum, and no earlier version still finishing:
+            # rank 0 completes it here rather than waking the finisher for it (a thread hop
+            # on every version's way to its subscribers)
+            self._finish(slot, version, True, None)
+        else:
+            self._finished.put((slot, version, True, drain))
         self.last_publish_seconds = time.perf_counter() - start
 
     def _stage(
@@ -349,7 +366,8 @@ class WeightPublisher:
             self._deltas.pop(slot.index, None)
         slot.manifest = manifest
         self._last = version
-        self._server.submit(lambda: self._on_started(version))
+        if self._announce_early:
+            self._server.submit(lambda: self._on_started(version))
         for transport in self._transports.values():
             got = self._table.lease(version)
             assert got is not None  # the slot was claimed for `version` just above
@@ -590,37 +608,55 @@ class WeightPublisher:
         return self.shard.layout(name, tensor)
 
     def _finish_loop(self) -> None:
-        """Background: checksum (validation mode) and complete each staged version in order."""
+        """Background: finish each version `publish` queued, in order."""
         while (job := self._finished.get()) is not None:
-            slot, version, ok, drain = job
-            if drain is not None:
-                try:
-                    drain()
-                except Exception:  # noqa: BLE001 - a failed copy: readers get WeightSyncError
-                    log.exception("copying version %d to host staging failed", version)
-                    staged = self._deltas.get(slot.index)
-                    if staged is not None and staged.version == version:
-                        staged.fail()  # delta readers too
-                    self._table.fail(slot)
-                    ok = False
             try:
-                if ok and self.validate:
-                    self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
-            except Exception:  # noqa: BLE001 - the version fails, the loop goes on
-                log.exception("checksumming version %d failed", version)
+                self._finish(*job)
+            finally:
+                self._finished.task_done()
+
+    def _finish(self, slot: Slot, version: int, ok: bool, drain: Callable[[], None] | None) -> None:
+        """Wait for the version's background copies (`drain`), checksum it (validation mode),
+        mark it complete and report it to the coordinator (or fail it)."""
+        if drain is not None:
+            try:
+                drain()
+            except Exception:  # noqa: BLE001 - a failed copy: readers get WeightSyncError
+                log.exception("copying version %d to host staging failed", version)
+                staged = self._deltas.get(slot.index)
+                if staged is not None and staged.version == version:
+                    staged.fail()  # delta readers too
                 self._table.fail(slot)
                 ok = False
-            if ok:
-                self._table.advance(slot, slot.manifest.nbytes, complete=True)
-            coordinator, upstream = self._coordinator, self._upstream
-            if coordinator is not None:
-                with contextlib.suppress(OSError):  # the server has stopped: the publisher is closing
-                    self._server.submit(functools.partial(coordinator.on_staged, 0, version, ok))
-            elif upstream is not None:
-                try:
-                    upstream.call(Staged(self.rank, version, ok))
-                except Exception as exc:  # noqa: BLE001 - rank 0 gone: subscribers will notice too
-                    log.warning("could not tell rank 0 that version %d is staged: %s", version, exc)
+        try:
+            if ok and self.validate:
+                self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
+        except Exception:  # noqa: BLE001 - the version fails, the loop goes on
+            log.exception("checksumming version %d failed", version)
+            self._table.fail(slot)
+            ok = False
+        if ok:
+            self._table.advance(slot, slot.manifest.nbytes, complete=True)
+        coordinator, upstream = self._coordinator, self._upstream
+        started = None if self._announce_early else functools.partial(self._on_started, version)
+        if coordinator is not None:
+
+            def report() -> None:
+                if started is not None:
+                    started()
+                coordinator.on_staged(0, version, ok)
+
+            with contextlib.suppress(OSError):  # the server has stopped: the publisher is closing
+                self._server.submit(report)
+            return
+        if started is not None:
+            with contextlib.suppress(OSError):
+                self._server.submit(started)
+        if upstream is not None:
+            try:
+                upstream.call(Staged(self.rank, version, ok))
+            except Exception as exc:  # noqa: BLE001 - rank 0 gone: subscribers will notice too
+                log.warning("could not tell rank 0 that version %d is staged: %s", version, exc)
 
     # -- control requests (server thread) ------------------------------------------------
 
@@ -655,7 +691,7 @@ class WeightPublisher:
             self._coordinator.on_started(version)
 
     def _lease(self, msg: Lease, pending: Pending) -> None:
-        granted = self._grant(msg)
+        granted = self._grant(msg, pending.peer)
         if granted is not None:
             pending.reply(granted)
         elif msg.version > self._started and not self._closed:
@@ -668,21 +704,23 @@ class WeightPublisher:
                 f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
             )
 
-    def _grant_offered(self, version: int, transport: str) -> Granted | None:
-        """Rank 0: the lease a `Latest` asked for with its offer of `version`, or None (the
-        subscriber then leases with `Lease`, which reports why)."""
+    def _grant_offered(self, version: int, transport: str, holder: bytes) -> Granted | None:
+        """Rank 0: the lease a `Latest` asked for with its offer of `version`, held by the
+        requesting connection `holder`, or None (the subscriber then leases with `Lease`,
+        which reports why)."""
         try:
-            return self._grant(Lease(version, transport))
+            return self._grant(Lease(version, transport), holder)
         except Exception:  # noqa: BLE001 - the subscriber's own Lease gets the error
             return None
 
-    def _grant(self, msg: Lease) -> Granted | None:
-        """Pin the slot holding `msg.version` for the requester; None if no slot holds it.
+    def _grant(self, msg: Lease, holder: bytes) -> Granted | None:
+        """Pin the slot holding `msg.version` for the requester (its connection `holder`,
+        whose closing releases the lease); None if no slot holds it.
 
         Raises:
             WeightSyncError: the transport cannot describe the slot (nothing stays pinned).
         """
-        got = self._table.lease(msg.version)
+        got = self._table.lease(msg.version, holder)
         if got is None:
             return None
         lease, slot = got

@@ -123,6 +123,7 @@ class MappedReceiver(Receiver):
 
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
+        self._endpoint = coordinator
         self._coordinator = RpcClient(coordinator, timeout=self.timeout)
         self._views: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], list[torch.Tensor]] = {}
         """(manifest ids, (slot index, generation) per rank) -> the source view of each
@@ -131,7 +132,14 @@ class MappedReceiver(Receiver):
     def poll(self, timeout: float) -> int | None:
         held = self.targets.version
         latest = Latest(held, True, timeout, lease=self.ranks.transport.name)
-        offer: Offer = self._coordinator.call(latest, timeout=timeout + self.timeout)
+        try:
+            offer: Offer = self._coordinator.call(latest, timeout=timeout + self.timeout)
+        except BaseException:
+            # an offer still to come would carry a lease held by this connection: closing it
+            # releases that lease at rank 0 (a new connection asks next time)
+            self._coordinator.close()
+            self._coordinator = RpcClient(self._endpoint, timeout=self.timeout)
+            raise
         if offer.version <= held:
             return None
         grants = self.ranks.lease_all(offer.version, first=offer.granted)

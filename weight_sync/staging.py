@@ -173,6 +173,8 @@ class SlotTable:
         """Register every segment with CUDA (set once the owner copies GPU tensors through them)."""
         self._lease_ids = itertools.count(1)
         self._lease_slot: dict[int, Slot] = {}
+        self._lease_holder: dict[int, bytes] = {}
+        """Lease id -> the client connection it was granted to (`lease(holder=)`)."""
         self._growing: set[int] = set()
         """Indexes of slots whose segment `prepare` is allocating outside the lock."""
         self._closed = False
@@ -274,6 +276,7 @@ class SlotTable:
     def _reset(self, slot: Slot, version: int, size: int) -> None:
         for lease in slot.leases:
             self._lease_slot.pop(lease, None)
+            self._lease_holder.pop(lease, None)
         slot.leases.clear()
         self._grow(slot, size)
         slot.version, slot.filled, slot.complete, slot.failed = version, 0, False, False
@@ -295,8 +298,9 @@ class SlotTable:
         with self.cond:
             return next((s for s in self.slots if s.version == version and not s.failed), None)
 
-    def lease(self, version: int) -> tuple[int, Slot] | None:
-        """Pin the slot holding `version` (complete or being staged) for one reader."""
+    def lease(self, version: int, holder: bytes = b"") -> tuple[int, Slot] | None:
+        """Pin the slot holding `version` (complete or being staged) for one reader; a lease
+        with a `holder` (the reader's connection) also ends with `release_holder(holder)`."""
         with self.cond:
             slot = next((s for s in self.slots if s.version == version and not s.failed), None)
             if slot is None:
@@ -304,6 +308,8 @@ class SlotTable:
             lease = next(self._lease_ids)
             slot.leases[lease] = time.monotonic() + self.lease_timeout
             self._lease_slot[lease] = slot
+            if holder:
+                self._lease_holder[lease] = holder
             return lease, slot
 
     def leased(self, lease: int) -> Slot | None:
@@ -313,10 +319,18 @@ class SlotTable:
 
     def release(self, lease: int) -> None:
         with self.cond:
+            self._lease_holder.pop(lease, None)
             slot = self._lease_slot.pop(lease, None)
             if slot is not None:
                 slot.leases.pop(lease, None)
                 self.cond.notify_all()
+
+    def release_holder(self, holder: bytes) -> None:
+        """Release every lease granted to `holder`: its connection closed, so no reader is
+        left behind it (a dead reader frees its slots now, not when its leases expire)."""
+        with self.cond:
+            for lease in [k for k, h in self._lease_holder.items() if h == holder]:
+                self.release(lease)  # the condition's lock is reentrant
 
     def close(self) -> None:
         with self.cond:

@@ -1,8 +1,9 @@
 """The weight channel's control plane over the RPC kernel: its server thread never waits on the
 controller, beyond loopback it is a CurveZMQ server like every data-plane service, and a
 subscriber's per-version messages take as few round trips as they can without leaving a slot
-pinned: rank 0's lease rides on its offer, the other ranks are leased at once, and a refusal
-anywhere releases what the others granted."""
+pinned: rank 0's lease rides on its offer (held by the subscriber's connection, so a subscriber
+that dies frees it), the other ranks are leased at once, and a refusal anywhere releases what
+the others granted."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Rel
 from weight_sync.ranks import PublisherRanks
 
 from ..helpers import eventually
+from .harness import CTX
+from .workers import kill, waiting_reader
 
 
 def test_subscribers_are_answered_while_a_version_is_being_recorded(cluster):
@@ -92,11 +95,11 @@ def test_an_offer_carries_rank_0s_lease_when_asked():
             client.close()
 
 
-def test_a_parked_offer_carries_no_lease():
-    """A subscriber parked in `Latest` may die before its offer arrives (the reply is then
-    dropped): rank 0 grants no lease with an offer that waited, only with one answered at once,
-    so a dead waiter never pins a slot until its lease expires."""
-    with WeightPublisher(None, "shm") as pub:
+def test_a_parked_offer_carries_a_lease_its_connection_holds():
+    """An offer that waited for its version carries rank 0's lease too (no `Lease` round trip
+    after it); the lease is the requesting connection's, so closing that connection without a
+    `Release` frees the slot at once."""
+    with WeightPublisher(None, "shm", slots=1, lease_timeout=600, timeout=30) as pub:
         client = RpcClient(pub.endpoint, timeout=30.0)
         offers: list[Offer] = []
         waiter = threading.Thread(
@@ -107,11 +110,47 @@ def test_a_parked_offer_carries_no_lease():
             eventually(lambda: pub._coordinator.waiters, 10, "the Latest parked")
             pub.publish({"w": torch.ones(8)}, version=1)
             waiter.join(30)
-            assert offers and offers[0].version == 1 and offers[0].granted is None
-            assert _leases(pub) == 0
+            assert offers and offers[0].version == 1 and isinstance(offers[0].granted, Granted)
+            assert pub._table.leased(offers[0].granted.lease) is not None
         finally:
             waiter.join(30)
             client.close()
+        pub.publish({"w": torch.ones(8)}, version=2)  # the only slot: waits for the close to land
+
+
+@pytest.mark.parametrize("die_before_offer", [False, True], ids=["after-offer", "while-parked"])
+def test_a_subscriber_that_dies_waiting_never_pins_a_slot(die_before_offer):
+    """A rollout worker spends most of its life parked in `Latest`, so that is where it dies.
+    Dead before its offer: its parked request is dropped with its connection and no lease is
+    granted. Dead after it: the lease the offer carried is released when its connection
+    closes. Either way the trainer reuses the slot at once, not after `lease_timeout`."""
+    with WeightPublisher(None, "shm", slots=1, lease_timeout=600, timeout=30) as pub:
+        out = CTX.Queue()
+        reader = CTX.Process(target=waiting_reader, args=(out, pub.endpoint, die_before_offer), daemon=True)
+        reader.start()
+        probe = RpcClient(pub.endpoint, timeout=30.0)
+        try:
+            if die_before_offer:
+                assert out.get(timeout=60) == "asked"
+                eventually(lambda: pub._coordinator.waiters, 30, "the Latest parked")
+                kill(reader)
+                eventually(lambda: all(p.done for _, p in pub._coordinator.waiters), 30, "the dead waiter dropped")
+            else:
+                eventually(lambda: pub._coordinator.waiters, 60, "the Latest parked")
+            pub.publish({"w": torch.ones(8)}, version=1)
+            assert probe.call(Latest(after=-1, timeout=0.0)).version == 1  # waiters have been answered
+            if die_before_offer:
+                assert _leases(pub) == 0, "a lease was granted to a subscriber that had died"
+            else:
+                offered = out.get(timeout=60)
+                assert offered is not None and offered[0] == 1, "a waiting subscriber's offer carries its lease"
+                reader.join(30)
+            pub.publish({"w": torch.ones(8)}, version=2)  # the only slot: free, or this times out
+            assert _leases(pub) == 0
+        finally:
+            probe.close()
+            if reader.is_alive():
+                kill(reader)
 
 
 def test_a_closed_subscriber_leaves_no_lease_behind():

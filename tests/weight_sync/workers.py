@@ -231,3 +231,22 @@ def nccl_subscriber(out, gpu: int, endpoint: str, versions: int) -> None:
             sub.wait(version, timeout=60)
             exact.append(all(torch.equal(mine[n].cpu(), t) for n, t in weights(sub.version).items()))
     out.put(("exact", gpu, exact))
+
+
+def waiting_reader(out, endpoint: str, die_before_offer: bool) -> None:
+    """A subscriber that asks rank 0 for its next version with a lease (as a "map" receiver
+    does) and exits without releasing anything: at once, while its `Latest` is parked
+    (`die_before_offer`), or once the offer came, reporting the lease it carried."""
+    from weight_sync.protocol import Latest, RpcClient
+
+    client = RpcClient(endpoint, timeout=60.0)
+    if die_before_offer:
+        client.send(Latest(after=-1, timeout=60.0, lease="shm"))
+        out.put("asked")
+        client.ready(wait=60.0)  # never comes: the test kills this process first
+        return
+    offer = client.call(Latest(after=-1, timeout=60.0, lease="shm"), timeout=90.0)
+    out.put(None if offer.granted is None else (offer.version, offer.granted.lease))
+    out.close()
+    out.join_thread()  # the report is sent; nothing else is
+    os._exit(0)  # dies holding the lease: no Release, no orderly close
