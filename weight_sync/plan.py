@@ -11,6 +11,7 @@ subscriber moves every byte it needs exactly once and nothing else.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import msgspec
 import torch
 
 from transfer_queue import SchemaError
+from transfer_queue.cuda import is_cuda
 
 from .layout import Box, Piece, intersect, numel, subtract
 from .manifest import Manifest
@@ -117,6 +119,12 @@ class Plan:
 
     def reads(self, rank: int) -> list[Read]:
         return [c.read for c in self.copies if c.rank == rank]
+
+    @functools.cached_property
+    def device(self) -> torch.device | None:
+        """The CUDA device of the first copy into GPU memory (None: every target is on the
+        host), found once per plan rather than on every apply."""
+        return next((c.dst.device for c in self.copies if is_cuda(c.dst)), None)
 
 
 def build_plan(manifests: Sequence[Manifest], bindings: Sequence[Binding], first: int = 0) -> Plan:

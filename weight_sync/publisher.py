@@ -310,7 +310,8 @@ class WeightPublisher:
             raise VersionError(f"version {version} is not above the last published version {self._last}")
         items = _items(tensors)
         manifest = self._manifest(items)
-        self._place_staging(items)
+        cuda = _cuda_device(items)
+        self._place_staging(cuda)
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
         if self._comparing is not None:
@@ -318,7 +319,7 @@ class WeightPublisher:
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
         try:
-            drain = self._stage(version, manifest, items, slot, base)
+            drain = self._stage(version, manifest, items, slot, base, cuda)
             synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
         except BaseException as exc:
             # whatever fails once the slot is claimed fails the version, so the slot is free
@@ -352,9 +353,11 @@ class WeightPublisher:
         items: list[tuple[str, torch.Tensor]],
         slot: Slot,
         base: Slot | None,
+        cuda: torch.device | None,
     ) -> Callable[[], None] | None:
         """Stage `version` into the claimed `slot` (deltas against `base` when on) and offer it
-        to the transports as it stages; returns the drain of background GPU copies, if any."""
+        to the transports as it stages; returns the drain of background GPU copies, if any.
+        `cuda`: the device of the CUDA tensors among `items` (None: all on the host)."""
         if not self._prepared:  # not given the model: ready the other slots for the next versions
             self._prepared = True
             self._preparing = self._table.prepare_in_background(manifest.nbytes)
@@ -373,7 +376,7 @@ class WeightPublisher:
             assert got is not None  # the slot was claimed for `version` just above
             transport.send(slot, functools.partial(self._table.release, got[0]))
         self._record_stats(version, manifest.nbytes, staged)
-        device = self._host_copies_from(items)
+        device = cuda if self._table.device is None else None  # GPU weights into host staging
         if device is not None and self._device_packs is not None:
             return self._pack_on_device(version, manifest, items, slot, device, staged)
         progress = functools.partial(self._table.advance, slot)
@@ -383,12 +386,6 @@ class WeightPublisher:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             return None
         return self._pack_in_background(manifest, items, slot, device, progress)
-
-    def _host_copies_from(self, items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
-        """The CUDA device whose weights this version copies into host staging, else None."""
-        if self._table.device is not None:
-            return None  # GPU staging: a device-to-device snapshot, waited for in `publish`
-        return next((t.device for _, t in items if is_cuda(t)), None)
 
     def _pack_in_background(
         self,
@@ -473,14 +470,13 @@ class WeightPublisher:
         """Build the manifest of `model`'s tensors and allocate every slot for it now."""
         items = _items(model.state_dict() if isinstance(model, torch.nn.Module) else model)
         manifest = self._manifest(items)
-        self._place_staging(items)
+        self._place_staging(_cuda_device(items))
         self._table.prepare(manifest.nbytes)
 
-    def _place_staging(self, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _place_staging(self, cuda: torch.device | None) -> None:
         """Settle where staging lives, before the first slot is allocated: GPU slots on the
-        weights' device for a GPU-staging transport; else host slots, registered with CUDA
-        once GPU weights are copied into them."""
-        cuda = next((t.device for _, t in items if is_cuda(t)), None)
+        weights' device (`cuda`, that of the CUDA weights) for a GPU-staging transport; else
+        host slots, registered with CUDA once GPU weights are copied into them."""
         if self._gpu_staging:
             if self._table.device is None:
                 self._table.device = cuda or torch.device("cuda", torch.cuda.current_device())
@@ -813,6 +809,11 @@ def _destinations(slot: Slot) -> Destinations:
     if made is None or made.manifest is not slot.manifest:
         made = segment.derived["pack"] = Destinations(slot.manifest, segment.tensor)
     return made
+
+
+def _cuda_device(items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
+    """The device of the first CUDA tensor among `items`; None when all are on the host."""
+    return next((t.device for _, t in items if is_cuda(t)), None)
 
 
 def _items(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from transfer_queue import WeightSyncError
-from transfer_queue.cuda import copies, is_cuda
+from transfer_queue.cuda import copies
 
 from .checksum import compare
 from .plan import Plan
@@ -58,7 +58,7 @@ class Targets:
                 f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}"
             )
         start = time.perf_counter()
-        device = next((c.dst.device for c in plan.copies if is_cuda(c.dst)), None)
+        device = plan.device
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
             for copy, source in zip(plan.copies, sources, strict=True):
                 copy.dst.copy_(source, non_blocking=device is not None)
