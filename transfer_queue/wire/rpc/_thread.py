@@ -69,6 +69,9 @@ class ThreadService:
     it held for that client at once instead of at a timeout. The connection of each request is
     known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
     request is served, so a descriptor reused by a new connection is never mistaken for the old.
+    The one request this cannot place is a connection's first, sent just before it closed and
+    read after that closing was seen: it is taken for the descriptor's next connection, and
+    what it is given waits for that one's closing or its own timeout.
 
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
