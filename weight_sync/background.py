@@ -5,7 +5,8 @@ version once all of it is in (in the caller's thread, like every apply).
 - `ReadsReceiver` ("reads": tcp, ucx) pulls each rank's planned reads back to back; with tcp
   the subscriber also relays what it received to the subscribers the publisher points at it
   (`RelaySource`), falling back to the rank itself when its own relay fails.
-- `ImageReceiver` ("image": torch) is broadcast rank 0's whole slot.
+- `ImageReceiver` ("image": torch) is broadcast rank 0's whole slot, or a delta against the
+  last version it received, applied to a copy of that version's image.
 
 A transfer that fails is discarded and its `WeightSyncError` raised by the next `poll`; the
 tensors keep the version they had.
@@ -293,10 +294,20 @@ class ReadsReceiver(BackgroundReceiver):
 
 class ImageReceiver(BackgroundReceiver):
     """ "image" transports: rank 0's whole slot is broadcast into a buffer of ours; keeps two
-    buffers by default, so it can go on receiving while a version waits to be applied."""
+    buffers by default, so it can go on receiving while a version waits to be applied.
+
+    The buffer that holds the last version received whole is the base of a delta broadcast
+    (`Job.base`, `Job.base_image`): the transport copies it into the buffer it claims (with
+    two buffers, the other one) and applies the delta there, so the base stays intact until
+    the new version is whole. Once a buffer is claimed for a newer version it is no one's base."""
 
     mode = "image"
     buffers = 2
+
+    def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
+        self._base: tuple[int, Slot, int] | None = None
+        """(version, buffer slot, its segment generation) of the last version received whole."""
+        super().__init__(ranks, targets, coordinator, settings)
 
     def _receive(self) -> None:
         if not self._await_free_buffer():
@@ -321,8 +332,12 @@ class ImageReceiver(BackgroundReceiver):
             lambda n: None,
             self.timeout,
         )
+        held = self._base
+        if held is not None and held[1].version == held[0] and held[1].generation == held[2] and not held[1].failed:
+            job.base, job.base_image = held[0], held[1].mapped.tensor
         try:
             image = self.ranks.transport.receive(job)
+            self.last_received = [job.received]
             plan = self.ranks.plan((job.manifest,))
             assert self._coordinator is not None  # made when the thread started (`_loop`)
             self._coordinator.call(Confirm(job.version, self.timeout), timeout=self.timeout * 2)
@@ -339,6 +354,7 @@ class ImageReceiver(BackgroundReceiver):
             raise
         assert slot is not None  # the transport received into the buffer `into` claimed
         self._ready(job.version, plan, slot, slot.size, image, checksums)
+        self._base = (job.version, slot, slot.generation)
 
     def _source(self, received: _Received) -> Callable[[Copy], torch.Tensor]:
         image = received.buffer

@@ -135,7 +135,7 @@ class WeightPublisher:
             per bucket, on a compare thread while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
             only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
-            (tcp, its relays included, and ucx) and there are two slots or more; True: on (needs
+            (tcp, its relays included, ucx, and torch under gloo) and there are two slots or more; True: on (needs
             `slots >= 2`); False (the default): every subscriber pulls whole versions. Off by
             default because comparing, framing and applying a delta on the host still cost more
             CPU than a copy of the bytes: deltas pay where the link is slower than those passes
@@ -890,13 +890,21 @@ class _StagedDelta:
 
 class _SlotSource(Source):
     """Serves `Pull`s from the slots of a publisher rank, waiting for bytes still staging; a
-    pull with a base gets delta frames (`stream.delta_frames`) against it."""
+    pull with a base gets delta frames (`stream.delta_frames`) against it. Push transports
+    read the staged changes (`staged_delta`) and report what they sent (`record`)."""
 
     def __init__(self, table: SlotTable, timeout: float, deltas: dict[int, _StagedDelta], count):  # noqa: ANN001
         self.table = table
         self.timeout = timeout
         self.deltas = deltas
         self.count = count
+
+    def staged_delta(self, slot: Slot) -> _StagedDelta | None:
+        staged = self.deltas.get(slot.index)
+        return staged if staged is not None and staged.version == slot.version else None
+
+    def record(self, version: int, requested: int, sent: int, delta: bool) -> None:
+        self.count(version, requested, sent, delta)
 
     def open(self, request: Pull | RelayPull):  # noqa: ANN201
         if not isinstance(request, Pull):

@@ -22,17 +22,18 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
 from transfer_queue import WeightSyncError
 
+from ..delta import Changes
 from ..plan import Read
 from ..protocol import Granted, Pull, RelayPull, SlotInfo
 from .stream import FrameLog
 
-__all__ = ["Transport", "MapTransport", "Mode", "Job", "Source", "register", "get", "names"]
+__all__ = ["Transport", "MapTransport", "Mode", "Job", "Source", "StagedChanges", "register", "get", "names"]
 
 Mode = Literal["map", "image", "reads"]
 
@@ -65,18 +66,44 @@ class Job:
     (-1: pull whole). Only transports with `deltas` are given one."""
     log: FrameLog | None = None
     """Where a relaying subscriber keeps the delta frames it receives, to forward them."""
+    base_image: torch.Tensor | None = None
+    """"image" transports: the receive buffer that holds version `base` whole (a delta is
+    applied to a copy of it in the buffer `into` gives; the same buffer: in place)."""
     received: int = 0
     """Set by streaming transports: the bytes the stream carried (frames or whole reads)."""
 
 
+class StagedChanges(Protocol):
+    """The changes of a staged version against its base, bucket by bucket as the publisher's
+    compare thread finds them (`publisher._StagedDelta`)."""
+
+    version: int
+    base: int
+
+    def changes(self, bucket: int, timeout: float) -> Changes | None:
+        """Bucket `bucket`'s changes (None: dense, send it whole), waiting for the compare;
+        raises `WeightSyncError` if the version failed, `TimeoutError` after `timeout` s."""
+        ...
+
+
 class Source(ABC):
-    """What a stream server reads from: a publisher's slots or a relay's receive buffer."""
+    """What a stream server reads from: a publisher's slots or a relay's receive buffer.
+    Push transports (torch) use only the publisher's `staged_delta` and `record`."""
 
     @abstractmethod
     def open(self, request: Pull | RelayPull) -> tuple[Iterator[memoryview], Callable[[bool], None]]:
         """(the request's bytes as views, in `stream.read_chunks` order, each valid until
         `stream.IN_FLIGHT` more are taken; `done(ok)`, to call when the stream ended, completely
         or not). Raises `WeightSyncError` if the request cannot be served."""
+
+    def staged_delta(self, slot) -> StagedChanges | None:  # noqa: ANN001 - a staging.Slot
+        """The changes of the version staged in `slot` against its base, if it is compared
+        (publisher sources with deltas on); None: it can only go whole."""
+        return None
+
+    def record(self, version: int, requested: int, sent: int, delta: bool) -> None:
+        """A transfer of `version` to one receiver ended: `requested` bytes whole, `sent` on the
+        wire, as a delta or whole (the publisher's `stats`)."""
 
 
 class Transport(ABC):
@@ -94,8 +121,8 @@ class Transport(ABC):
     pipelined: ClassVar[bool] = True
     """Whether a subscriber may read a version still being staged (the rank's server waits for
     its bytes); False: it reads complete versions only (one-sided reads cannot wait)."""
-    deltas: ClassVar[bool] = False
-    """Whether `receive` pulls a delta when the job has a base (`Job.base`)."""
+    deltas: bool = False
+    """Whether `receive` takes a delta when the job has a base (`Job.base`)."""
 
     @classmethod
     def is_available(cls) -> bool:

@@ -11,6 +11,26 @@ is staged (a header, the buckets, a trailer saying whether staging finished), so
 on the wire while k+1 is packed. Every member receives the whole slot (collective semantics:
 no per-subscriber slicing); each applies only its own reads from it. Publishing one rank's
 slot only: sharded trainers use the pull transports.
+
+Deltas (gloo only; `deltas` is False under NCCL, where staging and receive buffers are on the
+GPU and every version is broadcast whole). Every member receives every broadcast, so the
+members share one base: the last version this transport broadcast whole-and-ok (`_last_ok`).
+The pusher may skip versions (`send` supersedes a queued one), so a staged version's changes
+(`Source.staged_delta`, compared against the version staged before it) are broadcast only
+when their base is that version; otherwise, and when a member asked for it, the version goes
+whole. The header says which (its base, -1: whole). A delta version then broadcasts, per
+staging bucket, a `delta.Frame` header and its payload (the gaps and new bytes of
+`delta.encode`, or the whole bucket for a WHOLE frame), so every member knows each payload's
+size before it is broadcast. A member applies the frames to a copy of its base image (the
+receive buffer that holds the base, `Job.base_image`, copied into the buffer it receives into
+unless that is the same one); `delta.apply` checks each payload's checksum and the base's bytes
+it overwrites. A member whose apply fails, or which holds no intact base, applies nothing more
+of that version but takes part in every remaining broadcast (the collective stays in step),
+raises `WeightSyncError` at the end (its tensors keep their version), and asks for a whole
+version by bumping a counter in the group's TCPStore (`_WHOLE`); the pusher reads the counter
+before each version and broadcasts whole when it moved. A member that asks during a version the
+pusher has already started as a delta fails that one too (it holds no base) and asks again, so
+the whole version comes at most two versions later.
 """
 
 from __future__ import annotations
@@ -25,7 +45,8 @@ import torch.distributed as dist
 from transfer_queue import SluiceError, WeightSyncError
 from transfer_queue.cuda import synchronize
 
-from .base import Job, Transport, register
+from ..delta import GAPS, HEADER, WHOLE, Frame, apply, encode
+from .base import Job, Source, StagedChanges, Transport, register
 
 if TYPE_CHECKING:  # the class of ProcessGroupGloo/NCCL (a torch without distributed lacks the module)
     from torch._C._distributed_c10d import Backend as _Backend
@@ -38,8 +59,11 @@ _GOODBYE = -2
 """Header version that tells subscribers the publisher closed the group."""
 _IDLE = datetime.timedelta(days=7)
 """How long a subscriber waits for the next version's header (trainer steps can be long)."""
-_HEADER = 5
-"""int64s opening each broadcast: version, manifest id - 2**63, slot bytes, buckets, bucket bytes."""
+_WHOLE = "sluice/weight_sync/whole"
+"""Store counter a member bumps to ask for the next version whole (it holds no intact base)."""
+_HEADER = 6
+"""int64s opening each broadcast: version, manifest id - 2**63, slot bytes, buckets, bucket bytes,
+and the base of a delta (-1: whole)."""
 
 
 @register
@@ -67,6 +91,13 @@ class TorchTransport(Transport):
         self._thread: threading.Thread | None = None
         self._bounce: torch.Tensor | None = None
         self._ended = False
+        self.deltas = backend == "gloo"
+        self._source: Source | None = None
+        self._last_ok = -1
+        """Publisher: the last version broadcast whole and ok, the members' shared base."""
+        self._asked = 0
+        """Publisher: the `_WHOLE` count at the last version (more since: broadcast whole)."""
+        self._member_store: dist.TCPStore | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -100,7 +131,8 @@ class TorchTransport(Transport):
 
     # -- publisher -----------------------------------------------------------------------
 
-    def serve(self, source) -> str:  # noqa: ANN001 - the pusher reads slots it is sent
+    def serve(self, source: Source) -> str:
+        self._source = source
         self._store = dist.TCPStore(
             self.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout)
         )
@@ -146,27 +178,75 @@ class TorchTransport(Transport):
     def _push(self, slot, version: int) -> None:  # noqa: ANN001
         manifest = slot.manifest
         bucket = manifest.bucket_bytes
+        staged = self._delta_of(slot)
+        base = staged.base if staged is not None else -1
         header = torch.tensor(
-            [version, manifest.id - (1 << 63), slot.size, manifest.num_buckets, bucket], dtype=torch.int64
+            [version, manifest.id - (1 << 63), slot.size, manifest.num_buckets, bucket, base], dtype=torch.int64
         )
         self._broadcast(header)
-        ok = True
+        ok, sent, gaps = True, header.numel() * 8, 0
         for k in range(manifest.num_buckets):
             end = min((k + 1) * bucket, slot.size)
+            piece = slot.mapped.tensor[k * bucket : end]
             if ok:
                 try:
                     slot.wait_filled(end, version, self.timeout)
                 except SluiceError:
                     ok = False  # staging failed: keep the collective in step, mark it bad
-            self._broadcast(slot.mapped.tensor[k * bucket : end])
+            if staged is None:
+                self._broadcast(piece)
+                sent += piece.numel()
+                continue
+            frame, payload = Frame(WHOLE, end - k * bucket, 0, 0, base, 0, 0), None
+            if ok:
+                try:
+                    frame, payload = self._frame(staged, k, end - k * bucket)
+                except SluiceError:
+                    ok = False  # the version failed while being compared
+            self._broadcast(torch.frombuffer(bytearray(frame.pack()), dtype=torch.uint8))
+            body = piece if payload is None else payload
+            if body.numel():
+                self._broadcast(body)
+            sent += HEADER.size + body.numel()
+            gaps += frame.kind == GAPS
         self._broadcast(torch.tensor([int(ok)], dtype=torch.int64))
         synchronize(self.receive_device)  # NCCL ran on its stream: done before the slot is released
+        self._last_ok = version if ok else -1
+        if self._source is not None:
+            for _ in range(self.world_size - 1):  # each member received the broadcast bytes
+                self._source.record(version, slot.size, sent, gaps > 0)
+
+    def _delta_of(self, slot) -> StagedChanges | None:  # noqa: ANN001
+        """The staged version's changes if they can be broadcast: against `_last_ok`, which
+        every member holds, and no member asked for a whole version since the last one."""
+        if not self.deltas or self._source is None or self._store is None:
+            return None
+        asked = self._store.add(_WHOLE, 0)
+        if asked != self._asked:
+            self._asked = asked
+            return None
+        staged = self._source.staged_delta(slot)
+        return staged if staged is not None and staged.base == self._last_ok >= 0 else None
+
+    def _frame(self, staged: StagedChanges, k: int, span: int) -> tuple[Frame, torch.Tensor | None]:
+        """Bucket `k` (`span` bytes) as a frame against `staged.base` (payload None: whole)."""
+        changes = staged.changes(k, self.timeout)
+        if changes is None:
+            return Frame(WHOLE, span, 0, 0, staged.base, 0, 0), None
+        inside = int(torch.searchsorted(changes.positions, span))  # a slot may be longer than its version
+        return encode(span, changes.positions[:inside], changes.old[:inside], changes.new[:inside], staged.base)
 
     # -- subscriber ----------------------------------------------------------------------
 
     def receive(self, job: Job) -> torch.Tensor:
-        """Receive broadcasts until one of version >= `job.version` arrives whole; sets
-        `job.version` and `job.manifest` to what arrived."""
+        """Receive broadcasts until one of version >= `job.version` arrives whole (or as a delta
+        applied to `job.base_image`, which holds `job.base`); sets `job.version`, `job.manifest`
+        and `job.received` (the bytes broadcast) to what arrived.
+
+        Raises:
+            WeightSyncError: the group failed or closed, the publisher abandoned the version, or
+                a delta could not be applied (then a whole version is asked for).
+        """
         try:
             if self._group is None:
                 host, port = job.endpoint.rsplit(":", 1)
@@ -180,12 +260,13 @@ class TorchTransport(Transport):
                         f"the torch group is full ({self.world_size} members); raise world_size at the publisher"
                     )
                 self._group = self._make_group(store, rank)
+                self._member_store = store
             if self._ended:
                 raise WeightSyncError("the publisher closed the torch group")
             while True:
                 header = torch.zeros(_HEADER, dtype=torch.int64)
                 self._broadcast(header, _IDLE)  # the next version may be far off
-                version, manifest, size, buckets, bucket = header.tolist()
+                version, manifest, size, buckets, bucket, base = header.tolist()
                 if version == _GOODBYE:
                     self._ended = True
                     raise WeightSyncError("the publisher closed the torch group")
@@ -193,16 +274,75 @@ class TorchTransport(Transport):
                 if wanted:
                     job.version, job.manifest = version, manifest + (1 << 63)
                 into = job.into(size) if wanted else torch.empty(size, dtype=torch.uint8, device=self.device)
-                for k in range(buckets):
-                    self._broadcast(into[k * bucket : min((k + 1) * bucket, size)])
+                if base < 0:
+                    for k in range(buckets):
+                        self._broadcast(into[k * bucket : min((k + 1) * bucket, size)])
+                    received, refused = header.numel() * 8 + size, None
+                else:
+                    received, refused = self._receive_delta(job, into, size, buckets, bucket, base, wanted)
+                    received += header.numel() * 8
                 ok = torch.zeros(1, dtype=torch.int64)
                 self._broadcast(ok)
                 if wanted:
+                    job.received = received
                     if not ok.item():
                         raise WeightSyncError(f"the publisher abandoned version {version} while broadcasting it")
+                    if refused is not None:
+                        raise WeightSyncError(refused)
                     return into
         except RuntimeError as exc:
             raise WeightSyncError(f"torch.distributed broadcast failed: {exc}") from exc
+
+    def _receive_delta(
+        self, job: Job, into: torch.Tensor, size: int, buckets: int, bucket: int, base: int, wanted: bool
+    ) -> tuple[int, str | None]:
+        """Take part in a delta version's broadcasts, applying its frames to `into` (seeded with
+        `job.base_image`) while every frame fits; from the first that does not, receive and
+        discard the rest and ask the pusher for a whole version. Returns the bytes broadcast and
+        why the delta was refused (None: applied).
+
+        Raises:
+            WeightSyncError: a frame header is malformed (the group is then out of step for good).
+        """
+        refused = None
+        if wanted:
+            image = job.base_image
+            if job.base != base or image is None or image.numel() < size:
+                refused = f"this subscriber holds no intact copy of version {base}: delta refused"
+            elif image.data_ptr() != into.data_ptr():
+                into[:size].copy_(image[:size])
+        if refused is not None:
+            self._ask_whole()
+        received, head = 0, torch.empty(HEADER.size, dtype=torch.uint8)
+        for k in range(buckets):
+            target = into[k * bucket : min((k + 1) * bucket, size)]
+            self._broadcast(head)
+            try:
+                frame = Frame.unpack(head.numpy().tobytes())
+            except WeightSyncError:
+                self._ended = True
+                raise
+            payload = target if frame.kind == WHOLE and frame.span == target.numel() else None
+            if payload is None:
+                payload = torch.empty(frame.payload, dtype=torch.uint8)
+            if payload.numel():
+                self._broadcast(payload)
+            received += HEADER.size + payload.numel()
+            if not wanted or refused is not None or payload is target:
+                continue
+            try:
+                if frame.kind == WHOLE or frame.base != base:
+                    raise WeightSyncError(f"delta frame {frame} does not fit bucket {k} of a delta against {base}")
+                apply(frame, payload, target)
+            except WeightSyncError as exc:
+                refused = str(exc)
+                self._ask_whole()
+        return received, refused
+
+    def _ask_whole(self) -> None:
+        """Ask the pusher to broadcast the next version whole (it reads the count before each)."""
+        if self._member_store is not None:
+            self._member_store.add(_WHOLE, 1)
 
     def close(self) -> None:
         """Publisher: say goodbye to the group and stop. Subscriber: leave; a receive blocked
