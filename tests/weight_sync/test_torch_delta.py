@@ -25,8 +25,7 @@ def _stats(pub: WeightPublisher) -> dict:
     return {s.version: s for s in pub.stats()}
 
 
-def test_gloo_takes_deltas_and_auto_turns_them_on():
-    assert TorchTransport(backend="gloo").deltas
+def test_auto_turns_deltas_on_for_gloo():
     with WeightPublisher(None, transport=TorchTransport(world_size=1), delta="auto") as pub:
         assert pub.delta
 

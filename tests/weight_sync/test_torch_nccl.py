@@ -14,7 +14,7 @@ from .workers import BUCKET, nccl_subscriber, weights
 
 def test_gloo_stays_in_host_memory():
     transport = TorchTransport()
-    assert transport.staging == "host" and transport.receive_device is None
+    assert transport.staging == "host" and transport.receive_device is None and transport.deltas
 
 
 @pytest.mark.cuda
@@ -22,6 +22,7 @@ def test_gloo_stays_in_host_memory():
 def test_nccl_broadcasts_from_gpu_staging_into_gpu_buffers():
     transport = TorchTransport(world_size=2, backend="nccl")
     assert transport.staging == "cuda" and transport.receive_device == torch.device("cuda", 0)
+    assert not transport.deltas  # frames are built and applied on the host: NCCL versions go whole
     out = CTX.Queue()
     with WeightPublisher(None, transport=transport, bucket_bytes=BUCKET) as pub:
         proc = CTX.Process(target=nccl_subscriber, args=(out, 1, pub.endpoint, 3), daemon=True)

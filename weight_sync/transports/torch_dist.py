@@ -90,7 +90,8 @@ class TorchTransport(Transport):
         self._closed = False
         self._thread: threading.Thread | None = None
         self._bounce: torch.Tensor | None = None
-        self._ended = False
+        self._ended: str | None = None
+        """Subscriber: why this member left the group for good (None: still in it)."""
         self.deltas = backend == "gloo"
         self._source: Source | None = None
         self._last_ok = -1
@@ -261,15 +262,15 @@ class TorchTransport(Transport):
                     )
                 self._group = self._make_group(store, rank)
                 self._member_store = store
-            if self._ended:
-                raise WeightSyncError("the publisher closed the torch group")
+            if self._ended is not None:
+                raise WeightSyncError(self._ended)
             while True:
                 header = torch.zeros(_HEADER, dtype=torch.int64)
                 self._broadcast(header, _IDLE)  # the next version may be far off
                 version, manifest, size, buckets, bucket, base = header.tolist()
                 if version == _GOODBYE:
-                    self._ended = True
-                    raise WeightSyncError("the publisher closed the torch group")
+                    self._ended = "the publisher closed the torch group"
+                    raise WeightSyncError(self._ended)
                 wanted = version >= job.version
                 if wanted:
                     job.version, job.manifest = version, manifest + (1 << 63)
@@ -319,8 +320,8 @@ class TorchTransport(Transport):
             self._broadcast(head)
             try:
                 frame = Frame.unpack(head.numpy().tobytes())
-            except WeightSyncError:
-                self._ended = True
+            except WeightSyncError as exc:
+                self._ended = f"the torch group is out of step: {exc}"  # payload sizes unknown from here
                 raise
             payload = target if frame.kind == WHOLE and frame.span == target.numel() else None
             if payload is None:
