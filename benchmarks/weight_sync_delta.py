@@ -4,7 +4,7 @@ A Llama-shaped model (the shapes of `benchmarks/weight_sync.py`) keeps fp32 mast
 (init N(0, 0.02), norms 1) and is stepped by `torch.optim.Adam` (one optimizer per tensor, so
 only one tensor's gradient exists at a time) with Gaussian gradients; every step is published
 cast to bf16, as a trainer does. For each learning rate and 1 and 2 subscriber processes over
-tcp, the steps alternate between a whole version (`publisher.delta` off for it) and a delta
+tcp (or `--transport torch`: a gloo broadcast to the group), the steps alternate between a whole version (`publisher.delta` off for it) and a delta
 against the version before, so whole and delta transfers of the same trajectory are measured
 side by side in the same run. Per learning rate it reports medians of:
 
@@ -33,6 +33,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --steps 4
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --transport torch   # gloo broadcast
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
@@ -99,19 +100,30 @@ class Trainer:
         return changed
 
 
-def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: list[int], device: str = "cpu") -> dict:
+def run(
+    size: str,
+    lr: float,
+    n: int,
+    steps: int,
+    workers: Workers,
+    version: list[int],
+    device: str = "cpu",
+    transport: str = "tcp",
+) -> dict:
     """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (host
-    tensors), alternating whole and delta versions; returns per-version records."""
-    from weight_sync import WeightPublisher
+    tensors) over `transport` ("tcp", or "torch": a gloo broadcast), alternating whole and
+    delta versions; returns per-version records."""
+    from weight_sync import TorchTransport, WeightPublisher
 
     shapes = llama_shapes(size)
     trainer = Trainer(shapes, lr, device=device)
     numel = sum(t.numel() for t in trainer.bf16.values())
     rows = []
-    with WeightPublisher(None, transport="tcp", delta=True, timeout=300) as pub:
+    served = TorchTransport(world_size=n + 1) if transport == "torch" else transport
+    with WeightPublisher(None, transport=served, delta=True, timeout=300) as pub:
         versions = [version[0] + i for i in range(1, steps + 3)]
         version[0] = versions[-1]
-        workers.send(n, "session", "tcp", {}, pub.endpoint, versions, {})
+        workers.send(n, "session", transport, {}, pub.endpoint, versions, {})
         assert workers.recv(n) == ["ready"] * n
         for i, v in enumerate(versions):
             changed = trainer.step() if i >= 2 else 0  # two warm-up versions: one per slot
@@ -138,7 +150,7 @@ def run(size: str, lr: float, n: int, steps: int, workers: Workers, version: lis
                 }
             )
         workers.recv(n)  # the session's checksum
-    return {"size": size, "lr": lr, "subscribers": n, "device": device, "versions": rows}
+    return {"size": size, "lr": lr, "subscribers": n, "device": device, "transport": transport, "versions": rows}
 
 
 def summarize(record: dict) -> list:
@@ -267,6 +279,9 @@ def main() -> None:
         choices=["cpu", "cuda"],
         help="where the trainer's weights live (cuda: compared there)",
     )
+    parser.add_argument(
+        "--transport", default="tcp", choices=["tcp", "torch"], help="tcp pulls, or torch: a gloo broadcast"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -307,13 +322,16 @@ def main() -> None:
             workers.hold(llama_shapes(size), max(counts))
             for n in counts:
                 for lr in (float(x) for x in args.lrs.split(",")):
-                    record = run(size, lr, n, args.steps, workers, version, args.device)
+                    record = run(size, lr, n, args.steps, workers, version, args.device, args.transport)
                     records.append(record)
                     rows.append(summarize(record))
-                    print_table(f"delta weight sync over tcp, {args.device} weights (so far)", HEADER, rows[-1:])
+                    print_table(
+                        f"delta weight sync over {args.transport}, {args.device} weights (so far)", HEADER, rows[-1:]
+                    )
     finally:
         workers.close()
-    print_table(f"delta weight sync over tcp, {args.device} weights: medians per learning rate", HEADER, rows)
+    title = f"delta weight sync over {args.transport}, {args.device} weights: medians per learning rate"
+    print_table(title, HEADER, rows)
     print("wrote", write_record("weight_sync_delta", {"args": vars(args), "runs": records}))
 
 

@@ -56,14 +56,17 @@ def test_sparse_versions_are_broadcast_as_deltas_and_land_exact():
 
 
 def test_a_member_whose_base_is_damaged_refuses_the_delta_then_gets_the_next_version_whole():
-    """Its receive buffers are damaged after version 1: the delta for 2 is refused
-    (`WeightSyncError`), the tensors stay exactly 1, 3 comes whole and 4 is a delta again."""
+    """Of two members, one has its receive buffers damaged after version 1: it refuses the
+    delta for 2 (`WeightSyncError`, tensors exactly 1) while the other applies it; 3 comes
+    whole to both and 4 is a delta again."""
     with (
-        WeightPublisher(None, transport=TorchTransport(world_size=2), bucket_bytes=BUCKET, delta="auto") as pub,
+        WeightPublisher(None, transport=TorchTransport(world_size=3), bucket_bytes=BUCKET, delta="auto") as pub,
         WeightSubscriber(None, mine := zeros(), transport=TorchTransport(), publisher=pub.endpoint) as sub,
     ):
+        other = Subscribers(1, pub.endpoint, "torch", sparse=True)
         pub.publish(sparse_weights(1), 1)
         sub.wait(1, timeout=30)
+        other.wait_applied(1)
         for buffer in sub._receiver.table.slots:  # fault injection: the memory under the base
             if buffer.segment is not None:
                 buffer.mapped.tensor.bitwise_not_()
@@ -71,14 +74,19 @@ def test_a_member_whose_base_is_damaged_refuses_the_delta_then_gets_the_next_ver
         with pytest.raises(WeightSyncError, match="differs from the publisher's"):
             sub.wait(2, timeout=30)
         assert sub.version == 1 and _exact(mine, sparse_weights(1))
+        other.wait_applied(2)
         for version in (3, 4):
             pub.publish(sparse_weights(version), version)
             sub.wait(version, timeout=30)
             assert _exact(mine, sparse_weights(version))
+            other.wait_applied(version)
         stats = _stats(pub)
-        assert stats[2].delta_pulls == 1, stats[2]
-        assert stats[3].whole_pulls == 1 and stats[3].delta_pulls == 0, stats[3]
-        assert stats[4].delta_pulls == 1 and stats[4].sent * 5 < stats[4].requested, stats[4]
+        assert stats[2].delta_pulls == 2, stats[2]
+        assert stats[3].whole_pulls == 2 and stats[3].delta_pulls == 0, stats[3]
+        assert stats[4].delta_pulls == 2 and stats[4].sent * 5 < stats[4].requested, stats[4]
+        (summary,) = other.finish().values()
+        assert summary["applied"] == [1, 2, 3, 4]
+        check(summary, 4)
 
 
 def test_a_skipped_version_makes_the_next_broadcast_whole(monkeypatch):
