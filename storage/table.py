@@ -2,9 +2,13 @@
 
 Per partition and field, a dict maps each global index to a row tuple
 `(offset, nbytes, length, chunk)`: the row's bytes in the arena, its length along the ragged
-dimension (0 for dense fields) and the chunk that holds it. A Read of a few hundred rows costs a
-few hundred dict look-ups per field and one pass merging rows whose bytes are adjacent in the
-arena into runs (consecutive rows of one Write always are), never any per-byte Python work.
+dimension (0 for dense fields) and the chunk that holds it. Each insert also keeps its segment
+(its indexes in write order, and how many of them still live in its chunk): a Read of exactly
+one write's rows, the common case (a batch read as it was put), is that chunk as one run, found
+with one list comparison. Any other Read costs a dict look-up per row and field and one pass
+merging rows whose bytes are adjacent in the arena into runs, never any per-byte Python work.
+Inserting new rows and freeing rows take no Python step per row either (bulk dict and set
+operations), so a unit's cost per message stays small beside the round trip that carries it.
 
 A field's `FieldSpec` is fixed while the partition holds rows of it: a reader gets only bytes
 and lengths, so rows of one field written with two different dtypes or shapes could not be told
@@ -13,7 +17,10 @@ apart. The spec is forgotten when the field's last row is freed.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import accumulate, repeat
+from operator import itemgetter
 
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.meta import FieldSpec
@@ -28,24 +35,46 @@ Row = tuple[int, int, int, Chunk]
 _LISTED = 10  # how many missing indexes an error message names
 
 
-class Column:
-    """The rows of one field of one partition."""
+class Segment:
+    """The rows one `insert` laid out in a chunk: their indexes in write order, how many of them
+    still live there (not freed, not replaced) and their ragged lengths. A read of exactly those
+    indexes, all live, is that chunk's bytes as one run, found without a step per row."""
 
-    __slots__ = ("spec", "rows")
+    __slots__ = ("indexes", "live", "lengths")
+
+    def __init__(self, indexes: list[int], lengths: list[int]):
+        self.indexes = indexes
+        self.live = len(indexes)
+        self.lengths = lengths
+
+
+class Column:
+    """The rows of one field of one partition, and the segments holding them."""
+
+    __slots__ = ("spec", "rows", "segments")
 
     def __init__(self, spec: FieldSpec):
         self.spec = spec
         self.rows: dict[int, Row] = {}
+        self.segments: dict[Chunk, Segment] = {}
+
+    def gone(self, chunk: Chunk, rows: int) -> None:
+        """`rows` rows of `chunk` left this column (freed or replaced)."""
+        seg = self.segments.get(chunk)
+        if seg is not None:
+            seg.live -= rows
+            if seg.live <= 0:
+                del self.segments[chunk]
 
 
 class Partition:
-    """The columns of one partition, and how many columns hold each index (for row counts)."""
+    """The columns of one partition, and the indexes at least one of them holds (for row counts)."""
 
     __slots__ = ("columns", "held")
 
     def __init__(self) -> None:
         self.columns: dict[str, Column] = {}
-        self.held: dict[int, int] = {}
+        self.held: set[int] = set()
 
 
 class ReadPlan:
@@ -109,25 +138,34 @@ class Table:
         col = part.columns.get(name)
         if col is None:
             col = part.columns[name] = Column(spec)
-        rows, held, unref = col.rows, part.held, self.arena.unref
+        rows = col.rows
         row_bytes = spec.row_bytes
-        base = chunk.offset
+        n = len(indexes)
+        lens: Sequence[int]
         if lengths is None:
-            sizes: Iterable[int] = [row_bytes] * len(indexes)
-            lens: Iterable[int] = [0] * len(indexes)
+            sizes: Sequence[int] = [row_bytes] * n
+            offsets: Iterable[int] = (
+                range(chunk.offset, chunk.offset + n * row_bytes, row_bytes) if row_bytes else repeat(chunk.offset, n)
+            )
+            lens = [0] * n
         else:
-            sizes = [n * row_bytes for n in lengths]
-            lens = lengths
-        chunk.refs += len(indexes)
-        offset = base
-        for index, size, length in zip(indexes, sizes, lens):
-            old = rows.get(index)
-            rows[index] = (offset, size, length, chunk)
-            offset += size
-            if old is None:
-                held[index] = held.get(index, 0) + 1
-            else:
-                unref(old[3])
+            sizes = [k * row_bytes for k in lengths]
+            offsets = accumulate(sizes[:-1], initial=chunk.offset)
+            lens = list(lengths)
+        chunk.refs += n
+        entries = zip(indexes, zip(offsets, sizes, lens, repeat(chunk)))
+        if rows.keys().isdisjoint(indexes):  # new rows of this field: no per-row Python work
+            rows.update(entries)
+        else:  # a retried put replaces rows: their old bytes are released
+            unref = self.arena.unref
+            for index, row in entries:
+                old = rows.get(index)
+                rows[index] = row
+                if old is not None:
+                    col.gone(old[3], 1)
+                    unref(old[3])
+        col.segments[chunk] = Segment(list(indexes), lens)
+        part.held.update(indexes)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -149,8 +187,17 @@ class Table:
                     f"(it holds {held[:20]}{' ...' if len(held) > 20 else ''})"
                 )
             rows = col.rows
+            run = _segment_run(col, indexes)
+            if run is not None:
+                seg, run_chunks = run
+                if col.spec.ragged:
+                    plan.lengths[name] = seg.lengths
+                plan.runs[name] = [(run_chunks[0].offset, run_chunks[1])] if run_chunks[1] else []
+                if run_chunks[1]:
+                    plan.chunks.append([run_chunks[0]])
+                continue
             try:
-                entries = [rows[i] for i in indexes]
+                entries = list(map(rows.__getitem__, indexes))
             except KeyError:
                 missing = [i for i in indexes if i not in rows]
                 listed = ", ".join(map(str, missing[:_LISTED])) + (" ..." if len(missing) > _LISTED else "")
@@ -181,28 +228,32 @@ class Table:
             del self.partitions[partition]
             return len(part.held)
         held = part.held
-        dropped = 0
-        for index in indexes:
-            if held.pop(index, None) is None:
-                continue
-            dropped += 1
-            for col in part.columns.values():
-                freed = col.rows.pop(index, None)
-                if freed is not None:
-                    unref(freed[3])
-        if dropped:
-            for name in [n for n, c in part.columns.items() if not c.rows]:
-                del part.columns[name]
-            if not part.columns:
-                del self.partitions[partition]
-        return dropped
+        present = held.intersection(indexes)
+        if not present:
+            return 0
+        held.difference_update(present)
+        for col in part.columns.values():
+            pop = col.rows.pop
+            freed = list(map(pop, present, repeat(None)))
+            if None in freed:  # a field some of the rows lack
+                freed = [row for row in freed if row is not None]
+            for chunk, refs in Counter(
+                map(itemgetter(3), freed)
+            ).items():  # one call per chunk: a write's rows share one
+                col.gone(chunk, refs)
+                unref(chunk, refs)
+        for name in [n for n, c in part.columns.items() if not c.rows]:
+            del part.columns[name]
+        if not part.columns:
+            del self.partitions[partition]
+        return len(present)
 
     # -- status --------------------------------------------------------------------------
 
     def holds(self, partition: str, indexes: Iterable[int]) -> bool:
         """Whether every one of `indexes` has at least one field here."""
         part = self.partitions.get(partition)
-        return part is not None and all(i in part.held for i in indexes)
+        return part is not None and part.held.issuperset(indexes)
 
     def row_counts(self) -> dict[str, int]:
         """Rows (indexes holding at least one field) per partition."""
@@ -211,6 +262,22 @@ class Table:
     def fields(self, partition: str) -> dict[str, FieldSpec]:
         part = self.partitions.get(partition)
         return {} if part is None else {n: c.spec for n, c in part.columns.items()}
+
+
+def _segment_run(col: Column, indexes: Sequence[int]) -> tuple[Segment, tuple[Chunk, int]] | None:
+    """The segment whose live rows are exactly `indexes` in write order, with its chunk and the
+    bytes of those rows, or None: a read of one write's rows (the common case) is one run."""
+    if not indexes:
+        return None
+    row = col.rows.get(indexes[0])
+    if row is None:
+        return None
+    chunk = row[3]
+    seg = col.segments.get(chunk)
+    if seg is None or seg.live != len(seg.indexes) or seg.indexes != indexes:
+        return None
+    last = col.rows[indexes[-1]]
+    return seg, (chunk, last[0] + last[1] - chunk.offset)
 
 
 def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int, int]]:

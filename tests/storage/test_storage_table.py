@@ -95,3 +95,20 @@ def test_schema_errors_say_what_is_missing(arena: Arena) -> None:
     with pytest.raises(SchemaError, match="holds rows of dtype float32"):
         table.check_specs("p", {"x": FieldSpec("float16", (4,))})
     table.check_specs("p", {"x": DENSE, "y": FieldSpec("int8", ())})
+
+
+def test_a_read_of_one_writes_rows_is_one_run_until_a_row_is_replaced_or_freed(arena: Arena) -> None:
+    table = Table(arena)
+    a = _insert(table, arena, "p", "x", DENSE, [0, 1, 2])
+    c = _insert(table, arena, "p", "ids", RAGGED_SPEC, [0, 1, 2], lengths=[2, 0, 1])
+    plan = table.read("p", [0, 1, 2], ["x", "ids"])
+    assert plan.runs == {"x": [(a.offset, 48)], "ids": [(c.offset, 24)]}
+    assert plan.lengths == {"ids": [2, 0, 1]} and plan.chunks == [[a], [c]]
+    assert table.read("p", [2, 1, 0], ["x"]).runs == {"x": [(a.offset + 32, 16), (a.offset + 16, 16), (a.offset, 16)]}
+    b = _insert(table, arena, "p", "x", DENSE, [1])  # a producer's retry replaces row 1
+    assert table.read("p", [0, 1, 2], ["x"]).runs == {"x": [(a.offset, 16), (b.offset, 16), (a.offset + 32, 16)]}
+    assert table.remove("p", [1]) == 1
+    with pytest.raises(SchemaError, match=r"no row\(s\) \[1\]"):
+        table.read("p", [0, 1, 2], ["ids"])
+    assert table.read("p", [0, 2], ["ids"]).runs == {"ids": [(c.offset, 24)]}  # row 1 held no bytes of it
+    assert table.remove("p", [0, 2]) == 2 and arena.used == 0
