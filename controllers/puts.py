@@ -12,6 +12,13 @@ A put of new rows takes its producer two round trips:
    that reports a failed write ends the put: its rows are freed and the commit answers with the
    unit's error.
 
+A producer that wrote its previous put whole through a unit's mapped arena reserves the space
+of its next one there along with its `BeginPut` (`Write.ahead`), which then asks to be placed at
+once or not at all (`BeginPut.now`): when the plan puts it whole on that unit, the put takes
+that space (the unit checks the plan's ticket when the space is committed with the rows), and
+the reservation's own round trip is saved; else the space is given back and the put goes on as
+any other.
+
 An open put that is neither committed nor aborted within 2 x its timeout + a grace (its producer
 died or stalled) expires and its rows are freed; sealing or clearing its partition, or the death
 of one of its units, ends it too, and a late commit learns why. New columns of existing rows
@@ -119,7 +126,8 @@ class Puts:
 
     def on_begin_put(self, msg: BeginPut, data) -> PutPlan | Awaitable[PutPlan]:
         """Place a put's rows now, or once its units have room (see `intake`); `CapacityError`
-        if none comes within the put's timeout."""
+        if none comes within the put's timeout. With `BeginPut.now`, an empty plan instead of a
+        wait (no overtaking either: an empty plan while other puts wait for room)."""
         if msg.n <= 0:
             raise SchemaError(f"a put needs at least one sample, got batch_size {msg.n}")
         if msg.n > MAX_BATCH:
@@ -130,6 +138,8 @@ class Puts:
             raise SchemaError("a put needs at least one field")
         peer = current_peer.get()
         self.intake.check(msg.n, msg.row_bytes, self.storage_capacity, len(self.open), peer)
+        if msg.now:  # its producer holds arena space reserved ahead: it must not wait holding it
+            return (None if len(self.intake) else self._place(msg, peer)) or PutPlan([], [])
         return self.intake.admit(lambda: self._place(msg, peer), msg.timeout, lambda: self._full(msg))
 
     def _place(self, msg: BeginPut, peer: bytes) -> PutPlan | None:
@@ -159,7 +169,7 @@ class Puts:
         tickets = {
             u: sign(msg.partition, first, u, (first + np.flatnonzero(units == u)).tolist(), msg.fields) for u in shares
         }
-        return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets)
+        return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets, msg.partition)
 
     def _full(self, msg: BeginPut) -> SluiceError:
         """Why a put found no place within its timeout: no room (`CapacityError`), or room but

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Generator
 from typing import Any
 
+import msgspec
 import zmq
 
 from transfer_queue.host import give_back_freed_memory
@@ -159,6 +160,19 @@ class StorageUnit(Service):
             ProtocolError: (not reported) the write is of an open put's rows and, on a unit
                 registered with a controller, lacks the ticket of the controller's plan: nothing
                 of it is stored."""
+        self._check_ticket(msg)
+        try:
+            handled = self._write(msg, frames)
+        except Exception as exc:  # noqa: BLE001 - reported as the service answers it, then raised
+            self._land(msg, exc)
+            raise
+        if msg.put < 0 or not isinstance(handled, Ticket):
+            return handled
+        return self._reported(msg, handled)
+
+    def _check_ticket(self, msg: Write) -> None:
+        """Raise `ProtocolError` (counted in `unplanned`) if `msg` writes an open put's rows
+        without the ticket of the controller's plan (on a unit registered with a controller)."""
         if (
             msg.put >= 0
             and self._tickets is not None
@@ -170,14 +184,6 @@ class StorageUnit(Service):
                 f"{msg.partition!r} for put {msg.put}: the controller did not place these rows and fields "
                 "here (no valid ticket from its PutPlan)"
             )
-        try:
-            handled = self._write(msg, frames)
-        except Exception as exc:  # noqa: BLE001 - reported as the service answers it, then raised
-            self._land(msg, exc)
-            raise
-        if msg.put < 0 or not isinstance(handled, Ticket):
-            return handled
-        return self._reported(msg, handled)
 
     async def _reported(self, msg: Write, ticket: Ticket[Handled | None]) -> Handled | None:
         """A put's write waiting for space: its failure or withdrawal is reported too."""
@@ -227,8 +233,12 @@ class StorageUnit(Service):
                 f"a write of {need} bytes to partition {msg.partition!r} can never fit storage unit "
                 f"{self.unit_id} of {self.arena.capacity} bytes; split the put or raise storage_capacity"
             )
+        if msg.ahead and (msg.via != "shm" or msg.put >= 0):
+            raise SchemaError("only a mapped write of no put yet (Write.put -1) may reserve space ahead")
         shape = Shape(msg, sizes)
         placed = self.space.alloc_now(shape)
+        if placed is None and msg.ahead:  # its producer must not wait holding a put's BeginPut
+            raise CapacityError(self._full_message(need, "; space reserved ahead is never waited for"))
         if placed is not None:
             reply = self._store(msg, frames, placed)
             if reply is not None and msg.via == "frames" and sum(sizes) >= _LATE_REPLY_BYTES:
@@ -308,16 +318,44 @@ class StorageUnit(Service):
         if msg.abort:
             self.space.release(res.chunks)
             self._land(res.msg, ServiceError(f"the write to storage unit {self.unit_id} was aborted by its producer"))
-            return _answer(res.msg, Ok())
+            return Ok()  # answered even for a put's rows: a withdrawn reservation is given back this way
         try:
-            self.table.check_specs(res.msg.partition, res.msg.fields)
+            write = self._taken(res.msg, msg)
+        except (SchemaError, ProtocolError):  # not reported: these are no planned rows of a put
+            self.space.release(res.chunks)
+            raise
+        try:
+            self.table.check_specs(write.partition, write.fields)
         except SchemaError as exc:
             self.space.release(res.chunks)
-            self._land(res.msg, exc)
+            self._land(write, exc)
             raise
-        rows = len(res.msg.indexes)
-        self._register(res.msg, [[Piece(chunk, 0, rows, 0)] for chunk in res.chunks])
-        return _answer(res.msg, Ok())
+        rows = len(write.indexes)
+        self._register(write, [[Piece(chunk, 0, rows, 0)] for chunk in res.chunks])
+        return _answer(write, Ok())
+
+    def _taken(self, write: Write, commit: CommitWrite) -> Write:
+        """The write a commit registers: the reserved one, or for space reserved ahead the put's
+        rows that `commit` names (checked as a put's `Write` is).
+
+        Raises:
+            SchemaError: the commit names rows where it must not, or not the reservation's count.
+            ProtocolError: the rows lack the ticket of the controller's plan (`unplanned`)."""
+        if not write.ahead:
+            if commit.put >= 0 or commit.indexes:
+                raise SchemaError("only space reserved ahead (Write.ahead) is committed with a put's rows")
+            return write
+        n = len(write.indexes)
+        if commit.put < 0 or len(commit.indexes) != n or len(set(commit.indexes)) != n:
+            raise SchemaError(
+                f"space reserved ahead for {n} rows is committed with put {commit.put} and "
+                f"{len(commit.indexes)} indexes; it needs the put and its {n} distinct rows here"
+            )
+        taken = msgspec.structs.replace(
+            write, indexes=commit.indexes, put=commit.put, ticket=commit.ticket, ahead=False
+        )
+        self._check_ticket(taken)
+        return taken
 
     # -- Read ----------------------------------------------------------------------------
 

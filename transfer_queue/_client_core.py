@@ -120,6 +120,7 @@ class ClientCore(ControlCore):
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self.grants: list[Grant] = []
         self._stay = -1  # the unit of this producer's previous put (`BeginPut.stay`)
+        self._ahead = -1  # the mapped unit that took the whole of this producer's previous put
 
     # -- cluster -----------------------------------------------------------------------
 
@@ -177,8 +178,9 @@ class ClientCore(ControlCore):
     ) -> Flow:
         """The flow of `Client.put`. New rows: `BeginPut`, then the units' writes together with
         `CommitPut`, which the controller applies once the units report the writes stored (a
-        write through a mapped arena first reserves its space); a failed put is aborted. New
-        columns of `meta`'s rows: the writes, then `CommitPut`."""
+        write through a mapped arena first reserves its space, along with the `BeginPut` where
+        the producer's previous put went whole to that unit: `_begin`); a failed put is aborted.
+        New columns of `meta`'s rows: the writes, then `CommitPut`."""
         cols = Columns(data)
         if meta is not None:
             if len(meta) != cols.n:
@@ -193,11 +195,11 @@ class ClientCore(ControlCore):
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
-        plan = yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)  # waits for room up to timeout
+        plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
         units = np.asarray(plan.units, np.int64)
         commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
-            yield from self._write(partition, cols, plan.indexes, units, timeout, commit, plan.tickets)
+            yield from self._write(partition, cols, plan.indexes, units, timeout, commit, plan.tickets, ahead)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
         except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
@@ -207,6 +209,8 @@ class ClientCore(ControlCore):
                 pass
             raise
         self._stay = plan.units[-1]
+        if plan.units[0] in self._arenas and self.use_shm is not False and bool((units == units[0]).all()):
+            self._ahead = plan.units[0]
         return BatchMeta(
             partition=partition,
             indexes=plan.indexes,
@@ -217,6 +221,36 @@ class ClientCore(ControlCore):
             fields=cols.specs,
         )
 
+    def _begin(self, begin: BeginPut, cols: Columns, timeout: float) -> Flow:
+        """`begin`'s plan, and (unit, its reply) where the put holds arena space reserved along
+        with it, else None. A producer whose previous put went whole to a unit it maps reserves
+        the space of this one there at the same time (`Write.ahead`; the `BeginPut` then places
+        the put at once or not at all, `BeginPut.now`, since the controller does not count that
+        space): a put placed whole on that unit takes it, and costs no round trip for its
+        reservation. Space the plan does not use is given back; a put not placed at once asks
+        again, waiting for room, holding nothing. After a put that did not go whole to a mapped
+        unit (or failed), the next one does not reserve ahead."""
+        unit, self._ahead = self._ahead, -1
+        if unit not in self._arenas or self.use_shm is False:
+            return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+        _, lengths = cols.slice(np.arange(cols.n))
+        reserve = Write(begin.partition, list(range(cols.n)), cols.specs, lengths, "shm", timeout, ahead=True)
+        try:
+            (plan, _), (space, _) = yield [
+                Call(CONTROLLER, msgspec.structs.replace(begin, now=True), (), timeout + GRACE),
+                Call(unit, reserve, (), timeout + GRACE),
+            ]
+        except SluiceError:  # that unit (or the controller) is gone: asked as any put is, which raises if it must
+            return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+        held = space if isinstance(space, WriteReply) else None  # a refusal (no room now) is no error
+        if isinstance(plan, PutPlan) and plan.indexes and held is not None and set(plan.units) == {unit}:
+            return plan, (unit, held)
+        if held is not None:  # not this put's space
+            yield [Call(unit, CommitWrite(held.token, abort=True), notice=True)]
+        if not isinstance(plan, PutPlan) or plan.indexes:
+            return check(plan, PutPlan), None  # placed elsewhere, or the controller's refusal raised
+        return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+
     def _write(
         self,
         partition: str,
@@ -226,17 +260,21 @@ class ClientCore(ControlCore):
         timeout: float,
         commit: Call | None = None,
         tickets: dict[int, bytes] | None = None,
+        ahead: tuple[int, WriteReply] | None = None,
     ):
         """Send each unit its rows: raw frames, or straight into its mapped arena (space reserved
-        first). With `commit`, an open put's `CommitPut`: it goes with the writes, which are
-        notices (`Write.put`, each with its unit's ticket from the put's plan): each unit reports
-        its write to the controller, whose answer to the commit says how all of them went, so the
-        put costs no round trip of its own."""
+        first, or `ahead`: (unit, its reservation) made along with the put's `BeginPut`). With
+        `commit`, an open put's `CommitPut`: it goes with the writes, which are notices
+        (`Write.put`, each with its unit's ticket from the put's plan): each unit reports its
+        write to the controller, whose answer to the commit says how all of them went, so the
+        put costs no round trip of its own. Space reserved ahead is committed with the put's rows
+        and ticket (`CommitWrite.put`)."""
         idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
         if cols.device is not None:
             self._pin_arenas()
-        calls, jobs = [], []
+        calls: list[Call] = []
+        jobs: list[tuple[int, Via, list[torch.Tensor], WriteReply | None, list[int], bytes]] = []
         for unit_id in np.unique(units).tolist():
             positions = np.flatnonzero(units == unit_id)
             buffers, lengths = cols.slice(positions)
@@ -248,25 +286,36 @@ class ClientCore(ControlCore):
                 )
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             ticket = b"" if tickets is None else tickets.get(unit_id, b"")
-            msg = Write(partition, idx[positions].tolist(), cols.specs, lengths, via, timeout, put, ticket)
+            rows = idx[positions].tolist()
+            if ahead is not None and ahead[0] == unit_id and via == "shm":
+                jobs.append((unit_id, via, buffers, ahead[1], rows, ticket))
+                continue
+            msg = Write(partition, rows, cols.specs, lengths, via, timeout, put, ticket)
             data = _host_frames(buffers, cols.device) if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
-            jobs.append((unit_id, via, buffers))
-        if commit is not None and all(via == "frames" for _, via, _ in jobs):
+            jobs.append((unit_id, via, buffers, None, rows, ticket))
+        if commit is not None and all(job[1] == "frames" for job in jobs):
             calls.append(commit)  # every write carries its bytes: commit along with them
             commit = None
-        replies = yield calls
-        errors = [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
+        answered = [reply for reply, _ in (yield calls)] if calls else []
+        errors = [exc for reply in answered if (exc := _failure(reply)) is not None]
+        replies = iter(answered)  # one per job that sent a write, in order
         commits = []
         with copies(cols.device):  # a GPU batch: device to the arenas, one wait for all of them
-            for (unit_id, via, buffers), (reply, _) in zip(jobs, replies):
+            for unit_id, via, buffers, space, rows, ticket in jobs:
+                reply = space if space is not None else next(replies)
                 if via == "shm" and isinstance(reply, WriteReply):  # a reservation: fill it, then commit it
                     if not errors:
                         arena = self._arenas[unit_id][1]
                         for name, buf in zip(cols.specs, buffers):
                             off = reply.offsets[name]
                             arena[off : off + buf.numel()].copy_(buf, non_blocking=cols.device is not None)
-                    commits.append(Call(unit_id, CommitWrite(reply.token, abort=bool(errors)), notice=put >= 0))
+                    done = (
+                        CommitWrite(reply.token, put=put, indexes=rows, ticket=ticket)
+                        if space is not None and not errors
+                        else CommitWrite(reply.token, abort=bool(errors))
+                    )
+                    commits.append(Call(unit_id, done, notice=put >= 0))
         if commit is not None and not errors:
             commits.append(commit)
         if commits:

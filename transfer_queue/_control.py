@@ -15,12 +15,15 @@ from typing import Any
 from ._flows import CONTROLLER, Call, Flow, Give, Plan, Run
 from .wire.errors import SchemaError
 from .wire.messages import (
+    AbortPut,
     Announce,
+    CommitWrite,
     GrantReply,
     Lookup,
     LookupReply,
     MetaReply,
     Nack,
+    PutPlan,
     Release,
     Reply,
     Seal,
@@ -30,6 +33,7 @@ from .wire.messages import (
     UnitInfo,
     VersionReply,
     WaitVersion,
+    WriteReply,
 )
 from .wire.rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
 
@@ -71,12 +75,17 @@ class ControlCore:
 
     @staticmethod
     def undo(reply: Any) -> Message | None:
-        """The request that gives back what an abandoned reply holds (a lease, a grant)."""
+        """The request that gives back what an abandoned reply holds (a lease, a grant, a put's
+        rows, arena space)."""
         if isinstance(reply, MetaReply) and len(reply.meta):
             meta = reply.meta
             return Nack(meta.partition, meta.task, list(meta.indexes))
         if isinstance(reply, GrantReply):
             return Release(reply.grant_id, reply.n)
+        if isinstance(reply, WriteReply) and reply.token:  # arena space reserved for a write
+            return CommitWrite(reply.token, abort=True)
+        if isinstance(reply, PutPlan) and reply.indexes and reply.partition:  # a put placed, never written
+            return AbortPut(reply.partition, reply.indexes)
         return None
 
     def one(self, target: int, msg: Message, expected: type, wait: float | None = None) -> Flow:

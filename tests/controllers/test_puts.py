@@ -16,6 +16,7 @@ from transfer_queue.wire.messages import (
     AbortPut,
     BeginPut,
     CommitPut,
+    CommitWrite,
     ErrorReply,
     Ok,
     PutPlan,
@@ -23,6 +24,7 @@ from transfer_queue.wire.messages import (
     Status,
     Write,
     WriteLanded,
+    WriteReply,
 )
 from transfer_queue.wire.meta import FieldSpec
 
@@ -68,6 +70,59 @@ def test_a_put_of_new_rows_takes_two_round_trips(make_cluster, use_shm):
             assert rounds == [["BeginPut"], ["Write!", "CommitPut"]]
         meta = client.get_meta(["x"], 8, task="t", timeout=5)
         assert client.get_data(meta)["x"].sum().item() == 32
+
+
+def test_a_mapped_producer_reserves_its_next_put_along_with_its_begin_put(make_cluster):
+    """After a put that went whole to a unit it maps, a producer reserves the next put's space
+    there along with its `BeginPut`: a put that stays takes it, in two round trips; the unit
+    checks the plan's ticket when the space is committed with the put's rows."""
+    cluster = make_cluster(num_storage_units=2)
+    with tq.connect(cluster.address, use_shm=True) as client:
+        first = client.put(TensorDict({"x": torch.ones(8, 4)}, batch_size=[8]))
+        values = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+        rounds = _rounds(client, TensorDict({"x": values}, batch_size=[8]))
+        assert rounds == [["BeginPut", "Write"], ["CommitWrite!", "CommitPut"]]
+        meta = client.get_meta(["x"], 16, task="t", timeout=5)
+        assert meta.units == [first.units[0]] * 16
+        assert torch.equal(client.get_data(meta)["x"][8:], values)
+        status = unit_status(client.units[first.units[0]].address)
+        assert status["reservations"] == 0 and status["unplanned"] == 0
+
+
+def test_space_reserved_ahead_that_the_plan_does_not_use_is_given_back(make_cluster):
+    """A put placed on another unit than the producer's last one gives the space it reserved
+    ahead back and reserves where it was placed; nothing stays reserved, nothing is lost."""
+    cluster = make_cluster(num_storage_units=2, storage_capacity="2MiB")  # 1 MiB a unit: 60 KiB ahead at most
+    row = torch.ones(1, 16 << 10)  # 64 KiB: one put puts its unit too far ahead to stay
+    with tq.connect(cluster.address, use_shm=True) as client:
+        first = client.put(TensorDict({"x": row}, batch_size=[1]))
+        rounds = _rounds(client, TensorDict({"x": row * 2}, batch_size=[1]))
+        assert rounds == [["BeginPut", "Write"], ["CommitWrite!"], ["Write"], ["CommitWrite!", "CommitPut"]]
+        meta = client.get_meta(["x"], 2, task="t", timeout=5)
+        assert sorted(meta.units) == [0, 1] and meta.units[0] == first.units[0]
+        assert client.get_data(meta)["x"].sum(dim=1).tolist() == [16 << 10, 32 << 10]
+        for address in [u.address for u in client.units.values()]:
+            eventually(lambda a=address: unit_status(a)["reservations"] == 0, 10, "the space given back")
+        assert sum(unit_status(u.address)["used"] for u in client.units.values()) == client.status()["bytes"]
+
+
+def test_a_begin_put_asked_now_does_not_wait_for_room(make_cluster):
+    """`BeginPut.now` (its producer holds space reserved ahead) is answered at once: placed, or
+    an empty plan when there is no room now; the same put asked to wait waits, then fails."""
+    cluster = make_cluster(storage_capacity="1MiB")
+    spec = {"x": FieldSpec("uint8", (256 << 10,))}
+    controller = peer(cluster.address)
+
+    def begin(n: int, **options) -> BeginPut:  # written through a mapping: no frame window to wait for
+        return BeginPut("train", spec, n, 256 << 10, mapped=[0], **options)
+
+    held = controller.call(begin(3, timeout=5.0))  # 768 KiB, left open
+    assert len(held.indexes) == 3
+    assert controller.call(begin(2, now=True)) == PutPlan([], [])
+    assert len(controller.call(begin(1, now=True)).indexes) == 1
+    refused = ask(controller, begin(1, timeout=0.2))
+    assert isinstance(refused, ErrorReply) and refused.code == "capacity", refused
+    controller.close()
 
 
 def test_the_commit_waits_for_the_write(make_cluster):
@@ -217,3 +272,45 @@ def test_a_put_whose_frames_would_wait_on_its_producers_unit_goes_to_another(mak
     second = ask(controller, BeginPut("train", spec, 4, 256 << 10, timeout=2.0, stay=unit))
     assert isinstance(second, PutPlan) and set(second.units) == {1 - unit}, second
     controller.close()
+
+
+def test_space_reserved_ahead_takes_only_the_plans_rows(make_cluster):
+    """Space reserved ahead of a plan holds no rows until committed with the put's rows and the
+    plan's ticket: a commit without them, with other rows or a wrong ticket is refused, stores
+    nothing and gives the space back; an ahead reservation never waits for room."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        address = client.units[0].address
+        controller, unit = peer(cluster.address), peer(address)
+        plan, commit = _begin_and_commit(controller)
+        put = plan.indexes[0]
+
+        def reserve() -> int:
+            reply = ask(unit, Write("train", [0, 1], SPEC, via="shm", ahead=True))
+            assert isinstance(reply, WriteReply) and reply.token, reply
+            return reply.token
+
+        for wrong, code in (
+            (CommitWrite(reserve()), "schema"),  # no put's rows named
+            (CommitWrite(reserve(), put=put, indexes=plan.indexes[:1], ticket=plan.tickets[0]), "schema"),
+            (CommitWrite(reserve(), put=put, indexes=plan.indexes, ticket=b"forged"), "protocol"),
+        ):
+            refused = ask(unit, wrong)
+            assert isinstance(refused, ErrorReply) and refused.code == code, (wrong, refused)
+        status = unit_status(address)
+        assert status["unplanned"] == 1 and status["reservations"] == 0 and status["used"] == 0
+        assert controller.ready(commit) is None, "the commit waits for the real rows"
+        for bad in (
+            Write("train", [0, 1], SPEC, ahead=True),
+            Write("train", [0, 1], SPEC, via="shm", put=put, ahead=True),
+        ):
+            assert isinstance(ask(unit, bad), ErrorReply)
+        unit.post(CommitWrite(reserve(), put=put, indexes=plan.indexes, ticket=plan.tickets[0]))
+        assert controller.reply(commit, 10)[0] == Ok()
+        assert unit_status(address)["rows"] == {"train": 2}
+        big = {"x": FieldSpec("uint8", (20 << 20,))}  # 40 MiB of the unit's 64 MiB
+        assert isinstance(ask(unit, Write("big", [0, 1], big, via="shm", ahead=True)), WriteReply)
+        full = ask(unit, Write("big", [0, 1], big, via="shm", timeout=60.0, ahead=True), timeout=5.0)
+        assert isinstance(full, ErrorReply) and full.code == "capacity", full
+        unit.close()
+        controller.close()

@@ -197,6 +197,24 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
         back.wait(10)
 
 
+def test_a_producer_whose_mapped_unit_died_puts_to_the_live_one(cluster, client):
+    """A mapped producer reserves its next put's space on its last unit along with the put's
+    `BeginPut`; when that unit died meanwhile, the put asks again as any put does and lands on
+    the live unit, within seconds, and the next one reserves nothing on the dead unit."""
+    first = client.put(_td(4))
+    (dead,) = set(first.units)
+    proc = _unit_proc(cluster, dead)
+    proc.send_signal(signal.SIGKILL)
+    eventually(lambda: client.status()["retired_units"], 20, f"unit {dead} retired")
+    started = time.monotonic()
+    assert set(client.put(_td(4)).units) == {1 - dead}
+    assert time.monotonic() - started < 10
+    started = time.monotonic()
+    assert set(client.put(_td(4)).units) == {1 - dead}
+    assert time.monotonic() - started < 1
+    assert client.status()["counters"]["open_puts"] == 0
+
+
 def test_put_to_a_hung_unit_fails_fast_and_frees_its_rows(cluster, client):
     client.put(_td(8))  # to unit 0, the emptiest
     proc = _unit_proc(cluster, 1)

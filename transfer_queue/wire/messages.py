@@ -165,6 +165,10 @@ class BeginPut(_Msg, tag="begin_put", frozen=True):
     stay: int = -1
     """The unit of the producer's previous put, which a small put keeps to while that unit is not
     far ahead of the others (`controllers.placement`); -1: none."""
+    now: bool = False
+    """Place the put now or not at all (an empty `PutPlan`) instead of waiting for room: its
+    producer holds arena space reserved ahead of the plan (`Write.ahead`), which it must not
+    hold while the put waits for room the controller does not know it holds."""
 
 
 class CommitPut(_Msg, tag="commit_put", frozen=True):
@@ -377,11 +381,25 @@ class Write(_Msg, tag="write", frozen=True):
     ticket: bytes = b""
     """For an open put's rows, the controller's ticket for this unit (`PutPlan.tickets`): a unit
     registered with a controller refuses such a write without the right one."""
+    ahead: bool = False
+    """`via="shm"` only: space for a put not placed yet, reserved along with its `BeginPut`
+    (`indexes` are placeholders, one per row, in the put's row order). Refused at once
+    (`CapacityError`) when the arena has no room now, instead of waiting; its `CommitWrite`
+    names the put and its rows (`CommitWrite.put`)."""
 
 
 class CommitWrite(_Msg, tag="commit_write", frozen=True):
+    """Register the rows of a filled reservation (`token`), or drop it (`abort`; always answered
+    `Ok`). An open put's commit is a notice: the unit reports it to the controller."""
+
     token: int
     abort: bool = False
+    put: int = -1
+    """For space reserved ahead (`Write.ahead`): the first index of the open put the space now
+    holds; its rows on this unit are `indexes` (in the reservation's row order), checked against
+    the plan's `ticket` as a put's `Write` is. -1 for any other reservation."""
+    indexes: list[int] = []
+    ticket: bytes = b""
 
 
 class Read(_Msg, tag="read", frozen=True):
@@ -421,6 +439,8 @@ class PutPlan(_Msg, tag="put_plan", frozen=True):
     units: list[int]
     tickets: dict[int, bytes] = {}
     """Unit id -> the ticket of its share of the put (`Write.ticket`)."""
+    partition: str = ""
+    """The put's partition: a plan its producer abandoned is aborted (`AbortPut`) at once."""
 
 
 class MetaReply(_Msg, tag="meta_reply", frozen=True):
