@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat
 from operator import itemgetter
+from typing import cast
 
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.meta import FieldSpec
@@ -234,12 +235,11 @@ class Table:
         held.difference_update(present)
         for col in part.columns.values():
             pop = col.rows.pop
-            freed = list(map(pop, present, repeat(None)))
-            if None in freed:  # a field some of the rows lack
-                freed = [row for row in freed if row is not None]
-            for chunk, refs in Counter(
-                map(itemgetter(3), freed)
-            ).items():  # one call per chunk: a write's rows share one
+            popped = list(map(pop, present, repeat(None)))
+            if None in popped:  # a field some of the rows lack
+                popped = [row for row in popped if row is not None]
+            chunks: Counter[Chunk] = Counter(map(itemgetter(3), cast("list[Row]", popped)))
+            for chunk, refs in chunks.items():  # one call per chunk: a write's rows share one
                 col.gone(chunk, refs)
                 unref(chunk, refs)
         for name in [n for n, c in part.columns.items() if not c.rows]:
