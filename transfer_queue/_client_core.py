@@ -233,8 +233,7 @@ class ClientCore(ControlCore):
         unit, self._ahead = self._ahead, -1
         if unit not in self._arenas or self.use_shm is False:
             return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
-        _, lengths = cols.slice(np.arange(cols.n))
-        reserve = Write(begin.partition, list(range(cols.n)), cols.specs, lengths, "shm", timeout, ahead=True)
+        reserve = Write(begin.partition, list(range(cols.n)), cols.specs, cols.lengths(), "shm", timeout, ahead=True)
         try:
             (plan, _), (space, _) = yield [
                 Call(CONTROLLER, msgspec.structs.replace(begin, now=True), (), timeout + GRACE),

@@ -176,6 +176,10 @@ class Columns:
             return mask.dense.reshape(self.n, -1).sum(dim=1).tolist()
         return [0] * self.n
 
+    def lengths(self) -> dict[str, list[int]]:
+        """Per-row lengths of the ragged fields, all rows (what a write of the whole batch carries)."""
+        return {name: col.lengths.tolist() for name, col in self.columns.items() if col.offsets is not None}
+
     def slice(self, positions: np.ndarray) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
         """Per field, one byte buffer of the rows at `positions` (in that order), and the per-row
         lengths of the ragged fields. A run of consecutive positions is a view, not a copy. A

@@ -77,14 +77,21 @@ def test_a_mapped_producer_reserves_its_next_put_along_with_its_begin_put(make_c
     there along with its `BeginPut`: a put that stays takes it, in two round trips; the unit
     checks the plan's ticket when the space is committed with the put's rows."""
     cluster = make_cluster(num_storage_units=2)
+
+    def batch(x: torch.Tensor) -> TensorDict:  # a dense and a jagged field
+        ids = torch.nested.nested_tensor([torch.arange(i % 3) for i in range(8)], layout=torch.jagged)
+        return TensorDict({"x": x, "ids": ids}, batch_size=[8])
+
     with tq.connect(cluster.address, use_shm=True) as client:
-        first = client.put(TensorDict({"x": torch.ones(8, 4)}, batch_size=[8]))
+        first = client.put(batch(torch.ones(8, 4)))
         values = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-        rounds = _rounds(client, TensorDict({"x": values}, batch_size=[8]))
+        rounds = _rounds(client, batch(values))
         assert rounds == [["BeginPut", "Write"], ["CommitWrite!", "CommitPut"]]
-        meta = client.get_meta(["x"], 16, task="t", timeout=5)
+        meta = client.get_meta(["x", "ids"], 16, task="t", timeout=5)
         assert meta.units == [first.units[0]] * 16
-        assert torch.equal(client.get_data(meta)["x"][8:], values)
+        got = client.get_data(meta)
+        assert torch.equal(got["x"][8:], values)
+        assert [t.tolist() for t in got["ids"].unbind()[8:]] == [list(range(i % 3)) for i in range(8)]
         status = unit_status(client.units[first.units[0]].address)
         assert status["reservations"] == 0 and status["unplanned"] == 0
 
