@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import queue
+import threading
 import warnings
 
 import pytest
@@ -234,4 +236,45 @@ def test_a_thread_service_reports_each_closed_connection_and_drops_its_requests(
     finally:
         first.close()
         second.close()
+        service.close()
+
+
+def test_requests_queued_behind_a_closing_are_never_left_open():
+    """A connection that sends two requests and closes while the server thread is busy with the
+    first: the second, read after the closing was seen, is dropped unanswered (its peer is
+    gone), so once the closing is reported no request of that connection is still open."""
+    gone: queue.Queue[bytes] = queue.Queue()
+    parked: list[Pending] = []
+    busy, release = threading.Event(), threading.Event()
+
+    def handler(msg, pending):  # noqa: ANN001
+        parked.append(pending)
+        if len(parked) == 2:
+            busy.set()
+            assert release.wait(30)  # the server thread is held while the client closes
+
+    service = ThreadService(Codec(StorageRequest), handler, on_disconnect=gone.put)
+    helper, client = Channel(service.endpoint, Codec(Reply)), Channel(service.endpoint, Codec(Reply))
+    try:
+        helper.send(Read("p", [0], ["x"]))
+        assert isinstance(helper.call(Ping(), timeout=10), Ok)
+        client.send(Read("p", [1], ["x"]))  # holds the server thread
+        assert busy.wait(30)
+        client.send(Read("p", [2], ["x"]))
+        client.close()
+        # a round trip through another service of the same ZeroMQ context: its I/O thread has
+        # handled the closing by then, so the held server sees it before the queued request
+        probe = ThreadService(Codec(StorageRequest), lambda msg, pending: None)
+        with contextlib.closing(Channel(probe.endpoint, Codec(Reply))) as channel:
+            assert isinstance(channel.call(Ping(), timeout=10), Ok)
+        probe.close()
+        release.set()
+        peer = gone.get(timeout=30)
+        assert peer == parked[1].peer
+        assert all(p.done for p in parked if p.peer == peer)
+        assert not parked[0].done
+    finally:
+        release.set()
+        helper.close()
+        client.close()
         service.close()

@@ -8,7 +8,7 @@ import os
 import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +21,10 @@ from ._context import shared_context, socket
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
+
+
+_GONE_KEPT = 4096
+"""Closed peers a `ThreadService` remembers, to drop their requests still queued."""
 
 
 class Pending:
@@ -69,9 +73,10 @@ class ThreadService:
     it held for that client at once instead of at a timeout. The connection of each request is
     known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
     request is served, so a descriptor reused by a new connection is never mistaken for the old.
-    The one request this cannot place is a connection's first, sent just before it closed and
-    read after that closing was seen: it is taken for the descriptor's next connection, and
-    what it is given waits for that one's closing or its own timeout.
+    A request still queued when its connection closed is dropped unanswered (the latest closed
+    peers are remembered). The one request this cannot place is a connection's first, sent just
+    before it closed and read after that closing was seen: it is taken for the descriptor's next
+    connection, and what it is given waits for that one's closing or its own timeout.
 
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
@@ -92,6 +97,9 @@ class ThreadService:
         self._on_disconnect = on_disconnect
         self._peers: dict[int, set[bytes]] = {}
         """Socket descriptor -> the peers (identities) whose requests came over it."""
+        self._gone: OrderedDict[bytes, None] = OrderedDict()
+        """The latest peers reported closed (ROUTER never gives an identity twice): a request of
+        theirs still queued behind the closing is dropped, not served."""
         self._sock: zmq.Socket = socket(shared_context(zmq.Context), zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
@@ -183,6 +191,9 @@ class ThreadService:
         """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
         assert self._on_disconnect is not None  # only then are disconnections watched
         for peer in self._peers.pop(fd, ()):
+            self._gone[peer] = None
+            while len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
             for key in [k for k in self._open if k[0] == peer]:
                 self._open.pop(key).done = True
             try:
@@ -196,6 +207,8 @@ class ThreadService:
             # closings seen before this request are settled first: its descriptor may be one
             # a closed connection freed (that closing is in the monitor by now)
             self._events()
+            if identity in self._gone:
+                return  # sent before its connection closed: nobody is left to answer
             self._peers.setdefault(frames[1].get(zmq.SRCFD), set()).add(identity)
         rid = 0
         try:
