@@ -710,17 +710,22 @@ class WeightPublisher:
             return None
 
     def _grant(self, msg: Lease, holder: bytes) -> Granted | None:
-        """Pin the slot holding `msg.version` for the requester (its connection `holder`,
-        whose closing releases the lease); None if no slot holds it.
+        """Pin the slot holding `msg.version` for the requester; None if no slot holds it.
+
+        A "map" transport's reader is on this host, so its connection (`holder`) closes only
+        when its process dies or closes the channel: its lease ends with that closing. Other
+        readers may be across a network whose connections reset and reconnect under a live
+        reader, so theirs end only when released or expired.
 
         Raises:
             WeightSyncError: the transport cannot describe the slot (nothing stays pinned).
         """
-        got = self._table.lease(msg.version, holder)
+        transport = self._transports.get(msg.transport)
+        local = transport is not None and transport.mode == "map"
+        got = self._table.lease(msg.version, holder if local else b"")
         if got is None:
             return None
         lease, slot = got
-        transport = self._transports.get(msg.transport)
         try:
             handle = transport.describe(slot) if transport is not None else b""
         except BaseException:

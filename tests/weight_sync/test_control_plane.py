@@ -7,6 +7,7 @@ the others granted."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -151,6 +152,24 @@ def test_a_subscriber_that_dies_waiting_never_pins_a_slot(die_before_offer):
             probe.close()
             if reader.is_alive():
                 kill(reader)
+
+
+def test_a_network_readers_lease_outlives_its_connection():
+    """A `tcp` reader may be across a network whose connection resets and reconnects under it
+    while it still reads: its lease ends only when released or expired, not with the
+    connection. A co-located (`shm`) reader's ends as its connection closes."""
+    with WeightPublisher(None, ["shm", "tcp"], lease_timeout=600) as pub:
+        pub.publish({"w": torch.ones(8)}, version=1)
+        remote, local = RpcClient(pub.endpoint, timeout=5.0), RpcClient(pub.endpoint, timeout=5.0)
+        network = remote.call(Lease(1, "tcp"))
+        mapped = local.call(Lease(1, "shm"))
+        remote.close()
+        local.close()
+        eventually(lambda: pub._table.leased(mapped.lease) is None, 30, "the shm reader's lease released")
+        assert pub._table.leased(network.lease) is not None
+        with contextlib.closing(RpcClient(pub.endpoint, timeout=5.0)) as again:  # the reader, reconnected
+            assert isinstance(again.call(Release(network.lease)), Ok)
+        assert _leases(pub) == 0
 
 
 def test_a_closed_subscriber_leaves_no_lease_behind():
