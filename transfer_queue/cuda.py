@@ -35,6 +35,7 @@ __all__ = [
     "pinned_empty",
     "copies",
     "background_copies",
+    "trailing_copies",
     "side_stream",
     "synchronize",
     "make_current",
@@ -244,17 +245,31 @@ def background_copies(device: torch.device) -> Iterator[Callable[[], Callable[[]
     stream = _side_stream(device, "background")
     caller = torch.cuda.current_stream(device)
     stream.wait_stream(caller)
-
-    def mark() -> Callable[[], None]:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event.synchronize
-
     try:
         with torch.cuda.stream(stream):
-            yield mark
+            yield functools.partial(_mark, stream)
     finally:
         caller.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def trailing_copies(device: torch.device) -> Iterator[Callable[[], Callable[[], None]]]:
+    """Issue the block's copies on a side stream of their own once the work `background_copies`
+    issued so far is done, and return without waiting; the caller's stream does not wait for
+    them: for copies out of memory only the caller's own staging writes (a packed copy of the
+    weights), which the trainer's next kernels need not wait for. `mark()` as in
+    `background_copies`."""
+    stream = _side_stream(device, "trailing")
+    stream.wait_stream(_side_stream(device, "background"))
+    with torch.cuda.stream(stream):
+        yield functools.partial(_mark, stream)
+
+
+def _mark(stream: Any) -> Callable[[], None]:
+    """Record an event on `stream`; returns what blocks until the work before it is done."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event.synchronize
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ slot from there, one copy per bucket. The compare then reads the new and the pre
 where they already are, at device memory speed, and only the changed bytes and their
 positions (`delta.Changes`, a few percent) cross to the host. The cost is GPU memory: two
 packed copies of the rank's weights (the version being staged and its base), held from the
-first delta version until the publisher closes.
+first version of CUDA weights published with deltas on until the publisher closes
+(or until the GPU has no memory for them: the compare then runs on the host).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
-from transfer_queue.cuda import background_copies, is_cuda, side_stream, synchronize
+from transfer_queue.cuda import background_copies, is_cuda, side_stream, synchronize, trailing_copies
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -201,10 +201,11 @@ class WeightPublisher:
         self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
         self._compare_scratch = CompareScratch()  # the compare thread's alone
         self._comparing: Future | None = None
+        """The last compare handed to `_comparer` (it runs them in order)."""
         self._device_packs = DevicePacks() if self.delta else None
         """With deltas on, CUDA weights are packed on the GPU first, so the compare runs there
-        (every version, also one published with `delta` turned off: it is the next one's base)."""
-        """The last compare handed to `_comparer` (it runs them in order)."""
+        (every version, also one published with `delta` turned off: it is the next one's base);
+        None once the GPU had no memory for the packs (the compare then runs on the host)."""
         self._skip_dense = 0
         """Versions still to publish without a compare, since the last compare found most
         buckets dense (updates too large for deltas)."""
@@ -378,7 +379,16 @@ class WeightPublisher:
         self._record_stats(version, manifest.nbytes, staged)
         device = cuda if self._table.device is None else None  # GPU weights into host staging
         if device is not None and self._device_packs is not None:
-            return self._pack_on_device(version, manifest, items, slot, device, staged)
+            try:
+                return self._pack_on_device(version, manifest, items, slot, device, staged)
+            except torch.cuda.OutOfMemoryError:
+                log.warning(
+                    "no GPU memory for the two packed copies (%d bytes each) deltas compare on the device; "
+                    "comparing on the host from now on",
+                    manifest.nbytes,
+                )
+                self._device_packs.clear()
+                self._device_packs = None
         progress = functools.partial(self._table.advance, slot)
         if staged is not None and base is not None:
             progress = functools.partial(self._staged_with_delta, slot, base, staged)
@@ -431,21 +441,26 @@ class WeightPublisher:
         staged: _StagedDelta | None,
     ) -> Callable[[], None]:
         """`_pack_in_background` for CUDA weights with deltas on: pack the version on the GPU
-        (`DevicePacks`), copy it to the host slot bucket by bucket from there, and have the
-        compare thread compare it with the base's packed bytes on the device (whole buckets
-        when the base was not packed there). Returns the drain of the copies to the host."""
+        (`DevicePacks`; the trainer's stream waits for this device-to-device pack only), copy it
+        to the host slot bucket by bucket from there on a stream of its own, and have the compare
+        thread compare it with the base's packed bytes on the device (whole buckets when the base
+        was not packed there). Returns the drain of the copies to the host.
+
+        Raises:
+            torch.cuda.OutOfMemoryError: no GPU memory for the pack (nothing is left half done).
+        """
         assert self._device_packs is not None  # deltas are on
         bucket = manifest.bucket_bytes
-        marks: list[tuple[Callable[[], None], int]] = []
         with background_copies(device) as mark:
             packed = self._device_packs.pack(version, manifest, [t for _, t in items], device)
             ready = mark()
+        marks: list[tuple[Callable[[], None], int]] = []
+        with trailing_copies(device) as mark:  # they read the pack only: the trainer need not wait
             host = slot.mapped.tensor
             for k in range(manifest.num_buckets):
                 lo, hi = k * bucket, min((k + 1) * bucket, manifest.nbytes)
                 host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
                 marks.append((mark(), hi))
-        self._drained.clear()
         if staged is not None:
             old = self._device_packs.base(staged.base, manifest)
             if old is None:  # the base was not packed on the GPU (its tensors were not CUDA): go whole
@@ -464,6 +479,7 @@ class WeightPublisher:
             finally:
                 self._drained.set()
 
+        self._drained.clear()  # last: a failure above leaves nothing for the next publish to wait on
         return drain
 
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts

@@ -85,3 +85,30 @@ def test_deltas_of_cuda_weights_are_compared_on_the_gpu():
             check(summary, 5)
     finally:
         pub.close()
+
+
+@pytest.mark.cuda
+def test_without_gpu_memory_for_the_packs_the_compare_moves_to_the_host(monkeypatch):
+    """The GPU has no room for the packed copies (here: the pack raises as an allocation would):
+    the version is staged from the weights as without deltas, later versions are compared on
+    the host, and every apply is still exact."""
+    from weight_sync.device_packs import DevicePacks
+
+    def no_memory(self, version, *args):  # noqa: ANN001, ANN002
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
+    subs = Subscribers(1, pub.endpoint, "tcp", sparse=True, validate=True)
+    try:
+        for version in range(1, 5):
+            if version == 3:
+                monkeypatch.setattr(DevicePacks, "pack", no_memory)
+            pub.publish({n: t.cuda() for n, t in sparse_weights(version).items()}, version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        assert stats[2].compared_on.startswith("cuda") and stats[4].compared_on == "cpu", stats
+        for summary in subs.finish().values():
+            assert summary["applied"] == [1, 2, 3, 4]
+            check(summary, 4)
+    finally:
+        pub.close()
