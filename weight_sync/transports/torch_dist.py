@@ -14,7 +14,8 @@ slot only: sharded trainers use the pull transports.
 
 Deltas (gloo only; `deltas` is False under NCCL, where staging and receive buffers are on the
 GPU and every version is broadcast whole). Every member receives every broadcast, so the
-members share one base: the last version this transport broadcast whole-and-ok (`_last_ok`).
+members share one base: the last version this transport broadcast complete and ok, whole or as a
+delta (`_last_ok`).
 The pusher may skip versions (`send` supersedes a queued one), so a staged version's changes
 (`Source.staged_delta`, compared against the version staged before it) are broadcast only
 when their base is that version; otherwise, and when a member asked for it, the version goes
@@ -36,6 +37,7 @@ the whole version comes at most two versions later.
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from typing import TYPE_CHECKING
 
@@ -52,6 +54,8 @@ if TYPE_CHECKING:  # the class of ProcessGroupGloo/NCCL (a torch without distrib
     from torch._C._distributed_c10d import Backend as _Backend
 
 __all__ = ["TorchTransport"]
+
+log = logging.getLogger("sluice.weight_sync")
 
 _WORLD = "sluice/weight_sync/world_size"
 _RANK = "sluice/weight_sync/rank"
@@ -95,7 +99,8 @@ class TorchTransport(Transport):
         self.deltas = backend == "gloo"
         self._source: Source | None = None
         self._last_ok = -1
-        """Publisher: the last version broadcast whole and ok, the members' shared base."""
+        """Publisher: the last version broadcast complete and ok (whole or as a delta), the
+        members' shared base."""
         self._asked = 0
         """Publisher: the `_WHOLE` count at the last version (more since: broadcast whole)."""
         self._member_store: dist.TCPStore | None = None
@@ -203,13 +208,16 @@ class TorchTransport(Transport):
                 try:
                     frame, payload = self._frame(staged, k, end - k * bucket)
                 except SluiceError:
-                    ok = False  # the version failed while being compared
+                    # staging failed: the version is bad; only its compare failed: the bytes are
+                    # good and this bucket goes whole (a WHOLE frame)
+                    ok = not slot.failed
             self._broadcast(torch.frombuffer(bytearray(frame.pack()), dtype=torch.uint8))
             body = piece if payload is None else payload
             if body.numel():
                 self._broadcast(body)
             sent += HEADER.size + body.numel()
             gaps += frame.kind == GAPS
+        ok = ok and not slot.failed  # a staging failure seen after its last bucket went out
         self._broadcast(torch.tensor([int(ok)], dtype=torch.int64))
         synchronize(self.receive_device)  # NCCL ran on its stream: done before the slot is released
         self._last_ok = version if ok else -1
@@ -341,9 +349,14 @@ class TorchTransport(Transport):
         return received, refused
 
     def _ask_whole(self) -> None:
-        """Ask the pusher to broadcast the next version whole (it reads the count before each)."""
+        """Ask the pusher to broadcast the next version whole (it reads the count before each).
+        A store that does not answer is logged: the member stays in step with the group (it
+        still refuses deltas it cannot apply, and asks again at the next)."""
         if self._member_store is not None:
-            self._member_store.add(_WHOLE, 1)
+            try:
+                self._member_store.add(_WHOLE, 1)
+            except RuntimeError as exc:  # the store timed out or is gone
+                log.warning("could not ask the torch group's publisher for a whole version: %s", exc)
 
     def close(self) -> None:
         """Publisher: say goodbye to the group and stop. Subscriber: leave; a receive blocked
