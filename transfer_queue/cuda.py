@@ -288,12 +288,12 @@ def synchronize(device: torch.device | None) -> None:
 
 
 def make_current(device: torch.device) -> None:
-    """Make CUDA `device` this thread's device, with its primary context current, and wait for
-    the work queued on its current stream: for libraries that call the CUDA driver on GPU memory
-    they are handed (UCX, through NIXL), which expect a current context in the calling thread
-    and do not order their copies after torch's streams."""
+    """Make CUDA `device` this thread's device, with its primary context current: for libraries
+    that call the CUDA driver on GPU memory they are handed (UCX, through NIXL), which expect a
+    current context in the calling thread. Nothing is waited for (the memory they are handed
+    must hold no queued work: see `staging.Segment`)."""
     torch.cuda.set_device(device)
-    torch.cuda.current_stream(device).synchronize()  # a runtime call: binds the context to this thread
+    torch.cuda.current_stream(device).query()  # a runtime call: binds the context to this thread
 
 
 def ipc_share(t: torch.Tensor) -> tuple:

@@ -50,6 +50,9 @@ class Segment:
         if device is not None:
             self._mm = None
             self.tensor = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)[:size]
+            # the fill is done before anyone gets the memory: libraries that copy into it (UCX,
+            # through NIXL) or processes that open it do not order themselves after this stream
+            torch.cuda.current_stream(device).synchronize()
             return
         length = max(size, 1)
         if shared:

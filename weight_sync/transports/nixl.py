@@ -270,8 +270,8 @@ class NixlTransport(Transport):
         local_descs = np.stack([starts + local, lengths, zeros + device], axis=1).astype(np.uint64)
         remote_descs = np.stack([remote_descs[:, 0], lengths, zeros + where.device], axis=1).astype(np.uint64)
         what = f"version {job.version} from rank {job.rank}"
-        if into.is_cuda:  # UCX's copies are not ordered after this thread's stream: what is queued
-            make_current(into.device)  # on the buffer (a new one's zero fill) ends first
+        if into.is_cuda:  # UCX copies through this thread's context (the buffer's fill ended when made)
+            make_current(into.device)
         try:
             handle = agent.initialize_xfer(
                 "READ",
