@@ -112,3 +112,27 @@ def test_without_gpu_memory_for_the_packs_the_compare_moves_to_the_host(monkeypa
             check(summary, 4)
     finally:
         pub.close()
+
+
+@pytest.mark.cuda
+def test_with_deltas_the_trainer_may_overwrite_its_weights_right_after_publish():
+    """With deltas on, `publish` returns once the GPU pack is issued: the trainer's next kernels
+    (here: zeroing its weights) run after the pack has read them, while the copies to the host
+    and the compare go on; every version, as a delta, arrives exact."""
+    live = {n: t.cuda() for n, t in sparse_weights(0).items()}
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True, model=live)
+    subs = Subscribers(1, pub.endpoint, "tcp", sparse=True, validate=True)
+    try:
+        for version in range(1, 6):
+            for name, t in sparse_weights(version).items():
+                live[name].copy_(t)
+            pub.publish(live, version)
+            for t in live.values():
+                t.zero_()  # on the trainer's stream, ordered after the pack
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        assert all(stats[v].delta_pulls == 1 for v in range(2, 6)), stats
+        for summary in subs.finish().values():
+            check(summary, 5)
+    finally:
+        pub.close()
