@@ -8,8 +8,10 @@ A put of new rows takes its producer two round trips:
 2. The producer sends its writes to the units and its `CommitPut` here together. Each unit
    reports how its write ended (`WriteLanded`, signed with the cluster secret); the commit waits
    until every unit of the put reported its write stored, then records the rows' facts and marks
-   their fields ready, so no consumer ever sees a sample whose bytes are not all in place. A unit
-   that reports a failed write ends the put: its rows are freed and the commit answers with the
+   their fields ready, so no consumer ever sees a sample whose bytes are not all in place. The
+   last report applies a commit that came before it and answers it in the same step (the commit
+   waits as a plain future, no task), so the put's last hop is the answer itself. A unit that
+   reports a failed write ends the put: its rows are freed and the commit answers with the
    unit's error.
 
 A producer that wrote its previous put whole through a unit's mapped arena reserves the space
@@ -32,7 +34,7 @@ import asyncio
 import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -76,10 +78,12 @@ class _OpenPut:
     """Unit id -> bytes this put sends that unit as data frames (its share of the frame window)."""
     unlanded: set[int]
     """Units that have not reported the put's write stored yet."""
+    rows: dict[int, list[int]]
+    """Unit id -> the put's indexes on that unit, ascending: what its report must name."""
     peer: bytes = b""
     """The connection that opened it (`rpc.current_peer`)."""
-    landed: asyncio.Future | None = None
-    """Set when `unlanded` empties or the put ends, for a commit that waits."""
+    commits: list[tuple[CommitPut, asyncio.Future]] = field(default_factory=list)
+    """Commits that came before the last report, answered when it comes or the put ends."""
 
 
 class Puts:
@@ -164,11 +168,10 @@ class Puts:
         self.intake.opened(framed, peer)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
-        self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares), peer)
+        rows = {u: (first + np.flatnonzero(units == u)).tolist() for u in shares}
+        self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares), rows, peer)
         sign = self.links.tickets.sign
-        tickets = {
-            u: sign(msg.partition, first, u, (first + np.flatnonzero(units == u)).tolist(), msg.fields) for u in shares
-        }
+        tickets = {u: sign(msg.partition, first, u, indexes, msg.fields) for u, indexes in rows.items()}
         return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets, msg.partition)
 
     def _full(self, msg: BeginPut) -> SluiceError:
@@ -214,9 +217,7 @@ class Puts:
             if not msg.code:
                 self._free_stray(msg)
             return
-        part = self.ledger.partitions[put.partition]
-        rows = part.rows_of(range(put.first, put.first + put.n), alive=False)
-        if sorted(msg.indexes) != part.gidx[rows[part.unit[rows] == msg.unit_id]].tolist():
+        if sorted(msg.indexes) != put.rows.get(msg.unit_id):
             return  # not this put's write on that unit
         if msg.code:
             self.end(msg.put, error_from_code(msg.code, msg.message))
@@ -234,15 +235,15 @@ class Puts:
             self.links.tell_free(msg.partition, {msg.unit_id: stray})
 
     def landed(self, first: int, unit_id: int) -> None:
-        """`unit_id` reported the write of open put `first` stored; a commit waiting for the last
-        report goes on."""
+        """`unit_id` reported the write of open put `first` stored; the last report applies a
+        commit waiting for it and answers it."""
         put = self.open.get(first)
         if put is None:
             return
         put.unlanded.discard(unit_id)
         self.intake.closed({unit_id: put.framed.pop(unit_id, 0)})  # its frames are stored: out of the window
-        if not put.unlanded and put.landed is not None and not put.landed.done():
-            put.landed.set_result(None)
+        if not put.unlanded:
+            self._answer(put)
 
     # -- CommitPut ---------------------------------------------------------------------
 
@@ -253,16 +254,24 @@ class Puts:
             self._record(Committed(msg))
             return Ok()
         put = self._open_put(msg)
-        if put.unlanded:
-            return self._commit_when_landed(put, msg)
+        if put.unlanded:  # answered by the last report (`landed`) or the put's end (`end`)
+            waiting: asyncio.Future[Ok] = asyncio.get_running_loop().create_future()
+            put.commits.append((msg, waiting))
+            return waiting
         return self._commit(put, msg)
 
-    async def _commit_when_landed(self, put: _OpenPut, msg: CommitPut) -> Ok:
-        if put.unlanded:  # checked again: the last report may have come before this task ran
-            if put.landed is None:
-                put.landed = asyncio.get_running_loop().create_future()
-            await asyncio.shield(put.landed)  # a withdrawn commit leaves the put open
-        return self._commit(self._open_put(msg), msg)  # raises why the put ended meanwhile
+    def _answer(self, put: _OpenPut) -> None:
+        """Answer the commits waiting for `put`, in order: the first applies it (all its writes
+        are stored), any other learns it is no open put any more; after the put ended, each
+        learns why. A withdrawn commit (cancelled) is skipped: it leaves the put open."""
+        commits, put.commits = put.commits, []
+        for msg, waiting in commits:
+            if waiting.done():
+                continue
+            try:
+                waiting.set_result(self._commit(self._open_put(msg), msg))
+            except SluiceError as exc:
+                waiting.set_exception(exc)
 
     def _commit(self, put: _OpenPut, msg: CommitPut) -> Ok:
         try:
@@ -348,13 +357,11 @@ class Puts:
         return put
 
     def _close(self, put: _OpenPut) -> None:
-        """Take a put off the clock and out of the frame window (committed or ended). A closed
-        put waits for no report: a commit whose task has not started yet must not wait either."""
+        """Take a put off the clock and out of the frame window (committed or ended): it waits
+        for no report any more."""
         del self.open[put.first]
         put.timer.cancel()
         put.unlanded.clear()
-        if put.landed is not None and not put.landed.done():
-            put.landed.set_result(None)
         self.intake.ended(put.framed, put.peer)
 
     # -- ends --------------------------------------------------------------------------
@@ -368,6 +375,7 @@ class Puts:
         self._ended[first] = why
         while len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
+        self._answer(put)  # waiting commits raise why
         part = self.ledger.partitions.get(put.partition)
         if part is not None:
             rows = part.rows_of(range(first, first + put.n), alive=False)

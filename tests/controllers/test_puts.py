@@ -155,6 +155,52 @@ def test_the_commit_waits_for_the_write(make_cluster):
         controller.close()
 
 
+def test_the_last_report_answers_the_waiting_commits_in_order(make_cluster):
+    """The report that completes a put applies the commit waiting for it and answers it; a
+    withdrawn commit is skipped and leaves the put to the next one, and a second commit of the
+    same put learns it is no open put any more (the rows are committed once)."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan, withdrawn = _begin_and_commit(controller)
+        assert controller.cancel(withdrawn) is None, "the commit was answered before the data landed"
+        info = RowInfo([0, 0], [0, 0], [0, 1], [1, 1])
+        first = controller.send(CommitPut("train", plan.indexes, SPEC, info))
+        again = controller.send(CommitPut("train", plan.indexes, SPEC, info))
+        controller.call(Status())  # both commits were handled: they wait
+        assert controller.ready(first) is None and controller.ready(again) is None
+        unit = peer(client.units[0].address)
+        unit.post(
+            Write("train", plan.indexes, SPEC, put=plan.indexes[0], ticket=plan.tickets[0]), [np.zeros(8, np.float32)]
+        )
+        assert controller.reply(first, 10)[0] == Ok()
+        late = controller.reply(again, 10)[0]
+        assert isinstance(late, ErrorReply) and late.code == "schema" and "no open put" in late.message, late
+        status = client.status()
+        assert status["partitions"]["train"]["committed"] == 2 and status["counters"]["open_puts"] == 0
+        unit.close()
+        controller.close()
+
+
+def test_a_commit_waiting_for_its_writes_learns_why_its_put_ended(make_cluster):
+    """An abort while the commit waits (the put ends before any report) answers the commit with
+    the reason at once, and its rows are freed."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        other = peer(cluster.address)
+        plan, commit = _begin_and_commit(controller)
+        controller.call(Status())
+        assert controller.ready(commit) is None
+        assert other.call(AbortPut("train", plan.indexes)) == Ok()
+        answer = controller.reply(commit, 10)[0]
+        assert isinstance(answer, ErrorReply) and "aborted by its producer" in answer.message, answer
+        status = client.status()
+        assert status["partitions"]["train"]["samples"] == 0 and status["counters"]["open_puts"] == 0
+        other.close()
+        controller.close()
+
+
 def test_a_write_report_needs_the_cluster_secret(make_cluster):
     """Only a storage unit may declare a put's bytes in place: a report without the cluster
     secret is refused (and counted), and the commit keeps waiting for the real one."""
