@@ -202,11 +202,12 @@ class StorageUnit(Service):
         self._controller = controller, secret
         self._tickets = WriteTickets(secret)
 
-    def _land(self, msg: Write, error: BaseException | None = None, new_rows: bool = False) -> None:
+    def _land(self, msg: Write, error: BaseException | None = None, new_rows: bool = False, now: bool = False) -> None:
         """Tell the controller how a put's write ended, once the handler returned and with it the
-        write's frames (dropped, or staged within their share of memory): the report lets the
-        controller commit the put and admit the next one to this unit, whose frames must not
-        arrive while this write's are still held (what `_LATE_REPLY_BYTES` does for replies). A
+        write's frames (dropped, or staged within their share of memory), or `now` for a write
+        that carried none: the report lets the controller commit the put and admit the next one
+        to this unit, whose frames must not arrive while this write's are still held (what
+        `_LATE_REPLY_BYTES` does for replies). A
         write refused before its handler ran (undecodable) cannot be reported: its put ends at its
         producer's commit timeout.
 
@@ -219,7 +220,10 @@ class StorageUnit(Service):
         failed = None if error is None else error_reply(error)  # what the producer is answered
         code, message = ("", "") if failed is None else (failed.code, failed.message)
         report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
-        asyncio.get_running_loop().call_soon(channel.post, report)
+        if now:
+            channel.post(report)
+        else:
+            asyncio.get_running_loop().call_soon(channel.post, report)
 
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled] | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)
@@ -270,14 +274,21 @@ class StorageUnit(Service):
         return _answer(msg, WriteReply())
 
     def _register(self, msg: Write, placed: Placed) -> None:
+        """Register the rows of a stored write and report it (`_land`). A mapped write holds no
+        frames, so its report goes first, in this same step: the controller's handling of it runs
+        beside the registration, and no request is served here before the rows are in place."""
         new_rows = msg.put < 0 and self._controller is not None and not self.table.holds(msg.partition, msg.indexes)
+        mapped = msg.via == "shm"
+        if mapped:
+            self._land(msg, new_rows=new_rows, now=True)
         for (name, spec), pieces in zip(msg.fields.items(), placed):
             lengths = msg.lengths.get(name) if spec.ragged else None
             for chunk, lo, hi, _ in pieces:
                 part = None if lengths is None else lengths[lo:hi]
                 self.table.insert(msg.partition, name, spec, msg.indexes[lo:hi], chunk, part)
         self.space.release(chunks_of(placed))  # the creator's references; replaced rows may have freed space
-        self._land(msg, new_rows=new_rows)
+        if not mapped:
+            self._land(msg, new_rows=new_rows)
 
     def _reserve(self, msg: Write, chunks: list[Chunk]) -> WriteReply:
         token = self._next_token
