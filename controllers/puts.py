@@ -274,8 +274,9 @@ class Puts:
                 waiting.set_exception(exc)
 
     def _commit(self, put: _OpenPut, msg: CommitPut) -> Ok:
+        part = self.ledger.partitions.get(put.partition)
         try:
-            self.apply(msg)
+            self.apply(msg, None if part is None else part.run(put.first, put.n))
         except SluiceError as exc:
             self.end(put.first, exc)
             raise
@@ -283,9 +284,11 @@ class Puts:
         self._record(Committed(msg))
         return Ok()
 
-    def apply(self, msg: CommitPut) -> None:
+    def apply(self, msg: CommitPut, rows: slice | np.ndarray | None = None) -> None:
         """Mark `msg.fields` ready, with new rows' facts, or new columns of existing rows checked
-        and accounted for; wake the consumers. (The journal replays commits through here.)
+        and accounted for; wake the consumers. `rows`: the row numbers of new rows' `msg.indexes`
+        when the caller knows them (an open put's `Partition.run`), else they are looked up.
+        (The journal replays commits through here.)
 
         Raises:
             SchemaError: the facts do not match the rows, or new columns clash with the schema."""
@@ -294,8 +297,9 @@ class Puts:
             part, rows = self._new_columns(msg)
         else:
             part = self.ledger.partition(msg.partition)
-            rows = part.rows_of(msg.indexes)
-            n = len(rows)
+            if rows is None:
+                rows = part.rows_of(msg.indexes)
+            n = len(msg.indexes)
             for name, values in (
                 ("versions_first", info.versions_first),
                 ("versions_last", info.versions_last),
@@ -342,12 +346,7 @@ class Puts:
         """The open put that `msg` commits; raises why it ended if it did."""
         first = msg.indexes[0] if msg.indexes else -1
         put = self.open.get(first)
-        if (
-            put is None
-            or put.partition != msg.partition
-            or put.n != len(msg.indexes)
-            or msg.indexes[-1] != first + put.n - 1
-        ):
+        if put is None or put.partition != msg.partition or msg.indexes != list(range(first, first + put.n)):
             ended = self._ended.get(first)
             if ended is not None:
                 raise type(ended)(str(ended))

@@ -179,6 +179,16 @@ class Partition:
             raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {missing}")
         return rows if alive else rows[known]
 
+    def run(self, first: int, n: int) -> slice | None:
+        """The row numbers of global indexes `first` .. `first + n - 1` as a slice when they are
+        `n` consecutive live rows (a put's rows, as placed), else None. Numpy steps through a
+        slice without an index array."""
+        r = int(np.searchsorted(self.gidx[: self.n], first))
+        end = r + n
+        if n <= 0 or end > self.n or self.gidx[r] != first or self.gidx[end - 1] != first + n - 1:
+            return None  # gidx is sorted and unique: equal ends mean every index in between
+        return slice(r, end) if self.alive[r:end].all() else None
+
     def holds(self, indexes: list[int] | np.ndarray) -> np.ndarray:
         """Mask over `indexes`: which are live samples of this partition."""
         rows, known = self.locate(indexes)
@@ -210,7 +220,7 @@ class Partition:
                 self.schema[name] = spec
                 self.ready[name] = np.zeros(self.capacity, bool)
 
-    def mark_ready(self, rows: np.ndarray, fields: list[str]) -> None:
+    def mark_ready(self, rows: np.ndarray | slice, fields: list[str]) -> None:
         for name in fields:
             self.ready[name][rows] = True
 

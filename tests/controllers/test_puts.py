@@ -201,6 +201,24 @@ def test_a_commit_waiting_for_its_writes_learns_why_its_put_ended(make_cluster):
         controller.close()
 
 
+def test_a_commit_must_name_exactly_its_puts_indexes(make_cluster):
+    """A commit is applied to the rows its put placed: one that names the put's first and last
+    index but another row between (or a row twice) is refused and commits nothing."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        controller = peer(cluster.address)
+        plan = controller.call(BeginPut("train", SPEC, 3, 16))
+        first, _, last = plan.indexes
+        info = RowInfo([0] * 3, [0] * 3, [0, 1, 2], [1] * 3)
+        for indexes in ([first, first, last], [first, last + 1, last]):
+            wrong = ask(controller, CommitPut("train", indexes, SPEC, info))
+            assert isinstance(wrong, ErrorReply) and wrong.code == "schema" and "no open put" in wrong.message, wrong
+        assert (
+            client.status()["partitions"]["train"]["committed"] == 0 and client.status()["counters"]["open_puts"] == 1
+        )
+        controller.close()
+
+
 def test_a_write_report_needs_the_cluster_secret(make_cluster):
     """Only a storage unit may declare a put's bytes in place: a report without the cluster
     secret is refused (and counted), and the commit keeps waiting for the real one."""

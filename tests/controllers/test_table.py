@@ -61,6 +61,22 @@ def test_compaction_keeps_live_rows_their_indexes_and_each_tasks_progress() -> N
     assert part.rows_of(before[-3:]).tolist() == [5_897, 5_898, 5_899]
 
 
+def test_a_run_of_consecutive_live_rows_is_a_slice_and_anything_else_none() -> None:
+    """`run` (an open put's rows at its commit) gives the rows of `first`..`first + n - 1` only
+    when every one of them is there and alive, also after compaction moved them."""
+    part = _filled(300)  # indexes 0..99, 1000..1099, 2000..2099
+    assert part.run(1000, 100) == slice(100, 200)
+    assert part.run(1010, 5) == slice(110, 115)
+    assert part.run(1050, 100) is None, "past the batch: 1100.. were never placed"
+    assert part.run(999, 2) is None and part.run(2050, 60) is None and part.run(5000, 1) is None
+    part.kill(np.arange(0, 100))
+    part.kill(np.array([150]))
+    assert part.run(1040, 20) is None, "a freed row inside"
+    assert part.run(1000, 50) == slice(100, 150)
+    part.compact()
+    assert part.run(1000, 50) == slice(0, 50) and part.run(2000, 100) == slice(99, 199)
+
+
 def test_indexes_compacted_away_are_gone_not_unknown() -> None:
     part = _filled(2_000)
     gone = part.gidx[:1_500].tolist()
