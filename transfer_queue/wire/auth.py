@@ -106,12 +106,11 @@ class _Keys:
         return key == self.client_public
 
 
-def secure_server(sock: zmq.Socket, creds: Credentials, events: int = 0) -> tuple[Any, zmq.Socket]:
+def secure_server(sock: zmq.Socket, creds: Credentials) -> Any:
     """Make `sock` a CurveZMQ server admitting only the cluster's clients (before it binds).
 
-    Returns the ZAP thread (stop it with the socket) and a monitor socket that receives one
-    event per refused handshake, and the other `events` asked for (of `sock`'s kind: asyncio or
-    blocking; a socket has one monitor)."""
+    Returns the ZAP thread (stop it with the socket). A refused handshake is a `REFUSALS` event
+    of the socket's monitor, which the caller makes (a socket has one monitor)."""
     if not creds.server_secret:
         raise SchemaError(f"these credentials are a client's; a service needs the full {CREDENTIALS_ENV}")
     from zmq.auth.thread import ThreadAuthenticator
@@ -123,7 +122,7 @@ def secure_server(sock: zmq.Socket, creds: Credentials, events: int = 0) -> tupl
     sock.curve_server = True
     sock.curve_publickey = creds.server_public.encode()
     sock.curve_secretkey = creds.server_secret.encode()
-    return auth, sock.get_monitor_socket(REFUSALS | events)
+    return auth
 
 
 class WriteTickets:

@@ -11,7 +11,7 @@ import zmq
 from ..auth import Credentials
 from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
 from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
-from ._context import shared_context
+from ._context import monitor, shared_context
 from ._peer import _Peer
 
 
@@ -59,7 +59,7 @@ class Channel(_Peer):
         self._poller.register(self.sock, zmq.POLLIN)
         self._monitor = None
         if watch_disconnect:
-            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = monitor(self.sock, zmq.EVENT_DISCONNECTED)
             self._poller.register(self._monitor, zmq.POLLIN)
 
     def send(self, msg: Message, data: Sequence[Any] = ()) -> int:

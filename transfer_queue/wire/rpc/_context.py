@@ -11,6 +11,7 @@ refused socket hit.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import resource
 from typing import Any, TypeVar
@@ -19,7 +20,7 @@ import zmq
 
 from ..errors import CapacityError
 
-__all__ = ["shared_context", "socket", "open_file_limit"]
+__all__ = ["shared_context", "socket", "open_file_limit", "monitor"]
 
 MAX_SOCKETS_CAP = 1 << 17
 """At most this many sockets per context: ZeroMQ allocates a mailbox slot per allowed socket."""
@@ -78,3 +79,14 @@ def socket(ctx: zmq.Context, kind: int) -> Any:
             f"this process can open no more ZeroMQ sockets: it hit {which}; close clients it no longer "
             "uses, or raise the limit (ulimit -n)"
         ) from None
+
+
+_monitors = itertools.count()
+
+
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A monitor socket for `sock`'s `events`, on an inproc address of its own. pyzmq's default
+    address is made from the socket's file descriptor, which a new socket reuses once the old one
+    is closed, while the old monitor's address may still be bound: the new monitor would then
+    fail with "Address already in use"."""
+    return sock.get_monitor_socket(events, f"inproc://sluice-monitor-{os.getpid()}-{next(_monitors)}")

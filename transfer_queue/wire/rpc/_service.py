@@ -20,7 +20,7 @@ import zmq.asyncio
 from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
-from ._context import shared_context, socket
+from ._context import monitor, shared_context, socket
 from ._peers import PEER_EVENTS, PeerWatch
 
 # -- asyncio service -----------------------------------------------------------------------
@@ -69,11 +69,10 @@ class Service:
         self.auth_refused = 0
         self._auth = None
         if credentials is not None:
-            self._auth, monitor = secure_server(self.sock, credentials, PEER_EVENTS)
-        else:
-            monitor = self.sock.get_monitor_socket(PEER_EVENTS)
-        self._monitor: zmq.Socket = zmq.Socket.shadow(monitor.underlying)
-        self._monitor_owner = monitor  # keeps the monitor socket open as long as the service
+            self._auth = secure_server(self.sock, credentials)
+        events = monitor(self.sock, PEER_EVENTS | (REFUSALS if credentials is not None else 0))
+        self._monitor: zmq.Socket = zmq.Socket.shadow(events.underlying)
+        self._monitor_owner = events  # keeps the monitor socket open as long as the service
         self.peers = PeerWatch(self._peer_gone, self._read_events)
         self.on_peer_gone: Callable[[bytes], None] | None = None
         """Called with the routing identity of a peer whose connection closed (`current_peer`

@@ -14,10 +14,10 @@ from typing import Any
 
 import zmq
 
-from ..auth import Credentials, secure_server
+from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError, TimeoutError
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
-from ._context import shared_context, socket
+from ._context import monitor, shared_context, socket
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
@@ -107,9 +107,10 @@ class ThreadService:
         self._monitor: zmq.Socket | None = None
         events = zmq.EVENT_DISCONNECTED if on_disconnect is not None else 0
         if credentials is not None:
-            self._auth, self._monitor = secure_server(self._sock, credentials, events)
-        elif events:
-            self._monitor = self._sock.get_monitor_socket(events)
+            self._auth = secure_server(self._sock, credentials)
+            events |= REFUSALS
+        if events:
+            self._monitor = monitor(self._sock, events)
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
