@@ -325,10 +325,7 @@ class WeightPublisher:
         except BaseException as exc:
             # whatever fails once the slot is claimed fails the version, so the slot is free
             # again (a slot left neither complete nor failed is never claimed)
-            staged = self._deltas.get(slot.index)
-            if staged is not None and staged.version == version:
-                staged.fail()
-            self._table.fail(slot)
+            self._fail(slot, version)
             self._finished.put((slot, version, False, None))
             if isinstance(exc, Exception):
                 raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
@@ -419,7 +416,15 @@ class WeightPublisher:
                 lambda end: marks.append((mark(), end)),
                 _destinations(slot),
             )
-        self._drained.clear()
+        return self._drain(marks, progress)
+
+    def _drain(
+        self, marks: list[tuple[Callable[[], None], int]], progress: Callable[[int], None]
+    ) -> Callable[[], None]:
+        """The drain the finisher runs for copies issued in the background: wait for each
+        group's event (`marks`: its wait and the bytes staged once it is done), then report
+        those bytes (`progress`). The next `publish` waits for it (`_drained`, cleared here:
+        call this last, so a failure before it leaves nothing to wait on)."""
 
         def drain() -> None:
             try:
@@ -429,6 +434,7 @@ class WeightPublisher:
             finally:
                 self._drained.set()
 
+        self._drained.clear()
         return drain
 
     def _pack_on_device(
@@ -470,17 +476,7 @@ class WeightPublisher:
                 self._comparing = self._comparer.submit(
                     self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready
                 )
-
-        def drain() -> None:
-            try:
-                for copied, end in marks:
-                    copied()
-                    self._table.advance(slot, end)
-            finally:
-                self._drained.set()
-
-        self._drained.clear()  # last: a failure above leaves nothing for the next publish to wait on
-        return drain
+        return self._drain(marks, functools.partial(self._table.advance, slot))
 
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
         """Build the manifest of `model`'s tensors and allocate every slot for it now."""
@@ -619,6 +615,14 @@ class WeightPublisher:
             return self.shard[name] if name in self.shard else Layout.full(tensor.shape)
         return self.shard.layout(name, tensor)
 
+    def _fail(self, slot: Slot, version: int) -> None:
+        """Staging `version` into `slot` failed: its readers, of whole bytes or of the delta, get
+        `WeightSyncError`, and the slot may be claimed again."""
+        staged = _staged_in(self._deltas, slot, version)
+        if staged is not None:
+            staged.fail()
+        self._table.fail(slot)
+
     def _finish_loop(self) -> None:
         """Background: finish each version `publish` queued, in order."""
         while (job := self._finished.get()) is not None:
@@ -635,10 +639,7 @@ class WeightPublisher:
                 drain()
             except Exception:  # noqa: BLE001 - a failed copy: readers get WeightSyncError
                 log.exception("copying version %d to host staging failed", version)
-                staged = self._deltas.get(slot.index)
-                if staged is not None and staged.version == version:
-                    staged.fail()  # delta readers too
-                self._table.fail(slot)
+                self._fail(slot, version)
                 ok = False
         try:
             if ok and self.validate:
@@ -747,8 +748,8 @@ class WeightPublisher:
         except BaseException:
             self._table.release(lease)
             raise
-        staged = self._deltas.get(slot.index)
-        base = staged.base if staged is not None and staged.version == msg.version else -1
+        staged = _staged_in(self._deltas, slot, msg.version)
+        base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
 
@@ -830,6 +831,12 @@ def _destinations(slot: Slot) -> Destinations:
     if made is None or made.manifest is not slot.manifest:
         made = segment.derived["pack"] = Destinations(slot.manifest, segment.tensor)
     return made
+
+
+def _staged_in(deltas: dict[int, _StagedDelta], slot: Slot, version: int) -> _StagedDelta | None:
+    """The changes staged in `slot` for `version` (None: that version is not compared there)."""
+    staged = deltas.get(slot.index)
+    return staged if staged is not None and staged.version == version else None
 
 
 def _cuda_device(items: list[tuple[str, torch.Tensor]]) -> torch.device | None:
@@ -921,8 +928,7 @@ class _SlotSource(Source):
         self.count = count
 
     def staged_delta(self, slot: Slot) -> _StagedDelta | None:
-        staged = self.deltas.get(slot.index)
-        return staged if staged is not None and staged.version == slot.version else None
+        return _staged_in(self.deltas, slot, slot.version)
 
     def record(self, version: int, requested: int, sent: int, delta: bool) -> None:
         self.count(version, requested, sent, delta)
@@ -935,8 +941,8 @@ class _SlotSource(Source):
             raise WeightSyncError(f"lease {request.lease} on version {request.version} is not held (expired?)")
         staged = None
         if request.base >= 0:
-            staged = self.deltas.get(slot.index)
-            if staged is None or staged.version != request.version or staged.base != request.base:
+            staged = _staged_in(self.deltas, slot, request.version)
+            if staged is None or staged.base != request.base:
                 raise WeightSyncError(f"rank holds no delta of version {request.version} from {request.base}")
         sent = 0
 
