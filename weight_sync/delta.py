@@ -47,6 +47,7 @@ __all__ = [
     "Frame",
     "compare",
     "encode",
+    "encode_span",
     "apply",
     "positions_of",
 ]
@@ -235,6 +236,17 @@ def encode(
     payload[stream_len:] = new.numpy()
     frame = Frame(GAPS, span, stream_len, count, base, _sum(old.numpy()), _sum(payload))
     return frame, torch.from_numpy(payload)
+
+
+def encode_span(changes: Changes | None, lo: int, hi: int, base: int) -> tuple[Frame, torch.Tensor | None]:
+    """The frame for bytes [lo, hi) of a staging bucket whose changes against version `base`
+    are `changes` (positions from the bucket's start; None: the bucket is dense and goes whole):
+    (frame, payload), the payload None for a WHOLE frame (send the span's bytes themselves)."""
+    if changes is None:
+        return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
+    first, last = torch.searchsorted(changes.positions, torch.tensor([lo, hi])).tolist()
+    positions = changes.positions[first:last]
+    return encode(hi - lo, positions - lo if lo else positions, changes.old[first:last], changes.new[first:last], base)
 
 
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from transfer_queue import WeightSyncError
 from transfer_queue.wire.rpc import error_code, error_from_code
 
-from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode
+from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span
 from ..layout import Box
 from ..plan import Read
 from ..protocol import DATA_DECODER, DATA_ENCODER, Pull, RelayPull
@@ -183,23 +183,10 @@ def delta_frames(
     start, stop = span
     for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
         lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
-        new = slot[lo:hi]
-        changes = changes_of(k)
-        payload = None
-        if changes is None:
-            frame = Frame(WHOLE, hi - lo, 0, 0, base, 0, 0)
-        else:
-            at = k * bucket_bytes
-            first, last = torch.searchsorted(changes.positions, torch.tensor([lo - at, hi - at])).tolist()
-            frame, payload = encode(
-                hi - lo,
-                changes.positions[first:last] - (lo - at),
-                changes.old[first:last],
-                changes.new[first:last],
-                base,
-            )
+        at = k * bucket_bytes
+        frame, payload = encode_span(changes_of(k), lo - at, hi - at, base)
         yield memoryview(frame.pack())
-        yield as_bytes(new if payload is None else payload)
+        yield as_bytes(slot[lo:hi] if payload is None else payload)
 
 
 def whole_frames(slot: torch.Tensor, read: Read, scratch: Scratch, base: int) -> Iterator[memoryview]:

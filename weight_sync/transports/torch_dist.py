@@ -47,7 +47,7 @@ import torch.distributed as dist
 from transfer_queue import SluiceError, WeightSyncError
 from transfer_queue.cuda import synchronize
 
-from ..delta import GAPS, HEADER, WHOLE, Frame, apply, encode
+from ..delta import GAPS, HEADER, WHOLE, Frame, apply, encode_span
 from .base import Job, Source, StagedChanges, Transport, register
 
 if TYPE_CHECKING:  # the class of ProcessGroupGloo/NCCL (a torch without distributed lacks the module)
@@ -206,7 +206,7 @@ class TorchTransport(Transport):
             frame, payload = Frame(WHOLE, end - k * bucket, 0, 0, base, 0, 0), None
             if ok:
                 try:
-                    frame, payload = self._frame(staged, k, end - k * bucket)
+                    frame, payload = encode_span(staged.changes(k, self.timeout), 0, end - k * bucket, base)
                 except SluiceError:
                     # staging failed: the version is bad; only its compare failed: the bytes are
                     # good and this bucket goes whole (a WHOLE frame)
@@ -236,14 +236,6 @@ class TorchTransport(Transport):
             return None
         staged = self._source.staged_delta(slot)
         return staged if staged is not None and staged.base == self._last_ok >= 0 else None
-
-    def _frame(self, staged: StagedChanges, k: int, span: int) -> tuple[Frame, torch.Tensor | None]:
-        """Bucket `k` (`span` bytes) as a frame against `staged.base` (payload None: whole)."""
-        changes = staged.changes(k, self.timeout)
-        if changes is None:
-            return Frame(WHOLE, span, 0, 0, staged.base, 0, 0), None
-        inside = int(torch.searchsorted(changes.positions, span))  # a slot may be longer than its version
-        return encode(span, changes.positions[:inside], changes.old[:inside], changes.new[:inside], staged.base)
 
     # -- subscriber ----------------------------------------------------------------------
 
