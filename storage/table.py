@@ -190,12 +190,12 @@ class Table:
             rows = col.rows
             run = _segment_run(col, indexes)
             if run is not None:
-                seg, run_chunks = run
+                seg, chunk, nbytes = run
                 if col.spec.ragged:
                     plan.lengths[name] = seg.lengths
-                plan.runs[name] = [(run_chunks[0].offset, run_chunks[1])] if run_chunks[1] else []
-                if run_chunks[1]:
-                    plan.chunks.append([run_chunks[0]])
+                plan.runs[name] = [(chunk.offset, nbytes)] if nbytes else []
+                if nbytes:
+                    plan.chunks.append([chunk])
                 continue
             try:
                 entries = list(map(rows.__getitem__, indexes))
@@ -264,7 +264,7 @@ class Table:
         return {} if part is None else {n: c.spec for n, c in part.columns.items()}
 
 
-def _segment_run(col: Column, indexes: Sequence[int]) -> tuple[Segment, tuple[Chunk, int]] | None:
+def _segment_run(col: Column, indexes: Sequence[int]) -> tuple[Segment, Chunk, int] | None:
     """The segment whose live rows are exactly `indexes` in write order, with its chunk and the
     bytes of those rows, or None: a read of one write's rows (the common case) is one run."""
     if not indexes:
@@ -277,7 +277,7 @@ def _segment_run(col: Column, indexes: Sequence[int]) -> tuple[Segment, tuple[Ch
     if seg is None or seg.live != len(seg.indexes) or seg.indexes != indexes:
         return None
     last = col.rows[indexes[-1]]
-    return seg, (chunk, last[0] + last[1] - chunk.offset)
+    return seg, chunk, last[0] + last[1] - chunk.offset
 
 
 def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int, int]]:
