@@ -231,8 +231,12 @@ class ClientCore(ControlCore):
         again, waiting for room, holding nothing. After a put that did not go whole to a mapped
         unit (or failed), the next one does not reserve ahead."""
         unit, self._ahead = self._ahead, -1
+
+        def placed() -> Flow:  # as any put is: waiting for room, holding nothing
+            return self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)
+
         if unit not in self._arenas or self.use_shm is False:
-            return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+            return (yield from placed()), None
         reserve = Write(begin.partition, list(range(cols.n)), cols.specs, cols.lengths(), "shm", timeout, ahead=True)
         try:
             (plan, _), (space, _) = yield [
@@ -240,7 +244,7 @@ class ClientCore(ControlCore):
                 Call(unit, reserve, (), timeout + GRACE),
             ]
         except SluiceError:  # that unit (or the controller) is gone: asked as any put is, which raises if it must
-            return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+            return (yield from placed()), None
         held = space if isinstance(space, WriteReply) else None  # a refusal (no room now) is no error
         if isinstance(plan, PutPlan) and plan.indexes and held is not None and set(plan.units) == {unit}:
             return plan, (unit, held)
@@ -248,7 +252,7 @@ class ClientCore(ControlCore):
             yield [Call(unit, CommitWrite(held.token, abort=True), notice=True)]
         if not isinstance(plan, PutPlan) or plan.indexes:
             return check(plan, PutPlan), None  # placed elsewhere, or the controller's refusal raised
-        return (yield from self.one(CONTROLLER, begin, PutPlan, timeout + GRACE)), None
+        return (yield from placed()), None
 
     def _write(
         self,
