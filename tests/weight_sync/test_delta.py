@@ -93,12 +93,21 @@ def test_empty_and_full_change():
     assert compare(base ^ 0xFF, base) is None  # every byte changed
 
 
-def test_gaps_longer_than_a_byte_and_unaligned_spans():
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [0, 1, 255, 256, 511, 70_000, 100_002],
+        [254, 509, 764],  # gaps of exactly 255: one byte each
+        [255, 256],  # a first gap of 256, whose low byte is 0
+        [3, 260, 773, 1030],  # gaps of 257, 513 and 257: low bytes 1, 1, 1
+    ],
+)
+def test_gaps_longer_than_a_byte_and_unaligned_spans(positions):
     base = torch.zeros(100_003, dtype=torch.uint8)
     new = base.clone()
-    new[[0, 1, 255, 256, 511, 70_000, 100_002]] = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)
+    new[positions] = torch.arange(1, len(positions) + 1, dtype=torch.uint8)
     kind, size = _round_trip(base, new)
-    assert kind == GAPS and size < 7 * 2 + 100_003 // 255 + 2
+    assert kind == GAPS and size < len(positions) * 2 + 100_003 // 255 + 2
 
 
 def test_a_corrupt_payload_or_a_wrong_base_is_refused_untouched():
