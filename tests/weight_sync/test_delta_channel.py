@@ -15,11 +15,11 @@ import torch
 import weight_sync.publisher as publisher_module
 import weight_sync.transports.tcp as tcp_module
 from transfer_queue import WeightSyncError
-from weight_sync import WeightPublisher, WeightSubscriber
+from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.transports.tcp import TcpTransport
 
 from .harness import Subscribers, check, publisher_killed_mid_version
-from .workers import BUCKET, sparse_weights, weights, zeros
+from .workers import BUCKET, local_targets, sparse_weights, weights, zeros
 
 
 def _exact(tensors: dict[str, torch.Tensor], version: int) -> bool:
@@ -48,6 +48,32 @@ def test_sparse_versions_cross_as_deltas_and_land_exact():
             check(summary, 5)
     finally:
         pub.close()
+
+
+def test_a_tensor_parallel_subscriber_takes_deltas_exact():
+    """TP rank 1 of 2 with the Llama mapping (fused qkv and gate_up; row-parallel slices are
+    strided in the trainer's tensors, so they cross as WHOLE frames inside the delta stream)
+    takes versions 2..4 as deltas, each exact and validated."""
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True) as pub,
+        WeightSubscriber(
+            None,
+            mine := local_targets(1, 2),
+            transport="tcp",
+            publisher=pub.endpoint,
+            shard=TPShard(1, 2),
+            mapping=LLAMA,
+            validate=True,
+        ) as sub,
+    ):
+        for version in (1, 2, 3, 4):
+            pub.publish(sparse_weights(version), version)
+            sub.wait(version)
+            expected = local_targets(1, 2, version, sparse_weights)
+            assert all(torch.equal(mine[n].view(torch.int16), expected[n].view(torch.int16)) for n in expected)
+        stats = {s.version: s for s in pub.stats()}
+    for version in (2, 3, 4):
+        assert stats[version].delta_pulls == 1 and stats[version].sent * 3 < stats[version].requested, stats[version]
 
 
 def test_relays_forward_deltas_down_a_chain():

@@ -117,12 +117,13 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
     out.put(("done", sub_id, summary))
 
 
-def local_targets(rank: int, size: int, version: int | None = None) -> dict[str, torch.Tensor]:
-    """What a vLLM-style TP rank holds (fused qkv and gate_up), zeros or `version`'s values."""
+def local_targets(rank: int, size: int, version: int | None = None, version_of=weights) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """What a vLLM-style TP rank holds (fused qkv and gate_up), zeros or `version`'s values
+    (`version_of(version)`: `weights`, or `sparse_weights`)."""
     from weight_sync import LLAMA_TP_DIMS, TPShard
     from weight_sync.layout import Layout
 
-    full = weights(version if version is not None else 0)
+    full = version_of(version if version is not None else 0)
     shard = TPShard(rank, size, LLAMA_TP_DIMS)
 
     def part(name: str) -> torch.Tensor:
