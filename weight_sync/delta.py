@@ -16,7 +16,8 @@ torch ops on a device (a GPU staging buffer, before its device-to-host copy: onl
 a few percent of the bytes, then cross to the host), numpy kernels over the same memory on the
 host, where it compares 8-byte words first and bytes only inside the words that changed, a
 cache-sized chunk at a time. Frames are built, sent and applied on the host, so `encode` and
-`apply` use numpy, with a fast path for the common frame whose gaps all fit a byte.
+`apply` use numpy: a few passes per changed byte, the gaps over 255 (a few percent) fixed up
+apart.
 
 Frame layout (`HEADER`, then the payload):
 
@@ -235,8 +236,8 @@ def encode(
 
 def _gap_stream(at: np.ndarray) -> np.ndarray:
     """The gaps between sorted positions `at` (the first from -1) as bytes, a gap over 255
-    preceded by a 0 byte per 255 of it: differences straight into one array (no prepended
-    copy of the positions), and the long gaps, a few percent, fixed up after."""
+    preceded by a 0 byte per 255 of it: the differences written straight into one array, the
+    long gaps (a few percent) fixed up after."""
     steps = np.empty(len(at), dtype=np.int64)
     steps[:1] = at[:1] + 1
     np.subtract(at[1:], at[:-1], out=steps[1:])
