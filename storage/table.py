@@ -1,14 +1,14 @@
 """The row index of a unit: where each (partition, field, global index) lives in the arena.
 
-Per partition and field, a dict maps each global index to a row tuple
-`(offset, nbytes, length, chunk)`: the row's bytes in the arena, its length along the ragged
-dimension (0 for dense fields) and the chunk that holds it. Each insert also keeps its segment
-(its indexes in write order, and how many of them still live in its chunk): a Read of exactly
-one write's rows, the common case (a batch read as it was put), is that chunk as one run, found
-with one list comparison. Any other Read costs a dict look-up per row and field and one pass
-merging rows whose bytes are adjacent in the arena into runs, never any per-byte Python work.
-Inserting new rows and freeing rows take no Python step per row either (bulk dict and set
-operations), so a unit's cost per message stays small beside the round trip that carries it.
+Per partition and field, a dict maps each global index to the `Segment` holding the row: the
+rows one write laid out back to back in one chunk (their indexes in write order, their ragged
+lengths, how many of them still live there). A row's bytes follow from its place in its segment,
+so registering a write's rows is one bulk dict update per field and freeing them one bulk pop
+and count, with no Python step and no object per row. A Read of exactly one write's rows, the
+common case (a batch read as it was put), is that chunk as one run, found with one list
+comparison; any other Read costs a dict look-up per row and field and one step per stretch of
+rows that lie in write order in one segment (per row only where they do not), merging stretches
+adjacent in the arena into runs, never any per-byte Python work.
 
 A field's `FieldSpec` is fixed while the partition holds rows of it: a reader gets only bytes
 and lengths, so rows of one field written with two different dtypes or shapes could not be told
@@ -19,53 +19,61 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, repeat
-from operator import itemgetter
-from typing import cast
+from itertools import accumulate, groupby, repeat
 
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.meta import FieldSpec
 
 from .arena import Arena, Chunk
 
-__all__ = ["Row", "Column", "Partition", "ReadPlan", "Table"]
-
-Row = tuple[int, int, int, Chunk]
-"""(arena offset, nbytes, ragged length or 0, chunk holding the bytes)."""
+__all__ = ["Segment", "Column", "Partition", "ReadPlan", "Table"]
 
 _LISTED = 10  # how many missing indexes an error message names
 
 
 class Segment:
-    """The rows one `insert` laid out in a chunk: their indexes in write order, how many of them
-    still live there (not freed, not replaced) and their ragged lengths. A read of exactly those
-    indexes, all live, is that chunk's bytes as one run, found without a step per row."""
+    """The rows one `insert` laid out back to back in a chunk: their indexes in write order, their
+    ragged lengths (None for a dense field), the bytes of each (`row_bytes` per row or per ragged
+    element) and how many of them still live there (not freed, not replaced). Each live row holds
+    one reference on the chunk."""
 
-    __slots__ = ("indexes", "live", "lengths")
+    __slots__ = ("chunk", "indexes", "lengths", "row_bytes", "nbytes", "live", "_positions", "_starts")
 
-    def __init__(self, indexes: list[int], lengths: list[int]):
+    def __init__(self, chunk: Chunk, indexes: list[int], lengths: list[int] | None, row_bytes: int):
+        self.chunk = chunk
         self.indexes = indexes
-        self.live = len(indexes)
         self.lengths = lengths
+        self.row_bytes = row_bytes
+        self.nbytes = row_bytes * (len(indexes) if lengths is None else sum(lengths))
+        self.live = len(indexes)
+        self._positions: dict[int, int] | None = None  # index -> place in write order, made on first need
+        self._starts: list[int] | None = None  # ragged rows' first elements, made on first need
+
+    def position(self, index: int) -> int:
+        """Where row `index` is in write order."""
+        positions = self._positions
+        if positions is None:
+            positions = self._positions = dict(zip(self.indexes, range(len(self.indexes))))
+        return positions[index]
+
+    def offset(self, position: int) -> int:
+        """The arena offset of the row at `position` (of the end of the rows, at their count)."""
+        if self.lengths is None:
+            return self.chunk.offset + position * self.row_bytes
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = list(accumulate(self.lengths, initial=0))
+        return self.chunk.offset + starts[position] * self.row_bytes
 
 
 class Column:
-    """The rows of one field of one partition, and the segments holding them."""
+    """The rows of one field of one partition, each by the segment holding it."""
 
-    __slots__ = ("spec", "rows", "segments")
+    __slots__ = ("spec", "rows")
 
     def __init__(self, spec: FieldSpec):
         self.spec = spec
-        self.rows: dict[int, Row] = {}
-        self.segments: dict[Chunk, Segment] = {}
-
-    def gone(self, chunk: Chunk, rows: int) -> None:
-        """`rows` rows of `chunk` left this column (freed or replaced)."""
-        seg = self.segments.get(chunk)
-        if seg is not None:
-            seg.live -= rows
-            if seg.live <= 0:
-                del self.segments[chunk]
+        self.rows: dict[int, Segment] = {}
 
 
 class Partition:
@@ -140,33 +148,19 @@ class Table:
         if col is None:
             col = part.columns[name] = Column(spec)
         rows = col.rows
-        row_bytes = spec.row_bytes
-        n = len(indexes)
-        lens: Sequence[int]
-        if lengths is None:
-            sizes: Sequence[int] = [row_bytes] * n
-            offsets: Iterable[int] = (
-                range(chunk.offset, chunk.offset + n * row_bytes, row_bytes) if row_bytes else repeat(chunk.offset, n)
-            )
-            lens = [0] * n
-        else:
-            sizes = [k * row_bytes for k in lengths]
-            offsets = accumulate(sizes[:-1], initial=chunk.offset)
-            lens = list(lengths)
-        chunk.refs += n
-        entries = zip(indexes, zip(offsets, sizes, lens, repeat(chunk)))
-        if rows.keys().isdisjoint(indexes):  # new rows of this field: no per-row Python work
-            rows.update(entries)
+        seg = Segment(chunk, list(indexes), None if lengths is None else list(lengths), spec.row_bytes)
+        chunk.refs += len(seg.indexes)
+        if rows.keys().isdisjoint(seg.indexes):  # new rows of this field: no per-row Python work
+            rows.update(dict.fromkeys(seg.indexes, seg))
         else:  # a retried put replaces rows: their old bytes are released
             unref = self.arena.unref
-            for index, row in entries:
+            for index in seg.indexes:
                 old = rows.get(index)
-                rows[index] = row
+                rows[index] = seg
                 if old is not None:
-                    col.gone(old[3], 1)
-                    unref(old[3])
-        col.segments[chunk] = Segment(list(indexes), lens)
-        part.held.update(indexes)
+                    old.live -= 1
+                    unref(old.chunk)
+        part.held.update(seg.indexes)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -188,17 +182,16 @@ class Table:
                     f"(it holds {held[:20]}{' ...' if len(held) > 20 else ''})"
                 )
             rows = col.rows
-            run = _segment_run(col, indexes)
-            if run is not None:
-                seg, chunk, nbytes = run
-                if col.spec.ragged:
+            seg = _whole_segment(rows, indexes)
+            if seg is not None:
+                if seg.lengths is not None:
                     plan.lengths[name] = seg.lengths
-                plan.runs[name] = [(chunk.offset, nbytes)] if nbytes else []
-                if nbytes:
-                    plan.chunks.append([chunk])
+                plan.runs[name] = [(seg.chunk.offset, seg.nbytes)] if seg.nbytes else []
+                if seg.nbytes:
+                    plan.chunks.append([seg.chunk])
                 continue
             try:
-                entries = list(map(rows.__getitem__, indexes))
+                segs = list(map(rows.__getitem__, indexes))
             except KeyError:
                 missing = [i for i in indexes if i not in rows]
                 listed = ", ".join(map(str, missing[:_LISTED])) + (" ..." if len(missing) > _LISTED else "")
@@ -206,9 +199,10 @@ class Table:
                     f"storage unit {self.unit_id} holds no row(s) [{listed}] ({len(missing)} of "
                     f"{len(indexes)} requested) of field {name!r} in partition {partition!r}"
                 ) from None
-            if col.spec.ragged:
-                plan.lengths[name] = [e[2] for e in entries]
-            plan.runs[name] = _merge_runs(entries, plan.chunks)
+            lengths: list[int] | None = [] if col.spec.ragged else None
+            plan.runs[name] = _runs(segs, list(indexes), plan.chunks, lengths)
+            if lengths is not None:
+                plan.lengths[name] = lengths
         return plan
 
     # -- freeing -------------------------------------------------------------------------
@@ -224,8 +218,8 @@ class Table:
         unref = self.arena.unref
         if indexes is None:
             for col in part.columns.values():
-                for row in col.rows.values():
-                    unref(row[3])
+                for seg, refs in Counter(col.rows.values()).items():
+                    unref(seg.chunk, refs)
             del self.partitions[partition]
             return len(part.held)
         held = part.held
@@ -234,14 +228,16 @@ class Table:
             return 0
         held.difference_update(present)
         for col in part.columns.values():
-            pop = col.rows.pop
-            popped = list(map(pop, present, repeat(None)))
+            popped = list(map(col.rows.pop, present, repeat(None)))
             if None in popped:  # a field some of the rows lack
-                popped = [row for row in popped if row is not None]
-            chunks: Counter[Chunk] = Counter(map(itemgetter(3), cast("list[Row]", popped)))
-            for chunk, refs in chunks.items():  # one call per chunk: a write's rows share one
-                col.gone(chunk, refs)
-                unref(chunk, refs)
+                popped = [seg for seg in popped if seg is not None]
+            if popped and popped.count(popped[0]) == len(popped):  # the rows of one write, the common case
+                counts: Iterable[tuple[Segment, int]] = ((popped[0], len(popped)),)
+            else:
+                counts = Counter(popped).items()
+            for seg, refs in counts:  # one call per segment: a write's rows share one
+                seg.live -= refs
+                unref(seg.chunk, refs)
         for name in [n for n, c in part.columns.items() if not c.rows]:
             del part.columns[name]
         if not part.columns:
@@ -264,42 +260,54 @@ class Table:
         return {} if part is None else {n: c.spec for n, c in part.columns.items()}
 
 
-def _segment_run(col: Column, indexes: Sequence[int]) -> tuple[Segment, Chunk, int] | None:
-    """The segment whose live rows are exactly `indexes` in write order, with its chunk and the
-    bytes of those rows, or None: a read of one write's rows (the common case) is one run."""
+def _whole_segment(rows: dict[int, Segment], indexes: Sequence[int]) -> Segment | None:
+    """The segment whose live rows are exactly `indexes` in write order, or None: a read of one
+    write's rows (the common case) is its chunk as one run."""
     if not indexes:
         return None
-    row = col.rows.get(indexes[0])
-    if row is None:
-        return None
-    chunk = row[3]
-    seg = col.segments.get(chunk)
+    seg = rows.get(indexes[0])
     if seg is None or seg.live != len(seg.indexes) or seg.indexes != indexes:
         return None
-    last = col.rows[indexes[-1]]
-    return seg, chunk, last[0] + last[1] - chunk.offset
+    return seg
 
 
-def _merge_runs(entries: list[Row], chunks: list[list[Chunk]]) -> list[tuple[int, int]]:
-    """Runs of (offset, nbytes) covering `entries` in order; empty rows contribute nothing.
-
-    Appends, per run, the chunks it touches to `chunks` (a run crosses a chunk boundary only
-    when two chunks happen to be adjacent in the arena and the first fills its aligned extent).
-    """
+def _runs(
+    segs: list[Segment], indexes: list[int], chunks: list[list[Chunk]], lengths: list[int] | None
+) -> list[tuple[int, int]]:
+    """Runs of (offset, nbytes) covering rows `indexes` (held by `segs`) in order; empty rows
+    contribute nothing. Rows that follow each other in one segment's write order are one stretch
+    of bytes; stretches adjacent in the arena merge into one run. Appends, per run, the chunks it
+    touches to `chunks` (a run crosses a chunk boundary only when two chunks happen to be adjacent
+    in the arena and the first fills its aligned extent), and each row's ragged length to
+    `lengths` when given."""
     starts: list[int] = []
     ends: list[int] = []
     end = -1
-    for offset, nbytes, _, chunk in entries:
-        if nbytes == 0:
-            continue
-        if offset == end:
-            end = ends[-1] = offset + nbytes
-            run_chunks = chunks[-1]
-            if run_chunks[-1] is not chunk:
-                run_chunks.append(chunk)
+    i = 0
+    for seg, same in groupby(segs):
+        k = len(list(same))
+        rows = indexes[i : i + k]
+        i += k
+        first = seg.position(rows[0])
+        if seg.indexes[first : first + k] == rows:  # in write order: one stretch
+            places = range(first, first + k)
+            pieces = [(seg.offset(first), seg.offset(first + k))]
         else:
-            end = offset + nbytes
-            starts.append(offset)
-            ends.append(end)
-            chunks.append([chunk])
+            places = [seg.position(index) for index in rows]
+            pieces = [(seg.offset(p), seg.offset(p + 1)) for p in places]
+        if lengths is not None and seg.lengths is not None:
+            lengths += map(seg.lengths.__getitem__, places)
+        for start, stop in pieces:
+            if stop == start:
+                continue
+            if start == end:
+                end = ends[-1] = stop
+                run_chunks = chunks[-1]
+                if run_chunks[-1] is not seg.chunk:
+                    run_chunks.append(seg.chunk)
+            else:
+                end = stop
+                starts.append(start)
+                ends.append(end)
+                chunks.append([seg.chunk])
     return [(s, e - s) for s, e in zip(starts, ends)]

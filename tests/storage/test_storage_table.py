@@ -112,3 +112,58 @@ def test_a_read_of_one_writes_rows_is_one_run_until_a_row_is_replaced_or_freed(a
         table.read("p", [0, 1, 2], ["ids"])
     assert table.read("p", [0, 2], ["ids"]).runs == {"ids": [(c.offset, 24)]}  # row 1 held no bytes of it
     assert table.remove("p", [0, 2]) == 2 and arena.used == 0
+
+
+def test_reads_match_a_row_by_row_model_through_writes_replacements_and_frees(arena: Arena) -> None:
+    """Rows kept by the write that laid them out: whatever mix of writes a read spans, in any
+    order, after rows were replaced or freed, its runs, lengths and chunks are those of looking up
+    each row's bytes one by one and merging neighbours, and every byte goes back when all are
+    freed."""
+    import random
+
+    rng = random.Random(7)
+    table = Table(arena)
+    model: dict[str, dict[int, tuple[int, int, int, object]]] = {"x": {}, "ids": {}}
+    for step in range(60):
+        indexes = rng.sample(range(40), rng.randint(1, 8))
+        if rng.random() < 0.5:
+            indexes.sort()  # a put's rows, in order
+        if step % 7 == 6:
+            table.remove("p", indexes)
+            for rows in model.values():
+                for i in indexes:
+                    rows.pop(i, None)
+            continue
+        lengths = [rng.randint(0, 3) for _ in indexes]
+        for name, spec, lens in (("x", DENSE, None), ("ids", RAGGED_SPEC, lengths)):
+            chunk = _insert(table, arena, "p", name, spec, indexes, lens)
+            offset = chunk.offset
+            for i, k in zip(indexes, lens or [1] * len(indexes)):
+                model[name][i] = (offset, k * spec.row_bytes, k, chunk)
+                offset += k * spec.row_bytes
+        held = sorted(model["x"])
+        wanted = rng.sample(held, rng.randint(1, len(held)))
+        if rng.random() < 0.3:
+            wanted.sort()
+        plan = table.read("p", wanted, ["x", "ids"])
+        runs: dict[str, list[tuple[int, int]]] = {}
+        chunks: list[list[object]] = []
+        for name in ("x", "ids"):
+            runs[name] = []
+            end = -1
+            for offset, nbytes, _, chunk in (model[name][i] for i in wanted):
+                if not nbytes:
+                    continue
+                if offset == end:
+                    runs[name][-1] = (runs[name][-1][0], runs[name][-1][1] + nbytes)
+                    if chunks[-1][-1] is not chunk:
+                        chunks[-1].append(chunk)
+                else:
+                    runs[name].append((offset, nbytes))
+                    chunks.append([chunk])
+                end = offset + nbytes
+        assert plan.runs == runs, f"step {step}"
+        assert plan.lengths == {"ids": [model["ids"][i][2] for i in wanted]}
+        assert plan.chunks == chunks
+    assert table.remove("p", range(40)) == len(model["x"])
+    assert arena.used == 0 and table.row_counts() == {}
