@@ -119,7 +119,10 @@ class Ledger:
 
     def shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
         """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
-        ids, counts = np.unique(units, return_counts=True)
+        if len(units) and units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
+            ids, counts = units[:1], [len(units)]
+        else:
+            ids, counts = np.unique(units, return_counts=True)
         return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
 
     def new_rows(
@@ -181,12 +184,18 @@ class Ledger:
         if not len(rows):
             return
         part.kill(rows)
+        units = part.unit[rows]
+        indexes = part.gidx[rows]
         by_unit: dict[int, list[int]] = {}
-        for unit_id in np.unique(part.unit[rows]).tolist():
-            picked = rows[part.unit[rows] == unit_id]
-            by_unit[unit_id] = part.gidx[picked].tolist()
-            self._uncount(unit_id, int(part.row_bytes[picked].sum()))
-        self._record(Freed(part.name, part.gidx[rows].tolist()))
+        if units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
+            by_unit[int(units[0])] = indexes.tolist()
+            self._uncount(int(units[0]), int(part.row_bytes[rows].sum()))
+        else:
+            for unit_id in np.unique(units).tolist():
+                picked = units == unit_id
+                by_unit[unit_id] = indexes[picked].tolist()
+                self._uncount(unit_id, int(part.row_bytes[rows][picked].sum()))
+        self._record(Freed(part.name, indexes.tolist()))
         self.freed(part.name, by_unit)
         if part.wasteful() and part.name not in self._compacting:
             try:

@@ -168,11 +168,15 @@ class Puts:
         self.intake.opened(framed, peer)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
-        rows = {u: (first + np.flatnonzero(units == u)).tolist() for u in shares}
+        placed = units.tolist()
+        if len(shares) == 1 and placed.count(placed[0]) == len(placed):  # one unit: the common case
+            rows = {placed[0]: list(range(first, first + msg.n))}
+        else:
+            rows = {u: (first + np.flatnonzero(units == u)).tolist() for u in shares}
         self.open[first] = _OpenPut(msg.partition, first, msg.n, lifetime, timer, framed, set(shares), rows, peer)
         sign = self.links.tickets.sign
         tickets = {u: sign(msg.partition, first, u, indexes, msg.fields) for u, indexes in rows.items()}
-        return PutPlan(list(range(first, first + msg.n)), units.tolist(), tickets, msg.partition)
+        return PutPlan(list(range(first, first + msg.n)), placed, tickets, msg.partition)
 
     def _full(self, msg: BeginPut) -> SluiceError:
         """Why a put found no place within its timeout: no room (`CapacityError`), or room but
@@ -310,10 +314,10 @@ class Puts:
                     raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
             if info.source_partition and len(info.source_indexes) != n:
                 raise SchemaError(f"source_indexes has {len(info.source_indexes)} entries for {n} samples")
-            part.v_first[rows] = info.versions_first
-            part.v_last[rows] = info.versions_last
-            part.group[rows] = info.groups
-            part.seqlen[rows] = info.seqlens
+            part.v_first[rows] = _uniform(info.versions_first)
+            part.v_last[rows] = _uniform(info.versions_last)
+            part.group[rows] = _uniform(info.groups)
+            part.seqlen[rows] = _uniform(info.seqlens)
             if info.source_partition:
                 ref = (info.source_partition, info.source_task)
                 if ref not in part.sources:
@@ -427,3 +431,9 @@ class Puts:
             rows = part.rows_of(msg.indexes, alive=False)
             self.ledger.free_rows(part, rows[~part.committed[rows]])
         return Ok()
+
+
+def _uniform(values: list[int]) -> int | list[int]:
+    """`values` as numpy assigns them fastest: the one value when all are equal (a batch's
+    versions, its sequence lengths when padded), which needs no conversion of the list."""
+    return values[0] if values and values.count(values[0]) == len(values) else values
