@@ -187,7 +187,7 @@ class ClientCore(ControlCore):
                 raise SchemaError(f"the data has {cols.n} samples, meta has {len(meta)}")
             partition = meta.partition
             # new columns of rows already placed: written straight to their units, checked at commit
-            yield from self._write(partition, cols, list(meta.indexes), np.asarray(meta.units, np.int64), timeout)
+            yield from self._write(partition, cols, list(meta.indexes), meta.units, timeout)
             yield from self.one(
                 CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
             )
@@ -196,10 +196,9 @@ class ClientCore(ControlCore):
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
         plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
-        units = np.asarray(plan.units, np.int64)
         commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
         try:
-            yield from self._write(partition, cols, plan.indexes, units, timeout, commit, plan.tickets, ahead)
+            yield from self._write(partition, cols, plan.indexes, plan.units, timeout, commit, plan.tickets, ahead)
         except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
             raise
         except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
@@ -209,7 +208,7 @@ class ClientCore(ControlCore):
                 pass
             raise
         self._stay = plan.units[-1]
-        if plan.units[0] in self._arenas and self.use_shm is not False and bool((units == units[0]).all()):
+        if plan.units[0] in self._arenas and self.use_shm is not False and len(_by_unit(plan.units)) == 1:
             self._ahead = plan.units[0]
         return BatchMeta(
             partition=partition,
@@ -218,7 +217,7 @@ class ClientCore(ControlCore):
             version_last=rows.versions_last,
             groups=rows.groups,
             units=plan.units,
-            fields=cols.specs,
+            fields=dict(cols.specs),
         )
 
     def _begin(self, begin: BeginPut, cols: Columns, timeout: float) -> Flow:
@@ -259,7 +258,7 @@ class ClientCore(ControlCore):
         partition: str,
         cols: Columns,
         indexes: list[int],
-        units: np.ndarray,
+        units: list[int],
         timeout: float,
         commit: Call | None = None,
         tickets: dict[int, bytes] | None = None,
@@ -272,24 +271,23 @@ class ClientCore(ControlCore):
         write to the controller, whose answer to the commit says how all of them went, so the
         put costs no round trip of its own. Space reserved ahead is committed with the put's rows
         and ticket (`CommitWrite.put`)."""
-        idx = np.asarray(indexes, np.int64)
         put = -1 if commit is None else indexes[0]
         if cols.device is not None:
             self._pin_arenas()
         calls: list[Call] = []
         jobs: list[tuple[int, Via, list[torch.Tensor], WriteReply | None, list[int], bytes]] = []
-        for unit_id in np.unique(units).tolist():
-            positions = np.flatnonzero(units == unit_id)
+        for unit_id, positions in _by_unit(units):
             buffers, lengths = cols.slice(positions)
             nbytes = sum(b.numel() for b in buffers)
             if nbytes > self.units[unit_id].capacity:
                 raise CapacityError(
-                    f"{len(positions)} samples ({nbytes} bytes) exceed storage unit {unit_id}'s whole capacity "
-                    f"of {self.units[unit_id].capacity} bytes; put smaller batches or raise storage_capacity"
+                    f"{cols.n if positions is None else len(positions)} samples ({nbytes} bytes) exceed storage unit "
+                    f"{unit_id}'s whole capacity of {self.units[unit_id].capacity} bytes; put smaller batches or "
+                    "raise storage_capacity"
                 )
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             ticket = b"" if tickets is None else tickets.get(unit_id, b"")
-            rows = idx[positions].tolist()
+            rows = list(indexes) if positions is None else np.asarray(indexes, np.int64)[positions].tolist()
             if ahead is not None and ahead[0] == unit_id and via == "shm":
                 jobs.append((unit_id, via, buffers, ahead[1], rows, ticket))
                 continue
@@ -412,17 +410,16 @@ class ClientCore(ControlCore):
         assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool, dev)
         if not len(meta) or not names:
             return assembler.result()
-        units = np.asarray(meta.units, np.int64)
-        idx = np.asarray(meta.indexes, np.int64)
-        targets = np.unique(units).tolist()
+        targets = _by_unit(meta.units)
         calls = []
-        for unit_id in targets:
+        for unit_id, positions in targets:
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
-            calls.append(Call(unit_id, Read(meta.partition, idx[units == unit_id].tolist(), names, via)))
+            rows = list(meta.indexes) if positions is None else np.asarray(meta.indexes, np.int64)[positions].tolist()
+            calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
         replies = yield calls
-        _assemble(assembler, self._arenas, names, units, targets, replies)
+        _assemble(assembler, self._arenas, names, len(meta), targets, replies)
         with copies(dev):  # the frames and arena views stay referenced until the copies are done
             return assembler.result()
 
@@ -628,9 +625,19 @@ def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     return versions, list(versions)
 
 
-def _assemble(assembler: Assembler, arenas, names: list[str], units: np.ndarray, targets, replies) -> None:
-    """Hand the assembler each unit's rows: received frames, or views of its mapped arena."""
-    for unit_id, (reply, frames) in zip(targets, replies):
+def _by_unit(units: list[int]) -> list[tuple[int, np.ndarray | None]]:
+    """Each unit of a batch's rows (`units`: one per row) with the batch positions of its rows;
+    None for all of them, in order, when one unit holds the whole batch (the common case)."""
+    if not units or units.count(units[0]) == len(units):
+        return [(units[0], None)] if units else []
+    column = np.asarray(units, np.int64)
+    return [(unit_id, np.flatnonzero(column == unit_id)) for unit_id in np.unique(column).tolist()]
+
+
+def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, targets, replies) -> None:
+    """Hand the assembler each unit's rows (`targets`: units and their batch positions, see
+    `_by_unit`): received frames, or views of its mapped arena."""
+    for (unit_id, positions), (reply, frames) in zip(targets, replies):
         reply = check(reply, ReadReply)
         runs: dict[str, list[torch.Tensor]] = {}
         if frames:
@@ -640,7 +647,8 @@ def _assemble(assembler: Assembler, arenas, names: list[str], units: np.ndarray,
         else:
             arena = arenas[unit_id][1]
             runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
-        assembler.add_unit(np.flatnonzero(units == unit_id), reply.lengths, runs, owned=bool(frames))
+        rows = np.arange(batch_size) if positions is None else positions
+        assembler.add_unit(rows, reply.lengths, runs, owned=bool(frames))
 
 
 def _host_frames(buffers: list[torch.Tensor], device: torch.device | None) -> list[np.ndarray]:

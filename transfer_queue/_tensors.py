@@ -147,10 +147,8 @@ class Columns:
                 if tensor.shape[0] != self.n:
                     raise SchemaError(f"field {name!r} has shape {list(tensor.shape)}, the batch has {self.n} samples")
                 self.columns[name] = _Column(spec, dense=tensor.contiguous())
-
-    @property
-    def specs(self) -> dict[str, FieldSpec]:
-        return {name: col.spec for name, col in self.columns.items()}
+        self.specs: dict[str, FieldSpec] = {name: col.spec for name, col in self.columns.items()}
+        """Each field's schema, in the batch's order (shared by the messages of one put)."""
 
     def row_bytes(self) -> int:
         """Average arena bytes per sample over all fields (ragged fields by their actual size),
@@ -180,10 +178,12 @@ class Columns:
         """Per-row lengths of the ragged fields, all rows (what a write of the whole batch carries)."""
         return {name: col.lengths.tolist() for name, col in self.columns.items() if col.offsets is not None}
 
-    def slice(self, positions: np.ndarray) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
-        """Per field, one byte buffer of the rows at `positions` (in that order), and the per-row
-        lengths of the ragged fields. A run of consecutive positions is a view, not a copy. A
-        CUDA field's buffer is in GPU memory."""
+    def slice(self, positions: np.ndarray | None = None) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+        """Per field, one byte buffer of the rows at `positions` (in that order; None: all rows),
+        and the per-row lengths of the ragged fields. A run of consecutive positions is a view,
+        not a copy. A CUDA field's buffer is in GPU memory."""
+        if positions is None:
+            return self._whole()
         buffers: list[torch.Tensor] = []
         lengths: dict[str, list[int]] = {}
         contiguous = _consecutive(positions)
@@ -203,6 +203,19 @@ class Columns:
             else:
                 vals = torch.cat([values[int(offs[p]) : int(offs[p + 1])] for p in positions])
             buffers.append(as_bytes(vals))
+        return buffers, lengths
+
+    def _whole(self) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+        """`slice` of all rows: each field's bytes as they are (views, no index work)."""
+        buffers: list[torch.Tensor] = []
+        lengths: dict[str, list[int]] = {}
+        for name, col in self.columns.items():
+            if col.dense is not None:
+                buffers.append(as_bytes(col.dense))
+                continue
+            assert col.values is not None and col.offsets is not None  # a column is dense or ragged
+            lengths[name] = col.lengths.tolist()
+            buffers.append(as_bytes(col.values[: int(col.offsets[-1])]))
         return buffers, lengths
 
 
@@ -340,12 +353,38 @@ class Assembler:
 
     def result(self) -> TensorDict:
         out: dict[str, torch.Tensor] = {}
+        in_order = self._in_order()
         for name, spec in self.specs.items():
             if spec.dtype in OBJECT_DTYPES:
                 out[name] = _objects_of(spec, *self._ragged_parts(name, spec, self._host_empty))
+            elif spec.ragged:
+                out[name] = self._ragged(name, spec)
             else:
-                out[name] = self._ragged(name, spec) if spec.ragged else self._dense(name, spec)
+                copied = self._copied_whole(name, spec) if in_order else None
+                out[name] = copied if copied is not None else self._dense(name, spec)
         return TensorDict(out, batch_size=[self.n])
+
+    def _in_order(self) -> bool:
+        """Whether one unit's rows fill the whole batch in order (a batch read as it was put)."""
+        if len(self._parts) != 1:
+            return False
+        positions = self._parts[0][0]
+        return len(positions) == self.n > 0 and int(positions[0]) == 0 and _consecutive(positions)
+
+    def _copied_whole(self, name: str, spec: FieldSpec) -> torch.Tensor | None:
+        """Dense field `name` copied out of the one run that holds all its rows in order, or
+        None when it is not that (or the run is a buffer `_dense` keeps instead of copying)."""
+        srcs = self._parts[0][2][name]
+        nbytes = self.n * spec.row_bytes
+        if len(srcs) != 1 or srcs[0].numel() != nbytes or not nbytes or (self._owned and self.device is None):
+            return None
+        out = self._empty((self.n, *spec.shape), torch_dtype(spec.dtype))
+        flat = out.view(-1).view(torch.uint8)
+        if flat.is_cuda:
+            flat.copy_(pinned_source(srcs[0]), non_blocking=True)
+        else:
+            flat.copy_(srcs[0])
+        return out
 
     def _whole(self, name: str, nbytes: int) -> torch.Tensor | None:
         """The one owned run holding all `nbytes` of field `name`'s rows in batch order, or None."""

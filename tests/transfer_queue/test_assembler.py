@@ -49,3 +49,19 @@ def test_shared_runs_split_runs_and_reordered_rows_are_copied():
     odd = Assembler({"d": DENSE}, 3)
     odd.add_unit(np.arange(3), {}, {"d": [unaligned]}, owned=True)
     assert torch.equal(odd.result()["d"], rows)
+
+
+def test_a_whole_batch_is_sliced_as_every_position_is():
+    """`Columns.slice(None)` (a put on one unit) gives the buffers and lengths of all rows in
+    order, as `slice` of every position does, for dense, jagged (its offsets ending before its
+    values do) and non-tensor fields."""
+    from transfer_queue._tensors import Columns
+
+    base = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    window = torch.nested.nested_tensor_from_jagged(base, torch.tensor([0, 4, 4, 9, 12]))
+    cols = Columns({"d": torch.arange(12, dtype=torch.int64).reshape(4, 3), "r": window, "o": ["a", "bb", "", "dddd"]})
+    whole, lengths = cols.slice(None)
+    each, each_lengths = cols.slice(np.arange(4))
+    assert lengths == each_lengths == {"r": [4, 0, 5, 3], "o": lengths["o"]}
+    assert [b.tolist() for b in whole] == [b.tolist() for b in each]
+    assert whole[1].numel() == 12 * 2 * 4  # the 12 rows of 2 floats the offsets cover, not all 20
