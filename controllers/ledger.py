@@ -120,9 +120,9 @@ class Ledger:
     def shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
         """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
         if len(units) and units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
-            ids, counts = units[:1], [len(units)]
-        else:
-            ids, counts = np.unique(units, return_counts=True)
+            only = int(units[0])
+            return {only: len(units) * row_bytes} if only in self.unit_bytes else {}
+        ids, counts = np.unique(units, return_counts=True)
         return {int(u): int(c) * row_bytes for u, c in zip(ids, counts) if int(u) in self.unit_bytes}
 
     def new_rows(
@@ -187,15 +187,16 @@ class Ledger:
         units = part.unit[rows]
         indexes = part.gidx[rows]
         by_unit: dict[int, list[int]] = {}
+        listed = indexes.tolist()
         if units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
-            by_unit[int(units[0])] = indexes.tolist()
+            by_unit[int(units[0])] = listed
             self._uncount(int(units[0]), int(part.row_bytes[rows].sum()))
         else:
             for unit_id in np.unique(units).tolist():
                 picked = units == unit_id
                 by_unit[unit_id] = indexes[picked].tolist()
                 self._uncount(unit_id, int(part.row_bytes[rows][picked].sum()))
-        self._record(Freed(part.name, indexes.tolist()))
+        self._record(Freed(part.name, listed))
         self.freed(part.name, by_unit)
         if part.wasteful() and part.name not in self._compacting:
             try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, groupby, repeat
+from typing import cast
 
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.meta import FieldSpec
@@ -228,13 +229,14 @@ class Table:
             return 0
         held.difference_update(present)
         for col in part.columns.values():
-            popped = list(map(col.rows.pop, present, repeat(None)))
-            if None in popped:  # a field some of the rows lack
-                popped = [seg for seg in popped if seg is not None]
-            if popped and popped.count(popped[0]) == len(popped):  # the rows of one write, the common case
-                counts: Iterable[tuple[Segment, int]] = ((popped[0], len(popped)),)
+            found: list[Segment | None] = list(map(col.rows.pop, present, repeat(None)))
+            # a field some of the rows lack leaves gaps
+            segs = [seg for seg in found if seg is not None] if None in found else cast("list[Segment]", found)
+            counts: Iterable[tuple[Segment, int]]
+            if segs and segs.count(segs[0]) == len(segs):  # the rows of one write, the common case
+                counts = ((segs[0], len(segs)),)
             else:
-                counts = Counter(popped).items()
+                counts = Counter(segs).items()
             for seg, refs in counts:  # one call per segment: a write's rows share one
                 seg.live -= refs
                 unref(seg.chunk, refs)
@@ -289,6 +291,7 @@ def _runs(
         rows = indexes[i : i + k]
         i += k
         first = seg.position(rows[0])
+        places: Sequence[int]
         if seg.indexes[first : first + k] == rows:  # in write order: one stretch
             places = range(first, first + k)
             pieces = [(seg.offset(first), seg.offset(first + k))]
