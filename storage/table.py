@@ -229,9 +229,13 @@ class Table:
             return 0
         held.difference_update(present)
         for col in part.columns.values():
-            found: list[Segment | None] = list(map(col.rows.pop, present, repeat(None)))
-            # a field some of the rows lack leaves gaps
-            segs = [seg for seg in found if seg is not None] if None in found else cast("list[Segment]", found)
+            rows = col.rows
+            before = len(rows)
+            found: list[Segment | None] = list(map(rows.pop, present, repeat(None)))
+            if before - len(rows) == len(found):  # the field held every one of the rows
+                segs = cast("list[Segment]", found)
+            else:  # a field some of the rows lack leaves gaps
+                segs = [seg for seg in found if seg is not None]
             counts: Iterable[tuple[Segment, int]]
             if segs and segs.count(segs[0]) == len(segs):  # the rows of one write, the common case
                 counts = ((segs[0], len(segs)),)
