@@ -35,6 +35,16 @@ table and writes results/weight_sync-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync.py --sizes 1GiB,4GiB  # and 4 GiB (~10 minutes)
     .venv/bin/python benchmarks/weight_sync.py --quick            # 256 MiB, 3 repeats (~1.5 minutes)
     .venv/bin/python benchmarks/weight_sync.py --quick --reps 5 --transports ucx --no-baselines  # ucx vs ucx_perftest
+    .venv/bin/python benchmarks/weight_sync.py --latency --timeline  # per-version control latency (~30 s)
+
+`--latency` measures the control path alone: a tiny Llama-shaped model (84 bf16 tensors, ~47 KB,
+so the copies cost next to nothing) over `shm` to one subscriber process waiting in `wait()`,
+many versions, each published once the subscriber waits again; per version the time from
+`publish`'s start to `wait` returning in the subscriber (one system-wide monotonic clock),
+median and p90. `--timeline` also stamps each step on both sides (the server thread learning
+the version is complete, the offer sent and received, the lease, the apply's start and end, the
+release arriving) by wrapping those functions in both processes, which adds a few
+microseconds per stamp.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import gbps, median, print_table, write_record  # noqa: E402
+from benchmarks._common import gbps, median, percentile, print_table, write_record  # noqa: E402
 from benchmarks._ucx import limit as ucx_limit  #
 from benchmarks._ucx import perftest_binary  # noqa: E402
 
@@ -74,12 +84,19 @@ CONFIGS = {
 }
 
 
-def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
-    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size` (one of `CONFIGS`)."""
-    hidden, inter, kv, vocab = CONFIGS[size]
-    target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB, "16GiB": 16 * GIB}[size] // 2
-    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * inter + 2 * hidden
-    layers = max(1, round((target - 2 * vocab * hidden - hidden) / per_layer))
+TINY = (16, 32, 16, 32)
+"""`--latency`'s model: 9 such layers are 84 tensors of ~47 KB in all, so its copies cost next to nothing."""
+TINY_LAYERS = 9
+
+
+def llama_shapes(size: str, layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Llama-style tensor shapes (HF names) whose bf16 total is close to `size` (one of `CONFIGS`),
+    or `layers` layers of `TINY`'s widths when `size` is "tiny"."""
+    hidden, inter, kv, vocab = TINY if size == "tiny" else CONFIGS[size]
+    if layers is None:
+        target = {"256MiB": 256 << 20, "1GiB": GIB, "4GiB": 4 * GIB, "16GiB": 16 * GIB}[size] // 2
+        per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * inter + 2 * hidden
+        layers = max(1, round((target - 2 * vocab * hidden - hidden) / per_layer))
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -139,6 +156,18 @@ def worker(conn) -> None:  # noqa: ANN001
                     sub.wait(version, timeout=300)
                     conn.send((version, time.monotonic(), sub.last_apply_seconds))
             conn.send(float(sum(t.float().sum().item() for t in list(targets.values())[:3])))
+        elif cmd == "latency":  # (endpoint, versions, timeline): wait for each version over shm
+            endpoint, versions, timeline = args
+            with (
+                Timeline(_steps()[1] if timeline else ()) as steps,
+                WeightSubscriber(None, targets, transport="shm", publisher=endpoint, timeout=60) as sub,
+            ):
+                sub.poll()  # connects and maps the slots, as a rollout worker does at start-up
+                conn.send("ready")
+                for version in versions:
+                    sub.wait(version, timeout=60)
+                    conn.send((version, time.monotonic(), steps.take()))
+                conn.send(float(next(iter(targets.values())).float().mean().item()))
         elif cmd == "raw":  # receive the tensors' bytes over one TCP connection, in place
             srv = socket.socket()
             srv.bind(("127.0.0.1", 0))
@@ -296,6 +325,131 @@ def channel(
     expect = float(sum(t.float().sum().item() for t in list(state.values())[:3]))
     assert all(abs(s - expect) <= 1e-3 * max(1.0, abs(expect)) for s in sums), "a subscriber holds other values"
     return out
+
+
+class Timeline:
+    """`--timeline`'s stamps in one process: while open, each of `steps` (owner, function name,
+    label, "enter" or "exit", and a test of the call's arguments and result, or None) records
+    (label, time.monotonic()) when a call of that function starts or returns and passes the
+    test. `take()` hands over the stamps so far."""
+
+    def __init__(self, steps):  # noqa: ANN001 - the tuples above
+        self.steps = list(steps)
+        self.marks: list[tuple[str, float]] = []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> Timeline:
+        for owner, attr, label, at, test in self.steps:
+            fn = owner.__dict__[attr]
+            self._saved.append((owner, attr, fn))
+            setattr(owner, attr, self._wrap(fn, label, at, test))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
+
+    def _wrap(self, fn, label: str, at: str, test):  # noqa: ANN001, ANN202
+        marks = self.marks
+
+        def stamped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if at == "enter" and (test is None or test(args, None)):
+                marks.append((label, time.monotonic()))
+            out = fn(*args, **kwargs)
+            if at == "exit" and (test is None or test(args, out)):
+                marks.append((label, time.monotonic()))
+            return out
+
+        return stamped
+
+    def take(self) -> list[tuple[str, float]]:
+        out, self.marks[:] = list(self.marks), []
+        return out
+
+
+def _steps() -> tuple[list, list]:
+    """The steps `--timeline` stamps: (in the publisher's process, in the subscriber's)."""
+    from transfer_queue.wire.rpc import Pending
+    from transfer_queue.wire.rpc._channel import Channel
+    from weight_sync.coordinator import Coordinator
+    from weight_sync.protocol import Offer, Release
+    from weight_sync.publisher import WeightPublisher
+    from weight_sync.ranks import PublisherRanks
+    from weight_sync.receivers import Targets
+
+    publisher = [
+        (WeightPublisher, "_stage", "publisher: packed", "exit", None),
+        (Coordinator, "on_staged", "server thread: version complete", "enter", None),
+        (Pending, "reply", "server thread: offer sent", "enter", lambda a, _: isinstance(a[1], Offer)),
+        (WeightPublisher, "_handle", "server thread: release in", "enter", lambda a, _: isinstance(a[1], Release)),
+    ]
+    subscriber = [
+        (Channel, "reply", "subscriber: offer in", "exit", lambda _, out: isinstance(out[0], Offer)),
+        (PublisherRanks, "lease_all", "subscriber: leased", "exit", None),
+        (Targets, "apply", "subscriber: apply starts", "enter", None),
+        (Targets, "apply", "subscriber: apply done", "exit", None),
+        (PublisherRanks, "release", "subscriber: released", "exit", None),
+    ]
+    return publisher, subscriber
+
+
+def latency(workers: Workers, versions: int, warmup: int, timeline: bool, gap: float = 0.005) -> dict:
+    """Per-version control latency over `shm`: the tiny model published `warmup` + `versions`
+    times to one subscriber process, each version once the subscriber waits again (`gap` s
+    after its last report); ms from `publish`'s start to each stamped step (`Timeline`) and to
+    the subscriber's `wait` returning."""
+    from weight_sync import WeightPublisher
+
+    shapes = llama_shapes("tiny", TINY_LAYERS)
+    workers.hold(shapes, 1)
+    state = {n: torch.randn(s, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes.items()}
+    first = next(iter(state.values()))
+    numbers = list(range(1, warmup + versions + 1))
+    per_version: list[dict[str, float]] = []
+    with (
+        Timeline(_steps()[0] if timeline else ()) as steps,
+        WeightPublisher(None, transport="shm", timeout=60, model=state) as pub,
+    ):
+        workers.send(1, "latency", pub.endpoint, numbers, timeline)
+        assert workers.recv(1) == ["ready"]
+        starts = []
+        for version in numbers:
+            time.sleep(gap)  # the subscriber asks again and waits
+            first.fill_(version)
+            t0 = time.monotonic()
+            pub.publish(state, version)
+            returned = time.monotonic()
+            ((got, done, theirs),) = workers.recv(1)
+            assert got == version
+            starts.append(t0)
+            row = {"publish returns": returned - t0, "subscriber: wait returns": done - t0}
+            per_version.append(row | {label: t - t0 for label, t in theirs if label not in row})
+        (held,) = workers.recv(1)
+        ends = [*starts[1:], float("inf")]
+        for row, t0, end in zip(per_version, starts, ends):
+            for label, t in steps.marks:
+                if t0 <= t < end and (label not in row or label.endswith("release in")):
+                    row[label] = t - t0  # the first of each step, the last release
+    assert held == first.float().mean().item(), f"the subscriber holds {held}, not version {numbers[-1]}"
+    measured = per_version[warmup:]
+    labels = sorted({k for row in measured for k in row}, key=lambda k: median(r[k] for r in measured if k in r))
+    return {
+        "tensors": len(shapes),
+        "bytes": sum(t.numel() * 2 for t in state.values()),
+        "versions": versions,
+        "steps": {label: [r[label] * 1e3 for r in measured if label in r] for label in labels},
+    }
+
+
+def print_latency(record: dict) -> str:
+    rows = [[label, median(ms), percentile(ms, 90), len(ms)] for label, ms in record["steps"].items()]
+    return print_table(
+        f"weight sync control latency: {record['tensors']} tensors ({record['bytes']:,} bytes) over shm to 1 "
+        f"subscriber process, {record['versions']} versions; ms from publish's start",
+        ["step", "median ms", "p90 ms", "versions"],
+        rows,
+    )
 
 
 def torch_save_load(state, workers: Workers, n: int, reps: int, use_mmap: bool) -> list[tuple[float, float]]:
@@ -498,7 +652,13 @@ def main() -> None:
     )
     parser.add_argument("--no-baselines", action="store_true", help="skip torch.save/load and Ray")
     parser.add_argument("--transports", default=None, help="comma-separated transports to run (default all)")
+    parser.add_argument("--latency", action="store_true", help="per-version control latency over shm, tiny model")
+    parser.add_argument("--versions", type=int, default=500, help="--latency: measured versions (default 500)")
+    parser.add_argument("--timeline", action="store_true", help="--latency: stamp each step in both processes")
     args = parser.parse_args()
+    if args.latency:
+        run_latency(args.versions, args.timeline)
+        return
     transports = set(args.transports.split(",")) if args.transports else None
     from weight_sync.transports.ucx import DEFAULT_TLS
 
@@ -550,6 +710,17 @@ def main() -> None:
                 {"sizes": records, "reps": reps, "table": table, "wall_seconds": time.monotonic() - start},
             )
             print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
+
+
+def run_latency(versions: int, timeline: bool) -> None:
+    torch.set_num_threads(1)
+    workers = Workers(1)
+    try:
+        record = latency(workers, versions, warmup=20, timeline=timeline)
+    finally:
+        workers.close()
+    table = print_latency(record)
+    print(f"wrote {write_record('weight_sync_latency', {**record, 'table': table})}")
 
 
 if __name__ == "__main__":

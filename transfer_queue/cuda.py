@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "pinned_source",
     "pinned_empty",
     "copies",
+    "copy_each",
     "background_copies",
     "trailing_copies",
     "side_stream",
@@ -46,7 +47,7 @@ __all__ = [
 
 def is_cuda(t: torch.Tensor) -> bool:
     """Whether `t` lives in GPU memory (never initialises CUDA)."""
-    return t.device.type == "cuda"
+    return t.is_cuda
 
 
 def in_use() -> bool:
@@ -226,6 +227,20 @@ def copies(device: torch.device | None) -> Iterator[None]:
             stream.synchronize()
         raise
     stream.synchronize()
+
+
+def copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+    """`dst.copy_(src, non_blocking)` for each pair, in one call (`torch._foreach_copy_`, whose
+    loop over the pairs runs in C++: no Python per copy) unless the first pair is CUDA to CUDA.
+    Those are issued one by one, each its own `cudaMemcpyAsync`: for lists of CUDA tensors of
+    one dtype torch would run its fused foreach kernel instead, which has not been measured
+    against the copies on a GPU. Pairs that mix devices or dtypes take the loop in C++ (the
+    fused kernel is used only when every tensor is on one CUDA device)."""
+    if not dsts or (is_cuda(dsts[0]) and is_cuda(srcs[0])):
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=non_blocking)
+        return
+    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from transfer_queue.cuda import copy_each
+
 from .layout import Layout
 from .manifest import Entry, Manifest, dtype_name, dtype_of
 
@@ -49,15 +51,18 @@ def layout_buckets(
 
 class Destinations:
     """Where each entry of `manifest` goes in `slot` (a uint8 tensor): its typed view there,
-    the byte offset one past it, and the pieces it is copied in as (first element, end element, view of them, byte
+    the byte offset one past it, the pieces it is copied in as (first element, end element, view of them, byte
     offset one past them in the slot), cut at bucket boundaries (one piece into a GPU slot,
-    which is offered only once whole: fewer launches). Made once per manifest and slot, so a
-    `pack` does no per-tensor arithmetic or slicing of the slot from version to version."""
+    which is offered only once whole: fewer launches), and, for an entry copied as one piece,
+    its view in the local tensor's shape (None for flat shards and split entries), which a
+    tensor of that shape is copied into as it is, without a flattened view of it per version.
+    Made once per manifest and slot, so a `pack` does no per-tensor arithmetic or slicing of
+    the slot from version to version."""
 
     def __init__(self, manifest: Manifest, slot: torch.Tensor):
         self.manifest = manifest
         self.slot = slot
-        self.entries: list[tuple[torch.Tensor, int, list[tuple[int, int, torch.Tensor, int]]]] = []
+        self.entries: list[tuple[torch.Tensor, int, list[tuple[int, int, torch.Tensor, int]], torch.Tensor | None]] = []
         for entry in manifest.entries:
             start = manifest.start(entry)
             dst = slot[start : start + entry.nbytes].view(dtype_of(entry.dtype))
@@ -67,7 +72,10 @@ class Destinations:
             else:
                 chunks = _bucket_chunks(start, dst.numel(), size, manifest.bucket_bytes)
                 pieces = [(lo, hi, dst[lo:hi], start + hi * size) for lo, hi in chunks]
-            self.entries.append((dst, start + entry.nbytes, pieces))
+            whole = len(pieces) == 1 and entry.layout.flat_stop < 0
+            self.entries.append(
+                (dst, start + entry.nbytes, pieces, dst.view(entry.layout.local_shape) if whole else None)
+            )
 
 
 def pack(
@@ -85,34 +93,48 @@ def pack(
     into a GPU slot (offered only once whole: one copy per tensor, fewer launches).
     Copies between devices are issued `non_blocking`: a caller packing CUDA tensors into host
     memory must wait for them (`progress` then marks where they were issued, not done; the
-    publisher waits on an event per mark).
+    publisher waits on an event per mark). The copies up to each reported boundary are issued
+    together (`copy_each`: one call, not one Python step per tensor).
     """
     bucket = manifest.bucket_bytes
     reported = 0
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
 
     def staged(end: int) -> None:
+        """The copies listed so far end at byte `end`: issue them at each bucket boundary passed."""
         nonlocal reported
         if end // bucket > reported // bucket:
+            copy_each(dsts, srcs, non_blocking=True)
+            dsts.clear()
+            srcs.clear()
             progress(end)
             reported = end
 
     if destinations is None:
         destinations = Destinations(manifest, slot)
-    for (dst, end, pieces), tensor in zip(destinations.entries, tensors, strict=True):
-        tensor = tensor.detach()
-        if tensor.device != slot.device:
-            # cast where the tensor lives: a copy between devices is then one plain transfer,
-            # asynchronous into registered host memory (torch casts across devices via a
-            # temporary on the host, which waits)
-            tensor = tensor.to(dst.dtype)
-        if tensor.is_contiguous():
-            src = tensor.view(-1)
-            for lo, hi, piece, upto in pieces:
-                piece.copy_(src if len(pieces) == 1 else src[lo:hi], non_blocking=True)
-                staged(upto)
-        else:
-            dst.view(tensor.shape).copy_(tensor, non_blocking=True)  # strided source: one copy
-            staged(end)
+    with torch.no_grad():  # a trainer's parameters require grad: no graph for their copies
+        for (dst, end, pieces, shaped), tensor in zip(destinations.entries, tensors, strict=True):
+            if tensor.device != slot.device:
+                # cast where the tensor lives: a copy between devices is then one plain transfer,
+                # asynchronous into registered host memory (torch casts across devices via a
+                # temporary on the host, which waits)
+                tensor = tensor.to(dst.dtype)
+            if shaped is not None and tensor.shape == shaped.shape:
+                dsts.append(shaped)
+                srcs.append(tensor)
+                staged(end)
+            elif tensor.is_contiguous():
+                src = tensor.view(-1)
+                for lo, hi, piece, upto in pieces:
+                    dsts.append(piece)
+                    srcs.append(src if len(pieces) == 1 else src[lo:hi])
+                    staged(upto)
+            else:
+                dsts.append(dst.view(tensor.shape))  # strided source: one copy
+                srcs.append(tensor)
+                staged(end)
+        copy_each(dsts, srcs, non_blocking=True)
     progress(manifest.nbytes)
 
 

@@ -212,7 +212,7 @@ class WeightPublisher:
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._latest_manifest = 0
         """The id of the newest manifest (what a subscriber plans for ahead of the first version)."""
-        self._manifest_key: tuple | None = None
+        self._manifest_key: list | None = None
         self._last = -1
         self._started = -1  # newest version this rank began staging (server thread's copy)
         self._lease_waiters: list[tuple[Lease, Pending]] = []
@@ -586,7 +586,7 @@ class WeightPublisher:
 
     def _manifest(self, items: list[tuple[str, torch.Tensor]]) -> Manifest:
         """The manifest for `items`, reused while names, shapes and dtypes stay the same."""
-        key = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+        key = [(n, t.shape, t.dtype) for n, t in items]
         if key == self._manifest_key:
             return next(reversed(self._manifests.values()))
         specs = []

@@ -15,21 +15,22 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from transfer_queue import WeightSyncError
-from transfer_queue.cuda import copies
+from transfer_queue.cuda import copies, copy_each
 
 from .checksum import compare
-from .plan import Plan
+from .plan import Copy, Plan
 from .protocol import Checksums, Granted, Latest, Offer, RpcClient
 from .ranks import PublisherRanks
+from .transports.stream import contiguous_span
 
-__all__ = ["Targets", "ReceiveSettings", "Receiver", "MappedReceiver"]
+__all__ = ["Targets", "ReceiveSettings", "Receiver", "MappedReceiver", "coalesce"]
 
 
 class Targets:
@@ -41,9 +42,18 @@ class Targets:
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 
-    def apply(self, version: int, plan: Plan, sources: Iterable[torch.Tensor], checksums: dict[int, Checksums]) -> None:
+    def apply(
+        self,
+        version: int,
+        plan: Plan,
+        sources: Iterable[torch.Tensor],
+        checksums: dict[int, Checksums],
+        dsts: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """Copy every planned read (from `sources`, one per copy of `plan`, in order) into the
-        tensors, then check checksums if validating.
+        tensors, then check checksums if validating. `dsts`: where each source goes when it is
+        not one copy's read (a "map" receiver merges copies: `coalesce`); default each copy's
+        `dst`.
 
         A source tensor the publisher found changed since staging stops the apply before any
         copy; a slice that differs after the copy is reported by name. Either way the version
@@ -59,9 +69,9 @@ class Targets:
             )
         start = time.perf_counter()
         device = plan.device
+        targets = [c.dst for c in plan.copies] if dsts is None else dsts
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
-            for copy, source in zip(plan.copies, sources, strict=True):
-                copy.dst.copy_(source, non_blocking=device is not None)
+            copy_each(targets, list(sources), non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
         if checksums:
             compare(plan, checksums)
@@ -125,9 +135,12 @@ class MappedReceiver(Receiver):
         super().__init__(ranks, targets, coordinator, settings)
         self._endpoint = coordinator
         self._coordinator = RpcClient(coordinator, timeout=self.timeout)
-        self._views: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], list[torch.Tensor]] = {}
-        """(manifest ids, (slot index, generation) per rank) -> the source view of each
-        planned copy in those slots: made once, not per version."""
+        self._views: dict[
+            tuple[tuple[int, ...], tuple[tuple[int, int], ...]], tuple[list[torch.Tensor], list[torch.Tensor]]
+        ] = {}
+        """(manifest ids, (slot index, generation) per rank) -> (destinations, sources) of the
+        plan's copies out of those slots, merged where they can be (`coalesce`): made once, not
+        per version."""
 
     def poll(self, timeout: float) -> int | None:
         held = self.targets.version
@@ -145,17 +158,19 @@ class MappedReceiver(Receiver):
         grants = self.ranks.lease_all(offer.version, first=offer.granted)
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
-            sources = self._sources(offer.version, grants, plan)
+            dsts, sources = self._sources(offer.version, grants, plan)
             checksums = self._checksums(plan, grants)
-            self.targets.apply(offer.version, plan, sources, checksums)
+            self.targets.apply(offer.version, plan, sources, checksums, dsts)
         finally:
             self.ranks.release(grants)
         return offer.version
 
-    def _sources(self, version: int, grants: list[Granted], plan: Plan) -> list[torch.Tensor]:
-        """Where each copy of `plan` reads in the granted slots: views made once per set of
-        manifests and slot generations (a replaced slot is mapped again and its views are
-        dropped, so they do not keep its old mapping alive)."""
+    def _sources(
+        self, version: int, grants: list[Granted], plan: Plan
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations, sources) of the copies of `plan` out of the granted slots (`coalesce`):
+        views made once per set of manifests and slot generations (a replaced slot is mapped
+        again and its views are dropped, so they do not keep its old mapping alive)."""
         key = (tuple(g.manifest for g in grants), tuple((g.slot.index, g.slot.generation) for g in grants))
         views = self._views.get(key)
         if views is None:
@@ -163,7 +178,7 @@ class MappedReceiver(Receiver):
                 rank: self.ranks.transport.receive(self.ranks.job(rank, version, grant, plan))
                 for rank, grant in enumerate(grants)
             }
-            views = [c.read.view(slots[c.rank], c.dtype) for c in plan.copies]
+            views = coalesce(plan, slots)
             self._views = {k: v for k, v in self._views.items() if _same_memory(k, key)}
             while len(self._views) >= _KEPT_VIEWS:
                 del self._views[next(iter(self._views))]
@@ -174,6 +189,51 @@ class MappedReceiver(Receiver):
         self._views.clear()
         self.ranks.transport.close()
         self._coordinator.close()
+
+
+def coalesce(plan: Plan, slots: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destinations, sources) of `plan`'s copies out of rank r's slot `slots[r]` (uint8), as
+    few copies as they allow: consecutive copies that read one contiguous run of a slot and
+    write one contiguous run of one target's memory (the parts of a fused qkv_proj staged as
+    q, k and v one after another; targets kept in one flat buffer) become one copy of those
+    bytes. Each copy costs a launch on a GPU and a Python step on a CPU, whatever its size."""
+    groups: list[list[Copy]] = []
+    ends: tuple[int, int, int, int] | None = None  # the last group's rank, slot end, storage, memory end
+    for c in plan.copies:
+        span = contiguous_span(c.read)
+        dst = c.dst
+        mergeable = span is not None and dst.is_contiguous()
+        if mergeable:
+            assert span is not None  # mergeable says so
+            storage = dst.untyped_storage().data_ptr()
+            if ends == (c.rank, span[0], storage, dst.data_ptr()):
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+            ends = (c.rank, span[1], storage, dst.data_ptr() + c.read.nbytes)
+        else:
+            groups.append([c])
+            ends = None
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for group in groups:
+        first = group[0]
+        if len(group) == 1:
+            dsts.append(first.dst)
+            srcs.append(first.read.view(slots[first.rank], first.dtype))
+            continue
+        start = contiguous_span(first.read)
+        stop = contiguous_span(group[-1].read)
+        assert start is not None and stop is not None  # merged copies are contiguous
+        nbytes = stop[1] - start[0]
+        dst = first.dst
+        dsts.append(
+            torch.empty(0, dtype=torch.uint8, device=dst.device).set_(
+                dst.untyped_storage(), dst.storage_offset() * dst.element_size(), (nbytes,)
+            )
+        )
+        srcs.append(slots[first.rank][start[0] : stop[1]])
+    return dsts, srcs
 
 
 _KEPT_VIEWS = 8
