@@ -113,9 +113,10 @@ def pack(
 
     if destinations is None:
         destinations = Destinations(manifest, slot)
+    on_gpu, device = slot.is_cuda, slot.device
     with torch.no_grad():  # a trainer's parameters require grad: no graph for their copies
         for (dst, end, pieces, shaped), tensor in zip(destinations.entries, tensors, strict=True):
-            if tensor.device != slot.device:
+            if tensor.is_cuda is not on_gpu or (on_gpu and tensor.device != device):
                 # cast where the tensor lives: a copy between devices is then one plain transfer,
                 # asynchronous into registered host memory (torch casts across devices via a
                 # temporary on the host, which waits)

@@ -12,7 +12,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import transfer_queue as tq
-from transfer_queue.cuda import HostRegistry, pinned_source
+from transfer_queue.cuda import HostRegistry, copy_each, pinned_source
 
 
 def _batch(n: int = 8, device: str = "cpu") -> dict:
@@ -140,3 +140,32 @@ def test_h2d_sources_are_pinned_once():
     staged = pinned_source(frame)
     assert staged.is_pinned() and staged.data_ptr() != frame.data_ptr() and torch.equal(staged, frame)
     assert pinned_source(staged) is staged  # pinned (or registered) memory is read where it is
+
+
+def test_copy_each_copies_every_pair_as_copy_does():
+    """Casts, strided views on either side and an empty list, as `dst.copy_(src)` would."""
+    a, b = torch.zeros(4, 6, dtype=torch.bfloat16), torch.randn(6, 4)
+    counts = torch.zeros(5, dtype=torch.float64)
+    copy_each([a[:, :3], counts], [b.t()[:, :3], torch.arange(5)], non_blocking=True)
+    assert torch.equal(a[:, :3], b.t()[:, :3].to(torch.bfloat16)) and torch.equal(
+        a[:, 3:], torch.zeros(4, 3, dtype=torch.bfloat16)
+    )
+    assert torch.equal(counts, torch.arange(5, dtype=torch.float64))
+    copy_each([], [])
+
+
+@pytest.mark.cuda
+def test_copy_each_on_the_gpu():
+    """CUDA to CUDA pairs (one copy each), host to CUDA and CUDA to host pairs."""
+    src = [torch.randn(64, 32, device="cuda"), torch.randn(7, device="cuda")]
+    dst = [torch.empty(64, 32, device="cuda", dtype=torch.bfloat16), torch.empty(7, device="cuda")]
+    copy_each(dst, src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[0], src[0].to(torch.bfloat16)) and torch.equal(dst[1], src[1])
+    host = [torch.empty(64, 32), torch.empty(7)]
+    copy_each(host, src)
+    assert torch.equal(host[0], src[0].cpu()) and torch.equal(host[1], src[1].cpu())
+    back = [torch.empty(64, 32, device="cuda"), torch.empty(7, device="cuda")]
+    copy_each(back, host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back[0], src[0]) and torch.equal(back[1], src[1])

@@ -1,7 +1,8 @@
 """Reshard planning on the CPU, from metadata alone: for many trainer layouts (TP along any
 dim, FSDP flat shards, TP then flat, replicas) and inference layouts (TP ranks), every target
 element is written exactly once and only needed bytes are read; then the same plans move real
-bytes (staged by `pack`, applied through `Read.view`) and reproduce the global tensors."""
+bytes (staged by `pack`, applied as a "map" subscriber applies: `coalesce` and `Targets.apply`)
+and reproduce the global tensors, with as few copies as the memory on both sides allows."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 from transfer_queue.wire.errors import SchemaError
 from weight_sync.buckets import layout_buckets, pack
 from weight_sync.layout import Layout, flat_boxes, intersect, numel, subtract
-from weight_sync.mapping import Binding, TPShard
+from weight_sync.mapping import LLAMA, Binding, TPShard
 from weight_sync.plan import build_plan, plan_tensor
+from weight_sync.receivers import Targets, coalesce
 
 shapes = st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple)
 
@@ -145,8 +147,63 @@ def test_plans_move_real_bytes_exactly(kind, train_size, infer_size, data):
         plan = build_plan(manifests, bindings, first=rank)
         assert plan.nbytes >= sum(c.read.nbytes for c in plan.copies)
         assert sum(c.read.nbytes for c in plan.copies) == sum(t.numel() * 4 for t in targets.values())  # nothing else
-        for copy in plan.copies:
-            copy.dst.copy_(copy.read.view(staged[copy.rank][1], copy.dtype))
+        dsts, sources = coalesce(plan, {r: slot for r, (_, slot) in enumerate(staged)})
+        Targets().apply(0, plan, sources, {}, dsts)
         for name, tensor in full.items():
             lo, hi = shard.box(name, tensor.shape)
             assert torch.equal(targets[name], tensor[tuple(slice(a, b) for a, b in zip(lo, hi))])
+
+
+def _apply(full: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], shard: TPShard, mapping=None, bucket=4096):
+    """Stage `full` on one trainer rank, plan `targets` (bound by `mapping`, default same names)
+    and apply as a "map" subscriber does; returns how many copies the apply issued."""
+    layouts = {n: Layout.full(t.shape) for n, t in full.items()}
+    manifest, slot = _stage(full, layouts, 0, 1, bucket)
+    if mapping is None:
+        bindings = [Binding(n, n, shard.box(n, full[n].shape), t) for n, t in targets.items()]
+    else:
+        bindings = mapping.bind({n: t.shape for n, t in full.items()}, targets, shard)
+    plan = build_plan([manifest], bindings)
+    dsts, sources = coalesce(plan, {0: slot})
+    Targets().apply(1, plan, sources, {}, dsts)
+    return len(dsts)
+
+
+def test_copies_that_read_and_write_back_to_back_are_one_copy():
+    """Staged tensors read one after another into one stretch of one target's memory become one
+    copy of their bytes (each copy is a launch on a GPU): a fused qkv_proj made of q, k and v, and
+    tensors kept in one flat buffer in staging order. Copies with a gap on either side, strided
+    reads and separate tensors stay apart. Every case lands exactly."""
+    p = "model.layers.0.self_attn."
+    full = {
+        p + "q_proj.weight": torch.randn(8, 4),
+        p + "k_proj.weight": torch.randn(4, 4),
+        p + "v_proj.weight": torch.randn(4, 4),
+    }
+    fused = torch.zeros(16, 4)
+    assert _apply(full, {p + "qkv_proj.weight": fused}, TPShard(), LLAMA) == 1
+    assert torch.equal(fused, torch.cat(list(full.values())))
+
+    flat = torch.zeros(64)
+    views = {n: flat[i * 16 : (i + 1) * 16].view(4, 4) for i, n in enumerate("abcd")}
+    parts = {n: torch.randn(4, 4) for n in "abcd"}
+    assert _apply(parts, views, TPShard()) == 1
+    assert torch.equal(flat, torch.cat([t.view(-1) for t in parts.values()]))
+
+    separate = {n: torch.zeros(4, 4) for n in "abcd"}
+    assert _apply(parts, separate, TPShard()) == 4
+    assert all(torch.equal(separate[n], parts[n]) for n in parts)
+
+    halves = {n: flat[i * 8 : (i + 1) * 8].view(4, 2) for i, n in enumerate("abcd")}  # columns: strided reads
+    assert _apply(parts, halves, TPShard(0, 2, {n: 1 for n in "abcd"})) == 4
+    assert all(torch.equal(halves[n], parts[n][:, :2]) for n in parts)
+
+    odd = {"x": torch.randn(5), "y": torch.randn(5)}  # staged 64-byte aligned: a gap after x
+    buffer = torch.zeros(10)
+    assert _apply(odd, {"x": buffer[:5], "y": buffer[5:]}, TPShard()) == 2
+    assert torch.equal(buffer, torch.cat([odd["x"], odd["y"]]))
+
+    across = {"x": torch.randn(24), "y": torch.randn(24)}  # y does not fit x's bucket: it starts the next
+    buffer = torch.zeros(48)
+    assert _apply(across, {"x": buffer[:24], "y": buffer[24:]}, TPShard(), bucket=128) == 2
+    assert torch.equal(buffer, torch.cat([across["x"], across["y"]]))
