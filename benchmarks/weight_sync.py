@@ -36,12 +36,14 @@ table and writes results/weight_sync-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync.py --quick            # 256 MiB, 3 repeats (~1.5 minutes)
     .venv/bin/python benchmarks/weight_sync.py --quick --reps 5 --transports ucx --no-baselines  # ucx vs ucx_perftest
     .venv/bin/python benchmarks/weight_sync.py --latency --timeline  # per-version control latency (~30 s)
+    python benchmarks/weight_sync.py --latency --timeline --transports cuda_ipc --sizes 4GiB --versions 50  # on a GPU
 
 `--latency` measures the control path alone: a tiny Llama-shaped model (84 bf16 tensors, ~47 KB,
 so the copies cost next to nothing) over `shm` to one subscriber process waiting in `wait()`,
 many versions, each published once the subscriber waits again; per version the time from
 `publish`'s start to `wait` returning in the subscriber (one system-wide monotonic clock),
-median and p90. `--timeline` also stamps each step on both sides (the server thread learning
+median and p90. `--transports cuda_ipc` (the first name given is used) holds the weights and the
+subscriber's tensors on the GPU, and `--sizes` picks a model of `CONFIGS` instead of the tiny one. `--timeline` also stamps each step on both sides (the server thread learning
 the version is complete, the offer sent and received, the lease, the apply's start and end, the
 release arriving) by wrapping those functions in both processes, which adds a few
 microseconds per stamp.
@@ -156,11 +158,12 @@ def worker(conn) -> None:  # noqa: ANN001
                     sub.wait(version, timeout=300)
                     conn.send((version, time.monotonic(), sub.last_apply_seconds))
             conn.send(float(sum(t.float().sum().item() for t in list(targets.values())[:3])))
-        elif cmd == "latency":  # (endpoint, versions, timeline): wait for each version over shm
-            endpoint, versions, timeline = args
+        elif cmd == "latency":  # (endpoint, versions, timeline, transport, device): wait for each version
+            endpoint, versions, timeline, name, device = args
+            targets = {n: t.to(device) for n, t in targets.items()}
             with (
                 Timeline(_steps()[1] if timeline else ()) as steps,
-                WeightSubscriber(None, targets, transport="shm", publisher=endpoint, timeout=60) as sub,
+                WeightSubscriber(None, targets, transport=name, publisher=endpoint, timeout=60) as sub,
             ):
                 sub.poll()  # connects and maps the slots, as a rollout worker does at start-up
                 conn.send("ready")
@@ -394,29 +397,41 @@ def _steps() -> tuple[list, list]:
     return publisher, subscriber
 
 
-def latency(workers: Workers, versions: int, warmup: int, timeline: bool, gap: float = 0.005) -> dict:
-    """Per-version control latency over `shm`: the tiny model published `warmup` + `versions`
-    times to one subscriber process, each version once the subscriber waits again (`gap` s
-    after its last report); ms from `publish`'s start to each stamped step (`Timeline`) and to
-    the subscriber's `wait` returning."""
+def latency(
+    workers: Workers,
+    versions: int,
+    warmup: int,
+    timeline: bool,
+    transport: str = "shm",
+    size: str = "tiny",
+    gap: float = 0.005,
+) -> dict:
+    """Per-version control latency over a co-located `transport` ("shm", or "cuda_ipc" with the
+    weights and the subscriber's tensors on the GPU): the model of `size` (default the tiny one)
+    published `warmup` + `versions` times to one subscriber process, each version once the
+    subscriber waits again (`gap` s after its last report); ms from `publish`'s start to each
+    stamped step (`Timeline`) and to the subscriber's `wait` returning."""
     from weight_sync import WeightPublisher
 
-    shapes = llama_shapes("tiny", TINY_LAYERS)
+    device = "cuda" if transport == "cuda_ipc" else "cpu"
+    shapes = llama_shapes("tiny", TINY_LAYERS) if size == "tiny" else llama_shapes(size)
     workers.hold(shapes, 1)
-    state = {n: torch.randn(s, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes.items()}
+    state = {n: torch.randn(s, dtype=torch.float32).to(device, torch.bfloat16) for n, s in shapes.items()}
     first = next(iter(state.values()))
     numbers = list(range(1, warmup + versions + 1))
     per_version: list[dict[str, float]] = []
     with (
         Timeline(_steps()[0] if timeline else ()) as steps,
-        WeightPublisher(None, transport="shm", timeout=60, model=state) as pub,
+        WeightPublisher(None, transport=transport, timeout=60, model=state) as pub,
     ):
-        workers.send(1, "latency", pub.endpoint, numbers, timeline)
+        workers.send(1, "latency", pub.endpoint, numbers, timeline, transport, device)
         assert workers.recv(1) == ["ready"]
         starts = []
         for version in numbers:
             time.sleep(gap)  # the subscriber asks again and waits
             first.fill_(version)
+            if device == "cuda":
+                torch.cuda.synchronize()
             t0 = time.monotonic()
             pub.publish(state, version)
             returned = time.monotonic()
@@ -435,6 +450,7 @@ def latency(workers: Workers, versions: int, warmup: int, timeline: bool, gap: f
     measured = per_version[warmup:]
     labels = sorted({k for row in measured for k in row}, key=lambda k: median(r[k] for r in measured if k in r))
     return {
+        "transport": transport,
         "tensors": len(shapes),
         "bytes": sum(t.numel() * 2 for t in state.values()),
         "versions": versions,
@@ -445,7 +461,7 @@ def latency(workers: Workers, versions: int, warmup: int, timeline: bool, gap: f
 def print_latency(record: dict) -> str:
     rows = [[label, median(ms), percentile(ms, 90), len(ms)] for label, ms in record["steps"].items()]
     return print_table(
-        f"weight sync control latency: {record['tensors']} tensors ({record['bytes']:,} bytes) over shm to 1 "
+        f"weight sync control latency: {record['tensors']} tensors ({record['bytes']:,} bytes) over {record['transport']} to 1 "
         f"subscriber process, {record['versions']} versions; ms from publish's start",
         ["step", "median ms", "p90 ms", "versions"],
         rows,
@@ -652,12 +668,14 @@ def main() -> None:
     )
     parser.add_argument("--no-baselines", action="store_true", help="skip torch.save/load and Ray")
     parser.add_argument("--transports", default=None, help="comma-separated transports to run (default all)")
-    parser.add_argument("--latency", action="store_true", help="per-version control latency over shm, tiny model")
+    parser.add_argument(
+        "--latency", action="store_true", help="per-version control latency over shm (or cuda_ipc), tiny model"
+    )
     parser.add_argument("--versions", type=int, default=500, help="--latency: measured versions (default 500)")
     parser.add_argument("--timeline", action="store_true", help="--latency: stamp each step in both processes")
     args = parser.parse_args()
     if args.latency:
-        run_latency(args.versions, args.timeline)
+        run_latency(args.versions, args.timeline, (args.transports or "shm").split(",")[0], args.sizes or "tiny")
         return
     transports = set(args.transports.split(",")) if args.transports else None
     from weight_sync.transports.ucx import DEFAULT_TLS
@@ -712,11 +730,11 @@ def main() -> None:
             print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
-def run_latency(versions: int, timeline: bool) -> None:
+def run_latency(versions: int, timeline: bool, transport: str, size: str) -> None:
     torch.set_num_threads(1)
     workers = Workers(1)
     try:
-        record = latency(workers, versions, warmup=20, timeline=timeline)
+        record = latency(workers, versions, warmup=20, timeline=timeline, transport=transport, size=size.split(",")[0])
     finally:
         workers.close()
     table = print_latency(record)
