@@ -373,8 +373,7 @@ class Timeline:
 
 def _steps() -> tuple[list, list]:
     """The steps `--timeline` stamps: (in the publisher's process, in the subscriber's)."""
-    from transfer_queue.wire.rpc import Pending
-    from transfer_queue.wire.rpc._channel import Channel
+    from transfer_queue.wire.rpc import Channel, LocalChannel, Pending
     from weight_sync.coordinator import Coordinator
     from weight_sync.protocol import Offer, Release
     from weight_sync.publisher import WeightPublisher
@@ -389,6 +388,7 @@ def _steps() -> tuple[list, list]:
     ]
     subscriber = [
         (Channel, "reply", "subscriber: offer in", "exit", lambda _, out: isinstance(out[0], Offer)),
+        (LocalChannel, "reply", "subscriber: offer in", "exit", lambda _, out: isinstance(out[0], Offer)),
         (PublisherRanks, "lease_all", "subscriber: leased", "exit", None),
         (Targets, "apply", "subscriber: apply starts", "enter", None),
         (Targets, "apply", "subscriber: apply done", "exit", None),

@@ -231,8 +231,14 @@ class WeightPublisher:
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
         # a lease is its reader's connection's: a reader that exits or dies frees its slots
-        self._server = serve(self._handle, f"tcp://{host}:*", self.credentials, self._table.release_holder)
-        self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data)
+        self._server = serve(
+            self._handle,
+            f"tcp://{host}:*",
+            self.credentials,
+            self._table.release_holder,
+            local=any(t.mode == "map" for t in self._transports.values()),  # their readers are on this host
+        )
+        self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data, self._server.local_endpoint)
         self._coordinator = (
             Coordinator(
                 self.info,

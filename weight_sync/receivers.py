@@ -23,10 +23,11 @@ import torch
 
 from transfer_queue import WeightSyncError
 from transfer_queue.cuda import copies, copy_each
+from transfer_queue.host import host_id
 
 from .checksum import compare
 from .plan import Copy, Plan
-from .protocol import Checksums, Granted, Latest, Offer, RpcClient
+from .protocol import Checksums, Granted, Latest, Offer, Release, connect
 from .ranks import PublisherRanks
 from .transports.stream import contiguous_span
 
@@ -133,8 +134,10 @@ class MappedReceiver(Receiver):
 
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
-        self._endpoint = coordinator
-        self._coordinator = RpcClient(coordinator, timeout=self.timeout)
+        self._here = host_id()
+        self._coordinator = connect(ranks.info[0], self._here, self.timeout)
+        """Rank 0's control server, over its local lane (the rank is on this host): each
+        version's offer and rank 0's release wake one thread on their way, not three."""
         self._views: dict[
             tuple[tuple[int, ...], tuple[tuple[int, int], ...]], tuple[list[torch.Tensor], list[torch.Tensor]]
         ] = {}
@@ -151,7 +154,7 @@ class MappedReceiver(Receiver):
             # an offer still to come would carry a lease held by this connection: closing it
             # releases that lease at rank 0 (a new connection asks next time)
             self._coordinator.close()
-            self._coordinator = RpcClient(self._endpoint, timeout=self.timeout)
+            self._coordinator = connect(self.ranks.info[0], self._here, self.timeout)
             raise
         if offer.version <= held:
             return None
@@ -162,8 +165,18 @@ class MappedReceiver(Receiver):
             checksums = self._checksums(plan, grants)
             self.targets.apply(offer.version, plan, sources, checksums, dsts)
         finally:
-            self.ranks.release(grants)
+            self._release(grants)
         return offer.version
+
+    def _release(self, grants: list[Granted]) -> None:
+        """Post the releases: rank 0's over the connection that holds its lease (were it lost,
+        that connection's closing frees the lease), the others' through `ranks`."""
+        try:
+            self._coordinator.post(Release(grants[0].lease))
+        except WeightSyncError:
+            pass  # rank 0 is gone; so is its lease
+        for rank, grant in enumerate(grants[1:], start=1):
+            self.ranks.release_one(rank, grant)
 
     def _sources(
         self, version: int, grants: list[Granted], plan: Plan

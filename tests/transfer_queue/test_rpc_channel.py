@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.helpers import eventually_async
+from tests.helpers import eventually, eventually_async
 from transfer_queue.wire.errors import InternalError, SchemaError, ServiceError
 from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
 from transfer_queue.wire.rpc import (
@@ -22,6 +22,7 @@ from transfer_queue.wire.rpc import (
     Cancel,
     Channel,
     Codec,
+    LocalChannel,
     Ok,
     Pending,
     Ping,
@@ -278,3 +279,68 @@ def test_requests_queued_behind_a_closing_are_never_left_open():
         helper.close()
         client.close()
         service.close()
+
+
+def test_the_local_lane_serves_requests_as_the_router_does_and_reports_a_closed_peer():
+    """A `ThreadService(local=True)` answers, parks and fails requests that come over its Unix
+    socket like those over ZeroMQ; a notice sent just before the client closes is still served,
+    and the closing is then reported once with the lane's own peer identity, after its open
+    requests are dropped."""
+    gone: queue.Queue[bytes] = queue.Queue()
+    parked: list[Pending] = []
+    seen: list[object] = []
+
+    def handler(msg, pending):  # noqa: ANN001
+        seen.append(msg)
+        if isinstance(msg, Read) and msg.partition == "fail":
+            raise SchemaError("no such partition")
+        if isinstance(msg, Read):
+            parked.append(pending)
+        else:
+            pending.reply(Ok())
+
+    service = ThreadService(Codec(StorageRequest), handler, on_disconnect=gone.put, local=True)
+    assert service.local_endpoint.startswith("local:")
+    client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=10)
+    try:
+        assert isinstance(client.call(Ping()), Ok)  # answered by the loop itself
+        with pytest.raises(SchemaError, match="no such partition"):
+            client.call(Read("fail", [0], ["x"]))
+        rid = client.send(Read("p", [0], ["x"]))
+        eventually(lambda: parked, 30, "the Read parked")
+        parked[0].reply(Ok())
+        assert isinstance(client.reply(rid, 10)[0], Ok)
+        client.send(Read("p", [1], ["x"]))  # left open
+        client.post(Free("p", [1]))  # a notice, then the connection closes at once
+        client.close()
+        peer = gone.get(timeout=30)
+        assert peer == parked[-1].peer and parked[-1].done and len(parked) == 2
+        assert isinstance(seen[-1], Free), "the notice sent before the closing was served first"
+        assert gone.empty()
+    finally:
+        client.close()
+        service.close()
+
+
+def test_a_local_client_of_a_service_that_goes_raises_at_once():
+    """The service closing (or its process dying) ends the lane's connections: a call waiting
+    on it raises the channel's `lost` error at once, not at its deadline; a lane that is gone
+    cannot be reached."""
+    service = ThreadService(Codec(StorageRequest), lambda msg, pending: None, local=True)  # parks everything
+    client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=60)
+    waiting: queue.Queue[BaseException] = queue.Queue()
+
+    def call() -> None:
+        try:
+            client.call(Read("p", [0], ["x"]))
+        except ServiceError as exc:
+            waiting.put(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    service.close()
+    assert "dropped the connection" in str(waiting.get(timeout=30))
+    caller.join(30)
+    client.close()
+    with pytest.raises(ServiceError, match="cannot be reached"):
+        LocalChannel(service.local_endpoint, Codec(Reply))

@@ -119,15 +119,19 @@ def test_a_parked_offer_carries_a_lease_its_connection_holds():
         pub.publish({"w": torch.ones(8)}, version=2)  # the only slot: waits for the close to land
 
 
+@pytest.mark.parametrize("lane", ["zeromq", "local"])
 @pytest.mark.parametrize("die_before_offer", [False, True], ids=["after-offer", "while-parked"])
-def test_a_subscriber_that_dies_waiting_never_pins_a_slot(die_before_offer):
+def test_a_subscriber_that_dies_waiting_never_pins_a_slot(die_before_offer, lane):
     """A rollout worker spends most of its life parked in `Latest`, so that is where it dies.
     Dead before its offer: its parked request is dropped with its connection and no lease is
-    granted. Dead after it: the lease the offer carried is released when its connection
-    closes. Either way the trainer reuses the slot at once, not after `lease_timeout`."""
+    granted. Dead after it (between learning of the version and copying it): the lease the offer
+    carried is released when its connection closes. Either way the trainer reuses the slot at
+    once, not after `lease_timeout`; over ZeroMQ and over the local lane a co-located subscriber
+    uses."""
     with WeightPublisher(None, "shm", slots=1, lease_timeout=600, timeout=30) as pub:
         out = CTX.Queue()
-        reader = CTX.Process(target=waiting_reader, args=(out, pub.endpoint, die_before_offer), daemon=True)
+        endpoint = pub.info.local if lane == "local" else pub.endpoint
+        reader = CTX.Process(target=waiting_reader, args=(out, endpoint, die_before_offer), daemon=True)
         reader.start()
         probe = RpcClient(pub.endpoint, timeout=30.0)
         try:
@@ -205,3 +209,29 @@ def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
         ranks.close()
         p1.close()
         p0.close()
+
+
+def test_a_co_located_subscriber_talks_to_rank_0_over_its_local_lane():
+    """A publisher serving a "map" transport opens a local lane; a subscriber on its host asks
+    for versions and releases rank 0's lease over it (the lane's peers are named
+    `local/...`), and every version lands whole."""
+    mine = {"w": torch.zeros(8)}
+    holders: list[bytes] = []
+    with (
+        WeightPublisher(None, "shm", slots=1, model=mine) as pub,
+        WeightSubscriber(None, mine, publisher=pub.endpoint) as sub,
+    ):
+        assert pub.info.local.startswith("local:")
+        grant = pub._grant
+
+        def recorded(msg, holder):  # noqa: ANN001, ANN202
+            holders.append(holder)
+            return grant(msg, holder)
+
+        pub._grant = recorded
+        for version in range(1, 6):
+            pub.publish({"w": torch.full((8,), float(version))}, version)  # the only slot: released, or this waits
+            assert sub.wait(version, timeout=30) == version and torch.equal(mine["w"], torch.full((8,), float(version)))
+        assert holders and all(h.startswith(b"local/") for h in holders)
+    with WeightPublisher(None, "tcp") as pub:
+        assert pub.info.local == ""  # its readers may be anywhere

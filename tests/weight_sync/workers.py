@@ -237,10 +237,11 @@ def nccl_subscriber(out, gpu: int, endpoint: str, versions: int) -> None:
 def waiting_reader(out, endpoint: str, die_before_offer: bool) -> None:
     """A subscriber that asks rank 0 for its next version with a lease (as a "map" receiver
     does) and exits without releasing anything: at once, while its `Latest` is parked
-    (`die_before_offer`), or once the offer came, reporting the lease it carried."""
-    from weight_sync.protocol import Latest, RpcClient
+    (`die_before_offer`), or once the offer came, reporting the lease it carried. `endpoint`:
+    rank 0's control endpoint, or its local lane (`RankInfo.local`)."""
+    from weight_sync.protocol import Latest, LocalClient, RpcClient
 
-    client = RpcClient(endpoint, timeout=60.0)
+    client = LocalClient(endpoint, timeout=60.0) if endpoint.startswith("local:") else RpcClient(endpoint, timeout=60.0)
     if die_before_offer:
         client.send(Latest(after=-1, timeout=60.0, lease="shm"))
         out.put("asked")

@@ -18,6 +18,7 @@ from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError, TimeoutError
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
+from ._local import Lane, supported
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
@@ -78,6 +79,12 @@ class ThreadService:
     before it closed and read after that closing was seen: it is taken for the descriptor's next
     connection, and what it is given waits for that one's closing or its own timeout.
 
+    With `local` (on Linux), the thread also serves a Unix socket of its own (`local_endpoint`,
+    "" without it; clients: `LocalChannel`), for clients on this host: no ZeroMQ I/O thread
+    between the socket and this thread or the client, so each message wakes one thread. Its
+    requests are served like the ROUTER's, and a connection that closes is reported through
+    `on_disconnect` the same way, after whatever it sent before closing.
+
     Raises:
         SchemaError: `bind` is beyond loopback and no `credentials` were given.
     """
@@ -90,6 +97,7 @@ class ThreadService:
         credentials: Credentials | None = None,
         name: str = "sluice-rpc",
         on_disconnect: Callable[[bytes], None] | None = None,
+        local: bool = False,
     ):
         refuse_unauthenticated(bind, credentials)
         self._codec = codec
@@ -113,6 +121,9 @@ class ThreadService:
             self._monitor = monitor(self._sock, events)
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._lane = Lane() if local and supported() else None
+        self.local_endpoint = self._lane.endpoint if self._lane is not None else ""
+        """Where clients on this host reach the local lane ("" without one)."""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._calls: deque[Callable[[], None]] = deque()
@@ -142,6 +153,9 @@ class ThreadService:
         os.close(self._wake_w)
 
     def _send(self, identity: bytes, rid: int, msg: Message) -> None:
+        if self._lane is not None and identity in self._lane.peers:
+            self._lane.send(identity, self._codec.encode_now(rid, msg))
+            return
         try:
             self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
         except zmq.ZMQError:
@@ -153,6 +167,9 @@ class ThreadService:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
+        lane = self._lane
+        if lane is not None:
+            poller.register(lane.listener.fileno(), zmq.POLLIN)
         try:
             while not self._closed:
                 timeout: int | None = None
@@ -169,8 +186,12 @@ class ThreadService:
                     self._events()
                 while self._sock.poll(0, zmq.POLLIN):
                     self._serve(self._sock.recv_multipart(copy=False))
+                if lane is not None:
+                    self._serve_lane(lane, poller, ready)
                 self._expire()
         finally:
+            if lane is not None:
+                lane.close()
             if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
@@ -190,17 +211,37 @@ class ThreadService:
 
     def _disconnected(self, fd: int) -> None:
         """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
-        assert self._on_disconnect is not None  # only then are disconnections watched
         for peer in self._peers.pop(fd, ()):
             self._gone[peer] = None
             while len(self._gone) > _GONE_KEPT:
                 self._gone.popitem(last=False)
-            for key in [k for k in self._open if k[0] == peer]:
-                self._open.pop(key).done = True
-            try:
-                self._on_disconnect(peer)
-            except Exception:  # noqa: BLE001 - the service's cleanup failing must not end the loop
-                log.exception("cleaning up after a disconnected client failed")
+            self._peer_gone(peer)
+
+    def _peer_gone(self, peer: bytes) -> None:
+        """Drop `peer`'s open requests and report it (`on_disconnect`)."""
+        for key in [k for k in self._open if k[0] == peer]:
+            self._open.pop(key).done = True
+        if self._on_disconnect is None:
+            return
+        try:
+            self._on_disconnect(peer)
+        except Exception:  # noqa: BLE001 - the service's cleanup failing must not end the loop
+            log.exception("cleaning up after a disconnected client failed")
+
+    def _serve_lane(self, lane: Lane, poller: zmq.Poller, ready: dict) -> None:
+        """Take the local lane's new connections and serve what its peers sent."""
+        # the poller names plain sockets by their descriptors
+        for fd in [k for k in ready if isinstance(k, int) and k in lane.by_fd]:
+            peer = lane.by_fd[fd]
+            messages, closed = lane.receive(peer)
+            for frames in messages:
+                self._dispatch(peer.identity, frames)
+            if closed:
+                poller.unregister(fd)
+                self._peer_gone(peer.identity)
+        if lane.listener.fileno() in ready:
+            while (peer := lane.accept()) is not None:
+                poller.register(peer.sock.fileno(), zmq.POLLIN)
 
     def _serve(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
@@ -211,9 +252,13 @@ class ThreadService:
             if identity in self._gone:
                 return  # sent before its connection closed: nobody is left to answer
             self._peers.setdefault(frames[1].get(zmq.SRCFD), set()).add(identity)
+        self._dispatch(identity, frames[1:])
+
+    def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
+        """Serve one request (its frames after the identity) from `identity`."""
         rid = 0
         try:
-            rid, msg, _ = self._codec.decode(frames[1:])
+            rid, msg, _ = self._codec.decode(frames)
         except ProtocolError as exc:
             self._send(identity, exc.request_id or rid, error_reply(exc))
             return
