@@ -1,9 +1,8 @@
 """The local lane: a `ThreadService`'s second way in, for clients on its own host.
 
-A request over ZeroMQ wakes four threads before its handler runs and four more for the reply:
-each side's ZeroMQ I/O thread stands between the socket and the thread that uses it. A Unix
-stream socket that the service thread polls itself, and that its client reads itself, wakes one
-thread per message (the receiving side's). `ThreadService(local=True)` listens on one (`Lane`)
+Over ZeroMQ a message wakes three threads on its way: the sender's ZeroMQ I/O thread, the
+receiver's, and the thread that reads it. A Unix stream socket that the service thread polls
+itself, and that its client reads itself, wakes one (the reader). `ThreadService(local=True)` listens on one (`Lane`)
 and serves what arrives there exactly as what arrives on its ROUTER; `LocalChannel` is the
 client: the blocking `Channel`'s `send`, `post`, `reply`, `call` and `close`, over that socket.
 
@@ -49,7 +48,7 @@ def _address(endpoint: str) -> str:
 
 
 class _Reader:
-    """Whole messages out of a byte stream (`feed` what arrived, then `take` the frames)."""
+    """Whole messages out of a byte stream: append what arrived to `buf`, then take `messages()`."""
 
     def __init__(self) -> None:
         self.buf = bytearray()
