@@ -2,13 +2,14 @@
 
 Per partition and field, a dict maps each global index to the `Segment` holding the row: the
 rows one write laid out back to back in one chunk (their indexes in write order, their ragged
-lengths, how many of them still live there). A row's bytes follow from its place in its segment,
+lengths, how many of them still live there). A row's bytes follow from its place in its segment
+(its index less the segment's first when the write's indexes are consecutive, as a put's are),
 so registering a write's rows is one bulk dict update per field and freeing them one bulk pop
 and count, with no Python step and no object per row. A Read of exactly one write's rows, the
 common case (a batch read as it was put), is that chunk as one run, found with one list
-comparison; any other Read costs a dict look-up per row and field and one step per stretch of
-rows that lie in write order in one segment (per row only where they do not), merging stretches
-adjacent in the arena into runs, never any per-byte Python work.
+comparison; any other Read costs a dict look-up and a step per row and field, except that rows
+following each other in one write's order take one step together, merging rows adjacent in
+the arena into runs, never any per-byte Python work.
 
 A field's `FieldSpec` is fixed while the partition holds rows of it: a reader gets only bytes
 and lengths, so rows of one field written with two different dtypes or shapes could not be told
@@ -18,8 +19,9 @@ apart. The spec is forgotten when the field's last row is freed.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from itertools import accumulate, groupby, repeat
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate, compress, islice, repeat
+from operator import is_not, mul
 from typing import cast
 
 from transfer_queue.wire.errors import SchemaError
@@ -33,38 +35,40 @@ _LISTED = 10  # how many missing indexes an error message names
 
 
 class Segment:
-    """The rows one `insert` laid out back to back in a chunk: their indexes in write order, their
-    ragged lengths (None for a dense field), the bytes of each (`row_bytes` per row or per ragged
-    element) and how many of them still live there (not freed, not replaced). Each live row holds
-    one reference on the chunk."""
+    """The rows one `insert` laid out back to back in a chunk: their indexes in write order, the
+    bytes of each (`row_bytes` per row or per ragged element), a ragged field's lengths with the
+    arena offset of each row and of their end (`ragged`: None for a dense field), and how many of
+    them still live there (not freed, not replaced). Each live row holds one reference on the
+    chunk.
 
-    __slots__ = ("chunk", "indexes", "lengths", "row_bytes", "nbytes", "live", "_positions", "_starts")
+    A put's rows on a unit are most often consecutive global indexes in order: a row's place in
+    write order is then `index - first`, with no per-row state; only the rows of other writes (new
+    fields of sampled rows, keyed rows, rows spread over units) get a dict of places, made here so
+    that no read pays for a whole segment's dict."""
+
+    __slots__ = ("chunk", "indexes", "ragged", "row_bytes", "nbytes", "live", "first", "places")
 
     def __init__(self, chunk: Chunk, indexes: list[int], lengths: list[int] | None, row_bytes: int):
+        n = len(indexes)
         self.chunk = chunk
         self.indexes = indexes
-        self.lengths = lengths
+        self.ragged: tuple[list[int], list[int]] | None = None
+        if lengths is None:
+            self.nbytes = row_bytes * n
+        else:
+            bounds = list(accumulate(map(mul, lengths, repeat(row_bytes)), initial=chunk.offset))
+            self.ragged = (lengths, bounds)
+            self.nbytes = bounds[-1] - chunk.offset
         self.row_bytes = row_bytes
-        self.nbytes = row_bytes * (len(indexes) if lengths is None else sum(lengths))
-        self.live = len(indexes)
-        self._positions: dict[int, int] | None = None  # index -> place in write order, made on first need
-        self._starts: list[int] | None = None  # ragged rows' first elements, made on first need
+        self.live = n
+        self.first = indexes[0] if n else 0
+        # distinct indexes (a Write's are checked) from first to first + n - 1 in order are consecutive
+        consecutive = not n or (indexes[-1] - self.first == n - 1 and indexes == sorted(indexes))
+        self.places: dict[int, int] | None = None if consecutive else dict(zip(indexes, range(n)))
 
-    def position(self, index: int) -> int:
+    def place(self, index: int) -> int:
         """Where row `index` is in write order."""
-        positions = self._positions
-        if positions is None:
-            positions = self._positions = dict(zip(self.indexes, range(len(self.indexes))))
-        return positions[index]
-
-    def offset(self, position: int) -> int:
-        """The arena offset of the row at `position` (of the end of the rows, at their count)."""
-        if self.lengths is None:
-            return self.chunk.offset + position * self.row_bytes
-        starts = self._starts
-        if starts is None:
-            starts = self._starts = list(accumulate(self.lengths, initial=0))
-        return self.chunk.offset + starts[position] * self.row_bytes
+        return index - self.first if self.places is None else self.places[index]
 
 
 class Column:
@@ -185,8 +189,8 @@ class Table:
             rows = col.rows
             seg = _whole_segment(rows, indexes)
             if seg is not None:
-                if seg.lengths is not None:
-                    plan.lengths[name] = seg.lengths
+                if seg.ragged is not None:
+                    plan.lengths[name] = seg.ragged[0]
                 plan.runs[name] = [(seg.chunk.offset, seg.nbytes)] if seg.nbytes else []
                 if seg.nbytes:
                     plan.chunks.append([seg.chunk])
@@ -200,9 +204,12 @@ class Table:
                     f"storage unit {self.unit_id} holds no row(s) [{listed}] ({len(missing)} of "
                     f"{len(indexes)} requested) of field {name!r} in partition {partition!r}"
                 ) from None
-            lengths: list[int] | None = [] if col.spec.ragged else None
-            plan.runs[name] = _runs(segs, list(indexes), plan.chunks, lengths)
-            if lengths is not None:
+            lengths: list[int] = []
+            plan.runs[name] = _runs(segs, indexes, plan.chunks, lengths)
+            assert len(lengths) == (len(indexes) if col.spec.ragged else 0), (
+                "a field's rows are all ragged or all dense"
+            )
+            if col.spec.ragged:
                 plan.lengths[name] = lengths
         return plan
 
@@ -277,44 +284,67 @@ def _whole_segment(rows: dict[int, Segment], indexes: Sequence[int]) -> Segment 
     return seg
 
 
+def _stretches(segs: list[Segment], indexes: Sequence[int]) -> Iterator[tuple[int, Segment, int]]:
+    """(first row's index, segment, row count) of each stretch of rows `indexes` (held by `segs`)
+    that follow each other in one write's order, found with one list comparison per segment
+    change. Rows mostly each from another segment than the row before (a random sampler's, or
+    its batch sorted) are taken one by one with no step of their own here."""
+    n = len(segs)
+    if not n:
+        return iter(())
+    changes = list(compress(range(1, n), map(is_not, islice(segs, 1, None), segs)))  # where the segment changes
+    if 2 * len(changes) >= n:  # most rows from another segment than the row before: stretches save little
+        return zip(indexes, segs, repeat(1))
+    return _grouped(segs, indexes, changes)
+
+
+def _grouped(segs: list[Segment], indexes: Sequence[int], changes: list[int]) -> Iterator[tuple[int, Segment, int]]:
+    """`_stretches` of rows where some neighbours share a segment (`changes`: where it changes)."""
+    for a, b in zip([0, *changes], [*changes, len(segs)]):
+        seg = segs[a]
+        index = indexes[a]
+        lo = seg.place(index)
+        if b - a == 1 or seg.indexes[lo : lo + b - a] == indexes[a:b]:
+            yield index, seg, b - a
+        else:  # rows of one write out of its order
+            yield from zip(indexes[a:b], repeat(seg), repeat(1))
+
+
 def _runs(
-    segs: list[Segment], indexes: list[int], chunks: list[list[Chunk]], lengths: list[int] | None
+    segs: list[Segment], indexes: Sequence[int], chunks: list[list[Chunk]], lengths: list[int]
 ) -> list[tuple[int, int]]:
     """Runs of (offset, nbytes) covering rows `indexes` (held by `segs`) in order; empty rows
-    contribute nothing. Rows that follow each other in one segment's write order are one stretch
-    of bytes; stretches adjacent in the arena merge into one run. Appends, per run, the chunks it
-    touches to `chunks` (a run crosses a chunk boundary only when two chunks happen to be adjacent
-    in the arena and the first fills its aligned extent), and each row's ragged length to
-    `lengths` when given."""
+    contribute nothing. Stretches of rows adjacent in the arena merge into one run. Appends, per
+    run, the chunks it touches to `chunks` (a run crosses a chunk boundary only when two chunks
+    happen to be adjacent in the arena and the first fills its aligned extent), and each ragged
+    row's length to `lengths`."""
     starts: list[int] = []
     ends: list[int] = []
     end = -1
-    i = 0
-    for seg, same in groupby(segs):
-        k = len(list(same))
-        rows = indexes[i : i + k]
-        i += k
-        first = seg.position(rows[0])
-        places: Sequence[int]
-        if seg.indexes[first : first + k] == rows:  # in write order: one stretch
-            places = range(first, first + k)
-            pieces = [(seg.offset(first), seg.offset(first + k))]
+    for index, seg, k in _stretches(segs, indexes):
+        places = seg.places
+        lo = index - seg.first if places is None else places[index]  # seg.place(index), without a call a row
+        ragged = seg.ragged
+        if ragged is None:
+            start = seg.chunk.offset + lo * seg.row_bytes
+            stop = start + k * seg.row_bytes
         else:
-            places = [seg.position(index) for index in rows]
-            pieces = [(seg.offset(p), seg.offset(p + 1)) for p in places]
-        if lengths is not None and seg.lengths is not None:
-            lengths += map(seg.lengths.__getitem__, places)
-        for start, stop in pieces:
-            if stop == start:
-                continue
-            if start == end:
-                end = ends[-1] = stop
-                run_chunks = chunks[-1]
-                if run_chunks[-1] is not seg.chunk:
-                    run_chunks.append(seg.chunk)
+            row_lengths, bounds = ragged
+            start, stop = bounds[lo], bounds[lo + k]
+            if k == 1:
+                lengths.append(row_lengths[lo])
             else:
-                end = stop
-                starts.append(start)
-                ends.append(end)
-                chunks.append([seg.chunk])
+                lengths += row_lengths[lo : lo + k]
+        if stop == start:
+            continue
+        if start == end:
+            end = ends[-1] = stop
+            run_chunks = chunks[-1]
+            if run_chunks[-1] is not seg.chunk:
+                run_chunks.append(seg.chunk)
+        else:
+            end = stop
+            starts.append(start)
+            ends.append(end)
+            chunks.append([seg.chunk])
     return [(s, e - s) for s, e in zip(starts, ends)]
