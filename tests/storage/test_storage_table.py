@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Iterator
 
@@ -114,56 +115,99 @@ def test_a_read_of_one_writes_rows_is_one_run_until_a_row_is_replaced_or_freed(a
     assert table.remove("p", [0, 2]) == 2 and arena.used == 0
 
 
-def test_reads_match_a_row_by_row_model_through_writes_replacements_and_frees(arena: Arena) -> None:
-    """Rows kept by the write that laid them out: whatever mix of writes a read spans, in any
-    order, after rows were replaced or freed, its runs, lengths and chunks are those of looking up
-    each row's bytes one by one and merging neighbours, and every byte goes back when all are
-    freed."""
-    import random
+def _model_plan(
+    model: dict[str, dict[int, tuple[int, int, int, object]]], wanted: list[int], names: list[str]
+) -> tuple[dict[str, list[tuple[int, int]]], dict[str, list[int]], list[list[object]]]:
+    """A read's runs, lengths and chunks from each row's bytes looked up one by one and merged."""
+    runs: dict[str, list[tuple[int, int]]] = {}
+    chunks: list[list[object]] = []
+    for name in names:
+        runs[name] = []
+        end = -1
+        for offset, nbytes, _, chunk in (model[name][i] for i in wanted):
+            if not nbytes:
+                continue
+            if offset == end:
+                runs[name][-1] = (runs[name][-1][0], runs[name][-1][1] + nbytes)
+                if chunks[-1][-1] is not chunk:
+                    chunks[-1].append(chunk)
+            else:
+                runs[name].append((offset, nbytes))
+                chunks.append([chunk])
+            end = offset + nbytes
+    return runs, {"ids": [model["ids"][i][2] for i in wanted]} if "ids" in names else {}, chunks
 
-    rng = random.Random(7)
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reads_match_a_row_by_row_model_through_writes_replacements_and_frees(arena: Arena, seed: int) -> None:
+    """Rows kept by the write that laid them out: whatever mix of writes a read spans (a write's
+    rows split over chunks, consecutive indexes or not, in or out of write order, exactly one
+    write's rows), after rows were replaced, freed or their partition cleared, its runs, lengths
+    and chunks are those of looking up each row's bytes one by one and merging neighbours, and
+    every byte goes back when all are freed."""
+    rng = random.Random(seed)
     table = Table(arena)
+    specs = {"x": DENSE, "ids": RAGGED_SPEC}
     model: dict[str, dict[int, tuple[int, int, int, object]]] = {"x": {}, "ids": {}}
     for step in range(60):
-        indexes = rng.sample(range(40), rng.randint(1, 8))
-        if rng.random() < 0.5:
-            indexes.sort()  # a put's rows, in order
-        if step % 7 == 6:
-            table.remove("p", indexes)
+        roll = rng.random()
+        if roll < 0.1:
+            freed = rng.sample(range(40), rng.randint(1, 10))
+            table.remove("p", freed)
             for rows in model.values():
-                for i in indexes:
+                for i in freed:
                     rows.pop(i, None)
             continue
+        if roll < 0.13:
+            table.remove("p")  # a whole partition cleared
+            model = {"x": {}, "ids": {}}
+            assert table.row_counts() == {} and arena.used == 0
+            continue
+        if rng.random() < 0.4:  # a put's rows on one unit: consecutive indexes
+            lo = rng.randrange(36)
+            indexes = list(range(lo, rng.randint(lo + 1, min(lo + 8, 40))))
+        else:  # new fields of sampled rows, keyed rows: any order
+            indexes = rng.sample(range(40), rng.randint(1, 8))
+        names = rng.choice([["x"], ["ids"], ["x", "ids"]])
         lengths = [rng.randint(0, 3) for _ in indexes]
-        for name, spec, lens in (("x", DENSE, None), ("ids", RAGGED_SPEC, lengths)):
-            chunk = _insert(table, arena, "p", name, spec, indexes, lens)
-            offset = chunk.offset
-            for i, k in zip(indexes, lens or [1] * len(indexes)):
-                model[name][i] = (offset, k * spec.row_bytes, k, chunk)
-                offset += k * spec.row_bytes
-        held = sorted(model["x"])
-        wanted = rng.sample(held, rng.randint(1, len(held)))
-        if rng.random() < 0.3:
-            wanted.sort()
-        plan = table.read("p", wanted, ["x", "ids"])
-        runs: dict[str, list[tuple[int, int]]] = {}
-        chunks: list[list[object]] = []
-        for name in ("x", "ids"):
-            runs[name] = []
-            end = -1
-            for offset, nbytes, _, chunk in (model[name][i] for i in wanted):
-                if not nbytes:
+        cut = rng.randint(1, len(indexes))  # the unit may split a write's rows over two chunks
+        for name in names:
+            for a, b in ((0, cut), (cut, len(indexes))):
+                if a == b:
                     continue
-                if offset == end:
-                    runs[name][-1] = (runs[name][-1][0], runs[name][-1][1] + nbytes)
-                    if chunks[-1][-1] is not chunk:
-                        chunks[-1].append(chunk)
-                else:
-                    runs[name].append((offset, nbytes))
-                    chunks.append([chunk])
-                end = offset + nbytes
-        assert plan.runs == runs, f"step {step}"
-        assert plan.lengths == {"ids": [model["ids"][i][2] for i in wanted]}
-        assert plan.chunks == chunks
-    assert table.remove("p", range(40)) == len(model["x"])
+                lens = lengths[a:b] if specs[name].ragged else None
+                chunk = _insert(table, arena, "p", name, specs[name], indexes[a:b], lens)
+                offset = chunk.offset
+                for i, k in zip(indexes[a:b], lens or [1] * (b - a)):
+                    model[name][i] = (offset, k * specs[name].row_bytes, k, chunk)
+                    offset += k * specs[name].row_bytes
+        for name in names:
+            held = sorted(model[name])
+            kind = rng.random()
+            if kind < 0.3 and all(i in model[name] for i in indexes[:cut]):
+                wanted = indexes[:cut]  # exactly one chunk's rows in write order: the whole-write path
+            elif kind < 0.6:
+                wanted = sorted(rng.sample(held, rng.randint(1, len(held))))  # stretches in write order
+            else:
+                wanted = [rng.choice(held) for _ in range(rng.randint(1, len(held)))]  # repeats too
+            plan = table.read("p", wanted, [name])
+            runs, lens_by_name, chunks = _model_plan(model, wanted, [name])
+            assert (plan.runs, plan.lengths, plan.chunks) == (runs, lens_by_name, chunks), f"step {step}"
+    table.remove("p", range(40))
     assert arena.used == 0 and table.row_counts() == {}
+
+
+def test_a_read_of_one_whole_write_is_its_chunk_as_one_run(arena: Arena) -> None:
+    """The whole-write path: one write's rows, all live, read in write order (even when they are
+    not consecutive indexes) are its chunk as one run, lengths as written; a read that drops, adds
+    or reorders a row takes the row-by-row path and gives the same bytes."""
+    table = Table(arena)
+    x = _insert(table, arena, "p", "x", DENSE, [7, 3, 9])
+    ids = _insert(table, arena, "p", "ids", RAGGED_SPEC, [7, 3, 9], lengths=[1, 3, 2])
+    plan = table.read("p", [7, 3, 9], ["x", "ids"])
+    assert plan.runs == {"x": [(x.offset, 48)], "ids": [(ids.offset, 48)]} and plan.lengths == {"ids": [1, 3, 2]}
+    assert table.read("p", [7, 3], ["ids"]).runs == {"ids": [(ids.offset, 32)]}
+    assert table.read("p", [3, 9], ["ids"]).lengths == {"ids": [3, 2]}
+    assert table.read("p", [9, 7], ["x"]).runs == {"x": [(x.offset + 32, 16), (x.offset, 16)]}
+    empty = table.read("p", [], ["x", "ids"])
+    assert (empty.runs, empty.lengths, empty.chunks) == ({"x": [], "ids": []}, {"ids": []}, [])
