@@ -356,12 +356,11 @@ class Assembler:
         in_order = self._in_order()
         for name, spec in self.specs.items():
             if spec.dtype in OBJECT_DTYPES:
-                out[name] = _objects_of(spec, *self._ragged_parts(name, spec, self._host_empty))
+                out[name] = _objects_of(spec, *self._ragged_parts(name, spec, self._host_empty, in_order))
             elif spec.ragged:
-                out[name] = self._ragged(name, spec)
+                out[name] = jagged(*self._ragged_parts(name, spec, self._empty, in_order))
             else:
-                copied = self._copied_whole(name, spec) if in_order else None
-                out[name] = copied if copied is not None else self._dense(name, spec)
+                out[name] = self._dense(name, spec, in_order)
         return TensorDict(out, batch_size=[self.n])
 
     def _in_order(self) -> bool:
@@ -371,35 +370,17 @@ class Assembler:
         positions = self._parts[0][0]
         return len(positions) == self.n > 0 and int(positions[0]) == 0 and _consecutive(positions)
 
-    def _copied_whole(self, name: str, spec: FieldSpec) -> torch.Tensor | None:
-        """Dense field `name` copied out of the one run that holds all its rows in order, or
-        None when it is not that (or the run is a buffer `_dense` keeps instead of copying)."""
+    def _kept(self, name: str, nbytes: int, in_order: bool) -> torch.Tensor | None:
+        """The one owned run holding all `nbytes` of field `name`'s rows in batch order, which
+        the result may keep instead of copying, or None."""
+        if not in_order or not self._owned or self.device is not None:
+            return None
         srcs = self._parts[0][2][name]
-        nbytes = self.n * spec.row_bytes
-        if len(srcs) != 1 or srcs[0].numel() != nbytes or not nbytes or (self._owned and self.device is None):
-            return None
-        out = self._empty((self.n, *spec.shape), torch_dtype(spec.dtype))
-        flat = out.view(-1).view(torch.uint8)
-        if flat.is_cuda:
-            flat.copy_(pinned_source(srcs[0]), non_blocking=True)
-        else:
-            flat.copy_(srcs[0])
-        return out
+        return srcs[0] if len(srcs) == 1 and srcs[0].numel() == nbytes else None
 
-    def _whole(self, name: str, nbytes: int) -> torch.Tensor | None:
-        """The one owned run holding all `nbytes` of field `name`'s rows in batch order, or None."""
-        if not self._owned or len(self._parts) != 1 or self.device is not None:
-            return None
-        positions, _, runs = self._parts[0]
-        srcs = runs[name]
-        if len(srcs) != 1 or len(positions) != self.n or not _consecutive(positions) or int(positions[0]) != 0:
-            return None
-        src = srcs[0]
-        return src if src.numel() == nbytes else None
-
-    def _dense(self, name: str, spec: FieldSpec) -> torch.Tensor:
+    def _dense(self, name: str, spec: FieldSpec, in_order: bool) -> torch.Tensor:
         dtype = torch_dtype(spec.dtype)
-        whole = self._whole(name, self.n * spec.row_bytes)
+        whole = self._kept(name, self.n * spec.row_bytes, in_order)
         if whole is not None:
             kept = _on_bytes(whole, (self.n, *spec.shape), dtype)
             if kept is not None:
@@ -411,17 +392,13 @@ class Assembler:
             k = 0
             for src in runs[name]:
                 m = src.numel() // rb if rb else 0
-                _place(flat, src, positions[k : k + m], rb)
+                _place(flat, src, positions[k : k + m], rb, in_order)
                 k += m
             if k != len(positions):
                 raise SchemaError(f"field {name!r}: storage returned {k} rows, expected {len(positions)}")
         return out
 
-    def _ragged(self, name: str, spec: FieldSpec) -> torch.Tensor:
-        values, offsets = self._ragged_parts(name, spec, self._empty)
-        return jagged(values, offsets)
-
-    def _ragged_parts(self, name: str, spec: FieldSpec, empty) -> tuple[torch.Tensor, np.ndarray]:
+    def _ragged_parts(self, name: str, spec: FieldSpec, empty, in_order: bool) -> tuple[torch.Tensor, np.ndarray]:
         lengths = np.zeros(self.n, np.int64)
         for positions, lens, _ in self._parts:
             lengths[positions] = lens[name]
@@ -429,7 +406,7 @@ class Assembler:
         np.cumsum(lengths, out=offsets[1:])
         inner = spec.shape[1:]
         dtype = torch_dtype(spec.dtype)
-        whole = self._whole(name, int(offsets[-1]) * spec.row_bytes)
+        whole = self._kept(name, int(offsets[-1]) * spec.row_bytes, in_order)
         if whole is not None:
             kept = _on_bytes(whole, (int(offsets[-1]), *inner), dtype)
             if kept is not None:
@@ -446,7 +423,7 @@ class Assembler:
                 while k < len(positions) and budget >= row_lens[k] * eb and (budget > 0 or row_lens[k] == 0):
                     budget -= row_lens[k] * eb
                     k += 1
-                _place_ragged(flat, src, positions[start:k], offsets, row_lens[start:k], eb)
+                _place_ragged(flat, src, positions[start:k], offsets, row_lens[start:k], eb, in_order)
         return values, offsets
 
 
@@ -488,13 +465,14 @@ def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int) -> None:
-    """Copy `len(positions)` rows of `rb` bytes from `src` to those rows of `flat`."""
+def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int, in_order: bool) -> None:
+    """Copy `len(positions)` rows of `rb` bytes from `src` to those rows of `flat` (`in_order`:
+    the positions are known to be consecutive, a batch read as it was put)."""
     if not len(positions):
         return
     if flat.is_cuda:
         src = pinned_source(src)
-    if _consecutive(positions):
+    if in_order or _consecutive(positions):
         start = int(positions[0]) * rb
         flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)
     else:
@@ -504,12 +482,12 @@ def _place(flat: torch.Tensor, src: torch.Tensor, positions: np.ndarray, rb: int
         flat.view(-1, rb).index_copy_(0, index, src.view(-1, rb))
 
 
-def _place_ragged(flat, src, positions, offsets, row_lens, eb) -> None:
+def _place_ragged(flat, src, positions, offsets, row_lens, eb, in_order: bool) -> None:
     if not len(positions):
         return
     if flat.is_cuda:
         src = pinned_source(src)
-    if _consecutive(positions):
+    if in_order or _consecutive(positions):
         start = int(offsets[positions[0]]) * eb
         flat[start : start + src.numel()].copy_(src, non_blocking=flat.is_cuda)
         return
