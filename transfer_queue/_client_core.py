@@ -208,7 +208,7 @@ class ClientCore(ControlCore):
                 pass
             raise
         self._stay = plan.units[-1]
-        if plan.units[0] in self._arenas and self.use_shm is not False and len(_by_unit(plan.units)) == 1:
+        if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]
         return BatchMeta(
             partition=partition,
@@ -276,7 +276,7 @@ class ClientCore(ControlCore):
             self._pin_arenas()
         calls: list[Call] = []
         jobs: list[tuple[int, Via, list[torch.Tensor], WriteReply | None, list[int], bytes]] = []
-        for unit_id, positions in _by_unit(units):
+        for unit_id, positions, rows in _by_unit(units, indexes):
             buffers, lengths = cols.slice(positions)
             nbytes = sum(b.numel() for b in buffers)
             if nbytes > self.units[unit_id].capacity:
@@ -287,7 +287,6 @@ class ClientCore(ControlCore):
                 )
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             ticket = b"" if tickets is None else tickets.get(unit_id, b"")
-            rows = list(indexes) if positions is None else np.asarray(indexes, np.int64)[positions].tolist()
             if ahead is not None and ahead[0] == unit_id and via == "shm":
                 jobs.append((unit_id, via, buffers, ahead[1], rows, ticket))
                 continue
@@ -410,13 +409,12 @@ class ClientCore(ControlCore):
         assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool, dev)
         if not len(meta) or not names:
             return assembler.result()
-        targets = _by_unit(meta.units)
+        targets = _by_unit(meta.units, meta.indexes)
         calls = []
-        for unit_id, positions in targets:
+        for unit_id, _, rows in targets:
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
-            rows = list(meta.indexes) if positions is None else np.asarray(meta.indexes, np.int64)[positions].tolist()
             calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
         replies = yield calls
         _assemble(assembler, self._arenas, names, len(meta), targets, replies)
@@ -625,19 +623,32 @@ def _versions(policy_version, n: int) -> tuple[list[int], list[int]]:
     return versions, list(versions)
 
 
-def _by_unit(units: list[int]) -> list[tuple[int, np.ndarray | None]]:
-    """Each unit of a batch's rows (`units`: one per row) with the batch positions of its rows;
-    None for all of them, in order, when one unit holds the whole batch (the common case)."""
-    if not units or units.count(units[0]) == len(units):
-        return [(units[0], None)] if units else []
+def _all_equal(values: list[int]) -> bool:
+    """Whether `values` holds one value throughout (a batch's rows all on one unit)."""
+    return values.count(values[0]) == len(values) if values else True
+
+
+def _by_unit(units: list[int], indexes: Sequence[int]) -> list[tuple[int, np.ndarray | None, list[int]]]:
+    """Each unit of a batch's rows (`units`: one per row, `indexes`: their global indexes) with
+    the batch positions of its rows (None for all of them, in order, when one unit holds the
+    whole batch: the common case, which takes no numpy index work) and their global indexes."""
+    if not units:
+        return []
+    if _all_equal(units):
+        return [(units[0], None, list(indexes))]
     column = np.asarray(units, np.int64)
-    return [(unit_id, np.flatnonzero(column == unit_id)) for unit_id in np.unique(column).tolist()]
+    at = np.asarray(indexes, np.int64)
+    placed: list[tuple[int, np.ndarray | None, list[int]]] = []
+    for unit_id in np.unique(column).tolist():
+        positions = np.flatnonzero(column == unit_id)
+        placed.append((unit_id, positions, at[positions].tolist()))
+    return placed
 
 
 def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, targets, replies) -> None:
     """Hand the assembler each unit's rows (`targets`: units and their batch positions, see
     `_by_unit`): received frames, or views of its mapped arena."""
-    for (unit_id, positions), (reply, frames) in zip(targets, replies):
+    for (unit_id, positions, _), (reply, frames) in zip(targets, replies):
         reply = check(reply, ReadReply)
         runs: dict[str, list[torch.Tensor]] = {}
         if frames:
