@@ -23,7 +23,7 @@ from transfer_queue.wire.messages import UnitInfo
 from .records import Freed, Placed, Record
 from .table import Partition
 
-__all__ = ["Ledger", "OnFreed", "KEEP_FREED"]
+__all__ = ["Ledger", "OnFreed", "KEEP_FREED", "all_equal"]
 
 KEEP_FREED = 8 << 20
 """Freed heap the controller keeps for its next allocations; beyond it, compaction returns it."""
@@ -35,6 +35,14 @@ OnFreed = Callable[[str, "dict[int, list[int]] | None"], None]
 
 def _nobody(partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
     """Nobody to tell of freed rows (no unit links yet)."""
+
+
+def all_equal(values: np.ndarray | list[int]) -> bool:
+    """Whether `values` (at least one) holds one value throughout: a put's rows on one unit, a
+    batch's versions. The fast paths that check it skip numpy's unique and per-value masks."""
+    if isinstance(values, list):
+        return values.count(values[0]) == len(values)
+    return bool(values[0] == values[-1] and (values == values[0]).all())
 
 
 class Ledger:
@@ -119,7 +127,7 @@ class Ledger:
 
     def shares(self, units: np.ndarray, row_bytes: int) -> dict[int, int]:
         """Bytes per live unit of rows placed on `units`, `row_bytes` each."""
-        if len(units) and units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
+        if len(units) and all_equal(units):  # one unit: the common case
             only = int(units[0])
             return {only: len(units) * row_bytes} if only in self.unit_bytes else {}
         ids, counts = np.unique(units, return_counts=True)
@@ -188,14 +196,15 @@ class Ledger:
         indexes = part.gidx[rows]
         by_unit: dict[int, list[int]] = {}
         listed = indexes.tolist()
-        if units[0] == units[-1] and (units == units[0]).all():  # one unit: the common case
+        row_bytes = part.row_bytes[rows]
+        if all_equal(units):  # one unit: the common case
             by_unit[int(units[0])] = listed
-            self._uncount(int(units[0]), int(part.row_bytes[rows].sum()))
+            self._uncount(int(units[0]), int(row_bytes.sum()))
         else:
             for unit_id in np.unique(units).tolist():
                 picked = units == unit_id
                 by_unit[unit_id] = indexes[picked].tolist()
-                self._uncount(unit_id, int(part.row_bytes[rows][picked].sum()))
+                self._uncount(unit_id, int(row_bytes[picked].sum()))
         self._record(Freed(part.name, listed))
         self.freed(part.name, by_unit)
         if part.wasteful() and part.name not in self._compacting:

@@ -52,7 +52,7 @@ from transfer_queue.wire.rpc import MAX_BATCH, current_peer, error_from_code
 
 from .admission import Admission
 from .intake import WINDOW_SHARE, Intake
-from .ledger import Ledger
+from .ledger import Ledger, all_equal
 from .placement import place_rows
 from .records import Committed, Record
 from .table import Partition
@@ -169,7 +169,7 @@ class Puts:
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
         placed = units.tolist()
-        if len(shares) == 1 and placed.count(placed[0]) == len(placed):  # one unit: the common case
+        if len(shares) == 1 and all_equal(units):  # one unit: the common case
             rows = {placed[0]: list(range(first, first + msg.n))}
         else:
             rows = {u: (first + np.flatnonzero(units == u)).tolist() for u in shares}
@@ -436,4 +436,4 @@ class Puts:
 def _uniform(values: list[int]) -> int | list[int]:
     """`values` as numpy assigns them fastest: the one value when all are equal (a batch's
     versions, its sequence lengths when padded), which needs no conversion of the list."""
-    return values[0] if values and values.count(values[0]) == len(values) else values
+    return values[0] if values and all_equal(values) else values
