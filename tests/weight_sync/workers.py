@@ -9,6 +9,7 @@ import queue
 import signal
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -117,7 +118,9 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
     out.put(("done", sub_id, summary))
 
 
-def local_targets(rank: int, size: int, version: int | None = None, version_of=weights) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def local_targets(
+    rank: int, size: int, version: int | None = None, version_of: Callable[[int], dict[str, torch.Tensor]] = weights
+) -> dict[str, torch.Tensor]:
     """What a vLLM-style TP rank holds (fused qkv and gate_up), zeros or `version`'s values
     (`version_of(version)`: `weights`, or `sparse_weights`)."""
     from weight_sync import LLAMA_TP_DIMS, TPShard
