@@ -7,9 +7,10 @@ lengths, how many of them still live there). A row's bytes follow from its place
 so registering a write's rows is one bulk dict update per field and freeing them one bulk pop
 and count, with no Python step and no object per row. A Read of exactly one write's rows, the
 common case (a batch read as it was put), is that chunk as one run, found with one list
-comparison; any other Read costs a dict look-up and a step per row and field, except that rows
-following each other in one write's order take one step together, merging rows adjacent in
-the arena into runs, never any per-byte Python work.
+comparison. Any other Read costs a dict look-up per row and field, then a step per row when
+most rows come from another write than the row before (a random sampler's), else a step per
+stretch of rows that follow each other in one write's order (a batch spanning two puts); rows
+adjacent in the arena merge into runs, never any per-byte Python work.
 
 A field's `FieldSpec` is fixed while the partition holds rows of it: a reader gets only bytes
 and lengths, so rows of one field written with two different dtypes or shapes could not be told
