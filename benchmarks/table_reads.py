@@ -30,6 +30,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 
 from benchmarks._common import print_table
 from storage.arena import Arena
@@ -53,6 +54,7 @@ def _write(table: Table, arena: Arena, spec: FieldSpec, w: int) -> None:
     nbytes = spec.row_bytes * (sum(lengths) if lengths is not None else ROWS)
     for name in FIELDS:
         chunk = arena.new_chunk(nbytes)
+        assert chunk is not None, "the arena holds every write"
         table.insert("p", name, spec, indexes, chunk, lengths)
         arena.unref(chunk)
 
@@ -61,7 +63,7 @@ def _round(spec: FieldSpec, rng: random.Random) -> dict[str, float]:
     """One round's medians (seconds) on a fresh table."""
     with Arena(f"/dev/shm/sluice-bench-{uuid.uuid4().hex[:8]}", 1 << 27) as arena:
         table = Table(arena)
-        inserts = [_timed(lambda w=w: _write(table, arena, spec, w)) for w in range(WRITES)]
+        inserts = [_timed(partial(_write, table, arena, spec, w)) for w in range(WRITES)]
         fields = list(FIELDS)
 
         def read(wanted: list[int]) -> float:
@@ -79,7 +81,7 @@ def _round(spec: FieldSpec, rng: random.Random) -> dict[str, float]:
         got["whole write"] = statistics.median(read(list(range(w * ROWS, (w + 1) * ROWS))) for w in range(20))
         got["two writes"] = statistics.median(read(list(range(w * ROWS, (w + 2) * ROWS))) for w in range(0, 40, 2))
         got["free"] = statistics.median(
-            _timed(lambda w=w: table.remove("p", range(w * ROWS, (w + 1) * ROWS))) for w in range(100, 140)
+            _timed(partial(table.remove, "p", range(w * ROWS, (w + 1) * ROWS))) for w in range(100, 140)
         )
         return got
 
