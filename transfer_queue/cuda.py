@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -229,7 +229,7 @@ def copies(device: torch.device | None) -> Iterator[None]:
     stream.synchronize()
 
 
-def copy_each(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+def copy_each(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
     """`dst.copy_(src, non_blocking)` for each pair, in one call (`torch._foreach_copy_`, whose
     loop over the pairs runs in C++: no Python per copy) unless the first pair is CUDA to CUDA.
     Those are issued one by one, each its own `cudaMemcpyAsync`: for lists of CUDA tensors of

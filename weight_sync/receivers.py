@@ -70,7 +70,7 @@ class Targets:
             )
         start = time.perf_counter()
         device = plan.device
-        targets = [c.dst for c in plan.copies] if dsts is None else dsts
+        targets = [c.dst for c in plan.copies] if dsts is None else list(dsts)
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
             copy_each(targets, list(sources), non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
@@ -242,7 +242,7 @@ def coalesce(plan: Plan, slots: dict[int, torch.Tensor]) -> tuple[list[torch.Ten
         dst = first.dst
         dsts.append(
             torch.empty(0, dtype=torch.uint8, device=dst.device).set_(
-                dst.untyped_storage(), dst.storage_offset() * dst.element_size(), (nbytes,)
+                dst.untyped_storage(), dst.storage_offset() * dst.element_size(), (nbytes,), (1,)
             )
         )
         srcs.append(slots[first.rank][start[0] : stop[1]])

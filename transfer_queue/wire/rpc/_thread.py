@@ -240,8 +240,8 @@ class ThreadService:
                 poller.unregister(fd)
                 self._peer_gone(peer.identity)
         if lane.listener.fileno() in ready:
-            while (peer := lane.accept()) is not None:
-                poller.register(peer.sock.fileno(), zmq.POLLIN)
+            while (joined := lane.accept()) is not None:
+                poller.register(joined.sock.fileno(), zmq.POLLIN)
 
     def _serve(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
