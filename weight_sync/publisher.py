@@ -236,7 +236,9 @@ class WeightPublisher:
             f"tcp://{host}:*",
             self.credentials,
             self._table.release_holder,
-            local=any(t.mode == "map" for t in self._transports.values()),  # their readers are on this host
+            # a "map" transport's readers are on this host; with credentials every client proves
+            # it holds the cluster's keys, which the lane (same user only) could not ask
+            local=self.credentials is None and any(t.mode == "map" for t in self._transports.values()),
         )
         self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data, self._server.local_endpoint)
         self._coordinator = (

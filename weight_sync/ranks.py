@@ -20,14 +20,26 @@ from transfer_queue.wire.rpc import Message, Ping, check
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
-from .protocol import Checksums, Describe, Granted, Lease, RankInfo, Release, RpcClient, Slots, Verify
+from .protocol import Checksums, Describe, Granted, Lease, LocalClient, RankInfo, Release, RpcClient, Slots, Verify
 from .staging import Slot, SlotTable
 from .transports import Job, MapTransport, Transport
 
-__all__ = ["PublisherRanks"]
+__all__ = ["PublisherRanks", "close_after_posts"]
 
 
 _FLUSH_SECONDS = 2.0
+
+
+def close_after_posts(client: RpcClient | LocalClient, posted: bool) -> None:
+    """Close a control client; one that was `posted` releases is pinged first (a rank serves a
+    connection's requests in order): a socket closed at once would drop an unsent release, and
+    the slot would stay pinned until its lease expired or the rank saw the connection close."""
+    if posted:
+        with contextlib.suppress(SluiceError):
+            client.call(Ping(), timeout=_FLUSH_SECONDS)
+    client.close()
+
+
 """How long `close` waits for a rank to take the releases posted to it."""
 
 
@@ -210,13 +222,8 @@ class PublisherRanks:
         )
 
     def close(self) -> None:
-        """Close the channels; a rank that was posted a `Release` is pinged first (it serves
-        a channel's requests in order): a socket closed at once would drop an unsent release,
-        and the slot would stay pinned until its lease expired."""
-        for rank in self._posted:
-            with contextlib.suppress(SluiceError):
-                self._clients[rank].call(Ping(), timeout=_FLUSH_SECONDS)
+        """Close the channels, each after the releases posted to it (`close_after_posts`)."""
+        for rank, client in self._clients.items():
+            close_after_posts(client, rank in self._posted)
         self._posted.clear()
-        for client in self._clients.values():
-            client.close()
         self._clients.clear()

@@ -28,7 +28,7 @@ from transfer_queue.host import host_id
 from .checksum import compare
 from .plan import Copy, Plan
 from .protocol import Checksums, Granted, Latest, Offer, Release, connect
-from .ranks import PublisherRanks
+from .ranks import PublisherRanks, close_after_posts
 from .transports.stream import contiguous_span
 
 __all__ = ["Targets", "ReceiveSettings", "Receiver", "MappedReceiver", "coalesce"]
@@ -138,6 +138,8 @@ class MappedReceiver(Receiver):
         self._coordinator = connect(ranks.info[0], self._here, self.timeout)
         """Rank 0's control server, over its local lane (the rank is on this host): each
         version's offer and rank 0's release wake one thread on their way, not three."""
+        self._released = False
+        """Whether a release was posted to `_coordinator` (it is then flushed before closing)."""
         self._views: dict[
             tuple[tuple[int, ...], tuple[tuple[int, int], ...]], tuple[list[torch.Tensor], list[torch.Tensor]]
         ] = {}
@@ -155,6 +157,7 @@ class MappedReceiver(Receiver):
             # releases that lease at rank 0 (a new connection asks next time)
             self._coordinator.close()
             self._coordinator = connect(self.ranks.info[0], self._here, self.timeout)
+            self._released = False
             raise
         if offer.version <= held:
             return None
@@ -173,6 +176,7 @@ class MappedReceiver(Receiver):
         that connection's closing frees the lease), the others' through `ranks`."""
         try:
             self._coordinator.post(Release(grants[0].lease))
+            self._released = True
         except WeightSyncError:
             pass  # rank 0 is gone; so is its lease
         for rank, grant in enumerate(grants[1:], start=1):
@@ -201,7 +205,7 @@ class MappedReceiver(Receiver):
     def close(self) -> None:
         self._views.clear()
         self.ranks.transport.close()
-        self._coordinator.close()
+        close_after_posts(self._coordinator, self._released)
 
 
 def coalesce(plan: Plan, slots: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

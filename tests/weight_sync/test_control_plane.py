@@ -72,6 +72,15 @@ def test_the_control_endpoint_admits_only_the_clusters_clients(monkeypatch):
         member = RpcClient(pub.endpoint, timeout=5.0, credentials=creds.for_clients())
         assert member.call(Latest(after=-1, timeout=0.0)).version == 1
         member.close()
+    monkeypatch.setenv(CREDENTIALS_ENV, creds.for_clients().token())  # the subscriber's keys
+    mine = {"w": torch.zeros(4)}
+    with (  # a co-located reader too proves it holds the keys: no local lane beside CurveZMQ
+        WeightPublisher(None, "shm", credentials=creds, model=mine) as pub,
+        WeightSubscriber(None, mine, publisher=pub.endpoint) as sub,
+    ):
+        assert pub.info.local == ""
+        pub.publish({"w": torch.ones(4)}, version=1)
+        assert sub.wait(1, timeout=30) == 1 and torch.equal(mine["w"], torch.ones(4))
 
 
 def _leases(pub: WeightPublisher) -> int:
