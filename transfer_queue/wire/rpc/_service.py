@@ -188,8 +188,14 @@ class Service:
             request_id, msg, data = self.codec.decode(body)
             self.peers.seen(identity)
             if isinstance(msg, Cancel):
-                task = self._tasks.pop((identity.bytes, msg.request_id), None)
-                if task is not None:
+                parked = (identity.bytes, msg.request_id)
+                task = self._tasks.get(parked)
+                if task is not None and task.done():
+                    # done, its answer not yet sent (its callback is still queued): it goes
+                    # first, so that the caller gives back what it holds
+                    self._finish(parked, identity, msg.request_id, task)
+                elif task is not None:
+                    del self._tasks[parked]
                     task.cancel()
                 self._reply(identity, request_id, Ok())
                 return
@@ -223,8 +229,9 @@ class Service:
     def _finish(self, key: tuple[bytes, int], identity: Any, request_id: int, task: asyncio.Future) -> None:
         """Answer a parked request once its task is done: with its result, or its error as an
         `ErrorReply`; nothing when it was withdrawn (`Cancel`), the service stopped, or it
-        took a notice (None)."""
-        self._tasks.pop(key, None)
+        took a notice (None), or a `Cancel` that came once it was done answered it already."""
+        if self._tasks.pop(key, None) is None:
+            return
         if task.cancelled():
             return
         exc = task.exception()
