@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hypothesis import settings
 
 import transfer_queue as tq
 
 # Property tests check what they compute, not how fast: on shared CI cores one example can take
 # longer than hypothesis's 200 ms default deadline (the first one imports and warms torch ops).
-settings.register_profile("sluice", deadline=None)
-settings.load_profile("sluice")
+# The vLLM and verl environments run none of them and do not install hypothesis.
+with contextlib.suppress(ImportError):
+    from hypothesis import settings
+
+    settings.register_profile("sluice", deadline=None)
+    settings.load_profile("sluice")
 
 MakeCluster = Callable[..., "tq.Cluster"]
 
