@@ -28,6 +28,7 @@ __all__ = ["PublisherRanks", "close_after_posts"]
 
 
 _FLUSH_SECONDS = 2.0
+"""How long `close_after_posts` waits for a rank to take the releases posted to it."""
 
 
 def close_after_posts(client: RpcClient | LocalClient, posted: bool) -> None:
@@ -38,9 +39,6 @@ def close_after_posts(client: RpcClient | LocalClient, posted: bool) -> None:
         with contextlib.suppress(SluiceError):
             client.call(Ping(), timeout=_FLUSH_SECONDS)
     client.close()
-
-
-"""How long `close` waits for a rank to take the releases posted to it."""
 
 
 class PublisherRanks:

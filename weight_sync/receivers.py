@@ -215,19 +215,28 @@ def coalesce(plan: Plan, slots: dict[int, torch.Tensor]) -> tuple[list[torch.Ten
     q, k and v one after another; targets kept in one flat buffer) become one copy of those
     bytes. Each copy costs a launch on a GPU and a Python step on a CPU, whatever its size."""
     groups: list[list[Copy]] = []
-    ends: tuple[int, int, int, int] | None = None  # the last group's rank, slot end, storage, memory end
+    # the last group's rank, slot end, storage, memory end, and the end of its first target's
+    # storage (the merged view is made on that storage: it must hold the whole run)
+    ends: tuple[int, int, int, int, int] | None = None
     for c in plan.copies:
         span = contiguous_span(c.read)
         dst = c.dst
         mergeable = span is not None and dst.is_contiguous()
         if mergeable:
             assert span is not None  # mergeable says so
-            storage = dst.untyped_storage().data_ptr()
-            if ends == (c.rank, span[0], storage, dst.data_ptr()):
+            storage = dst.untyped_storage()
+            end = dst.data_ptr() + c.read.nbytes
+            if (
+                ends is not None
+                and ends[:4] == (c.rank, span[0], storage.data_ptr(), dst.data_ptr())
+                and end <= ends[4]
+            ):
                 groups[-1].append(c)
+                limit = ends[4]
             else:
                 groups.append([c])
-            ends = (c.rank, span[1], storage, dst.data_ptr() + c.read.nbytes)
+                limit = storage.data_ptr() + storage.nbytes()
+            ends = (c.rank, span[1], storage.data_ptr(), end, limit)
         else:
             groups.append([c])
             ends = None

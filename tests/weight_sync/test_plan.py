@@ -207,3 +207,10 @@ def test_copies_that_read_and_write_back_to_back_are_one_copy():
     buffer = torch.zeros(48)
     assert _apply(across, {"x": buffer[:24], "y": buffer[24:]}, TPShard(), bucket=128) == 2
     assert torch.equal(buffer, torch.cat([across["x"], across["y"]]))
+
+    memory = bytearray(128)  # two storages over one memory, x's too short to hold y's bytes too
+    aliased = {"x": torch.frombuffer(memory, dtype=torch.float32, count=16)}
+    aliased["y"] = torch.frombuffer(memory, dtype=torch.float32, count=32)[16:]
+    both = {"x": torch.randn(16), "y": torch.randn(16)}
+    assert _apply(both, aliased, TPShard()) == 2
+    assert torch.equal(torch.frombuffer(memory, dtype=torch.float32), torch.cat([both["x"], both["y"]]))

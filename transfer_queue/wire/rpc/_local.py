@@ -98,6 +98,8 @@ class Lane:
         self.peers: dict[bytes, _Peer] = {}
         self.by_fd: dict[int, _Peer] = {}
         self.refused = 0
+        self.failed = 0
+        """Accepts that failed (no descriptor left, say)."""
         self._ids = itertools.count(1)
 
     def accept(self) -> _Peer | None:
@@ -105,6 +107,13 @@ class Lane:
         try:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            # out of descriptors, say: this connection waits in the backlog and the service
+            # goes on serving the others (its thread must not die of one accept)
+            self.failed += 1
+            if self.failed == 1 or self.failed % 1000 == 0:
+                log.warning("the local lane cannot accept a connection (%s; %d times)", exc, self.failed)
             return None
         _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         if uid != os.geteuid():
@@ -222,6 +231,9 @@ class LocalChannel:
         try:
             self.sock.sendall(data)
         except TimeoutError:  # the builtin: the socket's send timeout
+            # part of the message may have gone: the stream is no longer framed, so it ends here
+            self.dead = True
+            self.sock.close()
             raise self.late(f"{self.name} took no message for {self.timeout:g} s") from None
         except OSError as exc:
             self.dead = True
