@@ -378,7 +378,7 @@ def _steps() -> tuple[list, list]:
     from weight_sync.protocol import Offer, Release
     from weight_sync.publisher import WeightPublisher
     from weight_sync.ranks import PublisherRanks
-    from weight_sync.receivers import Targets
+    from weight_sync.receivers import MappedReceiver, Targets
 
     publisher = [
         (WeightPublisher, "_stage", "publisher: packed", "exit", None),
@@ -392,7 +392,7 @@ def _steps() -> tuple[list, list]:
         (PublisherRanks, "lease_all", "subscriber: leased", "exit", None),
         (Targets, "apply", "subscriber: apply starts", "enter", None),
         (Targets, "apply", "subscriber: apply done", "exit", None),
-        (PublisherRanks, "release", "subscriber: released", "exit", None),
+        (MappedReceiver, "_release", "subscriber: released", "exit", None),
     ]
     return publisher, subscriber
 
