@@ -156,7 +156,8 @@ def test_copy_each_copies_every_pair_as_copy_does():
 
 @pytest.mark.cuda
 def test_copy_each_on_the_gpu():
-    """CUDA to CUDA pairs (one copy each), host to CUDA and CUDA to host pairs."""
+    """CUDA to CUDA pairs (one copy each), host to CUDA and CUDA to host pairs (pageable, and pinned
+    with `non_blocking`, as the publisher packs)."""
     src = [torch.randn(64, 32, device="cuda"), torch.randn(7, device="cuda")]
     dst = [torch.empty(64, 32, device="cuda", dtype=torch.bfloat16), torch.empty(7, device="cuda")]
     copy_each(dst, src, non_blocking=True)
@@ -165,6 +166,10 @@ def test_copy_each_on_the_gpu():
     host = [torch.empty(64, 32), torch.empty(7)]
     copy_each(host, src)
     assert torch.equal(host[0], src[0].cpu()) and torch.equal(host[1], src[1].cpu())
+    pinned = [torch.empty(64, 32, dtype=torch.bfloat16).pin_memory(), torch.empty(7).pin_memory()]
+    copy_each(pinned, src, non_blocking=True)  # the publisher's pack into registered staging
+    torch.cuda.synchronize()
+    assert torch.equal(pinned[0], src[0].cpu().to(torch.bfloat16)) and torch.equal(pinned[1], src[1].cpu())
     back = [torch.empty(64, 32, device="cuda"), torch.empty(7, device="cuda")]
     copy_each(back, host, non_blocking=True)
     torch.cuda.synchronize()
