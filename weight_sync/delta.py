@@ -29,6 +29,7 @@ Frame layout (`HEADER`, then the payload):
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ __all__ = [
     "encode_span",
     "apply",
     "positions_of",
+    "threads",
 ]
 
 WHOLE, GAPS = 0, 1
@@ -64,6 +66,26 @@ twentieth that work takes longer than sending the bytes whole at memory or fast-
 (`benchmarks/weight_sync_delta.py --micro`)."""
 
 _MAX_GAP = 255
+
+_MAX_THREADS = 8
+"""Most threads `threads` gives: past it the passes are bound by memory bandwidth, not cores."""
+
+
+def threads() -> int:
+    """Threads a process spreads its compares, frame encodes or frame applies over: the cores
+    it may run on (`os.sched_getaffinity`), at most `_MAX_THREADS`; `SLUICE_DELTA_THREADS`
+    sets it (1: one at a time, on the calling thread's side of a pipeline). numpy's kernels
+    release the GIL, so these threads run in parallel.
+
+    Raises:
+        ValueError: `SLUICE_DELTA_THREADS` is not a positive integer.
+    """
+    override = os.environ.get("SLUICE_DELTA_THREADS")
+    if override is not None:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"SLUICE_DELTA_THREADS={override!r}: a positive integer is needed")
+        return int(override)
+    return max(1, min(_MAX_THREADS, len(os.sched_getaffinity(0))))
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from transfer_queue.wire.rpc import Credentials, credentials_from_env
 from .buckets import Destinations, layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
-from .delta import Changes, CompareScratch, compare
+from .delta import Changes, CompareScratch, compare, threads
 from .device_packs import DevicePacks
 from .layout import Layout
 from .manifest import Manifest
@@ -198,10 +198,15 @@ class WeightPublisher:
         self._deltas: dict[int, _StagedDelta] = {}  # slot index -> its changes against the previous version
         self._stats: OrderedDict[int, VersionStats] = OrderedDict()
         self._stats_lock = threading.Lock()
-        self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
-        self._compare_scratch = CompareScratch()  # the compare thread's alone
-        self._comparing: Future | None = None
-        """The last compare handed to `_comparer` (it runs them in order)."""
+        workers = threads()
+        self._comparer = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-compare")
+        """Compares staged buckets, several at once (each a pass over memory)."""
+        self._compare_scratch = threading.local()  # a CompareScratch per compare thread
+        self._comparing: list[Future] = []
+        """The compares handed to `_comparer` for the version being staged."""
+        self._encoder = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-encode") if workers > 1 else None
+        """Encodes delta frames for the streams, ahead of their sending threads (None: one
+        thread; each stream then encodes its own frames as it sends)."""
         self._device_packs = DevicePacks() if self.delta else None
         """With deltas on, CUDA weights are packed on the GPU first, so the compare runs there
         (every version, also one published with `delta` turned off: it is the next one's base);
@@ -227,7 +232,7 @@ class WeightPublisher:
             self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
-        source = _SlotSource(self._table, timeout, self._deltas, self._count)
+        source = _SlotSource(self._table, timeout, self._deltas, self._count, self._encoder)
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
         # a lease is its reader's connection's: a reader that exits or dies frees its slots
@@ -323,8 +328,8 @@ class WeightPublisher:
         self._place_staging(cuda)
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
-        if self._comparing is not None:
-            wait([self._comparing])  # the slot about to be claimed may be the base it reads
+        wait(self._comparing)  # the slot about to be claimed may be the base they read
+        self._comparing = []
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
         try:
@@ -370,7 +375,9 @@ class WeightPublisher:
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
         if self.delta and not skip and base is not None and base is not slot and base.manifest is manifest:
-            staged = self._deltas[slot.index] = _StagedDelta(version, self._last, manifest.bucket_bytes)
+            staged = self._deltas[slot.index] = _StagedDelta(
+                version, self._last, manifest.bucket_bytes, manifest.num_buckets
+            )
         else:
             self._deltas.pop(slot.index, None)
         slot.manifest = manifest
@@ -478,11 +485,11 @@ class WeightPublisher:
         if staged is not None:
             old = self._device_packs.base(staged.base, manifest)
             if old is None:  # the base was not packed on the GPU (its tensors were not CUDA): go whole
-                for _ in range(manifest.num_buckets):
-                    staged.add(None)
-            else:
-                self._comparing = self._comparer.submit(
-                    self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready
+                for k in range(manifest.num_buckets):
+                    staged.add(k, None)
+            else:  # one job: the device runs its compares one after another anyway
+                self._comparing.append(
+                    self._comparer.submit(self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready)
                 )
         return self._drain(marks, functools.partial(self._table.advance, slot))
 
@@ -505,16 +512,16 @@ class WeightPublisher:
 
     def _staged_with_delta(self, slot: Slot, base: Slot, staged: _StagedDelta, filled: int) -> None:
         """Staging progress with deltas on: readers of whole bytes go on at once, and every
-        bucket staged whole since the last call is handed to the compare thread (delta
-        readers wait for it there), so `publish` does not wait for the compare."""
+        bucket staged whole since the last call is handed to the compare threads, one job
+        each (delta readers wait for it there), so `publish` does not wait for the compare."""
         self._table.advance(slot, filled)
         manifest = slot.manifest
         upto = manifest.num_buckets if filled >= manifest.nbytes else filled // manifest.bucket_bytes
-        if upto > staged.submitted:
-            first, staged.submitted = staged.submitted, upto
-            self._comparing = self._comparer.submit(
-                self._compare, slot.mapped.tensor, base.mapped.tensor, manifest, staged, first, upto
+        for k in range(staged.submitted, upto):
+            self._comparing.append(
+                self._comparer.submit(self._compare, slot.mapped.tensor, base.mapped.tensor, manifest, staged, k, k + 1)
             )
+        staged.submitted = max(staged.submitted, upto)
 
     def _compare(
         self,
@@ -526,24 +533,25 @@ class WeightPublisher:
         upto: int,
         ready: Callable[[], None] | None = None,
     ) -> None:
-        """Compare thread: buckets [first, upto) of `new` (a version's staged bytes, on the
+        """A compare thread: buckets [first, upto) of `new` (a version's staged bytes, on the
         host or packed on the GPU) against the same bytes of `old` (its base's), one vectorised
         pass each, once `ready()` returns (the GPU pack is done); records the version's density
-        once the last is done."""
+        once its last bucket is compared (by whichever thread that is)."""
         bucket = staged.bucket_bytes
         try:
             if ready is not None:
                 ready()
             with side_stream(new.device, "compare") if new.is_cuda else contextlib.nullcontext():
-                self._compare_buckets(new, old, staged, first, upto)
+                complete = self._compare_buckets(new, old, staged, first, upto)
         except Exception:
             log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
             staged.fail()
             raise
-        if upto == manifest.num_buckets:
-            if sum(c is None for c in staged.buckets) * 2 > len(staged.buckets):
+        if complete:
+            found = list(staged.buckets.values())
+            if sum(c is None for c in found) * 2 > len(found):
                 self._skip_dense = _DENSE_PROBE - 1
-            changed = sum(bucket if c is None else c.count for c in staged.buckets)
+            changed = sum(bucket if c is None else c.count for c in found)
             with self._stats_lock:
                 stats = self._stats.get(staged.version)
                 if stats is not None:
@@ -552,20 +560,23 @@ class WeightPublisher:
 
     def _compare_buckets(
         self, new: torch.Tensor, old: torch.Tensor, staged: _StagedDelta, first: int, upto: int
-    ) -> None:
+    ) -> bool:
+        """Compare buckets [first, upto) in turn; True once every bucket of the version has
+        its changes. A bucket whose `_DENSE_RUN` predecessors were found dense goes whole
+        without a compare (with several compare threads, those predecessors may still be
+        running: it is then compared)."""
         bucket = staged.bucket_bytes
+        scratch = getattr(self._compare_scratch, "scratch", None)
+        if scratch is None:
+            scratch = self._compare_scratch.scratch = CompareScratch()
+        complete = False
         for k in range(first, upto):
-            dense = staged.buckets[-_DENSE_RUN:]
-            if len(dense) == _DENSE_RUN and all(c is None for c in dense):
-                staged.add(None)
+            if staged.dense_before(k, _DENSE_RUN):
+                complete = staged.add(k, None)
                 continue
-            staged.add(
-                compare(
-                    new[k * bucket : (k + 1) * bucket],
-                    old[k * bucket : (k + 1) * bucket],
-                    scratch=self._compare_scratch,
-                )
-            )
+            changes = compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket], scratch=scratch)
+            complete = staged.add(k, changes)
+        return complete
 
     def _record_stats(self, version: int, nbytes: int, staged: _StagedDelta | None) -> None:
         with self._stats_lock:
@@ -812,8 +823,13 @@ class WeightPublisher:
         self._finished.put(None)
         self._finisher.join(timeout=self.timeout)
         self._comparer.shutdown(wait=True, cancel_futures=True)
+        for staged in list(self._deltas.values()):  # their readers stop waiting for cancelled compares
+            if len(staged.buckets) < staged.num_buckets:
+                staged.fail()
         for transport in self._transports.values():
             transport.close()
+        if self._encoder is not None:  # after the streams it encodes for
+            self._encoder.shutdown(wait=True, cancel_futures=True)
         self._server.close()
         if self._coordinator is not None:
             self._coordinator.close()
@@ -885,23 +901,34 @@ class VersionStats:
 
 @dataclass
 class _StagedDelta:
-    """The changes of the version staged in a slot against `base`, one entry per bucket as
-    staging passes it (None: denser than break-even, sent whole)."""
+    """The changes of the version staged in a slot against `base`, per bucket as the compare
+    threads find them (None: denser than break-even, sent whole)."""
 
     version: int
     base: int
     bucket_bytes: int
-    buckets: list[Changes | None] = field(default_factory=list)
+    num_buckets: int
+    buckets: dict[int, Changes | None] = field(default_factory=dict)
+    """Changes of the buckets compared so far, by bucket index."""
     submitted: int = 0
-    """Buckets handed to the compare thread so far."""
+    """Buckets handed to the compare threads so far."""
     failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def add(self, changes: Changes | None) -> None:
-        """Compare thread: the next bucket's changes."""
+    def add(self, bucket: int, changes: Changes | None) -> bool:
+        """A compare thread: bucket `bucket`'s changes. Returns True when it is the last
+        bucket of the version to get them."""
         with self.cond:
-            self.buckets.append(changes)
+            self.buckets[bucket] = changes
             self.cond.notify_all()
+            return len(self.buckets) == self.num_buckets
+
+    def dense_before(self, bucket: int, run: int) -> bool:
+        """Whether the `run` buckets before `bucket` are compared and all dense."""
+        with self.cond:
+            return bucket >= run and all(
+                k in self.buckets and self.buckets[k] is None for k in range(bucket - run, bucket)
+            )
 
     def fail(self) -> None:
         """Staging or comparing this version failed: delta readers get `WeightSyncError`."""
@@ -910,14 +937,14 @@ class _StagedDelta:
             self.cond.notify_all()
 
     def changes(self, bucket: int, timeout: float) -> Changes | None:
-        """Bucket `bucket`'s changes, waiting for the compare thread.
+        """Bucket `bucket`'s changes, waiting for the compare threads.
 
         Raises:
             WeightSyncError: the version failed.
             TimeoutError: not compared within `timeout` seconds.
         """
         with self.cond:
-            if not self.cond.wait_for(lambda: self.failed or len(self.buckets) > bucket, timeout):
+            if not self.cond.wait_for(lambda: self.failed or bucket in self.buckets, timeout):
                 raise TimeoutError(f"bucket {bucket} of version {self.version} not compared within {timeout} s")
             if self.failed:
                 raise WeightSyncError(f"version {self.version} was abandoned while it was being read")
@@ -929,11 +956,22 @@ class _SlotSource(Source):
     pull with a base gets delta frames (`stream.delta_frames`) against it. Push transports
     read the staged changes (`staged_delta`) and report what they sent (`record`)."""
 
-    def __init__(self, table: SlotTable, timeout: float, deltas: dict[int, _StagedDelta], count):  # noqa: ANN001
+    def __init__(
+        self,
+        table: SlotTable,
+        timeout: float,
+        deltas: dict[int, _StagedDelta],
+        count,  # noqa: ANN001 - WeightPublisher._count
+        encoder: ThreadPoolExecutor | None,
+    ):
         self.table = table
         self.timeout = timeout
         self.deltas = deltas
         self.count = count
+        self.encoder = encoder
+        """Where streams' frames are encoded ahead of their sending (None: by each stream)."""
+        self.ahead = 2 * threads() if encoder is not None else 1
+        """Frames a stream may have encoding or encoded ahead of the one it sends."""
 
     def staged_delta(self, slot: Slot) -> _StagedDelta | None:
         return _staged_in(self.deltas, slot, slot.version)
@@ -973,6 +1011,8 @@ class _SlotSource(Source):
                         functools.partial(staged.changes, timeout=self.timeout),
                         staged.bucket_bytes,
                         staged.base,
+                        self.encoder,
+                        self.ahead,
                     )
                     if span is not None
                     else whole_frames(slot.mapped.tensor, read, scratch, staged.base)

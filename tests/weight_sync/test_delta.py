@@ -4,13 +4,18 @@ corrupt frame or a wrong base that leave the target untouched."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from transfer_queue import WeightSyncError
-from weight_sync.delta import _CHUNK_WORDS, GAPS, WHOLE, _compare_device, apply, compare, encode
+from weight_sync.delta import _CHUNK_WORDS, GAPS, HEADER, WHOLE, Frame, _compare_device, apply, compare, encode
 from weight_sync.plan import Read
-from weight_sync.transports.stream import delta_frames, receive_frames
+from weight_sync.transports import stream
+from weight_sync.transports.stream import FrameLog, delta_frames, receive_frames
 
 
 def _versions(dtype: torch.dtype, n: int, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,3 +185,105 @@ def test_a_dense_stretch_past_a_quarter_sends_the_range_whole():
     new[: size // 4 : 8] = 1  # every word of the first quarter: 1/32 of the bytes, 1/4 of the words
     assert compare(new, base, dense=0.05) is None
     assert compare(new.roll(size // 2), base, dense=0.05).count == size // 32
+
+
+def _sparse_slot(buckets: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, new) slots of `buckets` buckets, each changed at its own density (0.2% of the
+    bytes: gaps over 255; 2%; 20%; none; 60%: whole), so frames of every size and kind."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (buckets * bucket,), dtype=torch.uint8, generator=gen)
+    new = base.clone()
+    for k in range(buckets):
+        part = new[k * bucket : (k + 1) * bucket]
+        part[torch.rand(bucket, generator=gen) < (0.002, 0.02, 0.2, 0.0, 0.6)[k % 5]] += 1
+    return base, new
+
+
+def _wire(new: torch.Tensor, base: torch.Tensor, bucket: int, span: tuple[int, int], **pool) -> bytearray:
+    """The delta stream of `span` (bucket by bucket, dense up to half the bytes)."""
+    changes = [compare(new[k : k + bucket], base[k : k + bucket], dense=0.5) for k in range(0, new.numel(), bucket)]
+    return bytearray(b"".join(bytes(v) for v in delta_frames(new, span, changes.__getitem__, bucket, 5, **pool)))
+
+
+def _frames_of(wire: bytearray) -> list[tuple[int, Frame]]:
+    """(where its payload starts in `wire`, frame) of every frame of a delta stream."""
+    out, at = [], 0
+    while at < len(wire):
+        frame = Frame.unpack(wire[at : at + HEADER.size])
+        out.append((at + HEADER.size, frame))
+        at += HEADER.size + frame.payload
+    return out
+
+
+def _receive(wire: bytearray, buffer: torch.Tensor, span: int, done: list[int], log: FrameLog | None = None) -> None:
+    """`receive_frames` of `wire` into `buffer` (one read of `span` bytes at 0), progress
+    into `done`; afterwards, no apply thread is left, whatever happened."""
+    position = 0
+
+    def recv(view: memoryview) -> None:
+        nonlocal position
+        view[:] = wire[position : position + len(view)]
+        position += len(view)
+
+    try:
+        receive_frames(recv, buffer, [Read(0, (span,), (0,), (span,), 1)], [0], 5, done.append, log)
+    finally:
+        assert not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")], "apply threads left"
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    """Every GAPS frame goes through the encode and apply pools (four threads each)."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "4")
+    monkeypatch.setattr(stream, "_INLINE", 0)
+
+
+def test_frames_encoded_and_applied_on_pools_match_the_serial_ones(pooled, monkeypatch):
+    """Twelve buckets at densities from 0.2% (gaps over 255) to 60% (whole), encoded four at a time
+    ahead of the stream and applied on four threads while the next frames arrive: the same
+    bytes on the wire as one thread encoding in turn, the same result, bit-exact, and the same
+    progress, frame by frame in order, each frame logged before it is reported."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(12, bucket)
+    span = (1000, new.numel() - 1000)
+    serial = _wire(new, base, bucket, span)
+    with ThreadPoolExecutor(4) as encoder:
+        assert _wire(new, base, bucket, span, encoder=encoder, ahead=8) == serial
+    frames = _frames_of(serial)
+    assert [f.kind for _, f in frames] == [GAPS] * 4 + [WHOLE] + [GAPS] * 4 + [WHOLE] + [GAPS] * 2
+    size = span[1] - span[0]
+    buffer, log, done = base[span[0] : span[1]].clone(), FrameLog(5), []
+    _receive(serial, buffer, size, done, log)
+    assert torch.equal(buffer, new[span[0] : span[1]])
+    assert done == list(itertools.accumulate(f.span for _, f in frames))
+    assert [f for f, _ in log.frames] == [f for _, f in frames]
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "1")  # the serial apply: the same progress
+    buffer, again = base[span[0] : span[1]].clone(), []
+    _receive(serial, buffer, size, again)
+    assert again == done and torch.equal(buffer, new[span[0] : span[1]])
+
+
+@pytest.mark.parametrize("fault", ["payload", "base"])
+def test_a_bad_frame_in_the_middle_stops_the_pooled_apply_there(pooled, fault):
+    """A corrupt payload (or a receiver whose base differs there) in the seventh of twelve
+    frames: `WeightSyncError`; progress and the log stop before that frame, whatever became of
+    the frames after it; the bad frame's span is untouched; no apply thread is left."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(12, bucket)
+    wire = _wire(new, base, bucket, (0, new.numel()))
+    bad = 6
+    at, frame = _frames_of(wire)[bad]
+    assert frame.kind == GAPS
+    buffer, start = base.clone(), bad * bucket
+    if fault == "payload":
+        wire[at + frame.payload - 1] ^= 0x01
+    else:
+        changed = torch.nonzero(new[start : start + bucket] != base[start : start + bucket])
+        buffer[start + int(changed[0])] ^= 0x01
+    before = buffer[start : start + bucket].clone()
+    log, done = FrameLog(5), []
+    with pytest.raises(WeightSyncError, match="corrupt" if fault == "payload" else "differs"):
+        _receive(wire, buffer, new.numel(), done, log)
+    assert torch.equal(buffer[start : start + bucket], before), "the bad frame wrote nothing"
+    assert all(end <= start for end in done) and len(log.frames) == len(done)
+    assert torch.equal(buffer[: done[-1]], new[: done[-1]]) if done else True

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from concurrent.futures import wait
 
 import pytest
 import torch
 
 import weight_sync.publisher as publisher_module
+import weight_sync.transports.stream as stream_module
 import weight_sync.transports.tcp as tcp_module
 from transfer_queue import WeightSyncError
 from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
@@ -183,10 +186,54 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
         assert _exact(mine, 2)
 
 
+def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
+    """Three threads compare, encode and apply (every frame through the pools): versions
+    2..4 cross as deltas, exact; version 5's third payload flips on the way: refused, the
+    tensors stay on version 4, then version 5 lands whole; closing leaves no delta thread."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
+    monkeypatch.setattr(stream_module, "_INLINE", 0)
+    real = tcp_module.receive_frames
+    payloads = []
+
+    def flipping(recv, buffer, reads, offsets, base, progress, log):  # noqa: ANN001, ANN202
+        def corrupting(view: memoryview) -> None:
+            recv(view)
+            if len(view) > 64 and flip:  # a payload, not a header
+                payloads.append(len(view))
+                if len(payloads) == 3:
+                    view[0] ^= 0x01
+
+        return real(corrupting, buffer, reads, offsets, base, progress, log)
+
+    monkeypatch.setattr(tcp_module, "receive_frames", flipping)
+    flip = False
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True) as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as sub,
+    ):
+        for version in (1, 2, 3, 4):
+            pub.publish(sparse_weights(version), version)
+            sub.wait(version, timeout=30)
+            assert _exact(mine, version)
+        flip = True
+        pub.publish(sparse_weights(5), 5)
+        with pytest.raises(WeightSyncError, match="corrupt"):
+            sub.wait(5, timeout=30)
+        assert len(payloads) >= 3 and sub.version == 4 and _exact(mine, 4)
+        sub.wait(5, timeout=30)
+        assert _exact(mine, 5)
+        stats = {s.version: s for s in pub.stats()}
+        assert all(stats[v].delta_pulls == 1 for v in (2, 3, 4)), stats
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("sluice-ws-compare", "sluice-ws-encode"))]
+    assert not left and not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")]
+
+
 def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     """Versions that change most bytes go whole: in a probed version, two buckets in a row
     found dense end the compares (the rest go whole); after it the next seven versions are not
-    compared (nobody waits for a compare), the eighth is probed again."""
+    compared (nobody waits for a compare), the eighth is probed again. One compare thread, so
+    that the buckets are compared in order and the count is exact."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "1")
     compared = []
     real = publisher_module.compare
     monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
@@ -194,7 +241,7 @@ def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", model=weights(0)) as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
-        pub._comparing.result(timeout=60)  # version 10's compare has run (close would cancel it)
+        wait(pub._comparing, timeout=60)  # version 10's compares have run (close would cancel them)
         bases = {s.version: s.base for s in pub.stats()}
     assert bases == {1: -1, 2: 1, **{v: -1 for v in range(3, 10)}, 10: 9}
     assert len(compared) == 2 * 2, "two compares in each of the two probed versions"

@@ -14,9 +14,13 @@ it received (`FrameLog`) and forwards them to a `RelayPull` against the same bas
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -24,7 +28,7 @@ import torch
 from transfer_queue import WeightSyncError
 from transfer_queue.wire.rpc import error_code, error_from_code
 
-from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span
+from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span, threads
 from ..layout import Box
 from ..plan import Read
 from ..protocol import DATA_DECODER, DATA_ENCODER, Pull, RelayPull
@@ -170,23 +174,51 @@ def contiguous_span(read: Read) -> tuple[int, int] | None:
     return start, start + read.nbytes
 
 
+_INLINE = 64 << 10
+"""Changed bytes below which a GAPS frame is encoded (or applied) on the stream's own thread:
+handing it to a pool costs about as much as the work."""
+
+
 def delta_frames(
     slot: torch.Tensor,
     span: tuple[int, int],
     changes_of: Callable[[int], Changes | None],
     bucket_bytes: int,
     base: int,
+    encoder: Executor | None = None,
+    ahead: int = 1,
 ) -> Iterator[memoryview]:
     """Frames for bytes [start, stop) of `slot` against version `base`: a header and payload
     per staging bucket the span touches; `changes_of(k)` gives bucket k's changes (None:
-    whole), waiting for them if need be."""
+    whole), waiting for them if need be. With an `encoder` pool, buckets with changes worth
+    it are encoded there, up to `ahead` of them while the earlier frames are sent."""
     start, stop = span
-    for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
-        lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
-        at = k * bucket_bytes
-        frame, payload = encode_span(changes_of(k), lo - at, hi - at, base)
+    pending: deque[tuple[Future[tuple[Frame, torch.Tensor | None]], int, int]] = deque()
+
+    def send(job: Future[tuple[Frame, torch.Tensor | None]], lo: int, hi: int) -> Iterator[memoryview]:
+        frame, payload = job.result()
         yield memoryview(frame.pack())
         yield as_bytes(slot[lo:hi] if payload is None else payload)
+
+    try:
+        for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
+            lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
+            at = k * bucket_bytes
+            changes = changes_of(k)
+            encode = functools.partial(encode_span, changes, lo - at, hi - at, base)
+            job: Future[tuple[Frame, torch.Tensor | None]] = Future()
+            if encoder is None or changes is None or changes.count < _INLINE:
+                job.set_result(encode())
+            else:
+                job = encoder.submit(encode)
+            pending.append((job, lo, hi))
+            while pending and (len(pending) > ahead or pending[0][0].done()):
+                yield from send(*pending.popleft())
+        while pending:
+            yield from send(*pending.popleft())
+    finally:  # the stream ended early: drop the encodes not yet started
+        for job, _, _ in pending:
+            job.cancel()
 
 
 def whole_frames(slot: torch.Tensor, read: Read, scratch: Scratch, base: int) -> Iterator[memoryview]:
@@ -208,6 +240,17 @@ class FrameLog:
         self.frames: list[tuple[Frame, torch.Tensor | None]] = []
 
 
+@dataclass
+class _Applied:
+    """A received frame on its way into the buffer: its apply (None: done on the receiving
+    thread), what the stream's log keeps of it, and the buffer byte it completes."""
+
+    job: Future[None] | None
+    frame: Frame
+    payload: torch.Tensor | None
+    end: int
+
+
 def receive_frames(
     recv: Callable[[memoryview], None],
     buffer: torch.Tensor,
@@ -222,31 +265,64 @@ def receive_frames(
     the buffer hold the new version, each frame having been added to `log` before. Returns
     the bytes the stream carried.
 
+    GAPS frames are applied on a pool of `delta.threads()` while this thread receives the
+    next ones (each checks its own payload and base before writing its span, which no other
+    frame touches); at most two per thread are in flight, so at most that many payloads are
+    held. Frames are logged and reported in stream order as their applies end.
+
     Raises:
         WeightSyncError: a frame is malformed, corrupt or meant for another base (the buffer
-            is then part new, part base: the caller discards it).
+            is then part new, part base: the caller discards it). Nothing is reported past
+            the frame before it, and no apply is still running when it is raised.
     """
+    workers = threads()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-apply") if workers > 1 else None
+    in_flight: deque[_Applied] = deque()
+
+    def retire(wait: bool) -> None:
+        """Log and report the oldest frames whose applies ended (waiting for the oldest if
+        `wait`); raise the first failure among those in flight."""
+        while in_flight and (wait or in_flight[0].job is None or in_flight[0].job.done()):
+            oldest = in_flight.popleft()
+            if oldest.job is not None:
+                oldest.job.result()
+            if log is not None:
+                log.frames.append((oldest.frame, oldest.payload))
+            progress(oldest.end)
+            wait = False
+        for applied in in_flight:
+            if applied.job is not None and applied.job.done() and applied.job.exception() is not None:
+                applied.job.result()
+
     head = bytearray(HEADER.size)
     carried = 0
-    for read, offset in zip(reads, offsets):
-        covered = 0
-        while covered < read.nbytes:
-            recv(memoryview(head))
-            frame = Frame.unpack(head)
-            if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
-                raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
-            target = buffer[offset + covered : offset + covered + frame.span]
-            payload = None
-            if frame.kind == WHOLE:
-                recv(as_bytes(target))
-            else:
-                assert frame.kind == GAPS
-                payload = torch.empty(frame.payload, dtype=torch.uint8)
-                recv(as_bytes(payload))
-                apply(frame, payload, target)
-            if log is not None:
-                log.frames.append((frame, payload))
-            carried += HEADER.size + frame.payload
-            covered += frame.span
-            progress(offset + covered)
+    try:
+        for read, offset in zip(reads, offsets):
+            covered = 0
+            while covered < read.nbytes:
+                recv(memoryview(head))
+                frame = Frame.unpack(head)
+                if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
+                    raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
+                target = buffer[offset + covered : offset + covered + frame.span]
+                payload, job = None, None
+                if frame.kind == WHOLE:
+                    recv(as_bytes(target))
+                else:
+                    assert frame.kind == GAPS
+                    payload = torch.empty(frame.payload, dtype=torch.uint8)
+                    recv(as_bytes(payload))
+                    if pool is None or frame.payload < _INLINE:
+                        apply(frame, payload, target)
+                    else:
+                        job = pool.submit(apply, frame, payload, target)
+                carried += HEADER.size + frame.payload
+                covered += frame.span
+                in_flight.append(_Applied(job, frame, payload, offset + covered))
+                retire(wait=len(in_flight) > 2 * workers)
+        while in_flight:
+            retire(wait=True)
+    finally:
+        if pool is not None:  # on a failure: the queued applies are dropped, the running ones end
+            pool.shutdown(wait=True, cancel_futures=True)
     return carried
