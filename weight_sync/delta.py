@@ -106,10 +106,11 @@ class Changes:
         return self.positions.numel()
 
 
-_CHUNK_WORDS = 1 << 15
-"""Words `compare` handles per step on the host (256 KiB of each version): small enough that
-the changed words it gathers are still in cache, large enough that numpy's per-call cost is a
-few percent of the pass."""
+_CHUNK_WORDS = 1 << 16
+"""Words `compare` handles per step on the host (512 KiB of each version): small enough that
+the changed words it gathers are still in cache, large enough that numpy's per-call cost (and
+the GIL, held between the calls, which several compare threads share) is a few percent of the
+pass."""
 
 
 class CompareScratch:

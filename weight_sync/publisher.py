@@ -10,13 +10,15 @@ fills, a finisher thread checksums it (validation mode) and marks it complete, a
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
 then tells subscribers. A slot is reused only after every lease on it is released.
 
-With deltas on, a compare thread diffs each staged bucket against the previous version,
-still in the other slot, so subscribers holding that version pull only what changed; `publish`
-waits for it only when the slot it claims is the base still being compared.
+With deltas on, compare threads diff each staged bucket against the previous version, still
+in the other slot, so subscribers holding that version pull only what changed, their frames
+encoded on a pool of their own; `publish` waits for the compares only when the slot it claims
+is the base still being compared.
 
 Threads in the trainer process: the control server (an `rpc.ThreadService`, which also runs
 the coordinator's bookkeeping), the coordinator's recorder (controller round trips), the
-finisher, the compare thread, and whatever the transports serve with.
+finisher, with deltas on the compare and encode pools (`delta.threads()` each), and whatever
+the transports serve with.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class WeightPublisher:
             `publish` allocates its slot and starts allocating the others on a thread, so that
             only the first version pays for its staging.
         delta: compare each staged bucket with the previous version's (one vectorised pass
-            per bucket, on a compare thread while `publish` stages the next buckets and
+            per bucket, on compare threads while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
             only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
             (tcp, its relays included, ucx, and torch under gloo) and there are two slots or more; True: on (needs
