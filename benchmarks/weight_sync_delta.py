@@ -21,6 +21,14 @@ with 2.6%, 6% and 16% of them moved by one unit in the last place: `compare`, bu
 bucket's frame (`encode`) and applying it (`apply`), in GB/s of bucket bytes and as a multiple of
 a plain copy of the same bytes timed in the same run (best of 7 each, the machine being shared).
 
+A second `--micro` table times compare, encode and apply of eight such buckets one after
+another on one thread and spread over `weight_sync.delta.threads()` threads (as the
+publisher's compare and encode pools and the subscriber's apply pool run them): GB/s each and
+the speedup, medians of 5 paired runs. End to end, `--threads 1,` runs each trajectory once
+with the passes one at a time and once spread (the default count: the cores but one, at most 8), the count in the record;
+`--copy-threads N` gives torch N threads in the publisher and the subscribers (the staging
+copies and `poll`'s copy into the tensors, whole and delta alike).
+
 With `--recipe CONFIG`, it instead trains the recipes' own policy (`recipes.learner.Learner`:
 the demo's tiny transformer, or `model.family=qwen2 rollout.engine=hf` for the HF Qwen2) on
 rollouts it generates with the current weights (`recipes.engines`), and reports per version
@@ -35,6 +43,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --transport torch   # gloo broadcast
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6 --subscribers 1 --steps 4 --copy-threads 8
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
 """
@@ -371,7 +380,7 @@ def main() -> None:
         "--threads",
         default="1,",
         help="comma-separated threads per process for the delta's compare, encode and apply, each a run "
-        "of its own ('' : the default, the cores available up to 8; 1: one at a time)",
+        "of its own ('': the default, the cores available but one, at most 8; 1: one at a time)",
     )
     parser.add_argument(
         "--copy-threads",

@@ -73,9 +73,10 @@ _MAX_THREADS = 8
 
 def threads() -> int:
     """Threads a process spreads its compares, frame encodes or frame applies over: the cores
-    it may run on (`os.sched_getaffinity`), at most `_MAX_THREADS`; `SLUICE_DELTA_THREADS`
-    sets it (1: one at a time, on the calling thread's side of a pipeline). numpy's kernels
-    release the GIL, so these threads run in parallel.
+    it may run on (`os.sched_getaffinity`) but one, which the stream's own thread (sending or
+    receiving) or the trainer's staging keeps busy, and at most `_MAX_THREADS`;
+    `SLUICE_DELTA_THREADS` sets it (1: no pool, each pass on the thread that needs it). The
+    passes' numpy and xxh3 calls release the GIL, so these threads run in parallel.
 
     Raises:
         ValueError: `SLUICE_DELTA_THREADS` is not a positive integer.
@@ -85,7 +86,7 @@ def threads() -> int:
         if not override.isdigit() or int(override) < 1:
             raise ValueError(f"SLUICE_DELTA_THREADS={override!r}: a positive integer is needed")
         return int(override)
-    return max(1, min(_MAX_THREADS, len(os.sched_getaffinity(0))))
+    return max(1, min(_MAX_THREADS, len(os.sched_getaffinity(0)) - 1))
 
 
 @dataclass(frozen=True)

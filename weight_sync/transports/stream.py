@@ -175,8 +175,9 @@ def contiguous_span(read: Read) -> tuple[int, int] | None:
 
 
 _INLINE = 64 << 10
-"""Changed bytes below which a GAPS frame is encoded (or applied) on the stream's own thread:
-handing it to a pool costs about as much as the work."""
+"""A bucket with fewer changed bytes than this is encoded on the stream's own thread, and a
+GAPS frame with a shorter payload is applied there: handing them to a pool would cost about
+as much as the work."""
 
 
 def delta_frames(
