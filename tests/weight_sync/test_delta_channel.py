@@ -228,6 +228,31 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
     assert not left and not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")]
 
 
+def test_a_relay_forwards_deltas_applied_on_pools_in_order(monkeypatch):
+    """fanout 1, both subscribers in this process with three-thread pools and every frame
+    applied on them: the first pulls deltas from the rank, the second from the first, which
+    forwards the frames as its applies end; both land every version exactly (validated), and
+    only the first pulls from the trainer."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
+    monkeypatch.setattr(stream_module, "_INLINE", 0)
+    with (
+        WeightPublisher(
+            None, transport=TcpTransport(fanout=1), bucket_bytes=BUCKET, delta="auto", validate=True
+        ) as pub,
+        WeightSubscriber(None, first := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as near,
+        WeightSubscriber(None, second := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as far,
+    ):
+        for version in (1, 2, 3, 4):
+            pub.publish(sparse_weights(version), version)
+            near.wait(version, timeout=30)
+            far.wait(version, timeout=30)
+            assert _exact(first, version) and _exact(second, version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in (2, 3, 4):
+            assert stats[version].delta_pulls == 1 and stats[version].whole_pulls == 0, stats[version]
+        assert all(0 < sub.last_received[0] * 5 < stats[4].requested for sub in (near, far))
+
+
 def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     """Versions that change most bytes go whole: in a probed version, two buckets in a row
     found dense end the compares (the rest go whole); after it the next seven versions are not
