@@ -141,7 +141,14 @@ class WeightPublisher:
             `slots >= 2`); False (the default): every subscriber pulls whole versions. Off by
             default because comparing, framing and applying a delta on the host still cost more
             CPU than a copy of the bytes: deltas pay where the link is slower than those passes
-            (across hosts), not between processes of one machine.
+            (across hosts), not between processes of one machine. With deltas on, the
+            compares, frame encodes and frame applies run on `delta.threads()` threads each
+            (`SLUICE_DELTA_THREADS`), read here.
+
+    Raises:
+        SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on), or `host` is beyond
+            loopback without credentials.
+        ValueError: `rank` is not below `world_size`.
     """
 
     def __init__(
@@ -200,12 +207,13 @@ class WeightPublisher:
         self._deltas: dict[int, _StagedDelta] = {}  # slot index -> its changes against the previous version
         self._stats: OrderedDict[int, VersionStats] = OrderedDict()
         self._stats_lock = threading.Lock()
-        workers = threads()
+        workers = threads() if self.delta else 1
         self._comparer = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-compare")
         """Compares staged buckets, several at once (each a pass over memory)."""
         self._compare_scratch = threading.local()  # a CompareScratch per compare thread
         self._comparing: list[Future] = []
-        """The compares handed to `_comparer` for the version being staged."""
+        """The compares handed to `_comparer` for the version being staged (by `publish`'s
+        staging, or by a compare that released the buckets held behind it)."""
         self._encoder = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-encode") if workers > 1 else None
         """Encodes delta frames for the streams, ahead of their sending threads (None: one
         thread; each stream then encodes its own frames as it sends)."""
@@ -234,7 +242,7 @@ class WeightPublisher:
             self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
-        source = _SlotSource(self._table, timeout, self._deltas, self._count, self._encoder)
+        source = _SlotSource(self._table, timeout, self._deltas, self._count, self._encoder, 2 * workers)
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
         # a lease is its reader's connection's: a reader that exits or dies frees its slots
@@ -330,7 +338,10 @@ class WeightPublisher:
         self._place_staging(cuda)
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
-        wait(self._comparing)  # the slot about to be claimed may be the base they read
+        # the slot about to be claimed may be the base they read; a compare may hand on more
+        # before it ends, so look again until none is left running
+        while running := [f for f in self._comparing if not f.done()]:
+            wait(running)
         self._comparing = []
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
@@ -515,15 +526,19 @@ class WeightPublisher:
     def _staged_with_delta(self, slot: Slot, base: Slot, staged: _StagedDelta, filled: int) -> None:
         """Staging progress with deltas on: readers of whole bytes go on at once, and every
         bucket staged whole since the last call is handed to the compare threads, one job
-        each (delta readers wait for it there), so `publish` does not wait for the compare."""
+        each (delta readers wait for it there; `_StagedDelta.take` holds back those past the
+        first `_DENSE_RUN` until these are compared), so `publish` does not wait for the compare."""
         self._table.advance(slot, filled)
         manifest = slot.manifest
         upto = manifest.num_buckets if filled >= manifest.nbytes else filled // manifest.bucket_bytes
-        for k in range(staged.submitted, upto):
-            self._comparing.append(
-                self._comparer.submit(self._compare, slot.mapped.tensor, base.mapped.tensor, manifest, staged, k, k + 1)
-            )
-        staged.submitted = max(staged.submitted, upto)
+        self._submit_compares(slot.mapped.tensor, base.mapped.tensor, manifest, staged, staged.take(upto))
+
+    def _submit_compares(
+        self, new: torch.Tensor, old: torch.Tensor, manifest: Manifest, staged: _StagedDelta, buckets: range
+    ) -> None:
+        """Hand `buckets` of the host-staged `new` to the compare threads, one job each."""
+        for k in buckets:
+            self._comparing.append(self._comparer.submit(self._compare, new, old, manifest, staged, k, k + 1))
 
     def _compare(
         self,
@@ -549,6 +564,10 @@ class WeightPublisher:
             log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
             staged.fail()
             raise
+        try:  # the buckets held until the first ones were compared, if these were the last of them
+            self._submit_compares(new, old, manifest, staged, staged.take())
+        except RuntimeError:  # the publisher is closing: its readers stop waiting
+            staged.fail()
         if complete:
             found = list(staged.buckets.values())
             if sum(c is None for c in found) * 2 > len(found):
@@ -564,16 +583,18 @@ class WeightPublisher:
         self, new: torch.Tensor, old: torch.Tensor, staged: _StagedDelta, first: int, upto: int
     ) -> bool:
         """Compare buckets [first, upto) in turn; True once every bucket of the version has
-        its changes. A bucket whose `_DENSE_RUN` predecessors were found dense goes whole
-        without a compare (with several compare threads, those predecessors may still be
-        running: it is then compared)."""
+        its changes. A bucket goes whole without a compare when the version's first
+        `_DENSE_RUN` buckets were found dense (those past them are handed out only once these
+        are compared, so a dense version costs `_DENSE_RUN` compares with any number of
+        threads), or when its `_DENSE_RUN` predecessors were (with several compare threads,
+        those may still be running: it is then compared)."""
         bucket = staged.bucket_bytes
         scratch = getattr(self._compare_scratch, "scratch", None)
         if scratch is None:
             scratch = self._compare_scratch.scratch = CompareScratch()
         complete = False
         for k in range(first, upto):
-            if staged.dense_before(k, _DENSE_RUN):
+            if (k >= _DENSE_RUN and staged.dense_before(_DENSE_RUN, _DENSE_RUN)) or staged.dense_before(k, _DENSE_RUN):
                 complete = staged.add(k, None)
                 continue
             changes = compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket], scratch=scratch)
@@ -914,6 +935,8 @@ class _StagedDelta:
     """Changes of the buckets compared so far, by bucket index."""
     submitted: int = 0
     """Buckets handed to the compare threads so far."""
+    staged: int = 0
+    """Buckets staged whole so far (host staging)."""
     failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -924,6 +947,27 @@ class _StagedDelta:
             self.buckets[bucket] = changes
             self.cond.notify_all()
             return len(self.buckets) == self.num_buckets
+
+    def take(self, staged: int | None = None) -> range:
+        """The buckets to hand to the compare threads now, as staging reaches `staged` buckets
+        (None: no further) or a compare ends: those staged and not handed out yet, but past the
+        first `_DENSE_RUN` only once those are compared (a probed version that is dense then
+        costs only them, as with one thread)."""
+        with self.cond:
+            if staged is not None:
+                self.staged = max(self.staged, staged)
+            limit = self.staged
+            first = min(_DENSE_RUN, self.num_buckets)
+            if any(k not in self.buckets for k in range(first)):
+                limit = min(limit, first)
+            taken = range(self.submitted, max(self.submitted, limit))
+            self.submitted = max(self.submitted, limit)
+            return taken
+
+    def ready(self, bucket: int) -> bool:
+        """Whether `changes(bucket)` would return (or raise) at once."""
+        with self.cond:
+            return self.failed or bucket in self.buckets
 
     def dense_before(self, bucket: int, run: int) -> bool:
         """Whether the `run` buckets before `bucket` are compared and all dense."""
@@ -965,6 +1009,7 @@ class _SlotSource(Source):
         deltas: dict[int, _StagedDelta],
         count,  # noqa: ANN001 - WeightPublisher._count
         encoder: ThreadPoolExecutor | None,
+        ahead: int,
     ):
         self.table = table
         self.timeout = timeout
@@ -972,8 +1017,9 @@ class _SlotSource(Source):
         self.count = count
         self.encoder = encoder
         """Where streams' frames are encoded ahead of their sending (None: by each stream)."""
-        self.ahead = 2 * threads() if encoder is not None else 1
-        """Frames a stream may have encoding or encoded ahead of the one it sends."""
+        self.ahead = ahead if encoder is not None else 1
+        """Frames a stream may have encoding or encoded ahead of the one it sends (twice the
+        encoder's threads)."""
 
     def staged_delta(self, slot: Slot) -> _StagedDelta | None:
         return _staged_in(self.deltas, slot, slot.version)
@@ -1015,6 +1061,7 @@ class _SlotSource(Source):
                         staged.base,
                         self.encoder,
                         self.ahead,
+                        staged.ready,
                     )
                     if span is not None
                     else whole_frames(slot.mapped.tensor, read, scratch, staged.base)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from concurrent.futures import wait
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ import torch
 import weight_sync.publisher as publisher_module
 import weight_sync.transports.stream as stream_module
 import weight_sync.transports.tcp as tcp_module
-from transfer_queue import WeightSyncError
+from tests.helpers import eventually
+from transfer_queue import SchemaError, WeightSyncError
 from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.transports.tcp import TcpTransport
 
@@ -162,14 +162,14 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
     real = tcp_module.receive_frames
     flipped = []
 
-    def flipping(recv, buffer, reads, offsets, base, progress, log):  # noqa: ANN001, ANN202
+    def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
         def corrupting(view: memoryview) -> None:
             recv(view)
             if len(view) > 64 and not flipped:  # a payload, not a header
                 view[len(view) - 1] ^= 0x01
                 flipped.append(len(view))
 
-        return real(corrupting, buffer, reads, offsets, base, progress, log)
+        return real(corrupting, *rest)
 
     monkeypatch.setattr(tcp_module, "receive_frames", flipping)
     with (
@@ -192,10 +192,11 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
     tensors stay on version 4, then version 5 lands whole; closing leaves no delta thread."""
     monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
     monkeypatch.setattr(stream_module, "_INLINE", 0)
+    seen = _passes_seen(monkeypatch)
     real = tcp_module.receive_frames
     payloads = []
 
-    def flipping(recv, buffer, reads, offsets, base, progress, log):  # noqa: ANN001, ANN202
+    def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
         def corrupting(view: memoryview) -> None:
             recv(view)
             if len(view) > 64 and flip:  # a payload, not a header
@@ -203,7 +204,7 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
                 if len(payloads) == 3:
                     view[0] ^= 0x01
 
-        return real(corrupting, buffer, reads, offsets, base, progress, log)
+        return real(corrupting, *rest)
 
     monkeypatch.setattr(tcp_module, "receive_frames", flipping)
     flip = False
@@ -226,6 +227,7 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
         assert all(stats[v].delta_pulls == 1 for v in (2, 3, 4)), stats
     left = [t.name for t in threading.enumerate() if t.name.startswith(("sluice-ws-compare", "sluice-ws-encode"))]
     assert not left and not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")]
+    assert all(any(name.startswith(f"sluice-ws-{kind}") for name in seen[kind]) for kind in seen), seen
 
 
 def test_a_relay_forwards_deltas_applied_on_pools_in_order(monkeypatch):
@@ -253,12 +255,13 @@ def test_a_relay_forwards_deltas_applied_on_pools_in_order(monkeypatch):
         assert all(0 < sub.last_received[0] * 5 < stats[4].requested for sub in (near, far))
 
 
-def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
-    """Versions that change most bytes go whole: in a probed version, two buckets in a row
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch, threads):
+    """Versions that change most bytes go whole: in a probed version, its first two buckets
     found dense end the compares (the rest go whole); after it the next seven versions are not
-    compared (nobody waits for a compare), the eighth is probed again. One compare thread, so
-    that the buckets are compared in order and the count is exact."""
-    monkeypatch.setenv("SLUICE_DELTA_THREADS", "1")
+    compared (nobody waits for a compare), the eighth is probed again. With four compare
+    threads too: the buckets past the first two wait for them, so no more are compared."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", threads)
     compared = []
     real = publisher_module.compare
     monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
@@ -266,7 +269,71 @@ def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", model=weights(0)) as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
-        wait(pub._comparing, timeout=60)  # version 10's compares have run (close would cancel them)
+        # version 10's compares have run (close would cancel them)
+        eventually(lambda: [s for s in pub.stats() if s.version == 10 and s.compared_on], 60, "version 10 compared")
         bases = {s.version: s.base for s in pub.stats()}
     assert bases == {1: -1, 2: 1, **{v: -1 for v in range(3, 10)}, 10: 9}
     assert len(compared) == 2 * 2, "two compares in each of the two probed versions"
+
+
+def _passes_seen(monkeypatch) -> dict[str, set[str]]:  # noqa: ANN001
+    """The names of the threads that compare buckets, encode frames and apply them, as they run."""
+    seen: dict[str, set[str]] = {"compare": set(), "encode": set(), "apply": set()}
+
+    def noting(kind: str, real):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            seen[kind].add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(publisher_module, "compare", noting("compare", publisher_module.compare))
+    monkeypatch.setattr(stream_module, "encode_span", noting("encode", stream_module.encode_span))
+    monkeypatch.setattr(stream_module, "apply", noting("apply", stream_module.apply))
+    return seen
+
+
+def test_a_stream_broken_off_by_any_error_is_not_read_as_the_next_reply(monkeypatch):
+    """Something other than a `WeightSyncError` (an apply thread that could not start, say)
+    breaks off version 2's delta stream after its first frame: the tcp connection, whose unread
+    frames would be taken for the retry's reply, is dropped; the pull fails with
+    `WeightSyncError`, the tensors stay on version 1, and the retry lands version 2 exact."""
+    real = tcp_module.receive_frames
+    broken = []
+
+    def breaking(recv, *rest):  # noqa: ANN001, ANN002, ANN202
+        def failing(view: memoryview) -> None:
+            if len(view) > 64 and not broken:  # the first payload
+                broken.append(len(view))
+                raise RuntimeError("can't start new thread")
+            recv(view)
+
+        return real(failing, *rest)
+
+    monkeypatch.setattr(tcp_module, "receive_frames", breaking)
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
+    ):
+        pub.publish(weights(1), 1)
+        sub.wait(1, timeout=30)
+        pub.publish(weights(2), 2)  # dense: its delta stream is WHOLE frames, bucket after bucket
+        with pytest.raises(WeightSyncError, match="can't start new thread"):
+            sub.wait(2, timeout=30)
+        assert broken and sub.version == 1
+        sub.wait(2, timeout=30)
+        expected = weights(2)
+        assert all(torch.equal(mine[n], expected[n]) for n in expected)
+
+
+def test_a_bad_thread_count_fails_the_construction_with_deltas_on_only(monkeypatch):
+    """A malformed `SLUICE_DELTA_THREADS` is a `SchemaError` when a publisher with deltas on
+    or a subscriber whose transport takes deltas is built, not at its first pull; without
+    deltas it is not read."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "abc")
+    with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto")
+    with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
+        WeightSubscriber(None, zeros(), transport="tcp", publisher="127.0.0.1:1")
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub:
+        assert not pub.delta

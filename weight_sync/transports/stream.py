@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -28,7 +29,7 @@ import torch
 from transfer_queue import WeightSyncError
 from transfer_queue.wire.rpc import error_code, error_from_code
 
-from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span, threads
+from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span
 from ..layout import Box
 from ..plan import Read
 from ..protocol import DATA_DECODER, DATA_ENCODER, Pull, RelayPull
@@ -188,11 +189,14 @@ def delta_frames(
     base: int,
     encoder: Executor | None = None,
     ahead: int = 1,
+    ready: Callable[[int], bool] = lambda k: True,
 ) -> Iterator[memoryview]:
     """Frames for bytes [start, stop) of `slot` against version `base`: a header and payload
     per staging bucket the span touches; `changes_of(k)` gives bucket k's changes (None:
     whole), waiting for them if need be. With an `encoder` pool, buckets with changes worth
-    it are encoded there, up to `ahead` of them while the earlier frames are sent."""
+    it are encoded there, up to `ahead` of them while the earlier frames are sent; while the
+    next bucket's changes are not `ready(k)` (a non-blocking look), the oldest encoded frames
+    are sent instead of waiting for them with the link idle."""
     start, stop = span
     pending: deque[tuple[Future[tuple[Frame, torch.Tensor | None]], int, int]] = deque()
 
@@ -203,6 +207,8 @@ def delta_frames(
 
     try:
         for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
+            while pending and not ready(k):
+                yield from send(*pending.popleft())
             lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
             at = k * bucket_bytes
             changes = changes_of(k)
@@ -243,13 +249,73 @@ class FrameLog:
 
 @dataclass
 class _Applied:
-    """A received frame on its way into the buffer: its apply (None: done on the receiving
-    thread), what the stream's log keeps of it, and the buffer byte it completes."""
+    """A received frame on its way into the buffer: what the stream's log keeps of it, the
+    buffer byte it completes, and whether its apply ended."""
 
-    job: Future[None] | None
     frame: Frame
     payload: torch.Tensor | None
     end: int
+    applied: bool = False
+
+
+class _InOrder:
+    """Reports a stream's frames in stream order as their applies end, on whichever thread
+    ends one (the receiving thread or an apply thread): each is logged, then `progress` is
+    called with the byte it completes, once it and every frame before it are applied. The
+    first failure (a bad frame, or `progress` raising) stops all reporting after it."""
+
+    def __init__(self, progress: Callable[[int], None], log: FrameLog | None, bound: int) -> None:
+        self.progress = progress
+        self.log = log
+        self.bound = bound
+        self.frames: deque[_Applied] = deque()
+        self.failure: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def add(self, frame: Frame, payload: torch.Tensor | None, end: int) -> _Applied:
+        """A received frame, before its apply starts; waits while `bound` frames are not yet
+        reported (their payloads are held), and raises the first failure."""
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.frames) < self.bound or self.failure is not None)
+            self.check()
+            entry = _Applied(frame, payload, end)
+            self.frames.append(entry)
+            return entry
+
+    def done(self, entry: _Applied, job: Future[None] | None = None) -> None:
+        """`entry`'s apply ended (`job`: on the pool, maybe with an error)."""
+        with self.cond:
+            try:
+                if job is not None:
+                    job.result()  # its error, or CancelledError once the pull failed
+                entry.applied = True
+                while self.failure is None and self.frames and self.frames[0].applied:
+                    oldest = self.frames.popleft()
+                    if self.log is not None:
+                        self.log.frames.append((oldest.frame, oldest.payload))
+                    self.progress(oldest.end)
+            except BaseException as exc:  # noqa: BLE001 - kept for the receiving thread to raise
+                if self.failure is None:
+                    self.failure = exc
+            finally:
+                self.cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The receiving thread failed: nothing more is reported."""
+        with self.cond:
+            if self.failure is None:
+                self.failure = exc
+
+    def check(self) -> None:
+        """Raise the first failure, if any (the caller holds `cond` or is the only thread)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def drain(self) -> None:
+        """Wait until every frame is reported; raises the first failure."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.frames or self.failure is not None)
+            self.check()
 
 
 def receive_frames(
@@ -260,41 +326,31 @@ def receive_frames(
     base: int,
     progress: Callable[[int], None],
     log: FrameLog | None = None,
+    workers: int = 1,
 ) -> int:
     """Apply a delta stream to `buffer` (uint8, holding version `base` of these reads at
     `offsets`): `recv(view)` fills `view` from the stream; `progress(n)` once bytes [0, n) of
     the buffer hold the new version, each frame having been added to `log` before. Returns
     the bytes the stream carried.
 
-    GAPS frames are applied on a pool of `delta.threads()` while this thread receives the
-    next ones (each checks its own payload and base before writing its span, which no other
-    frame touches); at most two per thread are in flight, so at most that many payloads are
-    held. Frames are logged and reported in stream order as their applies end.
+    With `workers` > 1 (`delta.threads()`, read by the subscriber when it was built), GAPS
+    frames are applied on a pool of that many threads while this thread receives the next
+    ones (each checks its own payload and base before writing its span, which no other frame
+    touches). Frames are logged and reported in stream order as soon as their applies end, by
+    the thread that ends one (so `progress` and `log` must be safe to call from any thread).
+    At most `2 * workers + 1` frames are received and not yet reported, so a stream holds at
+    most that many payloads plus the one being received. With 1, everything runs on this
+    thread, each frame reported as it is applied.
 
     Raises:
-        WeightSyncError: a frame is malformed, corrupt or meant for another base (the buffer
-            is then part new, part base: the caller discards it). Nothing is reported past
-            the frame before it, and no apply is still running when it is raised.
+        WeightSyncError: a frame is malformed, corrupt or meant for another base, or an apply
+            thread could not be started (the buffer is then part new, part base: the caller
+            discards it). Nothing is reported past the frame before it, and no apply is
+            still running when it is raised. Whatever `recv` or `progress` raise is raised
+            as it is, also with no apply running.
     """
-    workers = threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-apply") if workers > 1 else None
-    in_flight: deque[_Applied] = deque()
-
-    def retire(wait: bool) -> None:
-        """Log and report the oldest frames whose applies ended (waiting for the oldest if
-        `wait`); raise the first failure among those in flight."""
-        while in_flight and (wait or in_flight[0].job is None or in_flight[0].job.done()):
-            oldest = in_flight.popleft()
-            if oldest.job is not None:
-                oldest.job.result()
-            if log is not None:
-                log.frames.append((oldest.frame, oldest.payload))
-            progress(oldest.end)
-            wait = False
-        for applied in in_flight:
-            if applied.job is not None and applied.job.done() and applied.job.exception() is not None:
-                applied.job.result()
-
+    order = _InOrder(progress, log, 2 * workers + 1)
     head = bytearray(HEADER.size)
     carried = 0
     try:
@@ -306,23 +362,33 @@ def receive_frames(
                 if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
                     raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
                 target = buffer[offset + covered : offset + covered + frame.span]
-                payload, job = None, None
+                payload = None
                 if frame.kind == WHOLE:
                     recv(as_bytes(target))
                 else:
                     assert frame.kind == GAPS
                     payload = torch.empty(frame.payload, dtype=torch.uint8)
                     recv(as_bytes(payload))
-                    if pool is None or frame.payload < _INLINE:
-                        apply(frame, payload, target)
-                    else:
-                        job = pool.submit(apply, frame, payload, target)
                 carried += HEADER.size + frame.payload
                 covered += frame.span
-                in_flight.append(_Applied(job, frame, payload, offset + covered))
-                retire(wait=len(in_flight) > 2 * workers)
-        while in_flight:
-            retire(wait=True)
+                entry = order.add(frame, payload, offset + covered)
+                if payload is None:
+                    order.done(entry)
+                elif pool is None or frame.payload < _INLINE:
+                    apply(frame, payload, target)
+                    order.done(entry)
+                else:
+                    try:
+                        job = pool.submit(apply, frame, payload, target)
+                    except RuntimeError as exc:  # "can't start new thread": a pids or memory limit
+                        raise WeightSyncError(f"no thread to apply a delta frame on: {exc}") from exc
+                    job.add_done_callback(functools.partial(order.done, entry))
+                with order.cond:
+                    order.check()
+        order.drain()
+    except BaseException as exc:
+        order.fail(exc)
+        raise
     finally:
         if pool is not None:  # on a failure: the queued applies are dropped, the running ones end
             pool.shutdown(wait=True, cancel_futures=True)
