@@ -147,6 +147,12 @@ def worker(conn) -> None:  # noqa: ANN001
             gc.collect()
             targets = _zeros(args[0])
             conn.send("ok")
+        elif cmd == "threads":  # (SLUICE_DELTA_THREADS or "", torch's threads) for the next sessions
+            delta, copies = args
+            os.environ.pop("SLUICE_DELTA_THREADS", None)
+            os.environ.update({"SLUICE_DELTA_THREADS": delta} if delta else {})
+            torch.set_num_threads(copies)
+            conn.send("ok")
         elif cmd == "session":  # (transport name, kwargs, endpoint, versions, subscriber kwargs)
             name, kwargs, endpoint, versions, sub_kwargs = args
             transport = get(name)(**kwargs) if kwargs else name

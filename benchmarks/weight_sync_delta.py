@@ -21,6 +21,14 @@ with 2.6%, 6% and 16% of them moved by one unit in the last place: `compare`, bu
 bucket's frame (`encode`) and applying it (`apply`), in GB/s of bucket bytes and as a multiple of
 a plain copy of the same bytes timed in the same run (best of 7 each, the machine being shared).
 
+A second `--micro` table times compare, encode and apply of eight such buckets one after
+another on one thread and spread over `weight_sync.delta.threads()` threads (as the
+publisher's compare and encode pools and the subscriber's apply pool run them): GB/s each and
+the speedup, medians of 5 paired runs. End to end, `--threads 1,` runs each trajectory once
+with the passes one at a time and once spread (the default count: the cores but one, at most 8), the count in the record;
+`--copy-threads N` gives torch N threads in the publisher and the subscribers (the staging
+copies and `poll`'s copy into the tensors, whole and delta alike).
+
 With `--recipe CONFIG`, it instead trains the recipes' own policy (`recipes.learner.Learner`:
 the demo's tiny transformer, or `model.family=qwen2 rollout.engine=hf` for the HF Qwen2) on
 rollouts it generates with the current weights (`recipes.engines`), and reports per version
@@ -35,6 +43,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --transport torch   # gloo broadcast
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6 --subscribers 1 --steps 4 --copy-threads 8
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10
     .venv/bin/python benchmarks/weight_sync_delta.py --recipe fully_async --steps 10 model.family=qwen2 rollout.engine=hf
 """
@@ -43,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +70,8 @@ HEADER = [
     "size",
     "lr",
     "subs",
+    "threads",
+    "copy threads",
     "values changed",
     "wire MB",
     "whole MB",
@@ -109,11 +122,19 @@ def run(
     version: list[int],
     device: str = "cpu",
     transport: str = "tcp",
+    threads: str = "",
 ) -> dict:
     """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (host
     tensors) over `transport` ("tcp", or "torch": a gloo broadcast), alternating whole and
-    delta versions; returns per-version records."""
+    delta versions, the delta's compare, encode and apply spread over `threads` threads per
+    process ("": the default, `weight_sync.delta.threads`); returns per-version records."""
     from weight_sync import TorchTransport, WeightPublisher
+    from weight_sync.delta import threads as delta_threads
+
+    os.environ.pop("SLUICE_DELTA_THREADS", None)
+    os.environ.update({"SLUICE_DELTA_THREADS": threads} if threads else {})
+    workers.send(n, "threads", threads, torch.get_num_threads())
+    assert workers.recv(n) == ["ok"] * n
 
     shapes = llama_shapes(size)
     trainer = Trainer(shapes, lr, device=device)
@@ -150,7 +171,16 @@ def run(
                 }
             )
         workers.recv(n)  # the session's checksum
-    return {"size": size, "lr": lr, "subscribers": n, "device": device, "transport": transport, "versions": rows}
+    return {
+        "size": size,
+        "lr": lr,
+        "subscribers": n,
+        "threads": delta_threads(),
+        "copy_threads": torch.get_num_threads(),
+        "device": device,
+        "transport": transport,
+        "versions": rows,
+    }
 
 
 def summarize(record: dict) -> list:
@@ -163,6 +193,8 @@ def summarize(record: dict) -> list:
         record["size"],
         f"{record['lr']:.0e}",
         record["subscribers"],
+        record["threads"],
+        record["copy_threads"],
         f"{100 * median(r['values_changed'] for r in record['versions']):.1f}%",
         wire / 1e6,
         whole_bytes / 1e6,
@@ -233,6 +265,68 @@ def _micro_row(old: torch.Tensor, new: torch.Tensor, scratch: object) -> list:
     ]
 
 
+def micro_threads(buckets: int = 8, bucket: int = 64 << 20) -> list[list]:
+    """Compare, encode and apply of `buckets` buckets at 2.6% of bf16 values changed, one
+    bucket after another on one thread and spread over `delta.threads()` (as the publisher's
+    compare and encode pools and the subscriber's apply pool do): GB/s of bucket bytes each,
+    and the speedup (medians of 5 paired runs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weight_sync.delta import CompareScratch, apply, compare, encode, threads
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(buckets * bucket // 2, generator=gen).to(torch.bfloat16)
+    new = base.clone()
+    new.view(torch.int16)[torch.rand(base.numel(), generator=gen) < 0.026] += 1
+    old8, new8, target = base.view(torch.uint8), new.view(torch.uint8), base.view(torch.uint8).clone()
+    scratch = threading.local()
+
+    def compared(k: int):  # noqa: ANN202
+        if not hasattr(scratch, "s"):
+            scratch.s = CompareScratch()
+        return compare(new8[k * bucket : (k + 1) * bucket], old8[k * bucket : (k + 1) * bucket], scratch=scratch.s)
+
+    changes = [compared(k) for k in range(buckets)]
+    assert all(c is not None for c in changes)
+    frames = [encode(bucket, c.positions, c.old, c.new, 1) for c in changes]
+
+    def encoded(k: int) -> object:
+        c = changes[k]
+        return encode(bucket, c.positions, c.old, c.new, 1)
+
+    def applied(k: int) -> None:
+        frame, payload = frames[k]
+        assert payload is not None
+        apply(frame, payload, target[k * bucket : (k + 1) * bucket])
+
+    n, rows = threads(), []
+    with ThreadPoolExecutor(n) as pool:
+        for name, step in (("compare", compared), ("encode", encoded), ("apply", applied)):
+            pairs = []
+            for _ in range(5):
+                target.copy_(old8)
+                t0 = time.perf_counter()
+                for k in range(buckets):
+                    step(k)
+                one = time.perf_counter() - t0
+                target.copy_(old8)
+                t0 = time.perf_counter()
+                list(pool.map(step, range(buckets)))
+                pairs.append((one, time.perf_counter() - t0))
+            assert name != "apply" or torch.equal(target, new8)
+            size = buckets * bucket
+            rows.append(
+                [
+                    name,
+                    n,
+                    size / median(p[0] for p in pairs) / 1e9,
+                    size / median(p[1] for p in pairs) / 1e9,
+                    median(p[0] / p[1] for p in pairs),
+                ]
+            )
+    return rows
+
+
 def recipe(config: str, overrides: list[str], steps: int) -> dict:
     """Fraction of values changed per version in the recipes' real training (on-policy)."""
     from recipes.config import load
@@ -282,9 +376,21 @@ def main() -> None:
     parser.add_argument(
         "--transport", default="tcp", choices=["tcp", "torch"], help="tcp pulls, or torch: a gloo broadcast"
     )
+    parser.add_argument(
+        "--threads",
+        default="1,",
+        help="comma-separated threads per process for the delta's compare, encode and apply, each a run "
+        "of its own ('': the default, the cores available but one, at most 8; 1: one at a time)",
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=1,
+        help="torch's threads in the publisher and the subscribers (staging and applying copies), whole and delta",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.copy_threads)
     if args.micro:
         header = [
             "bf16 changed",
@@ -301,7 +407,15 @@ def main() -> None:
         print_table(
             "delta encoder on one 64 MiB bucket (best of 7; 'x copy': time over a copy of the bucket)", header, rows
         )
-        print("wrote", write_record("weight_sync_delta_micro", {"header": header, "rows": rows}))
+        spread_header = ["step", "threads", "1 thread GB/s", "spread GB/s", "speedup"]
+        spread = micro_threads()
+        print_table(
+            "eight 64 MiB buckets at 2.6% changed, one after another vs spread over threads (medians of 5)",
+            spread_header,
+            spread,
+        )
+        record = {"header": header, "rows": rows, "spread_header": spread_header, "spread": spread}
+        print("wrote", write_record("weight_sync_delta_micro", record))
         return
     if args.recipe is not None:
         record = recipe(args.recipe, args.overrides, args.steps)
@@ -322,12 +436,15 @@ def main() -> None:
             workers.hold(llama_shapes(size), max(counts))
             for n in counts:
                 for lr in (float(x) for x in args.lrs.split(",")):
-                    record = run(size, lr, n, args.steps, workers, version, args.device, args.transport)
-                    records.append(record)
-                    rows.append(summarize(record))
-                    print_table(
-                        f"delta weight sync over {args.transport}, {args.device} weights (so far)", HEADER, rows[-1:]
-                    )
+                    for threads in args.threads.split(","):
+                        record = run(size, lr, n, args.steps, workers, version, args.device, args.transport, threads)
+                        records.append(record)
+                        rows.append(summarize(record))
+                        print_table(
+                            f"delta weight sync over {args.transport}, {args.device} weights (so far)",
+                            HEADER,
+                            rows[-1:],
+                        )
     finally:
         workers.close()
     title = f"delta weight sync over {args.transport}, {args.device} weights: medians per learning rate"

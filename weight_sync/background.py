@@ -271,7 +271,7 @@ class ReadsReceiver(BackgroundReceiver):
         the stream carried."""
         transport = self.ranks.transport
         job = self.ranks.job(rank, version, grant, plan, slot, self.table)
-        job.base, job.log = base, self.frame_logs.get(rank)
+        job.base, job.log, job.delta_threads = base, self.frame_logs.get(rank), self.settings.delta_threads
         try:
             transport.receive(job)
             return grant.source, job.received

@@ -29,6 +29,7 @@ Frame layout (`HEADER`, then the payload):
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
-from transfer_queue import WeightSyncError
+from transfer_queue import SchemaError, WeightSyncError
 
 __all__ = [
     "WHOLE",
@@ -51,6 +52,7 @@ __all__ = [
     "encode_span",
     "apply",
     "positions_of",
+    "threads",
 ]
 
 WHOLE, GAPS = 0, 1
@@ -64,6 +66,66 @@ twentieth that work takes longer than sending the bytes whole at memory or fast-
 (`benchmarks/weight_sync_delta.py --micro`)."""
 
 _MAX_GAP = 255
+
+_MAX_THREADS = 8
+"""Most threads `threads` gives by default: past it the passes are bound by memory bandwidth,
+not cores."""
+_MAX_OVERRIDE = 64
+"""Most threads `SLUICE_DELTA_THREADS` may ask for."""
+
+
+def threads() -> int:
+    """Threads a process spreads its compares, frame encodes or frame applies over: the cores
+    it may run on (its CPU affinity and its cgroup's CPU quota) but one, which the stream's own
+    thread (sending or receiving) or the trainer's staging keeps busy, and at most
+    `_MAX_THREADS`; `SLUICE_DELTA_THREADS` sets it (1: no pool, each pass on the thread that
+    needs it). The passes' numpy and xxh3 calls release the GIL, so these threads run in
+    parallel. Publishers and subscribers read it once, when they are built, and only with
+    deltas on.
+
+    Raises:
+        SchemaError: `SLUICE_DELTA_THREADS` is not a whole number from 1 to `_MAX_OVERRIDE`.
+    """
+    override = os.environ.get("SLUICE_DELTA_THREADS")
+    if override is not None:
+        if not (override.isascii() and override.isdigit() and 1 <= int(override) <= _MAX_OVERRIDE):
+            raise SchemaError(f"SLUICE_DELTA_THREADS={override!r}: a whole number from 1 to {_MAX_OVERRIDE} is needed")
+        return int(override)
+    return max(1, min(_MAX_THREADS, _cores() - 1))
+
+
+def _cores() -> int:
+    """Cores this process may run on: its CPU affinity (where the OS has one), capped by its
+    cgroup's CPU quota (a container given 4 CPUs of a 64-core host gets 4)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return cores if quota is None else max(1, min(cores, quota))
+
+
+def _cgroup_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPUs this process's cgroup may use, rounded up (cgroup v2 `cpu.max`, else v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None: no quota, or none readable."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    if q <= 0 or p <= 0:  # v1's -1: no quota
+        return None
+    return -(-q // p)
 
 
 @dataclass(frozen=True)
@@ -84,10 +146,11 @@ class Changes:
         return self.positions.numel()
 
 
-_CHUNK_WORDS = 1 << 15
-"""Words `compare` handles per step on the host (256 KiB of each version): small enough that
-the changed words it gathers are still in cache, large enough that numpy's per-call cost is a
-few percent of the pass."""
+_CHUNK_WORDS = 1 << 16
+"""Words `compare` handles per step on the host (512 KiB of each version): small enough that
+the changed words it gathers are still in cache, large enough that numpy's per-call cost (and
+the GIL, held between the calls, which several compare threads share) is a few percent of the
+pass."""
 
 
 class CompareScratch:

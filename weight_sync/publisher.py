@@ -10,13 +10,15 @@ fills, a finisher thread checksums it (validation mode) and marks it complete, a
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
 then tells subscribers. A slot is reused only after every lease on it is released.
 
-With deltas on, a compare thread diffs each staged bucket against the previous version,
-still in the other slot, so subscribers holding that version pull only what changed; `publish`
-waits for it only when the slot it claims is the base still being compared.
+With deltas on, compare threads diff each staged bucket against the previous version, still
+in the other slot, so subscribers holding that version pull only what changed, their frames
+encoded on a pool of their own; `publish` waits for the compares only when the slot it claims
+is the base still being compared.
 
 Threads in the trainer process: the control server (an `rpc.ThreadService`, which also runs
 the coordinator's bookkeeping), the coordinator's recorder (controller round trips), the
-finisher, the compare thread, and whatever the transports serve with.
+finisher, with deltas on the compare and encode pools (`delta.threads()` each), and whatever
+the transports serve with.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from transfer_queue.wire.rpc import Credentials, credentials_from_env
 from .buckets import Destinations, layout_buckets, pack
 from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
-from .delta import Changes, CompareScratch, compare
+from .delta import Changes, CompareScratch, compare, threads
 from .device_packs import DevicePacks
 from .layout import Layout
 from .manifest import Manifest
@@ -132,14 +134,21 @@ class WeightPublisher:
             `publish` allocates its slot and starts allocating the others on a thread, so that
             only the first version pays for its staging.
         delta: compare each staged bucket with the previous version's (one vectorised pass
-            per bucket, on a compare thread while `publish` stages the next buckets and
+            per bucket, on compare threads while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
             only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
             (tcp, its relays included, ucx, and torch under gloo) and there are two slots or more; True: on (needs
             `slots >= 2`); False (the default): every subscriber pulls whole versions. Off by
             default because comparing, framing and applying a delta on the host still cost more
             CPU than a copy of the bytes: deltas pay where the link is slower than those passes
-            (across hosts), not between processes of one machine.
+            (across hosts), not between processes of one machine. With deltas on, the
+            compares, frame encodes and frame applies run on `delta.threads()` threads each
+            (`SLUICE_DELTA_THREADS`), read here.
+
+    Raises:
+        SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on), or `host` is beyond
+            loopback without credentials.
+        ValueError: `rank` is not below `world_size`.
     """
 
     def __init__(
@@ -198,10 +207,16 @@ class WeightPublisher:
         self._deltas: dict[int, _StagedDelta] = {}  # slot index -> its changes against the previous version
         self._stats: OrderedDict[int, VersionStats] = OrderedDict()
         self._stats_lock = threading.Lock()
-        self._comparer = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-delta")
-        self._compare_scratch = CompareScratch()  # the compare thread's alone
-        self._comparing: Future | None = None
-        """The last compare handed to `_comparer` (it runs them in order)."""
+        workers = threads() if self.delta else 1
+        self._comparer = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-compare")
+        """Compares staged buckets, several at once (each a pass over memory)."""
+        self._compare_scratch = threading.local()  # a CompareScratch per compare thread
+        self._comparing: list[Future] = []
+        """The compares handed to `_comparer` for the version being staged (by `publish`'s
+        staging, or by a compare that released the buckets held behind it)."""
+        self._encoder = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-encode") if workers > 1 else None
+        """Encodes delta frames for the streams, ahead of their sending threads (None: one
+        thread; each stream then encodes its own frames as it sends)."""
         self._device_packs = DevicePacks() if self.delta else None
         """With deltas on, CUDA weights are packed on the GPU first, so the compare runs there
         (every version, also one published with `delta` turned off: it is the next one's base);
@@ -227,7 +242,7 @@ class WeightPublisher:
             self._prepare(model)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
-        source = _SlotSource(self._table, timeout, self._deltas, self._count)
+        source = _SlotSource(self._table, timeout, self._deltas, self._count, self._encoder, 2 * workers)
         data = {t.name: t.serve(source) for t in self._transports.values()}
         self.credentials = credentials if credentials is not None else credentials_from_env()
         # a lease is its reader's connection's: a reader that exits or dies frees its slots
@@ -323,8 +338,11 @@ class WeightPublisher:
         self._place_staging(cuda)
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
-        if self._comparing is not None:
-            wait([self._comparing])  # the slot about to be claimed may be the base it reads
+        # the slot about to be claimed may be the base they read; a compare may hand on more
+        # before it ends, so look again until none is left running
+        while running := [f for f in self._comparing if not f.done()]:
+            wait(running)
+        self._comparing = []
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
         try:
@@ -370,7 +388,9 @@ class WeightPublisher:
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
         if self.delta and not skip and base is not None and base is not slot and base.manifest is manifest:
-            staged = self._deltas[slot.index] = _StagedDelta(version, self._last, manifest.bucket_bytes)
+            staged = self._deltas[slot.index] = _StagedDelta(
+                version, self._last, manifest.bucket_bytes, manifest.num_buckets
+            )
         else:
             self._deltas.pop(slot.index, None)
         slot.manifest = manifest
@@ -478,11 +498,11 @@ class WeightPublisher:
         if staged is not None:
             old = self._device_packs.base(staged.base, manifest)
             if old is None:  # the base was not packed on the GPU (its tensors were not CUDA): go whole
-                for _ in range(manifest.num_buckets):
-                    staged.add(None)
-            else:
-                self._comparing = self._comparer.submit(
-                    self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready
+                for k in range(manifest.num_buckets):
+                    staged.add(k, None)
+            else:  # one job: the device runs its compares one after another anyway
+                self._comparing.append(
+                    self._comparer.submit(self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready)
                 )
         return self._drain(marks, functools.partial(self._table.advance, slot))
 
@@ -505,16 +525,20 @@ class WeightPublisher:
 
     def _staged_with_delta(self, slot: Slot, base: Slot, staged: _StagedDelta, filled: int) -> None:
         """Staging progress with deltas on: readers of whole bytes go on at once, and every
-        bucket staged whole since the last call is handed to the compare thread (delta
-        readers wait for it there), so `publish` does not wait for the compare."""
+        bucket staged whole since the last call is handed to the compare threads, one job
+        each (delta readers wait for it there; `_StagedDelta.take` holds back those past the
+        first `_DENSE_RUN` until these are compared), so `publish` does not wait for the compare."""
         self._table.advance(slot, filled)
         manifest = slot.manifest
         upto = manifest.num_buckets if filled >= manifest.nbytes else filled // manifest.bucket_bytes
-        if upto > staged.submitted:
-            first, staged.submitted = staged.submitted, upto
-            self._comparing = self._comparer.submit(
-                self._compare, slot.mapped.tensor, base.mapped.tensor, manifest, staged, first, upto
-            )
+        self._submit_compares(slot.mapped.tensor, base.mapped.tensor, manifest, staged, staged.take(upto))
+
+    def _submit_compares(
+        self, new: torch.Tensor, old: torch.Tensor, manifest: Manifest, staged: _StagedDelta, buckets: range
+    ) -> None:
+        """Hand `buckets` of the host-staged `new` to the compare threads, one job each."""
+        for k in buckets:
+            self._comparing.append(self._comparer.submit(self._compare, new, old, manifest, staged, k, k + 1))
 
     def _compare(
         self,
@@ -526,24 +550,29 @@ class WeightPublisher:
         upto: int,
         ready: Callable[[], None] | None = None,
     ) -> None:
-        """Compare thread: buckets [first, upto) of `new` (a version's staged bytes, on the
+        """A compare thread: buckets [first, upto) of `new` (a version's staged bytes, on the
         host or packed on the GPU) against the same bytes of `old` (its base's), one vectorised
         pass each, once `ready()` returns (the GPU pack is done); records the version's density
-        once the last is done."""
+        once its last bucket is compared (by whichever thread that is)."""
         bucket = staged.bucket_bytes
         try:
             if ready is not None:
                 ready()
             with side_stream(new.device, "compare") if new.is_cuda else contextlib.nullcontext():
-                self._compare_buckets(new, old, staged, first, upto)
+                complete = self._compare_buckets(new, old, staged, first, upto)
         except Exception:
             log.exception("comparing version %d with %d failed; it is served whole", staged.version, staged.base)
             staged.fail()
             raise
-        if upto == manifest.num_buckets:
-            if sum(c is None for c in staged.buckets) * 2 > len(staged.buckets):
+        try:  # the buckets held until the first ones were compared, if these were the last of them
+            self._submit_compares(new, old, manifest, staged, staged.take())
+        except RuntimeError:  # the publisher is closing: its readers stop waiting
+            staged.fail()
+        if complete:
+            found = list(staged.buckets.values())
+            if sum(c is None for c in found) * 2 > len(found):
                 self._skip_dense = _DENSE_PROBE - 1
-            changed = sum(bucket if c is None else c.count for c in staged.buckets)
+            changed = sum(bucket if c is None else c.count for c in found)
             with self._stats_lock:
                 stats = self._stats.get(staged.version)
                 if stats is not None:
@@ -552,20 +581,25 @@ class WeightPublisher:
 
     def _compare_buckets(
         self, new: torch.Tensor, old: torch.Tensor, staged: _StagedDelta, first: int, upto: int
-    ) -> None:
+    ) -> bool:
+        """Compare buckets [first, upto) in turn; True once every bucket of the version has
+        its changes. A bucket goes whole without a compare when the version's first
+        `_DENSE_RUN` buckets were found dense (those past them are handed out only once these
+        are compared, so a dense version costs `_DENSE_RUN` compares with any number of
+        threads), or when its `_DENSE_RUN` predecessors were (with several compare threads,
+        those may still be running: it is then compared)."""
         bucket = staged.bucket_bytes
+        scratch = getattr(self._compare_scratch, "scratch", None)
+        if scratch is None:
+            scratch = self._compare_scratch.scratch = CompareScratch()
+        complete = False
         for k in range(first, upto):
-            dense = staged.buckets[-_DENSE_RUN:]
-            if len(dense) == _DENSE_RUN and all(c is None for c in dense):
-                staged.add(None)
+            if (k >= _DENSE_RUN and staged.dense_before(_DENSE_RUN, _DENSE_RUN)) or staged.dense_before(k, _DENSE_RUN):
+                complete = staged.add(k, None)
                 continue
-            staged.add(
-                compare(
-                    new[k * bucket : (k + 1) * bucket],
-                    old[k * bucket : (k + 1) * bucket],
-                    scratch=self._compare_scratch,
-                )
-            )
+            changes = compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket], scratch=scratch)
+            complete = staged.add(k, changes)
+        return complete
 
     def _record_stats(self, version: int, nbytes: int, staged: _StagedDelta | None) -> None:
         with self._stats_lock:
@@ -812,8 +846,13 @@ class WeightPublisher:
         self._finished.put(None)
         self._finisher.join(timeout=self.timeout)
         self._comparer.shutdown(wait=True, cancel_futures=True)
+        for staged in list(self._deltas.values()):  # their readers stop waiting for cancelled compares
+            if len(staged.buckets) < staged.num_buckets:
+                staged.fail()
         for transport in self._transports.values():
             transport.close()
+        if self._encoder is not None:  # after the streams it encodes for
+            self._encoder.shutdown(wait=True, cancel_futures=True)
         self._server.close()
         if self._coordinator is not None:
             self._coordinator.close()
@@ -885,23 +924,57 @@ class VersionStats:
 
 @dataclass
 class _StagedDelta:
-    """The changes of the version staged in a slot against `base`, one entry per bucket as
-    staging passes it (None: denser than break-even, sent whole)."""
+    """The changes of the version staged in a slot against `base`, per bucket as the compare
+    threads find them (None: denser than break-even, sent whole)."""
 
     version: int
     base: int
     bucket_bytes: int
-    buckets: list[Changes | None] = field(default_factory=list)
+    num_buckets: int
+    buckets: dict[int, Changes | None] = field(default_factory=dict)
+    """Changes of the buckets compared so far, by bucket index."""
     submitted: int = 0
-    """Buckets handed to the compare thread so far."""
+    """Buckets handed to the compare threads so far."""
+    staged: int = 0
+    """Buckets staged whole so far (host staging)."""
     failed: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def add(self, changes: Changes | None) -> None:
-        """Compare thread: the next bucket's changes."""
+    def add(self, bucket: int, changes: Changes | None) -> bool:
+        """A compare thread: bucket `bucket`'s changes. Returns True when it is the last
+        bucket of the version to get them."""
         with self.cond:
-            self.buckets.append(changes)
+            self.buckets[bucket] = changes
             self.cond.notify_all()
+            return len(self.buckets) == self.num_buckets
+
+    def take(self, staged: int | None = None) -> range:
+        """The buckets to hand to the compare threads now, as staging reaches `staged` buckets
+        (None: no further) or a compare ends: those staged and not handed out yet, but past the
+        first `_DENSE_RUN` only once those are compared (a probed version that is dense then
+        costs only them, as with one thread)."""
+        with self.cond:
+            if staged is not None:
+                self.staged = max(self.staged, staged)
+            limit = self.staged
+            first = min(_DENSE_RUN, self.num_buckets)
+            if any(k not in self.buckets for k in range(first)):
+                limit = min(limit, first)
+            taken = range(self.submitted, max(self.submitted, limit))
+            self.submitted = max(self.submitted, limit)
+            return taken
+
+    def ready(self, bucket: int) -> bool:
+        """Whether `changes(bucket)` would return (or raise) at once."""
+        with self.cond:
+            return self.failed or bucket in self.buckets
+
+    def dense_before(self, bucket: int, run: int) -> bool:
+        """Whether the `run` buckets before `bucket` are compared and all dense."""
+        with self.cond:
+            return bucket >= run and all(
+                k in self.buckets and self.buckets[k] is None for k in range(bucket - run, bucket)
+            )
 
     def fail(self) -> None:
         """Staging or comparing this version failed: delta readers get `WeightSyncError`."""
@@ -910,14 +983,14 @@ class _StagedDelta:
             self.cond.notify_all()
 
     def changes(self, bucket: int, timeout: float) -> Changes | None:
-        """Bucket `bucket`'s changes, waiting for the compare thread.
+        """Bucket `bucket`'s changes, waiting for the compare threads.
 
         Raises:
             WeightSyncError: the version failed.
             TimeoutError: not compared within `timeout` seconds.
         """
         with self.cond:
-            if not self.cond.wait_for(lambda: self.failed or len(self.buckets) > bucket, timeout):
+            if not self.cond.wait_for(lambda: self.failed or bucket in self.buckets, timeout):
                 raise TimeoutError(f"bucket {bucket} of version {self.version} not compared within {timeout} s")
             if self.failed:
                 raise WeightSyncError(f"version {self.version} was abandoned while it was being read")
@@ -929,11 +1002,24 @@ class _SlotSource(Source):
     pull with a base gets delta frames (`stream.delta_frames`) against it. Push transports
     read the staged changes (`staged_delta`) and report what they sent (`record`)."""
 
-    def __init__(self, table: SlotTable, timeout: float, deltas: dict[int, _StagedDelta], count):  # noqa: ANN001
+    def __init__(
+        self,
+        table: SlotTable,
+        timeout: float,
+        deltas: dict[int, _StagedDelta],
+        count,  # noqa: ANN001 - WeightPublisher._count
+        encoder: ThreadPoolExecutor | None,
+        ahead: int,
+    ):
         self.table = table
         self.timeout = timeout
         self.deltas = deltas
         self.count = count
+        self.encoder = encoder
+        """Where streams' frames are encoded ahead of their sending (None: by each stream)."""
+        self.ahead = ahead if encoder is not None else 1
+        """Frames a stream may have encoding or encoded ahead of the one it sends (twice the
+        encoder's threads)."""
 
     def staged_delta(self, slot: Slot) -> _StagedDelta | None:
         return _staged_in(self.deltas, slot, slot.version)
@@ -973,6 +1059,9 @@ class _SlotSource(Source):
                         functools.partial(staged.changes, timeout=self.timeout),
                         staged.bucket_bytes,
                         staged.base,
+                        self.encoder,
+                        self.ahead,
+                        staged.ready,
                     )
                     if span is not None
                     else whole_frames(slot.mapped.tensor, read, scratch, staged.base)

@@ -91,6 +91,8 @@ class ReceiveSettings:
     """Pull a version while it is still being staged."""
     buffers: int | None = None
     """Receive buffers of background receivers (None: the receiver's default)."""
+    delta_threads: int = 1
+    """Threads a delta pull applies its frames on (`delta.threads()`)."""
 
 
 class Receiver(ABC):

@@ -27,6 +27,7 @@ from transfer_queue import TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 
 from .background import ImageReceiver, ReadsReceiver
+from .delta import threads
 from .mapping import NameMapping, TPShard
 from .protocol import Latest, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
@@ -65,6 +66,11 @@ class WeightSubscriber:
         buffers: receive buffers for background transports (default 1, or 2 for torch, which
             must keep receiving while a version waits to be applied).
         timeout: seconds to wait on the publisher for any one step of a transfer.
+
+    Raises:
+        SchemaError: `SLUICE_DELTA_THREADS` is malformed (read here when a transport offered
+            takes deltas; `delta.threads`).
+        ValueError: neither `address` nor `publisher` is given.
     """
 
     def __init__(
@@ -91,8 +97,10 @@ class WeightSubscriber:
         self.mapping = mapping or NameMapping()
         self.validate = validate
         self.timeout = timeout
-        self._settings = ReceiveSettings(validate, relay, pipelined, buffers)
         self._offered = resolve(transport)
+        # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
+        delta_threads = threads() if any(t.deltas for t in self._offered) else 1
+        self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
         self._client = tq.ControlClient(address) if address is not None else None
         self._publisher = publisher
         self._held = Targets()

@@ -4,13 +4,33 @@ corrupt frame or a wrong base that leave the target untouched."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from transfer_queue import WeightSyncError
-from weight_sync.delta import _CHUNK_WORDS, GAPS, WHOLE, _compare_device, apply, compare, encode
+from transfer_queue import SchemaError, WeightSyncError
+from weight_sync import delta
+from weight_sync.delta import (
+    _CHUNK_WORDS,
+    GAPS,
+    HEADER,
+    WHOLE,
+    Changes,
+    Frame,
+    _compare_device,
+    apply,
+    compare,
+    encode,
+    threads,
+)
 from weight_sync.plan import Read
-from weight_sync.transports.stream import delta_frames, receive_frames
+from weight_sync.transports import stream
+from weight_sync.transports.stream import FrameLog, delta_frames, receive_frames
 
 
 def _versions(dtype: torch.dtype, n: int, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,3 +200,239 @@ def test_a_dense_stretch_past_a_quarter_sends_the_range_whole():
     new[: size // 4 : 8] = 1  # every word of the first quarter: 1/32 of the bytes, 1/4 of the words
     assert compare(new, base, dense=0.05) is None
     assert compare(new.roll(size // 2), base, dense=0.05).count == size // 32
+
+
+def _sparse_slot(buckets: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, new) slots of `buckets` buckets, each changed at its own density (0.2% of the
+    bytes: gaps over 255; 2%; 20%; none; 60%: whole), so frames of every size and kind."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (buckets * bucket,), dtype=torch.uint8, generator=gen)
+    new = base.clone()
+    for k in range(buckets):
+        part = new[k * bucket : (k + 1) * bucket]
+        part[torch.rand(bucket, generator=gen) < (0.002, 0.02, 0.2, 0.0, 0.6)[k % 5]] += 1
+    return base, new
+
+
+def _wire(new: torch.Tensor, base: torch.Tensor, bucket: int, span: tuple[int, int], **pool) -> bytearray:
+    """The delta stream of `span` (bucket by bucket, dense up to half the bytes)."""
+    changes = [compare(new[k : k + bucket], base[k : k + bucket], dense=0.5) for k in range(0, new.numel(), bucket)]
+    return bytearray(b"".join(bytes(v) for v in delta_frames(new, span, changes.__getitem__, bucket, 5, **pool)))
+
+
+def _frames_of(wire: bytearray) -> list[tuple[int, Frame]]:
+    """(where its payload starts in `wire`, frame) of every frame of a delta stream."""
+    out, at = [], 0
+    while at < len(wire):
+        frame = Frame.unpack(wire[at : at + HEADER.size])
+        out.append((at + HEADER.size, frame))
+        at += HEADER.size + frame.payload
+    return out
+
+
+class _Progress:
+    """A `receive_frames` progress callback that checks, at every call, that the buffer's
+    bytes up to the reported end are the new version's, and notes which threads reported."""
+
+    def __init__(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        self.buffer, self.new = buffer, new
+        self.ends: list[int] = []
+        self.threads: set[str] = set()
+        self.reported = threading.Event()
+
+    def __call__(self, end: int) -> None:
+        assert torch.equal(self.buffer[:end], self.new[:end]), f"bytes before {end} reported but not yet new"
+        self.ends.append(end)  # calls are serialised by `receive_frames`
+        self.threads.add(threading.current_thread().name)
+        self.reported.set()
+
+
+def _receive(
+    wire: bytearray,
+    buffer: torch.Tensor,
+    span: int,
+    progress: Callable[[int], None],
+    log: FrameLog | None = None,
+    workers: int = 1,
+    arrives: Callable[[int], None] = lambda position: None,
+) -> None:
+    """`receive_frames` of `wire` into `buffer` (one read of `span` bytes at 0) on `workers`
+    threads, `arrives(position)` called before each `recv`; afterwards, no apply thread is
+    left, whatever happened."""
+    position = 0
+
+    def recv(view: memoryview) -> None:
+        nonlocal position
+        arrives(position)
+        view[:] = wire[position : position + len(view)]
+        position += len(view)
+
+    try:
+        receive_frames(recv, buffer, [Read(0, (span,), (0,), (span,), 1)], [0], 5, progress, log, workers)
+    finally:
+        assert not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")], "apply threads left"
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    """Every GAPS frame goes through the encode and apply pools."""
+    monkeypatch.setattr(stream, "_INLINE", 0)
+
+
+def test_frames_encoded_and_applied_on_pools_match_the_serial_ones(pooled):
+    """Twelve buckets at densities from 0.2% (gaps over 255) to 60% (whole), encoded four at a time
+    ahead of the stream and applied on four threads while the next frames arrive: the same
+    bytes on the wire as one thread encoding in turn, the same result, bit-exact, and the same
+    progress, frame by frame in order, each frame logged before it is reported and every
+    report true of the buffer when it is made; reports came from the apply threads. One
+    thread: the same reports, all from the receiving thread."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(12, bucket)
+    span = (1000, new.numel() - 1000)
+    serial = _wire(new, base, bucket, span)
+    with ThreadPoolExecutor(4) as encoder:
+        assert _wire(new, base, bucket, span, encoder=encoder, ahead=8) == serial
+    frames = _frames_of(serial)
+    assert [f.kind for _, f in frames] == [GAPS] * 4 + [WHOLE] + [GAPS] * 4 + [WHOLE] + [GAPS] * 2
+    size = span[1] - span[0]
+    buffer, log = base[span[0] : span[1]].clone(), FrameLog(5)
+    progress = _Progress(buffer, new[span[0] : span[1]])
+    _receive(serial, buffer, size, progress, log, workers=4)
+    assert torch.equal(buffer, new[span[0] : span[1]])
+    assert progress.ends == list(itertools.accumulate(f.span for _, f in frames))
+    assert [f for f, _ in log.frames] == [f for _, f in frames]
+    assert any(name.startswith("sluice-ws-apply") for name in progress.threads), progress.threads
+    buffer = base[span[0] : span[1]].clone()
+    again = _Progress(buffer, new[span[0] : span[1]])
+    _receive(serial, buffer, size, again)
+    assert again.ends == progress.ends and torch.equal(buffer, new[span[0] : span[1]])
+    assert again.threads == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("fault", ["payload", "base"])
+def test_a_bad_frame_in_the_middle_stops_the_pooled_apply_there(pooled, fault):
+    """A corrupt payload (or a receiver whose base differs there) in the seventh of twelve
+    frames: `WeightSyncError`; progress and the log stop before that frame, whatever became of
+    the frames after it; the bad frame's span is untouched; no apply thread is left."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(12, bucket)
+    wire = _wire(new, base, bucket, (0, new.numel()))
+    bad = 6
+    at, frame = _frames_of(wire)[bad]
+    assert frame.kind == GAPS
+    buffer, start = base.clone(), bad * bucket
+    if fault == "payload":
+        wire[at + frame.payload - 1] ^= 0x01
+    else:
+        changed = torch.nonzero(new[start : start + bucket] != base[start : start + bucket])
+        buffer[start + int(changed[0])] ^= 0x01
+    before = buffer[start : start + bucket].clone()
+    log, progress = FrameLog(5), _Progress(buffer, new)
+    with pytest.raises(WeightSyncError, match="corrupt" if fault == "payload" else "differs"):
+        _receive(wire, buffer, new.numel(), progress, log, workers=4)
+    assert torch.equal(buffer[start : start + bucket], before), "the bad frame wrote nothing"
+    assert all(end <= start for end in progress.ends) and len(log.frames) == len(progress.ends)
+
+
+def test_a_pooled_apply_is_reported_before_the_next_frame_arrives(pooled):
+    """The next frame is late (its bucket still being compared upstream): the frame before it,
+    applied on the pool, is reported (so a relay forwards it) without waiting for it."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(4, bucket)
+    wire = _wire(new, base, bucket, (0, new.numel()))
+    second = _frames_of(wire)[1][0] - HEADER.size  # where frame 1 starts on the wire
+    buffer = base.clone()
+    progress = _Progress(buffer, new)
+
+    def arrives(position: int) -> None:
+        if position == second:
+            assert progress.reported.wait(30), "frame 0 was not reported while frame 1 was late"
+
+    _receive(wire, buffer, new.numel(), progress, workers=4, arrives=arrives)
+    assert progress.ends[0] == bucket and torch.equal(buffer, new)
+
+
+def test_an_apply_thread_that_cannot_start_is_a_weight_sync_error(pooled, monkeypatch):
+    """The pool cannot start a thread (a pids limit): `WeightSyncError`, nothing reported past
+    the frames applied, no apply left running."""
+
+    class Starved(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(stream, "ThreadPoolExecutor", Starved)
+    bucket = 256 << 10
+    base, new = _sparse_slot(4, bucket)
+    buffer = base.clone()
+    progress = _Progress(buffer, new)
+    with pytest.raises(WeightSyncError, match="thread") as raised:
+        _receive(_wire(new, base, bucket, (0, new.numel())), buffer, new.numel(), progress, workers=4)
+    assert isinstance(raised.value.__cause__, RuntimeError) and progress.ends == []
+
+
+def test_frames_encoded_ahead_are_sent_while_the_next_bucket_is_compared(pooled):
+    """Bucket 1 is not compared yet (`ready(1)` is False): the stream sends frame 0, encoded on
+    the pool, instead of waiting for bucket 1's changes with the link idle."""
+    bucket = 256 << 10
+    base, new = _sparse_slot(3, bucket)
+    changes = [compare(new[k : k + bucket], base[k : k + bucket], dense=0.5) for k in range(0, new.numel(), bucket)]
+    compared = {0}
+
+    def changes_of(k: int) -> Changes | None:
+        assert k in compared, f"asked for bucket {k} before it was compared"
+        return changes[k]
+
+    encoded = []
+    with ThreadPoolExecutor(2, thread_name_prefix="test-encode") as encoder:
+
+        def encode_span(*args):  # noqa: ANN002, ANN202
+            encoded.append(threading.current_thread().name)
+            return real(*args)
+
+        real, stream.encode_span = stream.encode_span, encode_span
+        try:
+            frames = delta_frames(new, (0, new.numel()), changes_of, bucket, 5, encoder, 4, compared.__contains__)
+            header, payload = next(frames), next(frames)
+            compared.update((1, 2))
+            wire = bytearray(bytes(header) + bytes(payload) + b"".join(bytes(v) for v in frames))
+        finally:
+            stream.encode_span = real
+    assert Frame.unpack(bytes(header)).span == bucket
+    assert wire == _wire(new, base, bucket, (0, new.numel()))
+    assert encoded and all(name.startswith("test-encode") for name in encoded), encoded
+
+
+@pytest.mark.parametrize("value", ["0", "65", "-1", "", " 4", "4.0", "abc", "\u0663", "\u00b2"])
+def test_a_bad_thread_count_is_a_schema_error(monkeypatch, value):
+    """`SLUICE_DELTA_THREADS` takes ASCII digits from 1 to 64 and nothing else."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", value)
+    with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
+        threads()
+
+
+def test_thread_count_from_the_environment_affinity_and_cgroup_quota(monkeypatch, tmp_path):
+    """An override is taken as given; otherwise the cores but one, at most 8, counting only
+    those the cgroup's CPU quota allows (v2 `cpu.max`, v1 `cpu.cfs_*`), and `os.cpu_count`
+    where there is no affinity."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "64")
+    assert threads() == 64
+    monkeypatch.delenv("SLUICE_DELTA_THREADS")
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert delta._cgroup_quota(str(tmp_path)) == 3
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert delta._cgroup_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert delta._cgroup_quota(str(tmp_path)) == 4
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert delta._cgroup_quota(str(tmp_path)) is None
+    monkeypatch.setattr(delta, "_cgroup_quota", lambda: 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert threads() == 2
+    monkeypatch.setattr(delta, "_cgroup_quota", lambda: None)
+    assert threads() == 8
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert threads() == 3

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 
 import weight_sync.publisher as publisher_module
+import weight_sync.transports.stream as stream_module
 import weight_sync.transports.tcp as tcp_module
-from transfer_queue import WeightSyncError
+from tests.helpers import eventually
+from transfer_queue import SchemaError, WeightSyncError
 from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.transports.tcp import TcpTransport
 
@@ -159,14 +162,14 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
     real = tcp_module.receive_frames
     flipped = []
 
-    def flipping(recv, buffer, reads, offsets, base, progress, log):  # noqa: ANN001, ANN202
+    def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
         def corrupting(view: memoryview) -> None:
             recv(view)
             if len(view) > 64 and not flipped:  # a payload, not a header
                 view[len(view) - 1] ^= 0x01
                 flipped.append(len(view))
 
-        return real(corrupting, buffer, reads, offsets, base, progress, log)
+        return real(corrupting, *rest)
 
     monkeypatch.setattr(tcp_module, "receive_frames", flipping)
     with (
@@ -183,10 +186,82 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
         assert _exact(mine, 2)
 
 
-def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
-    """Versions that change most bytes go whole: in a probed version, two buckets in a row
+def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
+    """Three threads compare, encode and apply (every frame through the pools): versions
+    2..4 cross as deltas, exact; version 5's third payload flips on the way: refused, the
+    tensors stay on version 4, then version 5 lands whole; closing leaves no delta thread."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
+    monkeypatch.setattr(stream_module, "_INLINE", 0)
+    seen = _passes_seen(monkeypatch)
+    real = tcp_module.receive_frames
+    payloads = []
+
+    def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
+        def corrupting(view: memoryview) -> None:
+            recv(view)
+            if len(view) > 64 and flip:  # a payload, not a header
+                payloads.append(len(view))
+                if len(payloads) == 3:
+                    view[0] ^= 0x01
+
+        return real(corrupting, *rest)
+
+    monkeypatch.setattr(tcp_module, "receive_frames", flipping)
+    flip = False
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True) as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as sub,
+    ):
+        for version in (1, 2, 3, 4):
+            pub.publish(sparse_weights(version), version)
+            sub.wait(version, timeout=30)
+            assert _exact(mine, version)
+        flip = True
+        pub.publish(sparse_weights(5), 5)
+        with pytest.raises(WeightSyncError, match="corrupt"):
+            sub.wait(5, timeout=30)
+        assert len(payloads) >= 3 and sub.version == 4 and _exact(mine, 4)
+        sub.wait(5, timeout=30)
+        assert _exact(mine, 5)
+        stats = {s.version: s for s in pub.stats()}
+        assert all(stats[v].delta_pulls == 1 for v in (2, 3, 4)), stats
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("sluice-ws-compare", "sluice-ws-encode"))]
+    assert not left and not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")]
+    assert all(any(name.startswith(f"sluice-ws-{kind}") for name in seen[kind]) for kind in seen), seen
+
+
+def test_a_relay_forwards_deltas_applied_on_pools_in_order(monkeypatch):
+    """fanout 1, both subscribers in this process with three-thread pools and every frame
+    applied on them: the first pulls deltas from the rank, the second from the first, which
+    forwards the frames as its applies end; both land every version exactly (validated), and
+    only the first pulls from the trainer."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
+    monkeypatch.setattr(stream_module, "_INLINE", 0)
+    with (
+        WeightPublisher(
+            None, transport=TcpTransport(fanout=1), bucket_bytes=BUCKET, delta="auto", validate=True
+        ) as pub,
+        WeightSubscriber(None, first := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as near,
+        WeightSubscriber(None, second := zeros(), transport="tcp", publisher=pub.endpoint, validate=True) as far,
+    ):
+        for version in (1, 2, 3, 4):
+            pub.publish(sparse_weights(version), version)
+            near.wait(version, timeout=30)
+            far.wait(version, timeout=30)
+            assert _exact(first, version) and _exact(second, version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in (2, 3, 4):
+            assert stats[version].delta_pulls == 1 and stats[version].whole_pulls == 0, stats[version]
+        assert all(0 < sub.last_received[0] * 5 < stats[4].requested for sub in (near, far))
+
+
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch, threads):
+    """Versions that change most bytes go whole: in a probed version, its first two buckets
     found dense end the compares (the rest go whole); after it the next seven versions are not
-    compared (nobody waits for a compare), the eighth is probed again."""
+    compared (nobody waits for a compare), the eighth is probed again. With four compare
+    threads too: the buckets past the first two wait for them, so no more are compared."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", threads)
     compared = []
     real = publisher_module.compare
     monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
@@ -194,7 +269,71 @@ def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch):
     with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", model=weights(0)) as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
-        pub._comparing.result(timeout=60)  # version 10's compare has run (close would cancel it)
+        # version 10's compares have run (close would cancel them)
+        eventually(lambda: [s for s in pub.stats() if s.version == 10 and s.compared_on], 60, "version 10 compared")
         bases = {s.version: s.base for s in pub.stats()}
     assert bases == {1: -1, 2: 1, **{v: -1 for v in range(3, 10)}, 10: 9}
     assert len(compared) == 2 * 2, "two compares in each of the two probed versions"
+
+
+def _passes_seen(monkeypatch) -> dict[str, set[str]]:  # noqa: ANN001
+    """The names of the threads that compare buckets, encode frames and apply them, as they run."""
+    seen: dict[str, set[str]] = {"compare": set(), "encode": set(), "apply": set()}
+
+    def noting(kind: str, real):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            seen[kind].add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(publisher_module, "compare", noting("compare", publisher_module.compare))
+    monkeypatch.setattr(stream_module, "encode_span", noting("encode", stream_module.encode_span))
+    monkeypatch.setattr(stream_module, "apply", noting("apply", stream_module.apply))
+    return seen
+
+
+def test_a_stream_broken_off_by_any_error_is_not_read_as_the_next_reply(monkeypatch):
+    """Something other than a `WeightSyncError` (an apply thread that could not start, say)
+    breaks off version 2's delta stream after its first frame: the tcp connection, whose unread
+    frames would be taken for the retry's reply, is dropped; the pull fails with
+    `WeightSyncError`, the tensors stay on version 1, and the retry lands version 2 exact."""
+    real = tcp_module.receive_frames
+    broken = []
+
+    def breaking(recv, *rest):  # noqa: ANN001, ANN002, ANN202
+        def failing(view: memoryview) -> None:
+            if len(view) > 64 and not broken:  # the first payload
+                broken.append(len(view))
+                raise RuntimeError("can't start new thread")
+            recv(view)
+
+        return real(failing, *rest)
+
+    monkeypatch.setattr(tcp_module, "receive_frames", breaking)
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
+        WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
+    ):
+        pub.publish(weights(1), 1)
+        sub.wait(1, timeout=30)
+        pub.publish(weights(2), 2)  # dense: its delta stream is WHOLE frames, bucket after bucket
+        with pytest.raises(WeightSyncError, match="can't start new thread"):
+            sub.wait(2, timeout=30)
+        assert broken and sub.version == 1
+        sub.wait(2, timeout=30)
+        expected = weights(2)
+        assert all(torch.equal(mine[n], expected[n]) for n in expected)
+
+
+def test_a_bad_thread_count_fails_the_construction_with_deltas_on_only(monkeypatch):
+    """A malformed `SLUICE_DELTA_THREADS` is a `SchemaError` when a publisher with deltas on
+    or a subscriber whose transport takes deltas is built, not at its first pull; without
+    deltas it is not read."""
+    monkeypatch.setenv("SLUICE_DELTA_THREADS", "abc")
+    with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto")
+    with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
+        WeightSubscriber(None, zeros(), transport="tcp", publisher="127.0.0.1:1")
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub:
+        assert not pub.delta

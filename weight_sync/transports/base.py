@@ -71,14 +71,21 @@ class Job:
     applied to a copy of it in the buffer `into` gives; the same buffer: in place)."""
     received: int = 0
     """Set by streaming transports: the bytes the stream carried (frames or whole reads)."""
+    delta_threads: int = 1
+    """Threads a streaming transport applies a delta's frames on (`delta.threads()`, read
+    once when the subscriber was built)."""
 
 
 class StagedChanges(Protocol):
     """The changes of a staged version against its base, bucket by bucket as the publisher's
-    compare thread finds them (`publisher._StagedDelta`)."""
+    compare threads find them, in any order (`publisher._StagedDelta`)."""
 
     version: int
     base: int
+
+    def ready(self, bucket: int) -> bool:
+        """Whether `changes(bucket)` would return (or raise) at once."""
+        ...
 
     def changes(self, bucket: int, timeout: float) -> Changes | None:
         """Bucket `bucket`'s changes (None: dense, send it whole), waiting for the compare;

@@ -14,9 +14,14 @@ it received (`FrameLog`) and forwards them to a `RelayPull` against the same bas
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -170,23 +175,57 @@ def contiguous_span(read: Read) -> tuple[int, int] | None:
     return start, start + read.nbytes
 
 
+_INLINE = 64 << 10
+"""A bucket with fewer changed bytes than this is encoded on the stream's own thread, and a
+GAPS frame with a shorter payload is applied there: handing them to a pool would cost about
+as much as the work."""
+
+
 def delta_frames(
     slot: torch.Tensor,
     span: tuple[int, int],
     changes_of: Callable[[int], Changes | None],
     bucket_bytes: int,
     base: int,
+    encoder: Executor | None = None,
+    ahead: int = 1,
+    ready: Callable[[int], bool] = lambda k: True,
 ) -> Iterator[memoryview]:
     """Frames for bytes [start, stop) of `slot` against version `base`: a header and payload
     per staging bucket the span touches; `changes_of(k)` gives bucket k's changes (None:
-    whole), waiting for them if need be."""
+    whole), waiting for them if need be. With an `encoder` pool, buckets with changes worth
+    it are encoded there, up to `ahead` of them while the earlier frames are sent; while the
+    next bucket's changes are not `ready(k)` (a non-blocking look), the oldest encoded frames
+    are sent instead of waiting for them with the link idle."""
     start, stop = span
-    for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
-        lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
-        at = k * bucket_bytes
-        frame, payload = encode_span(changes_of(k), lo - at, hi - at, base)
+    pending: deque[tuple[Future[tuple[Frame, torch.Tensor | None]], int, int]] = deque()
+
+    def send(job: Future[tuple[Frame, torch.Tensor | None]], lo: int, hi: int) -> Iterator[memoryview]:
+        frame, payload = job.result()
         yield memoryview(frame.pack())
         yield as_bytes(slot[lo:hi] if payload is None else payload)
+
+    try:
+        for k in range(start // bucket_bytes, -(-stop // bucket_bytes)):
+            while pending and not ready(k):
+                yield from send(*pending.popleft())
+            lo, hi = max(start, k * bucket_bytes), min(stop, (k + 1) * bucket_bytes)
+            at = k * bucket_bytes
+            changes = changes_of(k)
+            encode = functools.partial(encode_span, changes, lo - at, hi - at, base)
+            job: Future[tuple[Frame, torch.Tensor | None]] = Future()
+            if encoder is None or changes is None or changes.count < _INLINE:
+                job.set_result(encode())
+            else:
+                job = encoder.submit(encode)
+            pending.append((job, lo, hi))
+            while pending and (len(pending) > ahead or pending[0][0].done()):
+                yield from send(*pending.popleft())
+        while pending:
+            yield from send(*pending.popleft())
+    finally:  # the stream ended early: drop the encodes not yet started
+        for job, _, _ in pending:
+            job.cancel()
 
 
 def whole_frames(slot: torch.Tensor, read: Read, scratch: Scratch, base: int) -> Iterator[memoryview]:
@@ -208,6 +247,77 @@ class FrameLog:
         self.frames: list[tuple[Frame, torch.Tensor | None]] = []
 
 
+@dataclass
+class _Applied:
+    """A received frame on its way into the buffer: what the stream's log keeps of it, the
+    buffer byte it completes, and whether its apply ended."""
+
+    frame: Frame
+    payload: torch.Tensor | None
+    end: int
+    applied: bool = False
+
+
+class _InOrder:
+    """Reports a stream's frames in stream order as their applies end, on whichever thread
+    ends one (the receiving thread or an apply thread): each is logged, then `progress` is
+    called with the byte it completes, once it and every frame before it are applied. The
+    first failure (a bad frame, or `progress` raising) stops all reporting after it."""
+
+    def __init__(self, progress: Callable[[int], None], log: FrameLog | None, bound: int) -> None:
+        self.progress = progress
+        self.log = log
+        self.bound = bound
+        self.frames: deque[_Applied] = deque()
+        self.failure: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def add(self, frame: Frame, payload: torch.Tensor | None, end: int) -> _Applied:
+        """A received frame, before its apply starts; waits while `bound` frames are not yet
+        reported (their payloads are held), and raises the first failure."""
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.frames) < self.bound or self.failure is not None)
+            self.check()
+            entry = _Applied(frame, payload, end)
+            self.frames.append(entry)
+            return entry
+
+    def done(self, entry: _Applied, job: Future[None] | None = None) -> None:
+        """`entry`'s apply ended (`job`: on the pool, maybe with an error)."""
+        with self.cond:
+            try:
+                if job is not None:
+                    job.result()  # its error, or CancelledError once the pull failed
+                entry.applied = True
+                while self.failure is None and self.frames and self.frames[0].applied:
+                    oldest = self.frames.popleft()
+                    if self.log is not None:
+                        self.log.frames.append((oldest.frame, oldest.payload))
+                    self.progress(oldest.end)
+            except BaseException as exc:  # noqa: BLE001 - kept for the receiving thread to raise
+                if self.failure is None:
+                    self.failure = exc
+            finally:
+                self.cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The receiving thread failed: nothing more is reported."""
+        with self.cond:
+            if self.failure is None:
+                self.failure = exc
+
+    def check(self) -> None:
+        """Raise the first failure, if any (the caller holds `cond` or is the only thread)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def drain(self) -> None:
+        """Wait until every frame is reported; raises the first failure."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.frames or self.failure is not None)
+            self.check()
+
+
 def receive_frames(
     recv: Callable[[memoryview], None],
     buffer: torch.Tensor,
@@ -216,37 +326,70 @@ def receive_frames(
     base: int,
     progress: Callable[[int], None],
     log: FrameLog | None = None,
+    workers: int = 1,
 ) -> int:
     """Apply a delta stream to `buffer` (uint8, holding version `base` of these reads at
     `offsets`): `recv(view)` fills `view` from the stream; `progress(n)` once bytes [0, n) of
     the buffer hold the new version, each frame having been added to `log` before. Returns
     the bytes the stream carried.
 
+    With `workers` > 1 (`delta.threads()`, read by the subscriber when it was built), GAPS
+    frames are applied on a pool of that many threads while this thread receives the next
+    ones (each checks its own payload and base before writing its span, which no other frame
+    touches). Frames are logged and reported in stream order as soon as their applies end, by
+    the thread that ends one (so `progress` and `log` must be safe to call from any thread).
+    At most `2 * workers + 1` frames are received and not yet reported, so a stream holds at
+    most that many payloads plus the one being received. With 1, everything runs on this
+    thread, each frame reported as it is applied.
+
     Raises:
-        WeightSyncError: a frame is malformed, corrupt or meant for another base (the buffer
-            is then part new, part base: the caller discards it).
+        WeightSyncError: a frame is malformed, corrupt or meant for another base, or an apply
+            thread could not be started (the buffer is then part new, part base: the caller
+            discards it). Nothing is reported past the frame before it, and no apply is
+            still running when it is raised. Whatever `recv` or `progress` raise is raised
+            as it is, also with no apply running.
     """
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-apply") if workers > 1 else None
+    order = _InOrder(progress, log, 2 * workers + 1)
     head = bytearray(HEADER.size)
     carried = 0
-    for read, offset in zip(reads, offsets):
-        covered = 0
-        while covered < read.nbytes:
-            recv(memoryview(head))
-            frame = Frame.unpack(head)
-            if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
-                raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
-            target = buffer[offset + covered : offset + covered + frame.span]
-            payload = None
-            if frame.kind == WHOLE:
-                recv(as_bytes(target))
-            else:
-                assert frame.kind == GAPS
-                payload = torch.empty(frame.payload, dtype=torch.uint8)
-                recv(as_bytes(payload))
-                apply(frame, payload, target)
-            if log is not None:
-                log.frames.append((frame, payload))
-            carried += HEADER.size + frame.payload
-            covered += frame.span
-            progress(offset + covered)
+    try:
+        for read, offset in zip(reads, offsets):
+            covered = 0
+            while covered < read.nbytes:
+                recv(memoryview(head))
+                frame = Frame.unpack(head)
+                if frame.span <= 0 or covered + frame.span > read.nbytes or frame.base != base:
+                    raise WeightSyncError(f"delta frame {frame} does not fit this pull (base {base})")
+                target = buffer[offset + covered : offset + covered + frame.span]
+                payload = None
+                if frame.kind == WHOLE:
+                    recv(as_bytes(target))
+                else:
+                    assert frame.kind == GAPS
+                    payload = torch.empty(frame.payload, dtype=torch.uint8)
+                    recv(as_bytes(payload))
+                carried += HEADER.size + frame.payload
+                covered += frame.span
+                entry = order.add(frame, payload, offset + covered)
+                if payload is None:
+                    order.done(entry)
+                elif pool is None or frame.payload < _INLINE:
+                    apply(frame, payload, target)
+                    order.done(entry)
+                else:
+                    try:
+                        job = pool.submit(apply, frame, payload, target)
+                    except RuntimeError as exc:  # "can't start new thread": a pids or memory limit
+                        raise WeightSyncError(f"no thread to apply a delta frame on: {exc}") from exc
+                    job.add_done_callback(functools.partial(order.done, entry))
+                with order.cond:
+                    order.check()
+        order.drain()
+    except BaseException as exc:
+        order.fail(exc)
+        raise
+    finally:
+        if pool is not None:  # on a failure: the queued applies are dropped, the running ones end
+            pool.shutdown(wait=True, cancel_futures=True)
     return carried

@@ -189,6 +189,14 @@ class TcpTransport(Transport):
     # -- receiving -----------------------------------------------------------------------
 
     def receive(self, job: Job) -> torch.Tensor:
+        """Pull `job`'s reads (whole, or a delta against `job.base`) over this rank's (or
+        relay's) connection, opened on first use.
+
+        Raises:
+            WeightSyncError: the request was refused or the stream failed, whatever the cause
+                (the connection is then dropped: its unread bytes would be taken for the
+                next reply).
+        """
         grant = job.grant
         assert grant is not None  # a subscriber leases the slot before a "reads" transport reads it
         request: Pull | RelayPull
@@ -211,7 +219,14 @@ class TcpTransport(Transport):
             into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
             if request.base >= 0:
                 job.received = receive_frames(
-                    lambda view: _recv_exact(sock, view), into, job.reads, job.offsets, job.base, job.progress, job.log
+                    lambda view: _recv_exact(sock, view),
+                    into,
+                    job.reads,
+                    job.offsets,
+                    job.base,
+                    job.progress,
+                    job.log,
+                    job.delta_threads,
                 )
                 return into
             buf = as_bytes(into)
@@ -219,11 +234,13 @@ class TcpTransport(Transport):
                 _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)
                 job.progress(offset + read.nbytes)
             job.received = sum(read.nbytes for read in job.reads)
-        except (OSError, WeightSyncError) as exc:
+        except Exception as exc:
+            # whatever broke off the stream (a bad frame, a lost peer, an apply thread that
+            # could not start) left its unread bytes in the socket: the next request needs a new one
             self._drop(endpoint)
             if isinstance(exc, WeightSyncError):
                 raise
-            raise WeightSyncError(f"tcp stream from {endpoint} failed: {exc}") from exc
+            raise WeightSyncError(f"tcp stream from {endpoint} failed: {exc!r}") from exc
         return into
 
     def _peer(self, endpoint: str) -> socket.socket:

@@ -360,6 +360,7 @@ class UcxTransport(Transport):
                 job.base,
                 job.progress,
                 job.log,
+                job.delta_threads,
             )
         except WeightSyncError:
             self._run(self._drop(job.endpoint))
