@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import weight_sync.publisher as publisher_module
+import weight_sync.transports.base as job_module  # where a Job applies its delta stream
 import weight_sync.transports.stream as stream_module
-import weight_sync.transports.tcp as tcp_module
 from tests.helpers import eventually
 from transfer_queue import SchemaError, WeightSyncError
 from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
@@ -159,7 +159,7 @@ def test_a_subscriber_whose_base_differs_refuses_the_delta_then_takes_the_whole_
 
 def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(monkeypatch):
     """One payload byte of the first delta frame flips on the way (a faulty NIC or relay)."""
-    real = tcp_module.receive_frames
+    real = job_module.receive_frames
     flipped = []
 
     def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
@@ -171,7 +171,7 @@ def test_a_delta_corrupted_in_transit_is_refused_then_the_whole_version_lands(mo
 
         return real(corrupting, *rest)
 
-    monkeypatch.setattr(tcp_module, "receive_frames", flipping)
+    monkeypatch.setattr(job_module, "receive_frames", flipping)
     with (
         WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
         WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,
@@ -193,7 +193,7 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
     monkeypatch.setenv("SLUICE_DELTA_THREADS", "3")
     monkeypatch.setattr(stream_module, "_INLINE", 0)
     seen = _passes_seen(monkeypatch)
-    real = tcp_module.receive_frames
+    real = job_module.receive_frames
     payloads = []
 
     def flipping(recv, *rest):  # noqa: ANN001, ANN002, ANN202
@@ -206,7 +206,7 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
 
         return real(corrupting, *rest)
 
-    monkeypatch.setattr(tcp_module, "receive_frames", flipping)
+    monkeypatch.setattr(job_module, "receive_frames", flipping)
     flip = False
     with (
         WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True) as pub,
@@ -298,7 +298,7 @@ def test_a_stream_broken_off_by_any_error_is_not_read_as_the_next_reply(monkeypa
     breaks off version 2's delta stream after its first frame: the tcp connection, whose unread
     frames would be taken for the retry's reply, is dropped; the pull fails with
     `WeightSyncError`, the tensors stay on version 1, and the retry lands version 2 exact."""
-    real = tcp_module.receive_frames
+    real = job_module.receive_frames
     broken = []
 
     def breaking(recv, *rest):  # noqa: ANN001, ANN002, ANN202
@@ -310,7 +310,7 @@ def test_a_stream_broken_off_by_any_error_is_not_read_as_the_next_reply(monkeypa
 
         return real(failing, *rest)
 
-    monkeypatch.setattr(tcp_module, "receive_frames", breaking)
+    monkeypatch.setattr(job_module, "receive_frames", breaking)
     with (
         WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto") as pub,
         WeightSubscriber(None, mine := zeros(), transport="tcp", publisher=pub.endpoint) as sub,

@@ -31,7 +31,7 @@ from transfer_queue import WeightSyncError
 from ..delta import Changes
 from ..plan import Read
 from ..protocol import Granted, Pull, RelayPull, SlotInfo
-from .stream import FrameLog
+from .stream import FrameLog, receive_frames
 
 __all__ = ["Transport", "MapTransport", "Mode", "Job", "Source", "StagedChanges", "register", "get", "names"]
 
@@ -74,6 +74,24 @@ class Job:
     delta_threads: int = 1
     """Threads a streaming transport applies a delta's frames on (`delta.threads()`, read
     once when the subscriber was built)."""
+
+    def buffer(self) -> torch.Tensor:
+        """The subscriber's buffer for every read of this job (`into`, sized to the last read's end)."""
+        return self.into(self.offsets[-1] + self.reads[-1].nbytes if self.reads else 0)
+
+    def receive_delta(self, recv: Callable[[memoryview], None]) -> torch.Tensor:
+        """Apply the delta stream `recv` reads (`stream.receive_frames`) to this job's buffer,
+        which holds version `base` of its reads; returns the buffer, `received` set.
+
+        Raises:
+            WeightSyncError: a frame is malformed, corrupt or meant for another base (the
+                buffer is then part new, part base: discard it).
+        """
+        into = self.buffer()
+        self.received = receive_frames(
+            recv, into, self.reads, self.offsets, self.base, self.progress, self.log, self.delta_threads
+        )
+        return into
 
 
 class StagedChanges(Protocol):

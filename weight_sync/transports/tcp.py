@@ -30,7 +30,7 @@ from transfer_queue.wire.rpc import Credentials
 from ..protocol import Pull, RelayPull
 from . import handshake
 from .base import Job, Source, Transport, register
-from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, receive_frames, status_header
+from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, status_header
 
 __all__ = ["TcpTransport"]
 
@@ -216,19 +216,9 @@ class TcpTransport(Transport):
                 text = bytearray(length)
                 _recv_exact(sock, memoryview(text))
                 raise_status(bytes(text))
-            into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
             if request.base >= 0:
-                job.received = receive_frames(
-                    lambda view: _recv_exact(sock, view),
-                    into,
-                    job.reads,
-                    job.offsets,
-                    job.base,
-                    job.progress,
-                    job.log,
-                    job.delta_threads,
-                )
-                return into
+                return job.receive_delta(lambda view: _recv_exact(sock, view))
+            into = job.buffer()
             buf = as_bytes(into)
             for read, offset in zip(job.reads, job.offsets):
                 _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)

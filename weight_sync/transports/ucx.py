@@ -58,7 +58,6 @@ from .stream import (
     encode_request,
     raise_status,
     read_chunks,
-    receive_frames,
     status_header,
 )
 
@@ -349,18 +348,10 @@ class UcxTransport(Transport):
         request = Pull(grant.lease, job.version, job.reads, job.base)
         if job.base < 0:
             return self._run(self._pull(job, request))
-        into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
         try:
             ep = self._run(self._request_frames(job, request))
-            job.received = receive_frames(
-                lambda view: self._run(_bounded(ep.recv(np.frombuffer(view, dtype=np.uint8)), job)),
-                into,
-                job.reads,
-                job.offsets,
-                job.base,
-                job.progress,
-                job.log,
-                job.delta_threads,
+            into = job.receive_delta(
+                lambda view: self._run(_bounded(ep.recv(np.frombuffer(view, dtype=np.uint8)), job))
             )
         except WeightSyncError:
             self._run(self._drop(job.endpoint))
@@ -393,7 +384,7 @@ class UcxTransport(Transport):
     async def _pull(self, job: Job, request: Pull | RelayPull) -> torch.Tensor:
         try:
             ep = await self._send_request(job, request)
-            into = job.into(job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0)
+            into = job.buffer()
             await self._receive_pieces(ep, job, into.numpy())
             return into
         except WeightSyncError:
