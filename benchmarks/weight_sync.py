@@ -147,6 +147,9 @@ def worker(conn) -> None:  # noqa: ANN001
             gc.collect()
             targets = _zeros(args[0])
             conn.send("ok")
+        elif cmd == "to":  # (device,): the held tensors move there (a GPU rollout engine's weights)
+            targets = {n: t.to(args[0]) for n, t in targets.items()}
+            conn.send("ok")
         elif cmd == "threads":  # (SLUICE_DELTA_THREADS or "", torch's threads) for the next sessions
             delta, copies = args
             os.environ.pop("SLUICE_DELTA_THREADS", None)

@@ -41,6 +41,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --steps 4
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda --subscriber-device cuda   # GPU to GPU
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --transport torch   # gloo broadcast
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6 --subscribers 1 --steps 4 --copy-threads 8
@@ -124,7 +125,7 @@ def run(
     transport: str = "tcp",
     threads: str = "",
 ) -> dict:
-    """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (host
+    """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (their
     tensors) over `transport` ("tcp", or "torch": a gloo broadcast), alternating whole and
     delta versions, the delta's compare, encode and apply spread over `threads` threads per
     process ("": the default, `weight_sync.delta.threads`); returns per-version records."""
@@ -374,6 +375,12 @@ def main() -> None:
         help="where the trainer's weights live (cuda: compared there)",
     )
     parser.add_argument(
+        "--subscriber-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the subscribers' tensors live (cuda: a GPU rollout engine's; the version is applied host to device)",
+    )
+    parser.add_argument(
         "--transport", default="tcp", choices=["tcp", "torch"], help="tcp pulls, or torch: a gloo broadcast"
     )
     parser.add_argument(
@@ -434,6 +441,9 @@ def main() -> None:
     try:
         for size in args.sizes.split(","):
             workers.hold(llama_shapes(size), max(counts))
+            if args.subscriber_device != "cpu":
+                workers.send(max(counts), "to", args.subscriber_device)
+                assert workers.recv(max(counts)) == ["ok"] * max(counts)
             for n in counts:
                 for lr in (float(x) for x in args.lrs.split(",")):
                     for threads in args.threads.split(","):
@@ -441,13 +451,16 @@ def main() -> None:
                         records.append(record)
                         rows.append(summarize(record))
                         print_table(
-                            f"delta weight sync over {args.transport}, {args.device} weights (so far)",
+                            f"delta weight sync over {args.transport}, {args.device} weights -> {args.subscriber_device} (so far)",
                             HEADER,
                             rows[-1:],
                         )
     finally:
         workers.close()
-    title = f"delta weight sync over {args.transport}, {args.device} weights: medians per learning rate"
+    title = (
+        f"delta weight sync over {args.transport}, {args.device} weights -> {args.subscriber_device}: "
+        "medians per learning rate"
+    )
     print_table(title, HEADER, rows)
     print("wrote", write_record("weight_sync_delta", {"args": vars(args), "runs": records}))
 
