@@ -7,6 +7,8 @@ import glob
 import multiprocessing as mp
 import time
 
+from tests.helpers import eventually
+
 from .workers import kill, publisher, subscriber
 
 CTX = mp.get_context("forkserver")
@@ -113,3 +115,16 @@ def check(summary: dict, final: int) -> None:
 
 def no_segments_left() -> None:
     assert not glob.glob("/dev/shm/*sluice*weights*")
+
+
+def counted(pub, version: int, pulls: int) -> dict:  # noqa: ANN001 - a WeightPublisher
+    """The publisher's stats by version, once it has counted `pulls` pulls (delta or whole) of
+    `version`: a pull is counted when its stream ends on the publisher's side, which can be
+    just after the subscriber has received it all and returned from `wait`."""
+
+    def look() -> dict | None:
+        stats = {s.version: s for s in pub.stats()}
+        got = stats.get(version)
+        return stats if got is not None and got.delta_pulls + got.whole_pulls >= pulls else None
+
+    return eventually(look, 30, f"{pulls} pulls of version {version} counted")

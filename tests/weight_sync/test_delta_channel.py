@@ -21,7 +21,7 @@ from transfer_queue import SchemaError, WeightSyncError
 from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.transports.tcp import TcpTransport
 
-from .harness import Subscribers, check, publisher_killed_mid_version
+from .harness import Subscribers, check, counted, publisher_killed_mid_version
 from .workers import BUCKET, local_targets, sparse_weights, weights, zeros
 
 
@@ -39,7 +39,7 @@ def test_sparse_versions_cross_as_deltas_and_land_exact():
         for version in range(1, 6):
             pub.publish(sparse_weights(version), version)
             subs.wait_applied(version)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 5, 2)
         assert stats[1].whole_pulls == 2 and stats[1].delta_pulls == 0
         for version in range(2, 6):
             assert stats[version].delta_pulls == 2 and stats[version].whole_pulls == 0, stats[version]
@@ -74,7 +74,7 @@ def test_a_tensor_parallel_subscriber_takes_deltas_exact():
             sub.wait(version)
             expected = local_targets(1, 2, version, sparse_weights)
             assert all(torch.equal(mine[n].view(torch.int16), expected[n].view(torch.int16)) for n in expected)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 4, 1)
     for version in (2, 3, 4):
         assert stats[version].delta_pulls == 1 and stats[version].sent * 3 < stats[version].requested, stats[version]
 
@@ -90,7 +90,7 @@ def test_relays_forward_deltas_down_a_chain():
         for version in range(1, 5):
             pub.publish(sparse_weights(version), version)
             subs.wait_applied(version)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 4, 1)
         for version in (2, 3, 4):
             assert stats[version].delta_pulls == 1 and stats[version].whole_pulls == 0, stats[version]
         summaries = subs.finish().values()
@@ -122,7 +122,7 @@ def test_a_subscriber_that_missed_versions_gets_the_whole_version():
         subs.wait_applied(4)
         pub.publish(sparse_weights(5), 5)
         subs.wait_applied(5)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 5, 1)
         assert stats[4].whole_pulls >= 1 and stats[4].delta_pulls == 0, stats[4]
         assert stats[5].delta_pulls == 1 and stats[5].whole_pulls == 0, stats[5]
         (summary,) = subs.finish().values()
@@ -153,7 +153,7 @@ def test_a_subscriber_whose_base_differs_refuses_the_delta_then_takes_the_whole_
         assert sub.version == 1 and _exact(mine, 1)
         sub.wait(2, timeout=30)
         assert _exact(mine, 2)
-        (stats,) = [s for s in pub.stats() if s.version == 2]
+        stats = counted(pub, 2, 2)[2]
         assert stats.delta_pulls == 1 and stats.whole_pulls == 1
 
 
@@ -223,7 +223,7 @@ def test_deltas_compared_encoded_and_applied_on_pools_land_exact(monkeypatch):
         assert len(payloads) >= 3 and sub.version == 4 and _exact(mine, 4)
         sub.wait(5, timeout=30)
         assert _exact(mine, 5)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 5, 1)
         assert all(stats[v].delta_pulls == 1 for v in (2, 3, 4)), stats
     left = [t.name for t in threading.enumerate() if t.name.startswith(("sluice-ws-compare", "sluice-ws-encode"))]
     assert not left and not [t for t in threading.enumerate() if t.name.startswith("sluice-ws-apply")]
@@ -249,7 +249,7 @@ def test_a_relay_forwards_deltas_applied_on_pools_in_order(monkeypatch):
             near.wait(version, timeout=30)
             far.wait(version, timeout=30)
             assert _exact(first, version) and _exact(second, version)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 4, 1)
         for version in (2, 3, 4):
             assert stats[version].delta_pulls == 1 and stats[version].whole_pulls == 0, stats[version]
         assert all(0 < sub.last_received[0] * 5 < stats[4].requested for sub in (near, far))

@@ -15,7 +15,7 @@ from transfer_queue import WeightSyncError
 from weight_sync import UcxTransport, WeightPublisher, WeightSubscriber
 from weight_sync.transports import ucx
 
-from .harness import Subscribers, check
+from .harness import Subscribers, check, counted
 from .workers import BUCKET, sparse_weights, weights, zeros
 
 pytestmark = pytest.mark.skipif(not UcxTransport.is_available(), reason="ucxx is not installed")
@@ -72,7 +72,7 @@ def test_sparse_versions_cross_ucx_as_deltas_and_land_exact():
         for version in range(1, 5):
             pub.publish(sparse_weights(version), version)
             subs.wait_applied(version)
-        stats = {s.version: s for s in pub.stats()}
+        stats = counted(pub, 4, 2)
         for version in (2, 3, 4):
             assert stats[version].delta_pulls == 2 and stats[version].whole_pulls == 0, stats[version]
             assert stats[version].sent * 5 < stats[version].requested, stats[version]
@@ -103,7 +103,7 @@ def test_a_ucx_delta_on_a_damaged_base_is_refused_then_the_whole_version_lands()
         assert sub.version == 1 and all(torch.equal(mine[n], expected[1][n]) for n in mine)
         sub.wait(2, timeout=30)
         assert all(torch.equal(mine[n], expected[2][n]) for n in mine)
-        (stats,) = [s for s in pub.stats() if s.version == 2]
+        stats = counted(pub, 2, 2)[2]
         assert stats.delta_pulls == 1 and stats.whole_pulls == 1, stats
 
 
