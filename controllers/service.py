@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from transfer_queue.host import give_back_freed_memory
+from transfer_queue.host import give_back_freed_memory, host_id
 from transfer_queue.wire.errors import (
     SchemaError,
     SealedError,
@@ -92,7 +92,7 @@ class Controller(Service):
         secret: str | None = None,
         credentials: Credentials | None = None,
     ):
-        super().__init__(Codec(ControllerRequest), bind, credentials=credentials)
+        super().__init__(Codec(ControllerRequest), bind, credentials=credentials, local=True)
         self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
@@ -173,7 +173,7 @@ class Controller(Service):
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
-        return HelloReply(self.cluster_id, self.config, units, self.clock.current)
+        return HelloReply(self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint)
 
     # -- consumers ---------------------------------------------------------------------
 

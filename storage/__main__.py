@@ -47,7 +47,14 @@ async def register(
 ) -> None:
     """Send `RegisterUnit` (with the cluster `secret`) to the controller and wait for its `Ok`,
     then keep the channel for the unit's reports of put writes; `StartupError` otherwise."""
-    info = UnitInfo(unit.unit_id, reachable(unit.address, controller), unit.arena.capacity, unit.arena.path, host_id())
+    info = UnitInfo(
+        unit.unit_id,
+        reachable(unit.address, controller),
+        unit.arena.capacity,
+        unit.arena.path,
+        host_id(),
+        unit.local_endpoint,
+    )
     channel = AsyncChannel(
         controller,
         Codec(Reply),

@@ -83,7 +83,7 @@ class StorageUnit(Service):
         self.unit_id = unit_id
         self.arena = Arena.create(cluster_id, unit_id, capacity)
         try:
-            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials)
+            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials, local=True)
         except BaseException:
             self.arena.close()
             raise

@@ -129,8 +129,16 @@ class ClientCore(ControlCore):
         reply = yield from self.one(CONTROLLER, Hello(), HelloReply)
         self.config, self.cluster_id = reply.config, reply.cluster_id
         self.units = {u.unit_id: u for u in reply.units}
+        self._find_lanes(reply)
         self._map_arenas()
         return reply
+
+    def _find_lanes(self, reply: HelloReply) -> None:
+        """Note the local lanes of the services on this host (`lanes`)."""
+        me = host_id()
+        self.lanes = {u.address: u.local for u in reply.units if u.local and u.host_id == me}
+        if reply.local and reply.host_id == me:
+            self.lanes[self.address] = reply.local
 
     def _map_arenas(self) -> None:
         if self.use_shm is False:

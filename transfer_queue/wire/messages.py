@@ -107,6 +107,8 @@ class UnitInfo(msgspec.Struct, frozen=True):
     capacity: int
     shm_path: str = ""
     host_id: str = ""
+    local: str = ""
+    """The unit's local lane (`rpc.Service.local_endpoint`), for clients on host `host_id`."""
 
 
 class RowInfo(msgspec.Struct, frozen=True):
@@ -432,6 +434,10 @@ class HelloReply(_Msg, tag="hello_reply", frozen=True):
     config: ClusterConfig
     units: list[UnitInfo]
     version: int
+    host_id: str = ""
+    """The controller's host (`transfer_queue.host.host_id`)."""
+    local: str = ""
+    """The controller's local lane (`rpc.Service.local_endpoint`), for clients on `host_id`."""
 
 
 class PutPlan(_Msg, tag="put_plan", frozen=True):

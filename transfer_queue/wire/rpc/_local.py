@@ -1,20 +1,26 @@
-"""The local lane: a `ThreadService`'s second way in, for clients on its own host.
+"""The local lane: a service's second way in, for clients on its own host.
 
 Over ZeroMQ a message wakes three threads on its way: the sender's ZeroMQ I/O thread, the
-receiver's, and the thread that reads it. A Unix stream socket that the service thread polls
-itself, and that its client reads itself, wakes one (the reader). `ThreadService(local=True)` listens on one (`Lane`)
-and serves what arrives there exactly as what arrives on its ROUTER; `LocalChannel` is the
-client: the blocking `Channel`'s `send`, `post`, `reply`, `call` and `close`, over that socket.
+receiver's, and the thread that reads it. A Unix stream socket that the service's own thread or
+event loop reads, and that its client reads itself, wakes one (the reader). A `ThreadService`
+(`local=True`) polls one in its thread and an asyncio `Service` (`local=True`) in its loop
+(`Lane`, the listening side both drive); each serves what arrives there exactly as what arrives
+on its ROUTER. `LocalChannel` is the blocking client (`Channel`'s calls over that socket),
+`AsyncLocalChannel` the asyncio one (`AsyncChannel`'s).
 
-Framing: each message is `u32 prefix length, u32 body length, prefix, body` (the kernel's prefix
-and body frames; the lane carries no data frames). The address lives in Linux's abstract
-namespace (no file to remove; it goes with the process). Only processes of the service's own
-user are admitted (the kernel's `SO_PEERCRED` of the connecting process): they may read the
-service process's memory anyway, so CurveZMQ would protect nothing more on this lane.
+Framing: each message is `u32 prefix length, u32 body length, u32 data frame count, u64 length
+of each data frame, prefix, body, data frames` (the kernel's frames, in ZeroMQ's order). The
+address lives in Linux's abstract namespace (no file to remove; it goes with the process).
+Only processes of one user meet on a lane: the service admits a connection only from a process
+of its own user, and a client talks only to a listener of its own user (the kernel's
+`SO_PEERCRED` of the other end, either way; an abstract name can be taken by anyone, so the
+client's check is what keeps another user's process from posing as the service). Such a peer
+may read the other's memory anyway, so CurveZMQ would protect nothing more on this lane.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import secrets
@@ -23,17 +29,25 @@ import socket
 import struct
 import sys
 import time
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProtocolError, ServiceError, SluiceError, error_from_code
 from ..errors import TimeoutError as LateError
-from ._codec import GRACE, MAX_BODY_BYTES, Codec, ErrorReply, Message, log
+from ._codec import DEAD_AFTER, GRACE, MAX_BODY_BYTES, MAX_DATA_FRAMES, Cancel, Codec, ErrorReply, Message, Ping, log
+from ._peer import _Liveness
 
-__all__ = ["Lane", "LocalChannel", "supported"]
+__all__ = ["Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
 
-_HEAD = struct.Struct("<II")
+_HEAD = struct.Struct("<III")
+_LEN = struct.Struct("<Q")
 _PREFIX = "local:"
 _CRED = struct.Struct("3i")  # pid, uid, gid
+_CHUNK = 1 << 18
+_QUEUED_MAX = 1 << 30
+"""Reply bytes a service keeps queued for one lane peer that reads them slower than they come;
+a peer beyond it stopped reading and is cut off (ZeroMQ's ROUTER would drop its replies)."""
 
 
 def supported() -> bool:
@@ -47,54 +61,87 @@ def _address(endpoint: str) -> str:
     return "\0" + endpoint[len(_PREFIX) :]
 
 
+def _same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of `sock` runs as this process's user."""
+    _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return uid == os.geteuid()
+
+
 class _Reader:
-    """Whole messages out of a byte stream: append what arrived to `buf`, then take `messages()`."""
+    """Whole messages out of a byte stream: append what arrived to `buf`, then take `messages()`.
+    A data frame longer than `max_frame` bytes (> 0), more than `MAX_DATA_FRAMES` of them or a
+    body beyond `MAX_BODY_BYTES` is refused before it is buffered whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame: int = -1) -> None:
         self.buf = bytearray()
+        self.max_frame = max_frame
 
-    def messages(self) -> list[list[bytes]]:
-        """The complete messages received so far, each as [prefix, body].
+    def messages(self) -> list[list[Any]]:
+        """The complete messages received so far, each as [prefix, body, data frames...] (each
+        data frame a writable bytearray of its own).
 
         Raises:
-            ProtocolError: a message announces more than `MAX_BODY_BYTES`.
+            ProtocolError: a message exceeds the limits above.
         """
-        out = []
-        while len(self.buf) >= _HEAD.size:
-            head, body = _HEAD.unpack_from(self.buf)
+        out: list[list[Any]] = []
+        buf = self.buf
+        at = 0
+        while len(buf) - at >= _HEAD.size:
+            head, body, count = _HEAD.unpack_from(buf, at)
             if head + body > MAX_BODY_BYTES + 64:
                 raise ProtocolError(f"a local message of {head + body} bytes exceeds the limit")
-            end = _HEAD.size + head + body
-            if len(self.buf) < end:
+            if count > MAX_DATA_FRAMES:
+                raise ProtocolError(f"{count} data frames exceed the limit of {MAX_DATA_FRAMES}")
+            lens_at = at + _HEAD.size
+            if len(buf) < lens_at + count * _LEN.size:
                 break
-            out.append([bytes(self.buf[_HEAD.size : _HEAD.size + head]), bytes(self.buf[_HEAD.size + head : end])])
-            del self.buf[:end]
+            sizes = [_LEN.unpack_from(buf, lens_at + i * _LEN.size)[0] for i in range(count)]
+            if self.max_frame > 0 and any(n > self.max_frame for n in sizes):
+                raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
+            pos = lens_at + count * _LEN.size
+            if len(buf) < pos + head + body + sum(sizes):
+                break
+            frames: list[Any] = [bytes(buf[pos : pos + head]), bytes(buf[pos + head : pos + head + body])]
+            pos += head + body
+            for n in sizes:
+                frames.append(buf[pos : pos + n])  # a bytearray slice: a copy of its own
+                pos += n
+            out.append(frames)
+            at = pos
+        if at:
+            del buf[:at]
         return out
 
 
-def _frame(frames: list[Any]) -> bytes:
-    prefix, body = frames
-    return _HEAD.pack(len(prefix), len(body)) + bytes(prefix) + bytes(body)
+def _frame(frames: Sequence[Any]) -> bytes:
+    prefix, body, *data = frames
+    views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in data]
+    head = _HEAD.pack(len(prefix), len(body), len(views)) + b"".join(_LEN.pack(v.nbytes) for v in views)
+    return b"".join([head, bytes(prefix), bytes(body), *views])
 
 
 class _Peer:
-    __slots__ = ("sock", "identity", "reader")
+    __slots__ = ("sock", "identity", "reader", "out")
 
-    def __init__(self, sock: socket.socket, identity: bytes):
-        self.sock, self.identity, self.reader = sock, identity, _Reader()
+    def __init__(self, sock: socket.socket, identity: bytes, max_frame: int):
+        self.sock, self.identity, self.reader = sock, identity, _Reader(max_frame)
+        self.out: deque[memoryview] = deque()  # replies not yet taken by the socket
 
 
 class Lane:
-    """The listening side, driven by its service thread: `accept` when the listener is readable,
-    `receive` when a peer is, `send` a reply to a peer, `drop` a peer."""
+    """The listening side, driven by its service's thread or event loop: `accept` when the
+    listener is readable, `receive` when a peer is, `send` a reply to a peer (what the socket
+    does not take at once stays queued: `flush` when it is writable), `drop` a peer.
+    `max_frame` (> 0) bounds each data frame received, as ZeroMQ's `MAXMSGSIZE` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame: int = -1) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"sluice-rpc-{os.getpid()}-{secrets.token_hex(8)}"
         self.listener.bind("\0" + name)
         self.listener.listen(64)
         self.listener.setblocking(False)
         self.endpoint = _PREFIX + name
+        self.max_frame = max_frame
         self.peers: dict[bytes, _Peer] = {}
         self.by_fd: dict[int, _Peer] = {}
         self.refused = 0
@@ -115,31 +162,30 @@ class Lane:
             if self.failed == 1 or self.failed % 1000 == 0:
                 log.warning("the local lane cannot accept a connection (%s; %d times)", exc, self.failed)
             return None
-        _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        if uid != os.geteuid():
+        if not _same_user(sock):
             self.refused += 1
             sock.close()
             return None
         sock.setblocking(False)
         # never a ROUTER identity (those are 5 bytes, the first zero): the two lanes share one table
-        peer = _Peer(sock, b"local/%d" % next(self._ids))
+        peer = _Peer(sock, b"local/%d" % next(self._ids), self.max_frame)
         self.peers[peer.identity] = peer
         self.by_fd[sock.fileno()] = peer
         return peer
 
-    def receive(self, peer: _Peer) -> tuple[list[list[bytes]], bool]:
+    def receive(self, peer: _Peer) -> tuple[list[list[Any]], bool]:
         """(the whole messages `peer` sent so far, whether its connection then closed or broke);
-        a closed peer is dropped here, and the caller reports it gone after serving those
-        messages (a notice sent just before closing still counts)."""
+        the caller serves those messages, then `drop`s a closed peer and reports it gone (a
+        notice sent just before closing still counts)."""
         closed = False
         try:
             while True:
-                chunk = peer.sock.recv(1 << 16)
+                chunk = peer.sock.recv(_CHUNK)
                 if not chunk:
                     closed = True
                     break
                 peer.reader.buf += chunk
-                if len(chunk) < 1 << 16:
+                if len(chunk) < _CHUNK:
                     break
         except (BlockingIOError, InterruptedError):
             pass
@@ -151,27 +197,45 @@ class Lane:
         except ProtocolError as exc:
             log.warning("local peer %r sent a malformed message (%s); closing its connection", peer.identity, exc)
             messages, closed = [], True
-        if closed:
-            self.drop(peer)
         return messages, closed
 
-    def send(self, identity: bytes, frames: list[Any]) -> None:
-        """Send a reply to `identity` (dropped if it is gone, or has stopped reading)."""
+    def send(self, identity: bytes, frames: Sequence[Any]) -> _Peer | None:
+        """Send a reply to `identity` (dropped if it is gone); the peer if part of it stays
+        queued (`flush` it when its socket is writable), else None. A peer whose queue grows
+        beyond `_QUEUED_MAX` stopped reading: its connection is cut (its end is read next)."""
         peer = self.peers.get(identity)
         if peer is None:
-            return
-        data = _frame(frames)
+            return None
+        peer.out.append(memoryview(_frame(frames)))
+        return peer if self.flush(peer) else None
+
+    def flush(self, peer: _Peer) -> bool:
+        """Send what `peer`'s socket takes of its queued replies; whether some still wait."""
+        while peer.out:
+            try:
+                sent = peer.sock.send(peer.out[0])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                peer.out.clear()  # closed: its end is read next
+                return False
+            if sent < len(peer.out[0]):
+                peer.out[0] = peer.out[0][sent:]
+                break
+            peer.out.popleft()
+        if sum(v.nbytes for v in peer.out) > _QUEUED_MAX:
+            self.cut(peer)
+            return False
+        return bool(peer.out)
+
+    def cut(self, peer: _Peer) -> None:
+        """End `peer`'s connection at once (it stopped reading its replies); its end is read next."""
+        log.warning("local peer %r stopped reading its replies; closing its connection", peer.identity)
+        peer.out.clear()
         try:
-            sent = peer.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            return  # closed: its end is read next
-        if sent < len(data):
-            # a peer whose socket buffer is full stopped reading its replies: cut it off rather
-            # than block the service thread on it or queue without bound
-            log.warning("local peer %r stopped reading its replies; closing its connection", identity)
             peer.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def drop(self, peer: _Peer) -> None:
         self.peers.pop(peer.identity, None)
@@ -184,14 +248,35 @@ class Lane:
         self.listener.close()
 
 
-class LocalChannel:
-    """A blocking request/reply channel to a `ThreadService`'s local lane at `endpoint` (its
-    `local_endpoint`), used from one thread; the `Channel` calls that a client on the service's
-    host needs. A peer that is gone or drops the connection raises `lost`, at once; no answer
-    in time raises `late`.
+def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) -> socket.socket:
+    """A connected socket to the lane at `endpoint`, whose listener runs as this user.
 
     Raises:
-        SluiceError: (`lost`) the lane cannot be reached within `connect_timeout`.
+        SluiceError: (`lost`) it cannot be reached, or another user's process listens there.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(_address(endpoint))
+        if not _same_user(sock):
+            raise PermissionError("its listener runs as another user")
+    except OSError as exc:
+        sock.close()
+        raise lost(f"{name} cannot be reached: {exc} (gone?)") from None
+    return sock
+
+
+class LocalChannel(_Liveness):
+    """A blocking request/reply channel to a service's local lane at `endpoint` (its
+    `local_endpoint`), used from one thread: `Channel`'s calls (`send`, `post`, `reply`,
+    `ready`, `call`, `cancel`, `forget`, `close`) over that socket. A peer that is gone or drops
+    the connection raises `lost` at once; one that stays silent (pings included) for
+    `dead_after` s raises `lost` too (a hung process keeps its socket open); no answer in time
+    raises `late`.
+
+    Raises:
+        SluiceError: (`lost`) the lane cannot be reached within `connect_timeout`, or another
+            user's process listens there.
     """
 
     def __init__(
@@ -200,36 +285,39 @@ class LocalChannel:
         replies: Codec,
         *,
         name: str | None = None,
+        hint: str = "",
         timeout: float = GRACE,
         connect_timeout: float = 2.0,
+        dead_after: float = DEAD_AFTER,
         lost: type[SluiceError] = ServiceError,
         late: type[SluiceError] = LateError,
     ):
-        self.endpoint = endpoint
-        self.name = name or f"the service at {endpoint}"
-        self.codec = replies
-        self.timeout = timeout
-        self.lost, self.late = lost, late
-        self.dead = False
-        self._ids = itertools.count(1)
+        super().__init__(
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
+        )
         self._stash: dict[int, tuple[Any, list[Any]]] = {}
         self._expected: set[int] = set()
         self._reader = _Reader()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(connect_timeout)
-        try:
-            self.sock.connect(_address(endpoint))
-        except OSError as exc:
-            self.sock.close()
-            self.dead = True
-            raise lost(f"{self.name} cannot be reached: {exc} (gone?)") from None
+        self.sock = _connect(endpoint, self.name, connect_timeout, lost)
         self.sock.settimeout(timeout)  # a send blocks only while the service's buffer is full
+        self._poller = select.poll()
+        self._poller.register(self.sock, select.POLLIN)
 
-    def _write(self, msg: Message) -> int:
+    def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
+        if self.sock.fileno() < 0:
+            raise self.lost(f"the channel to {self.name} was closed")
         rid = next(self._ids)
-        data = _frame(self.codec.encode_now(rid, msg))
+        payload = _frame(self.codec.encode_now(rid, msg, data))
         try:
-            self.sock.sendall(data)
+            self.sock.sendall(payload)
         except TimeoutError:  # the builtin: the socket's send timeout
             # part of the message may have gone: the stream is no longer framed, so it ends here
             self.dead = True
@@ -240,66 +328,281 @@ class LocalChannel:
             raise self.lost(f"{self.name} dropped the connection ({exc}; gone?)") from None
         return rid
 
-    def send(self, msg: Message) -> int:
-        """Send a request; returns its id. Raises as `LocalChannel` does."""
-        rid = self._write(msg)
+    def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
+        """Send a request (with raw `data` frames); returns its id.
+
+        Raises:
+            SchemaError: `msg` cannot be encoded.
+            SluiceError: (`lost`) the connection is gone; (`late`) the service took nothing for
+                `timeout` s.
+        """
+        rid = self._write(msg, data)
         self._expected.add(rid)
         return rid
 
-    def post(self, msg: Message) -> None:
-        """Send a notice: a request nobody awaits an answer to (its answer is dropped)."""
-        self._write(msg)
+    def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
+        """Send a notice: a request nobody awaits an answer to (its answer is dropped). Raises as `send`."""
+        self._write(msg, data)
 
-    def reply(self, rid: int, wait: float | None = GRACE, what: str = "a request") -> tuple[Any, list[Any]]:
-        """The (message, data frames) answering `rid`, waiting at most `wait` s (None: as long
-        as the peer is connected).
+    def _take(self, wait: float | None) -> bool:
+        """Read what arrived within `wait` s (None: until something does); whether anything did.
 
         Raises:
-            SluiceError: (`late`) no answer within `wait`; (`lost`) the peer dropped the connection.
+            SluiceError: (`lost`) the peer dropped the connection.
         """
-        deadline = None if wait is None else time.monotonic() + wait
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        while rid not in self._stash:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise self.late(f"{self.name} did not answer {what} within {wait:g}s; is it still running?")
-            if not poller.poll(None if left is None else int(left * 1000) + 1):
-                continue
+        if not self._poller.poll(None if wait is None else int(wait * 1000) + 1):
+            return False
+        try:
+            chunk = self.sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.dead = True
+            raise self.lost(f"{self.name} dropped the connection (gone?){self.hint}")
+        self._heard()
+        self._reader.buf += chunk
+        for frames in self._reader.messages():
             try:
-                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
+                got, msg, data = self.codec.decode(frames)
+            except ProtocolError:
+                log.warning("%s sent an undecodable reply", self.name)
                 continue
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.dead = True
-                raise self.lost(f"{self.name} dropped the connection (gone?)")
-            self._reader.buf += chunk
-            for frames in self._reader.messages():
-                try:
-                    got, msg, data = self.codec.decode(frames)
-                except ProtocolError:
-                    log.warning("%s sent an undecodable reply", self.name)
-                    continue
-                if got in self._expected:
-                    self._stash[got] = (msg, data)
+            if got in self._expected:
+                self._stash[got] = (msg, data)
+        return True
+
+    def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
+        """The (message, data frames) answering `rid`, awaited since `since` (default: now) for
+        at most `wait` s (None: as long as the peer is alive).
+
+        Raises:
+            SluiceError: (`late`) no answer within `wait`; (`lost`) the peer dropped the
+                connection or is silent for `dead_after` s.
+        """
+        since = time.monotonic() if since is None else since
+        deadline = self._deadline(since, wait)
+        while rid not in self._stash:
+            ping, left = self._step(since, deadline, what)
+            if ping:
+                self._write(Ping())  # its Ok is not expected: dropped on arrival, heard all the same
+            self._take(left)
         self._expected.discard(rid)
         return self._stash.pop(rid)
 
-    def call(self, msg: Message, timeout: float | None = None) -> Any:
+    def ready(self, rid: int | None = None, wait: float = 0.0) -> int | None:
+        """The id of an arrived, untaken reply (to `rid` if given; else the oldest), waiting up
+        to `wait` s for one; None if none came. The reply stays for `reply`."""
+        deadline = time.monotonic() + wait
+        while True:
+            if rid in self._stash or (rid is None and self._stash):
+                return rid if rid is not None else next(iter(self._stash))
+            if not self._take(max(deadline - time.monotonic(), 0.0)):
+                return None
+
+    def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
         """Send `msg` and return its reply, waiting at most `timeout` s (default: the channel's).
 
         Raises:
             SluiceError: the `tq.*` error the service answered with, or as `send` and `reply`.
         """
-        rid = self.send(msg)
+        rid = self.send(msg, data)
         reply, _ = self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
         return reply
 
+    def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
+        """Withdraw request `rid` at the service; its reply if that had already been sent, else
+        None (see `Channel.cancel`). Raises as `send` and `reply`."""
+        self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
+        self._expected.discard(rid)
+        return self._stash.pop(rid, None)
+
+    def forget(self, rid: int) -> None:
+        """Drop `rid`'s reply if it came (the request was abandoned without a cancel)."""
+        self._expected.discard(rid)
+        self._stash.pop(rid, None)
+
     def close(self) -> None:
         """Close the connection (what was sent before is still delivered; the service then
         sees it closed)."""
         self.sock.close()
+
+
+class AsyncLocalChannel(_Liveness):
+    """The asyncio twin of `LocalChannel` (and `AsyncChannel`'s calls): the event loop reads
+    the socket and resolves the future of whichever request a reply answers, so any number of
+    coroutines may share it; what the socket does not take at once is written when it is
+    writable, in order. Raises as `LocalChannel` (a closed channel fails what still waits with
+    `lost`).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None = None,
+        hint: str = "",
+        timeout: float = GRACE,
+        connect_timeout: float = 2.0,
+        dead_after: float = DEAD_AFTER,
+        lost: type[SluiceError] = ServiceError,
+        late: type[SluiceError] = LateError,
+    ):
+        super().__init__(
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
+        )
+        self._loop = asyncio.get_running_loop()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader = _Reader()
+        self._out: deque[memoryview] = deque()
+        self.closed = False
+        self.sock = _connect(endpoint, self.name, connect_timeout, lost)
+        self.sock.setblocking(False)
+        self._fd = self.sock.fileno()
+        self._loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:
+        closed = False
+        try:
+            while True:
+                chunk = self.sock.recv(_CHUNK)
+                if not chunk:
+                    closed = True
+                    break
+                self._reader.buf += chunk
+                if len(chunk) < _CHUNK:
+                    break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            closed = True
+        self._heard()
+        for frames in self._reader.messages():
+            try:
+                rid, msg, data = self.codec.decode(frames)
+            except ProtocolError:
+                log.warning("%s sent an undecodable reply", self.name)
+                continue
+            fut = self._waiting.get(rid)  # removed by whoever awaits it
+            if fut is not None and not fut.done():
+                fut.set_result((msg, data))
+        if closed:
+            self.dead = True
+            self._shut(self.lost(f"{self.name} dropped the connection (gone?){self.hint}"))
+
+    def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
+        if self.closed:
+            raise self.lost(f"the channel to {self.name} was closed")
+        rid = next(self._ids)
+        queued = bool(self._out)
+        self._out.append(memoryview(_frame(self.codec.encode_now(rid, msg, data))))
+        if not queued:
+            self._flush()
+        return rid
+
+    def _flush(self) -> None:
+        while self._out:
+            try:
+                sent = self.sock.send(self._out[0])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._out.clear()  # closed: the reader sees its end
+                break
+            if sent < len(self._out[0]):
+                self._out[0] = self._out[0][sent:]
+                break
+            self._out.popleft()
+        if self._out:
+            self._loop.add_writer(self._fd, self._flush)
+        else:
+            self._loop.remove_writer(self._fd)
+
+    async def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
+        """Send a request; returns its id (see `LocalChannel.send`)."""
+        rid = self._write(msg, data)
+        self._waiting[rid] = self._loop.create_future()
+        return rid
+
+    def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
+        """Send a notice whose reply nobody awaits, without blocking (queued in order while the
+        socket is full); a closed channel drops it: its peer is gone."""
+        if not self.closed:
+            self._write(msg, data)
+
+    async def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
+        """The (message, data frames) answering `rid` (see `LocalChannel.reply`)."""
+        fut = self._waiting.get(rid)
+        if fut is None:
+            raise ProtocolError(f"request {rid} was not sent on this channel, or its reply was taken")
+        since = time.monotonic() if since is None else since
+        deadline = self._deadline(since, wait)
+        while True:
+            ping, left = self._step(since, deadline, what)
+            if ping:
+                self._write(Ping())  # its Ok finds no future and is dropped; hearing it is enough
+            done, _ = await asyncio.wait({fut}, timeout=left)
+            if done:
+                self._waiting.pop(rid, None)
+                return fut.result()
+
+    async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
+        """Send `msg` and return its reply (see `AsyncChannel.call`: a cancelled call withdraws
+        its request)."""
+        rid = await self.send(msg, data)
+        try:
+            reply, _ = await self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        except asyncio.CancelledError:
+            if not self.dead and not self.closed and not isinstance(msg, Cancel):
+                self.post(Cancel(rid))
+            raise
+        finally:
+            self._waiting.pop(rid, None)
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    async def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
+        """Withdraw request `rid` (see `AsyncChannel.cancel`)."""
+        fut = self._waiting.get(rid)
+        try:
+            await self.call(Cancel(rid), GRACE)
+        finally:
+            self._waiting.pop(rid, None)
+        return fut.result() if fut is not None and fut.done() and not fut.cancelled() else None
+
+    def forget(self, rid: int) -> None:
+        """Stop awaiting `rid`'s reply."""
+        self._waiting.pop(rid, None)
+
+    def _shut(self, error: SluiceError) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        self.sock.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # retrieved: whoever still awaits it gets it, nobody else is warned
+
+    def close(self) -> None:
+        """Close the connection; requests still awaiting replies fail with `lost` at once."""
+        self._shut(self.lost(f"the channel to {self.name} was closed"))

@@ -154,7 +154,9 @@ class ThreadService:
 
     def _send(self, identity: bytes, rid: int, msg: Message) -> None:
         if self._lane is not None and identity in self._lane.peers:
-            self._lane.send(identity, self._codec.encode_now(rid, msg))
+            stuck = self._lane.send(identity, self._codec.encode_now(rid, msg))
+            if stuck is not None:  # this thread never blocks on, nor queues for, one peer
+                self._lane.cut(stuck)
             return
         try:
             self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
@@ -238,6 +240,7 @@ class ThreadService:
                 self._dispatch(peer.identity, frames)
             if closed:
                 poller.unregister(fd)
+                lane.drop(peer)
                 self._peer_gone(peer.identity)
         if lane.listener.fileno() in ready:
             while (joined := lane.accept()) is not None:
