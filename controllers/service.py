@@ -337,7 +337,7 @@ class Controller(Service):
         """A connection closed: its open puts end at once. Once half the peers of the busiest
         moment since the last time have left (a crowd leaving), freed heap goes back to the system."""
         self.puts.peer_gone(peer)
-        watched = len(self.peers)
+        watched = self.connections
         self._peers_peak = max(self._peers_peak, watched + 1)
         if self._peers_peak >= _CROWD and watched <= self._peers_peak // 2:
             self._peers_peak = watched

@@ -84,7 +84,7 @@ class ControlCore:
             try:
                 return LocalChannel(lane, self.codec, name=options["name"], hint=options["hint"])
             except SluiceError:  # the lane is gone or not this user's: ZeroMQ decides the rest
-                pass
+                del self.lanes[address]
         return Channel(address, self.codec, **options)
 
     def async_channel(self, target: int) -> AsyncChannel | AsyncLocalChannel:
@@ -94,8 +94,8 @@ class ControlCore:
         if lane:
             try:
                 return AsyncLocalChannel(lane, self.codec, name=options["name"], hint=options["hint"])
-            except SluiceError:
-                pass
+            except SluiceError:  # as in `channel`
+                del self.lanes[address]
         return AsyncChannel(address, self.codec, **options)
 
     def channel_options(self, target: int) -> dict[str, Any]:

@@ -112,6 +112,9 @@ class SyncDriver(_Driver):
     def _channel(self, target: int) -> Channel | LocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
+        if channel is not None and channel.ended:  # a local lane whose service went: ask again
+            channel.close()
+            channel = None
         if channel is None:
             channel = self._channels[address] = self._core.channel(target)
         return channel
@@ -301,6 +304,9 @@ class AsyncDriver(_Driver):
     def _channel(self, target: int) -> AsyncChannel | AsyncLocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
+        if channel is not None and channel.ended:  # a local lane whose service went: ask again
+            channel.close()
+            channel = None
         if channel is None:
             channel = self._channels[address] = self._core.async_channel(target)
         return channel

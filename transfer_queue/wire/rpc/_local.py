@@ -30,7 +30,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ProtocolError, ServiceError, SluiceError, error_from_code
@@ -324,7 +324,7 @@ class LocalChannel(_Liveness):
             self.sock.close()
             raise self.late(f"{self.name} took no message for {self.timeout:g} s") from None
         except OSError as exc:
-            self.dead = True
+            self.dead = self.ended = True
             raise self.lost(f"{self.name} dropped the connection ({exc}; gone?)") from None
         return rid
 
@@ -359,7 +359,7 @@ class LocalChannel(_Liveness):
         except OSError:
             chunk = b""
         if not chunk:
-            self.dead = True
+            self.dead = self.ended = True
             raise self.lost(f"{self.name} dropped the connection (gone?){self.hint}")
         self._heard()
         self._reader.buf += chunk
@@ -437,8 +437,8 @@ class AsyncLocalChannel(_Liveness):
     """The asyncio twin of `LocalChannel` (and `AsyncChannel`'s calls): the event loop reads
     the socket and resolves the future of whichever request a reply answers, so any number of
     coroutines may share it; what the socket does not take at once is written when it is
-    writable, in order. Raises as `LocalChannel` (a closed channel fails what still waits with
-    `lost`).
+    writable, in order. Replies nobody awaits (to `post`ed requests) go to `on_reply`. Raises as
+    `LocalChannel` (a closed channel fails what still waits with `lost`).
     """
 
     def __init__(
@@ -453,6 +453,7 @@ class AsyncLocalChannel(_Liveness):
         dead_after: float = DEAD_AFTER,
         lost: type[SluiceError] = ServiceError,
         late: type[SluiceError] = LateError,
+        on_reply: Callable[[Any], None] | None = None,
     ):
         super().__init__(
             endpoint,
@@ -465,6 +466,7 @@ class AsyncLocalChannel(_Liveness):
             lost=lost,
             late=late,
         )
+        self._on_reply = on_reply
         self._loop = asyncio.get_running_loop()
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader = _Reader()
@@ -500,8 +502,10 @@ class AsyncLocalChannel(_Liveness):
             fut = self._waiting.get(rid)  # removed by whoever awaits it
             if fut is not None and not fut.done():
                 fut.set_result((msg, data))
+            elif self._on_reply is not None:
+                self._on_reply(msg)
         if closed:
-            self.dead = True
+            self.dead = self.ended = True
             self._shut(self.lost(f"{self.name} dropped the connection (gone?){self.hint}"))
 
     def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:

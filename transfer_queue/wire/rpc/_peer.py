@@ -40,6 +40,9 @@ class _Liveness:
         self.lost, self.late = lost, late
         self.heard = 0.0  # monotonic time of the peer's last message
         self.dead = False  # reported dead and silent since
+        self.ended = False
+        """The connection ended for good (a local lane whose service is gone; a ZeroMQ channel
+        reconnects instead): a caller that goes on needs a new channel."""
         self._pinged = float("-inf")
         self._ids = itertools.count(1)
 

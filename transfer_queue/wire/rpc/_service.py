@@ -130,6 +130,11 @@ class Service:
         if self.on_peer_gone is not None:
             self.on_peer_gone(identity)
 
+    @property
+    def connections(self) -> int:
+        """Client connections open now: the ROUTER's peers that sent something, and the lane's."""
+        return len(self.peers) + (len(self._lane.peers) if self._lane is not None else 0)
+
     def route(self, msg_type: type, handler: Handler) -> None:
         self.handlers[msg_type] = handler
 
