@@ -86,10 +86,12 @@ async def test_the_lane_serves_answers_errors_parked_and_cancelled_requests_and_
         service.parked[1].set_result(None)
         assert isinstance(await asyncio.wait_for(call, 30), Ok)
         # parked, then the client goes: its request ends and it is reported gone, once
-        asyncio.ensure_future(channel.call(Read("p", [2], ["x"]), 30))
+        left = asyncio.ensure_future(channel.call(Read("p", [2], ["x"]), 30))
         await eventually_async(lambda: len(service.parked) == 3)
         assert service.connections == 1
         channel.close()
+        with pytest.raises(ServiceError, match="closed"):
+            await left
         await eventually_async(lambda: service.cancelled == 2 and service.gone, 30)
         assert service.gone == [service.parkers[2]] and service.parkers[2].startswith(b"local/")
         assert service.connections == 0
