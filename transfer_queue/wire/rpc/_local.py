@@ -68,22 +68,52 @@ def _same_user(sock: socket.socket) -> bool:
 
 
 class _Reader:
-    """Whole messages out of a byte stream: append what arrived to `buf`, then take `messages()`.
-    A data frame longer than `max_frame` bytes (> 0), more than `MAX_DATA_FRAMES` of them or a
-    body beyond `MAX_BODY_BYTES` is refused before it is buffered whole."""
+    """Whole messages out of a byte stream (`read` what a socket has, non-blocking). A message
+    larger than a read is received straight into a buffer of its own, whose data frames are
+    handed out as views (no copy beyond the kernel's). A data frame longer than `max_frame`
+    bytes (> 0), more than `MAX_DATA_FRAMES` of them or a body beyond `MAX_BODY_BYTES` is
+    refused before anything of it is buffered."""
 
     def __init__(self, max_frame: int = -1) -> None:
-        self.buf = bytearray()
+        self.buf = bytearray()  # the start of the stream not yet taken apart
         self.max_frame = max_frame
+        self._big: bytearray | None = None  # the message being received whole, after its header
+        self._big_at = 0
+        self._big_shape: tuple[int, int, list[int]] = (0, 0, [])
 
-    def messages(self) -> list[list[Any]]:
-        """The complete messages received so far, each as [prefix, body, data frames...] (each
-        data frame a writable bytearray of its own).
+    def read(self, sock: socket.socket) -> tuple[list[list[Any]], bool]:
+        """(the whole messages `sock` has delivered, each [prefix, body, data frames...]; whether
+        it then closed or broke).
 
         Raises:
             ProtocolError: a message exceeds the limits above.
         """
         out: list[list[Any]] = []
+        try:
+            while True:
+                if self._big is not None:
+                    got = sock.recv_into(memoryview(self._big)[self._big_at :], 0, socket.MSG_DONTWAIT)
+                    if not got:
+                        return out, True
+                    self._big_at += got
+                    if self._big_at == len(self._big):
+                        out.append(_split(self._big, *self._big_shape))
+                        self._big = None
+                    continue
+                chunk = sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+                if not chunk:
+                    return out, True
+                self.buf += chunk
+                self._take(out)
+        except (BlockingIOError, InterruptedError):
+            return out, False
+        except OSError as exc:
+            log.debug("a local connection broke: %s", exc)
+            return out, True
+
+    def _take(self, out: list[list[Any]]) -> None:
+        """Move the whole messages at the start of `buf` to `out`; start receiving a large one
+        that has only begun into a buffer of its own."""
         buf = self.buf
         at = 0
         while len(buf) - at >= _HEAD.size:
@@ -92,32 +122,65 @@ class _Reader:
                 raise ProtocolError(f"a local message of {head + body} bytes exceeds the limit")
             if count > MAX_DATA_FRAMES:
                 raise ProtocolError(f"{count} data frames exceed the limit of {MAX_DATA_FRAMES}")
-            lens_at = at + _HEAD.size
-            if len(buf) < lens_at + count * _LEN.size:
+            start = at + _HEAD.size + count * _LEN.size
+            if len(buf) < start:
                 break
-            sizes = [_LEN.unpack_from(buf, lens_at + i * _LEN.size)[0] for i in range(count)]
+            sizes = [_LEN.unpack_from(buf, at + _HEAD.size + i * _LEN.size)[0] for i in range(count)]
             if self.max_frame > 0 and any(n > self.max_frame for n in sizes):
                 raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
-            pos = lens_at + count * _LEN.size
-            if len(buf) < pos + head + body + sum(sizes):
+            size = head + body + sum(sizes)
+            if len(buf) - start < size:
+                if size > _CHUNK:  # the rest straight into its own buffer
+                    self._big = bytearray(size)
+                    have = len(buf) - start
+                    self._big[:have] = buf[start:]
+                    self._big_at, self._big_shape = have, (head, body, sizes)
+                    at = len(buf)
                 break
-            frames: list[Any] = [bytes(buf[pos : pos + head]), bytes(buf[pos + head : pos + head + body])]
-            pos += head + body
-            for n in sizes:
-                frames.append(buf[pos : pos + n])  # a bytearray slice: a copy of its own
-                pos += n
-            out.append(frames)
-            at = pos
+            out.append(_split(buf[start : start + size], head, body, sizes))
+            at = start + size
         if at:
             del buf[:at]
-        return out
 
 
-def _frame(frames: Sequence[Any]) -> bytes:
+def _split(message: bytearray, head: int, body: int, sizes: list[int]) -> list[Any]:
+    """[prefix, body, data frames...] of a message's bytes after its header (the data frames
+    writable views of `message`)."""
+    view = memoryview(message)
+    frames: list[Any] = [bytes(view[:head]), bytes(view[head : head + body])]
+    at = head + body
+    for n in sizes:
+        frames.append(view[at : at + n])
+        at += n
+    return frames
+
+
+def _frame(frames: Sequence[Any]) -> list[memoryview]:
+    """The buffers that carry one message, in order (its data frames not copied)."""
     prefix, body, *data = frames
     views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in data]
     head = _HEAD.pack(len(prefix), len(body), len(views)) + b"".join(_LEN.pack(v.nbytes) for v in views)
-    return b"".join([head, bytes(prefix), bytes(body), *views])
+    return [memoryview(head + bytes(prefix) + bytes(body)), *views]
+
+
+def _send(sock: socket.socket, out: deque[memoryview]) -> None:
+    """Send what `sock` takes now of the buffers in `out` (sent ones leave it, a partly sent one
+    is cut to its rest).
+
+    Raises:
+        OSError: the connection is gone.
+    """
+    while out:
+        try:
+            sent = sock.sendmsg(list(itertools.islice(out, 64)), [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        while sent and out:
+            if sent >= out[0].nbytes:
+                sent -= out.popleft().nbytes
+            else:
+                out[0] = out[0][sent:]
+                sent = 0
 
 
 class _Peer:
@@ -177,27 +240,11 @@ class Lane:
         """(the whole messages `peer` sent so far, whether its connection then closed or broke);
         the caller serves those messages, then `drop`s a closed peer and reports it gone (a
         notice sent just before closing still counts)."""
-        closed = False
         try:
-            while True:
-                chunk = peer.sock.recv(_CHUNK)
-                if not chunk:
-                    closed = True
-                    break
-                peer.reader.buf += chunk
-                if len(chunk) < _CHUNK:
-                    break
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError as exc:
-            log.debug("local peer %r dropped: %s", peer.identity, exc)
-            closed = True
-        try:
-            messages = peer.reader.messages()
+            return peer.reader.read(peer.sock)
         except ProtocolError as exc:
             log.warning("local peer %r sent a malformed message (%s); closing its connection", peer.identity, exc)
-            messages, closed = [], True
-        return messages, closed
+            return [], True
 
     def send(self, identity: bytes, frames: Sequence[Any]) -> _Peer | None:
         """Send a reply to `identity` (dropped if it is gone); the peer if part of it stays
@@ -206,23 +253,16 @@ class Lane:
         peer = self.peers.get(identity)
         if peer is None:
             return None
-        peer.out.append(memoryview(_frame(frames)))
+        peer.out.extend(_frame(frames))
         return peer if self.flush(peer) else None
 
     def flush(self, peer: _Peer) -> bool:
         """Send what `peer`'s socket takes of its queued replies; whether some still wait."""
-        while peer.out:
-            try:
-                sent = peer.sock.send(peer.out[0])
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                peer.out.clear()  # closed: its end is read next
-                return False
-            if sent < len(peer.out[0]):
-                peer.out[0] = peer.out[0][sent:]
-                break
-            peer.out.popleft()
+        try:
+            _send(peer.sock, peer.out)
+        except OSError:
+            peer.out.clear()  # closed: its end is read next
+            return False
         if sum(v.nbytes for v in peer.out) > _QUEUED_MAX:
             self.cut(peer)
             return False
@@ -307,7 +347,7 @@ class LocalChannel(_Liveness):
         self._expected: set[int] = set()
         self._reader = _Reader()
         self.sock = _connect(endpoint, self.name, connect_timeout, lost)
-        self.sock.settimeout(timeout)  # a send blocks only while the service's buffer is full
+        self.sock.setblocking(False)  # every read and write here waits in `poll`, for at most its deadline
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
 
@@ -315,18 +355,24 @@ class LocalChannel(_Liveness):
         if self.sock.fileno() < 0:
             raise self.lost(f"the channel to {self.name} was closed")
         rid = next(self._ids)
-        payload = _frame(self.codec.encode_now(rid, msg, data))
+        out = deque(_frame(self.codec.encode_now(rid, msg, data)))
+        writable = select.poll()
+        writable.register(self.sock, select.POLLOUT)
+        deadline = time.monotonic() + self.timeout
         try:
-            self.sock.sendall(payload)
-        except TimeoutError:  # the builtin: the socket's send timeout
-            # part of the message may have gone: the stream is no longer framed, so it ends here
-            self.dead = True
-            self.sock.close()
-            raise self.late(f"{self.name} took no message for {self.timeout:g} s") from None
+            while True:
+                _send(self.sock, out)
+                left = deadline - time.monotonic()
+                if not out:
+                    return rid
+                if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
+                    self.dead = self.ended = True
+                    self.sock.close()
+                    raise self.late(f"{self.name} took no message for {self.timeout:g} s")
+                writable.poll(int(left * 1000) + 1)
         except OSError as exc:
             self.dead = self.ended = True
             raise self.lost(f"{self.name} dropped the connection ({exc}; gone?)") from None
-        return rid
 
     def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
         """Send a request (with raw `data` frames); returns its id.
@@ -353,17 +399,13 @@ class LocalChannel(_Liveness):
         if not self._poller.poll(None if wait is None else int(wait * 1000) + 1):
             return False
         try:
-            chunk = self.sock.recv(_CHUNK, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self.dead = self.ended = True
-            raise self.lost(f"{self.name} dropped the connection (gone?){self.hint}")
-        self._heard()
-        self._reader.buf += chunk
-        for frames in self._reader.messages():
+            messages, closed = self._reader.read(self.sock)
+        except ProtocolError as exc:
+            log.warning("%s sent a malformed message (%s)", self.name, exc)
+            messages, closed = [], True
+        if messages:
+            self._heard()
+        for frames in messages:
             try:
                 got, msg, data = self.codec.decode(frames)
             except ProtocolError:
@@ -371,6 +413,9 @@ class LocalChannel(_Liveness):
                 continue
             if got in self._expected:
                 self._stash[got] = (msg, data)
+        if closed:
+            self.dead = self.ended = True
+            raise self.lost(f"{self.name} dropped the connection (gone?){self.hint}")
         return True
 
     def reply(
@@ -478,22 +523,14 @@ class AsyncLocalChannel(_Liveness):
         self._loop.add_reader(self._fd, self._readable)
 
     def _readable(self) -> None:
-        closed = False
         try:
-            while True:
-                chunk = self.sock.recv(_CHUNK)
-                if not chunk:
-                    closed = True
-                    break
-                self._reader.buf += chunk
-                if len(chunk) < _CHUNK:
-                    break
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            closed = True
-        self._heard()
-        for frames in self._reader.messages():
+            messages, closed = self._reader.read(self.sock)
+        except ProtocolError as exc:
+            log.warning("%s sent a malformed message (%s)", self.name, exc)
+            messages, closed = [], True
+        if messages:
+            self._heard()
+        for frames in messages:
             try:
                 rid, msg, data = self.codec.decode(frames)
             except ProtocolError:
@@ -513,24 +550,16 @@ class AsyncLocalChannel(_Liveness):
             raise self.lost(f"the channel to {self.name} was closed")
         rid = next(self._ids)
         queued = bool(self._out)
-        self._out.append(memoryview(_frame(self.codec.encode_now(rid, msg, data))))
+        self._out.extend(_frame(self.codec.encode_now(rid, msg, data)))
         if not queued:
             self._flush()
         return rid
 
     def _flush(self) -> None:
-        while self._out:
-            try:
-                sent = self.sock.send(self._out[0])
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._out.clear()  # closed: the reader sees its end
-                break
-            if sent < len(self._out[0]):
-                self._out[0] = self._out[0][sent:]
-                break
-            self._out.popleft()
+        try:
+            _send(self.sock, self._out)
+        except OSError:
+            self._out.clear()  # closed: the reader sees its end
         if self._out:
             self._loop.add_writer(self._fd, self._flush)
         else:
