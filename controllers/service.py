@@ -45,6 +45,8 @@ from transfer_queue.wire.messages import (
     MetaReply,
     Nack,
     Ok,
+    Registered,
+    RegisterUnit,
     Release,
     Seal,
     SetVersion,
@@ -159,6 +161,7 @@ class Controller(Service):
             **self.links.handlers(),
             **self.puts.handlers(),
             **self.keys.handlers(),
+            RegisterUnit: self.on_register_unit,
         }
         for msg_type, handler in handlers.items():
             self.route(msg_type, handler)
@@ -170,6 +173,11 @@ class Controller(Service):
             log.info("controller journal %s: %d records replayed", config.journal, replayed)
 
     # -- cluster ---------------------------------------------------------------------
+
+    def on_register_unit(self, msg: RegisterUnit, data) -> Registered:
+        """`links.on_register_unit`, answered with where a unit on this host reaches the lane."""
+        self.links.on_register_unit(msg, data)
+        return Registered(host_id(), self.local_endpoint)
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]

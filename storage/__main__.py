@@ -28,14 +28,13 @@ import zmq.asyncio
 
 from transfer_queue.host import host_id, keep_freed_memory, reachable
 from transfer_queue.wire.errors import ServiceError, SluiceError, TimeoutError
-from transfer_queue.wire.messages import Hello, HelloReply, Ok, RegisterUnit, Reply, UnitInfo
+from transfer_queue.wire.messages import Ok, Registered, RegisterUnit, Reply, UnitInfo
 from transfer_queue.wire.rpc import (
     AsyncChannel,
     AsyncLocalChannel,
     Codec,
     Credentials,
     Service,
-    check,
     credentials_from_env,
     run_service,
 )
@@ -75,8 +74,7 @@ async def register(
         on_reply=_refused,
     )
     try:
-        await channel.call(RegisterUnit(info, secret))
-        hello = check(await channel.call(Hello()), HelloReply)
+        registered = await channel.call(RegisterUnit(info, secret))
     except (ServiceError, TimeoutError) as exc:  # unreachable, silent or late
         channel.close()
         raise StartupError(
@@ -88,18 +86,18 @@ async def register(
     except BaseException:
         channel.close()
         raise
-    unit.report_to(channel, secret, _lane(channel, hello, timeout))
+    unit.report_to(channel, secret, _lane(channel, registered, timeout))
 
 
-def _lane(channel: AsyncChannel, hello: HelloReply, timeout: float) -> AsyncLocalChannel | None:
+def _lane(channel: AsyncChannel, registered: object, timeout: float) -> AsyncLocalChannel | None:
     """A channel for the unit's reports over the controller's local lane, when the controller
-    is on this host and the lane can be reached (a report on a put's path then wakes one
-    thread, not three); else None: they go over `channel` (ZeroMQ)."""
-    if not hello.local or hello.host_id != host_id():
+    (its answer to `RegisterUnit`) is on this host and the lane can be reached (a report on a
+    put's path then wakes one thread, not three); else None: they go over `channel` (ZeroMQ)."""
+    if not isinstance(registered, Registered) or not registered.local or registered.host_id != host_id():
         return None
     try:
         return AsyncLocalChannel(
-            hello.local,
+            registered.local,
             Codec(Reply),
             name=f"{channel.name}'s local lane",
             timeout=timeout,

@@ -26,6 +26,7 @@ __all__ = [
     # controller requests
     "Hello",
     "RegisterUnit",
+    "Registered",
     "BeginPut",
     "CommitPut",
     "WriteLanded",
@@ -453,6 +454,14 @@ class MetaReply(_Msg, tag="meta_reply", frozen=True):
     meta: BatchMeta
 
 
+class Registered(_Msg, tag="registered", frozen=True):
+    """The controller took a unit's `RegisterUnit`; a unit on its host (`host_id`) sends its
+    reports over its local lane (`local`, `rpc.Service.local_endpoint`)."""
+
+    host_id: str = ""
+    local: str = ""
+
+
 class VersionReply(_Msg, tag="version_reply", frozen=True):
     version: int
     history: list[int] = []
@@ -529,6 +538,7 @@ class ExportReply(_Msg, tag="export_reply", frozen=True):
 
 Reply = Union[
     Ok,
+    Registered,
     ErrorReply,
     HelloReply,
     PutPlan,

@@ -9,7 +9,9 @@ on its ROUTER. `LocalChannel` is the blocking client (`Channel`'s calls over tha
 `AsyncLocalChannel` the asyncio one (`AsyncChannel`'s).
 
 Framing: each message is `u32 prefix length, u32 body length, u32 data frame count, u64 length
-of each data frame, prefix, body, data frames` (the kernel's frames, in ZeroMQ's order). The
+of each data frame, prefix, body, data frames` (the kernel's frames, in ZeroMQ's order), each
+data frame padded to start `_ALIGN` bytes after the prefix's start (received frames are views of
+one buffer: aligned, a tensor of any dtype can use them in place, as it does ZeroMQ's). The
 address lives in Linux's abstract namespace (no file to remove; it goes with the process).
 Only processes of one user meet on a lane: the service admits a connection only from a process
 of its own user, and a client talks only to a listener of its own user (the kernel's
@@ -45,6 +47,7 @@ _LEN = struct.Struct("<Q")
 _PREFIX = "local:"
 _CRED = struct.Struct("3i")  # pid, uid, gid
 _CHUNK = 1 << 18
+_ALIGN = 64
 _QUEUED_MAX = 1 << 30
 """Reply bytes a service keeps queued for one lane peer that reads them slower than they come;
 a peer beyond it stopped reading and is cut off (ZeroMQ's ROUTER would drop its replies)."""
@@ -128,7 +131,7 @@ class _Reader:
             sizes = [_LEN.unpack_from(buf, at + _HEAD.size + i * _LEN.size)[0] for i in range(count)]
             if self.max_frame > 0 and any(n > self.max_frame for n in sizes):
                 raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
-            size = head + body + sum(sizes)
+            size = _offsets(head, body, sizes)[-1]
             if len(buf) - start < size:
                 if size > _CHUNK:  # the rest straight into its own buffer
                     self._big = bytearray(size)
@@ -143,15 +146,24 @@ class _Reader:
             del buf[:at]
 
 
+def _offsets(head: int, body: int, sizes: list[int]) -> list[int]:
+    """Where each data frame starts after the message's header (each `_ALIGN`ed), then its end."""
+    at, out = head + body, []
+    for n in sizes:
+        at += -at % _ALIGN
+        out.append(at)
+        at += n
+    out.append(at)
+    return out
+
+
 def _split(message: bytearray, head: int, body: int, sizes: list[int]) -> list[Any]:
     """[prefix, body, data frames...] of a message's bytes after its header (the data frames
     writable views of `message`)."""
     view = memoryview(message)
     frames: list[Any] = [bytes(view[:head]), bytes(view[head : head + body])]
-    at = head + body
-    for n in sizes:
+    for at, n in zip(_offsets(head, body, sizes), sizes):
         frames.append(view[at : at + n])
-        at += n
     return frames
 
 
@@ -159,8 +171,16 @@ def _frame(frames: Sequence[Any]) -> list[memoryview]:
     """The buffers that carry one message, in order (its data frames not copied)."""
     prefix, body, *data = frames
     views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in data]
-    head = _HEAD.pack(len(prefix), len(body), len(views)) + b"".join(_LEN.pack(v.nbytes) for v in views)
-    return [memoryview(head + bytes(prefix) + bytes(body)), *views]
+    sizes = [v.nbytes for v in views]
+    head = _HEAD.pack(len(prefix), len(body), len(views)) + b"".join(_LEN.pack(n) for n in sizes)
+    out = [memoryview(head + bytes(prefix) + bytes(body))]
+    at = len(prefix) + len(body)
+    for start, view in zip(_offsets(len(prefix), len(body), sizes), views):
+        if start > at:
+            out.append(memoryview(bytes(start - at)))
+        out.append(view)
+        at = start + view.nbytes
+    return out
 
 
 def _send(sock: socket.socket, out: deque[memoryview]) -> None:
