@@ -416,7 +416,8 @@ class LocalChannel(_Liveness):
         Raises:
             SluiceError: (`lost`) the peer dropped the connection.
         """
-        if not self._poller.poll(None if wait is None else int(wait * 1000) + 1):
+        # rounded up, so that a wait never ends early, except a wait of 0 (`ready`'s look)
+        if not self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0):
             return False
         try:
             messages, closed = self._reader.read(self.sock)
