@@ -170,15 +170,19 @@ def _batch(n: int = 64) -> TensorDict:
     )
 
 
-@pytest.mark.parametrize("use_shm", [None, False], ids=["mapped", "frames"])
-def test_a_co_located_client_puts_and_gets_over_the_lanes_exactly(cluster, use_shm):
-    with tq.connect(cluster.address, use_shm=use_shm) as client:
-        data = _batch()
-        meta = client.put(data, "lane")
-        got = client.get_data(meta)
-        assert torch.equal(got["x"], data["x"]) and torch.equal(got["ids"], data["ids"])
-        client.clear(meta)
-        assert client._channels and all(isinstance(c, LocalChannel) for c in client._channels.values())
+def test_a_co_located_client_puts_and_gets_over_the_lanes_exactly(cluster):
+    """Mapped units and the controller over their lanes; a client sending frames (`use_shm=False`)
+    reaches the units over ZeroMQ and only the controller over its lane."""
+    data = _batch()
+    for use_shm, unit_channel in ((None, LocalChannel), (False, Channel)):
+        with tq.connect(cluster.address, use_shm=use_shm) as client:
+            meta = client.put(data, "lane")
+            got = client.get_data(meta)
+            assert torch.equal(got["x"], data["x"]) and torch.equal(got["ids"], data["ids"])
+            client.clear(meta)
+            kinds = {a: type(c) for a, c in client._channels.items()}
+            assert kinds.pop(cluster.address) is LocalChannel
+            assert kinds and set(kinds.values()) == {unit_channel}
 
 
 async def test_an_async_client_puts_and_gets_over_the_lanes_exactly(cluster):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import mmap
 import os
 import secrets
 import select
@@ -37,7 +38,19 @@ from typing import Any
 
 from ..errors import ProtocolError, ServiceError, SluiceError, error_from_code
 from ..errors import TimeoutError as LateError
-from ._codec import DEAD_AFTER, GRACE, MAX_BODY_BYTES, MAX_DATA_FRAMES, Cancel, Codec, ErrorReply, Message, Ping, log
+from ._codec import (
+    DEAD_AFTER,
+    GRACE,
+    MAX_BODY_BYTES,
+    MAX_DATA_FRAMES,
+    SOCKET_BUFFER_BYTES,
+    Cancel,
+    Codec,
+    ErrorReply,
+    Message,
+    Ping,
+    log,
+)
 from ._peer import _Liveness
 
 __all__ = ["Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
@@ -64,6 +77,13 @@ def _address(endpoint: str) -> str:
     return "\0" + endpoint[len(_PREFIX) :]
 
 
+def _buffers(sock: socket.socket) -> None:
+    """Give a lane socket ZeroMQ's kernel buffers (`SOCKET_BUFFER_BYTES`): a large message then
+    goes in a few wakes of its reader, not hundreds."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
 def _same_user(sock: socket.socket) -> bool:
     """Whether the process at the other end of `sock` runs as this process's user."""
     _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
@@ -80,7 +100,7 @@ class _Reader:
     def __init__(self, max_frame: int = -1) -> None:
         self.buf = bytearray()  # the start of the stream not yet taken apart
         self.max_frame = max_frame
-        self._big: bytearray | None = None  # the message being received whole, after its header
+        self._big: mmap.mmap | None = None  # the message being received whole, after its header
         self._big_at = 0
         self._big_shape: tuple[int, int, list[int]] = (0, 0, [])
 
@@ -133,8 +153,8 @@ class _Reader:
                 raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
             size = _offsets(head, body, sizes)[-1]
             if len(buf) - start < size:
-                if size > _CHUNK:  # the rest straight into its own buffer
-                    self._big = bytearray(size)
+                if size > _CHUNK:  # the rest straight into its own buffer (fresh pages: no zeroing pass)
+                    self._big = mmap.mmap(-1, size)
                     have = len(buf) - start
                     self._big[:have] = buf[start:]
                     self._big_at, self._big_shape = have, (head, body, sizes)
@@ -157,7 +177,7 @@ def _offsets(head: int, body: int, sizes: list[int]) -> list[int]:
     return out
 
 
-def _split(message: bytearray, head: int, body: int, sizes: list[int]) -> list[Any]:
+def _split(message: bytearray | mmap.mmap, head: int, body: int, sizes: list[int]) -> list[Any]:
     """[prefix, body, data frames...] of a message's bytes after its header (the data frames
     writable views of `message`)."""
     view = memoryview(message)
@@ -250,6 +270,7 @@ class Lane:
             sock.close()
             return None
         sock.setblocking(False)
+        _buffers(sock)
         # never a ROUTER identity (those are 5 bytes, the first zero): the two lanes share one table
         peer = _Peer(sock, b"local/%d" % next(self._ids), self.max_frame)
         self.peers[peer.identity] = peer
@@ -315,6 +336,7 @@ def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) 
         SluiceError: (`lost`) it cannot be reached, or another user's process listens there.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    _buffers(sock)
     sock.settimeout(timeout)
     try:
         sock.connect(_address(endpoint))
