@@ -94,7 +94,9 @@ class Controller(Service):
         secret: str | None = None,
         credentials: Credentials | None = None,
     ):
-        super().__init__(Codec(ControllerRequest), bind, credentials=credentials, local=True)
+        # with credentials every client proves it holds the cluster's keys, which the lane (same
+        # user only) could not ask: a cluster bound beyond loopback serves no lane
+        super().__init__(Codec(ControllerRequest), bind, credentials=credentials, local=credentials is None)
         self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]

@@ -92,7 +92,10 @@ class StorageUnit(Service):
         self.unit_id = unit_id
         self.arena = Arena.create(cluster_id, unit_id, capacity)
         try:
-            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials, local=True)
+            # no lane with credentials: as the controller (controllers/service.py)
+            super().__init__(
+                Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials, local=credentials is None
+            )
         except BaseException:
             self.arena.close()
             raise
