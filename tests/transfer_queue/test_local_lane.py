@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -15,8 +18,8 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.helpers import eventually_async
-from transfer_queue.wire.errors import SchemaError, ServiceError
-from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
+from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
+from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus
 from transfer_queue.wire.rpc import (
     AsyncLocalChannel,
     Channel,
@@ -25,15 +28,18 @@ from transfer_queue.wire.rpc import (
     Ok,
     Ping,
     Service,
+    _local,
     current_peer,
 )
+from transfer_queue.wire.rpc._local import _HEAD, _LEN, _frame, _offsets
 
 BIG = 8 << 20  # more than a Unix socket's buffer: replies and requests go out in pieces
 
 
 class _Lane(Service):
     """A service with a lane: `Read` parks until released (its peer noted), `Free` is refused
-    for an empty partition, `UnitStatus` echoes its data frames."""
+    for an empty partition (else a notice), `UnitStatus` echoes its data frames, `CommitWrite`
+    answers with its token's bytes in a buffer the next `CommitWrite` reuses."""
 
     def __init__(self, max_frame_bytes: int = -1):
         super().__init__(Codec(StorageRequest), "tcp://127.0.0.1:*", max_frame_bytes, local=True)
@@ -45,6 +51,8 @@ class _Lane(Service):
         self.route(Read, self._read)
         self.route(Free, self._free)
         self.route(UnitStatus, lambda msg, data: (Ok(), data))
+        self.scratch = bytearray(16)
+        self.route(CommitWrite, self._scratch)
 
     async def _read(self, msg, data):
         fut = asyncio.get_running_loop().create_future()
@@ -60,6 +68,68 @@ class _Lane(Service):
     def _free(self, msg, data):
         if not msg.partition:
             raise SchemaError("no partition")
+
+    def _scratch(self, msg, data):
+        self.scratch[:] = msg.token.to_bytes(16, "little")
+        return Ok(), [memoryview(self.scratch)]
+
+
+def _raw(endpoint: str) -> socket.socket:
+    """A plain socket connected to a lane: a peer that writes what it likes."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + endpoint.removeprefix("local:"))
+    sock.settimeout(60)
+    return sock
+
+
+def _framed(rid: int, msg, data=()) -> bytes:
+    return b"".join(bytes(b) for b in _frame(Codec(StorageRequest).encode_now(rid, msg, data)))
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything `sock` receives until its peer closes it (fails after its timeout)."""
+    got = bytearray()
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except ConnectionResetError:
+            return bytes(got)
+        if not chunk:
+            return bytes(got)
+        got += chunk
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    """The next `n` bytes `sock` receives (fewer if its peer closes it first)."""
+    got = bytearray()
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got)
+
+
+def _replies(stream: bytes) -> list[tuple[int, object]]:
+    """(request id, message) of each whole reply in a lane's byte stream."""
+    out, at = [], 0
+    while len(stream) - at >= _HEAD.size:
+        head, body, count = _HEAD.unpack_from(stream, at)
+        sizes = [_LEN.unpack_from(stream, at + _HEAD.size + i * _LEN.size)[0] for i in range(count)]
+        start = at + _HEAD.size + count * _LEN.size
+        rid, msg, _ = Codec(Reply).decode([stream[start : start + head], stream[start + head : start + head + body]])
+        out.append((rid, msg))
+        at = start + _offsets(head, body, sizes)[-1]
+    return out
+
+
+def _listener() -> tuple[socket.socket, str]:
+    """A bare lane listener of this user (a peer that answers as the test says): (socket, endpoint)."""
+    name = f"sluice-test-{os.getpid()}-{secrets.token_hex(4)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + name)
+    sock.listen(1)
+    return sock, "local:" + name
 
 
 async def test_the_lane_serves_answers_errors_parked_and_cancelled_requests_and_a_closing():
@@ -227,3 +297,211 @@ def test_a_unit_killed_while_a_lane_client_waits_raises_service_error(cluster):
             client.get_data(meta)
         lanes = [c for c in client._channels.values() if isinstance(c, LocalChannel)]
         assert any(c.ended for c in lanes)
+
+
+async def test_a_message_whose_last_data_frame_is_empty_goes_both_ways():
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    got: list[bytes] = []
+
+    def use() -> None:
+        client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=30)
+        try:
+            _, frames = client.reply(client.send(UnitStatus(), [b"x", b""]), 30)
+            got.extend(bytes(f) for f in frames)
+        finally:
+            client.close()
+
+    # a thread of its own: a send that never ends must fail this test, not hang it
+    user = threading.Thread(target=use, daemon=True)
+    user.start()
+    try:
+        await asyncio.to_thread(user.join, 60)
+        assert got == [b"x", b""]
+    finally:
+        service.stop()
+        await serving
+
+
+async def test_a_queued_reply_keeps_the_bytes_its_small_frames_had():
+    """Replies wait in the service's queue behind a large one its client does not read yet; the
+    small frame of each is sent as it was when answered, though its buffer was reused since."""
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+
+    def use() -> list[bytes]:
+        client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=30)
+        try:
+            big = client.send(UnitStatus(), [os.urandom(BIG)])
+            small = [client.send(CommitWrite(token)) for token in (1, 2, 3)]
+            assert len(bytes(client.reply(big, 30)[1][0])) == BIG
+            return [bytes(client.reply(rid, 30)[1][0]) for rid in small]
+        finally:
+            client.close()
+
+    try:
+        got = await asyncio.to_thread(use)
+        assert got == [t.to_bytes(16, "little") for t in (1, 2, 3)]
+    finally:
+        service.stop()
+        await serving
+
+
+async def test_one_reply_larger_than_the_queue_bound_arrives_and_a_peer_that_stops_reading_is_cut(monkeypatch):
+    monkeypatch.setattr(_local, "_QUEUED_MAX", 1 << 20)  # the bound, scaled down with the replies
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    big = os.urandom(BIG)
+    try:
+        raw = await asyncio.to_thread(_raw, service.local_endpoint)
+        await asyncio.to_thread(raw.sendall, _framed(1, UnitStatus(), [big]))
+        await eventually_async(lambda: service.served == 1)  # answered: what the socket did not take is queued
+        expected = _framed(1, Ok(), [big])
+        assert await asyncio.to_thread(_exactly, raw, len(expected)) == expected
+        # two such replies to a peer that reads nothing: the second finds the first queued
+        await asyncio.to_thread(raw.sendall, _framed(2, UnitStatus(), [big]) + _framed(3, UnitStatus(), [big]))
+        await eventually_async(lambda: service.gone, 30)
+        raw.close()
+    finally:
+        service.stop()
+        await serving
+
+
+async def test_a_header_announcing_a_huge_frame_is_refused_without_allocating_it():
+    """A service closes the connection of a peer whose header announces more data than it takes;
+    a client raises `ProtocolError` for such a reply. Neither allocates it."""
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    huge = _HEAD.pack(len(b"p"), len(b"b"), 1) + _LEN.pack(1 << 63) + b"pb"
+    try:
+        raw = await asyncio.to_thread(_raw, service.local_endpoint)
+        raw.sendall(huge)
+        assert await asyncio.to_thread(_until_closed, raw) == b""
+        await eventually_async(lambda: len(service.gone) == 1, 30)
+        raw.close()
+    finally:
+        service.stop()
+        await serving
+
+    listener, endpoint = _listener()
+    client = LocalChannel(endpoint, Codec(Reply), timeout=30)
+    peer, _ = listener.accept()
+    try:
+        rid = client.send(Ping())
+        peer.sendall(huge)
+        with pytest.raises(ProtocolError, match="exceed"):
+            client.reply(rid, 30)
+        assert client.ended
+    finally:
+        client.close()
+        peer.close()
+        listener.close()
+
+
+async def test_requests_before_a_malformed_message_in_the_same_read_are_served():
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    try:
+        raw = await asyncio.to_thread(_raw, service.local_endpoint)
+        # one write: the service reads the Ping and the bad header together
+        raw.sendall(_framed(7, Ping()) + _HEAD.pack(1, 1, 1 << 20))
+        assert [(rid, type(msg)) for rid, msg in _replies(await asyncio.to_thread(_until_closed, raw))] == [(7, Ok)]
+        raw.close()
+    finally:
+        service.stop()
+        await serving
+
+
+def test_a_reply_that_came_before_its_peer_closed_is_taken():
+    """The peer answers one request and closes at once: that answer is `ready` and taken; the
+    request it left raises `lost`."""
+    listener, endpoint = _listener()
+    client = LocalChannel(endpoint, Codec(Reply), timeout=30)
+    peer, _ = listener.accept()
+    try:
+        answered, left = client.send(Ping()), client.send(Ping())
+        peer.sendall(_framed(answered, Ok()))
+        peer.close()
+        assert client.ready(answered, 30) == answered
+        assert isinstance(client.reply(answered, 30)[0], Ok)
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            client.reply(left, 30)
+        assert client.ended and client.ready() is None
+    finally:
+        client.close()
+        listener.close()
+
+
+async def test_a_client_connecting_while_the_backlog_is_full_waits_for_the_service():
+    service = _Lane()
+    waiting: list[socket.socket] = []
+    address = "\0" + service.local_endpoint.removeprefix("local:")
+    try:
+        # nobody accepts yet: fill the listener's backlog
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(address)
+            except BlockingIOError:
+                sock.close()
+                break
+            waiting.append(sock)
+        assert len(waiting) > 64  # as many as the host lets wait (`somaxconn`)
+        connecting = threading.Event()
+
+        def use() -> object:
+            connecting.set()
+            client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=30, connect_timeout=60)
+            try:
+                return client.call(Ping())
+            finally:
+                client.close()
+
+        user = asyncio.ensure_future(asyncio.to_thread(use))
+        await asyncio.to_thread(connecting.wait, 30)
+        serving = asyncio.ensure_future(service.serve())
+        assert isinstance(await asyncio.wait_for(user, 60), Ok)
+    finally:
+        for sock in waiting:
+            sock.close()
+        service.stop()
+        if "serving" in locals():
+            await serving
+
+
+_FLOOD = (
+    "import socket, sys\n"
+    "blob = sys.stdin.buffer.read()\n"
+    "sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+    "sock.connect('\\0' + sys.argv[1].removeprefix('local:'))\n"
+    "sock.sendall(blob)\n"
+)
+
+
+async def test_a_peer_that_sends_without_pause_leaves_the_others_their_turn():
+    """A peer streams notices faster than the service serves them: another peer's `Ping` is
+    answered while that stream is still being read, not after it."""
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    channel = AsyncLocalChannel(service.local_endpoint, Codec(Reply))
+    notice = _framed(1, Free("p", list(range(1000))))
+    count = (32 << 20) // len(notice)
+    flood = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FLOOD, service.local_endpoint, stdin=subprocess.PIPE
+    )
+    try:
+        assert flood.stdin is not None
+        flood.stdin.write(notice * count)
+        await flood.stdin.drain()
+        flood.stdin.close()
+        await eventually_async(lambda: service.served > 0, 30)
+        assert isinstance(await channel.call(Ping(), 30), Ok)
+        assert service.served < count, "the Ping waited for the whole stream"
+    finally:
+        channel.close()
+        if flood.returncode is None:
+            flood.kill()
+        await flood.wait()
+        service.stop()
+        await serving

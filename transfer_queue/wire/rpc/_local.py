@@ -61,9 +61,27 @@ _PREFIX = "local:"
 _CRED = struct.Struct("3i")  # pid, uid, gid
 _CHUNK = 1 << 18
 _ALIGN = 64
+_BACKLOG = 1 << 16
+"""Connections a lane's listener lets wait to be accepted. The kernel takes the least of this and
+its `net.core.somaxconn` (as many as the host allows, as Go's net package asks for): a crowd of
+clients connecting at once waits for the loop to accept them instead of being turned away."""
 _QUEUED_MAX = 1 << 30
-"""Reply bytes a service keeps queued for one lane peer that reads them slower than they come;
-a peer beyond it stopped reading and is cut off (ZeroMQ's ROUTER would drop its replies)."""
+"""Reply bytes a service keeps queued for one lane peer: a reply that finds more than this still
+queued for its peer means the peer stopped reading, and it is cut off (ZeroMQ's ROUTER would drop
+its replies). One reply alone may be larger: it is queued whole."""
+_COPY_BELOW = 1 << 16
+"""Data frames shorter than this are copied into the buffer that carries their message's header
+when it is framed (as pyzmq copies frames under `zmq.COPY_THRESHOLD`): a message left queued
+holds no view of a small buffer its sender reuses at once (an arena slot, a receive buffer), and
+goes out in fewer pieces. Longer frames are sent from the sender's memory, as ZeroMQ's zero-copy
+sends are."""
+_READ_BUDGET = SOCKET_BUFFER_BYTES
+"""Bytes one wake reads from one lane socket; the socket, still readable, wakes its reader again.
+A peer that sends without pause thus takes its turn with the loop's other work and peers."""
+_MAX_DATA = 1 << 36
+"""Data bytes one lane message may announce where its receiver sets no bound of its own (a client;
+a service bounds them by its `max_frame_bytes`, or by `MAX_BODY_BYTES` when it takes none): a
+header announcing more is refused before anything is allocated for it."""
 
 
 def supported() -> bool:
@@ -93,77 +111,107 @@ def _same_user(sock: socket.socket) -> bool:
 class _Reader:
     """Whole messages out of a byte stream (`read` what a socket has, non-blocking). A message
     larger than a read is received straight into a buffer of its own, whose data frames are
-    handed out as views (no copy beyond the kernel's). A data frame longer than `max_frame`
-    bytes (> 0), more than `MAX_DATA_FRAMES` of them or a body beyond `MAX_BODY_BYTES` is
-    refused before anything of it is buffered."""
+    handed out as views (no copy beyond the kernel's). A message is refused before anything of
+    it is buffered when its header announces a body beyond `MAX_BODY_BYTES`, more than
+    `MAX_DATA_FRAMES` data frames, a data frame beyond `max_frame` bytes (> 0) or data frames
+    beyond `max_data` bytes in all."""
 
-    def __init__(self, max_frame: int = -1) -> None:
+    def __init__(self, max_frame: int = -1, max_data: int = _MAX_DATA) -> None:
         self.buf = bytearray()  # the start of the stream not yet taken apart
         self.max_frame = max_frame
+        self.max_data = max_data
+        self.error: ProtocolError | None = None
+        """Why the stream ended, when a message broke the limits (None: it closed or broke)."""
         self._big: mmap.mmap | None = None  # the message being received whole, after its header
         self._big_at = 0
         self._big_shape: tuple[int, int, list[int]] = (0, 0, [])
 
     def read(self, sock: socket.socket) -> tuple[list[list[Any]], bool]:
-        """(the whole messages `sock` has delivered, each [prefix, body, data frames...]; whether
-        it then closed or broke).
-
-        Raises:
-            ProtocolError: a message exceeds the limits above.
-        """
+        """(the whole messages `sock` delivered, each [prefix, body, data frames...]; whether the
+        stream ended: it closed, broke, or brought a message beyond the limits, `error`). At most
+        `_READ_BUDGET` bytes are read per call: call again while the socket is readable. The
+        messages that came before an end are returned all the same."""
         out: list[list[Any]] = []
+        budget = _READ_BUDGET
         try:
-            while True:
+            while budget > 0:
                 if self._big is not None:
-                    got = sock.recv_into(memoryview(self._big)[self._big_at :], 0, socket.MSG_DONTWAIT)
+                    room = memoryview(self._big)[self._big_at : self._big_at + budget]
+                    got = sock.recv_into(room, 0, socket.MSG_DONTWAIT)
                     if not got:
                         return out, True
+                    budget -= got
                     self._big_at += got
                     if self._big_at == len(self._big):
                         out.append(_split(self._big, *self._big_shape))
                         self._big = None
                     continue
-                chunk = sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+                chunk = sock.recv(min(_CHUNK, budget), socket.MSG_DONTWAIT)
                 if not chunk:
                     return out, True
+                budget -= len(chunk)
                 self.buf += chunk
                 self._take(out)
         except (BlockingIOError, InterruptedError):
             return out, False
+        except ProtocolError as exc:
+            self.error = exc
+            return out, True
         except OSError as exc:
             log.debug("a local connection broke: %s", exc)
             return out, True
+        return out, False
 
     def _take(self, out: list[list[Any]]) -> None:
         """Move the whole messages at the start of `buf` to `out`; start receiving a large one
-        that has only begun into a buffer of its own."""
+        that has only begun into a buffer of its own.
+
+        Raises:
+            ProtocolError: the next message's header breaks the limits (those before it are in `out`).
+        """
         buf = self.buf
         at = 0
-        while len(buf) - at >= _HEAD.size:
-            head, body, count = _HEAD.unpack_from(buf, at)
-            if head + body > MAX_BODY_BYTES + 64:
-                raise ProtocolError(f"a local message of {head + body} bytes exceeds the limit")
-            if count > MAX_DATA_FRAMES:
-                raise ProtocolError(f"{count} data frames exceed the limit of {MAX_DATA_FRAMES}")
-            start = at + _HEAD.size + count * _LEN.size
-            if len(buf) < start:
-                break
-            sizes = [_LEN.unpack_from(buf, at + _HEAD.size + i * _LEN.size)[0] for i in range(count)]
-            if self.max_frame > 0 and any(n > self.max_frame for n in sizes):
-                raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
-            size = _offsets(head, body, sizes)[-1]
-            if len(buf) - start < size:
-                if size > _CHUNK:  # the rest straight into its own buffer (fresh pages: no zeroing pass)
-                    self._big = mmap.mmap(-1, size)
-                    have = len(buf) - start
-                    self._big[:have] = buf[start:]
-                    self._big_at, self._big_shape = have, (head, body, sizes)
-                    at = len(buf)
-                break
-            out.append(_split(buf[start : start + size], head, body, sizes))
-            at = start + size
-        if at:
-            del buf[:at]
+        try:
+            while len(buf) - at >= _HEAD.size:
+                head, body, count = _HEAD.unpack_from(buf, at)
+                if head + body > MAX_BODY_BYTES + 64:
+                    raise ProtocolError(f"a local message of {head + body} bytes exceeds the limit")
+                if count > MAX_DATA_FRAMES:
+                    raise ProtocolError(f"{count} data frames exceed the limit of {MAX_DATA_FRAMES}")
+                start = at + _HEAD.size + count * _LEN.size
+                if len(buf) < start:
+                    break
+                sizes = [_LEN.unpack_from(buf, at + _HEAD.size + i * _LEN.size)[0] for i in range(count)]
+                if self.max_frame > 0 and any(n > self.max_frame for n in sizes):
+                    raise ProtocolError(f"a data frame exceeds the limit of {self.max_frame} bytes")
+                if sum(sizes) > self.max_data:
+                    raise ProtocolError(f"{sum(sizes)} bytes of data frames exceed the limit of {self.max_data}")
+                size = _offsets(head, body, sizes)[-1]
+                if len(buf) - start < size:
+                    if size > _CHUNK:  # the rest straight into its own buffer (fresh pages: no zeroing pass)
+                        self._big = _allocate(size)
+                        have = len(buf) - start
+                        self._big[:have] = buf[start:]
+                        self._big_at, self._big_shape = have, (head, body, sizes)
+                        at = len(buf)
+                    break
+                out.append(_split(buf[start : start + size], head, body, sizes))
+                at = start + size
+        finally:
+            if at:
+                del buf[:at]
+
+
+def _allocate(size: int) -> mmap.mmap:
+    """Fresh pages for one large message.
+
+    Raises:
+        ProtocolError: the host cannot give them (the message is refused as too large here).
+    """
+    try:
+        return mmap.mmap(-1, size)
+    except (OSError, OverflowError) as exc:
+        raise ProtocolError(f"a local message of {size} bytes cannot be received here ({exc})") from None
 
 
 def _offsets(head: int, body: int, sizes: list[int]) -> list[int]:
@@ -188,60 +236,78 @@ def _split(message: bytearray | mmap.mmap, head: int, body: int, sizes: list[int
 
 
 def _frame(frames: Sequence[Any]) -> list[memoryview]:
-    """The buffers that carry one message, in order (its data frames not copied)."""
+    """The buffers that carry one message, in order: its header, prefix, body and data frames
+    shorter than `_COPY_BELOW` copied, longer data frames as views of the sender's memory. None
+    is empty."""
     prefix, body, *data = frames
     views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in data]
     sizes = [v.nbytes for v in views]
-    head = _HEAD.pack(len(prefix), len(body), len(views)) + b"".join(_LEN.pack(n) for n in sizes)
-    out = [memoryview(head + bytes(prefix) + bytes(body))]
+    copied = bytearray(_HEAD.pack(len(prefix), len(body), len(views)))
+    for n in sizes:
+        copied += _LEN.pack(n)
+    copied += prefix
+    copied += body
+    out: list[memoryview] = []
     at = len(prefix) + len(body)
     for start, view in zip(_offsets(len(prefix), len(body), sizes), views):
-        if start > at:
-            out.append(memoryview(bytes(start - at)))
-        out.append(view)
+        copied += bytes(start - at)  # the padding that aligns the frame
+        if view.nbytes < _COPY_BELOW:
+            copied += view
+        else:
+            if copied:
+                out.append(memoryview(copied))
+            out.append(view)
+            copied = bytearray()
         at = start + view.nbytes
+    if copied:
+        out.append(memoryview(copied))
     return out
 
 
-def _send(sock: socket.socket, out: deque[memoryview]) -> None:
+def _send(sock: socket.socket, out: deque[memoryview]) -> int:
     """Send what `sock` takes now of the buffers in `out` (sent ones leave it, a partly sent one
-    is cut to its rest).
+    is cut to its rest); the bytes sent.
 
     Raises:
         OSError: the connection is gone.
     """
+    total = 0
     while out:
         try:
             sent = sock.sendmsg(list(itertools.islice(out, 64)), [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return
-        while sent and out:
-            if sent >= out[0].nbytes:
-                sent -= out.popleft().nbytes
-            else:
-                out[0] = out[0][sent:]
-                sent = 0
+            break
+        total += sent
+        while out and out[0].nbytes <= sent:  # an empty buffer leaves too: nothing of it is owed
+            sent -= out.popleft().nbytes
+        if sent:
+            out[0] = out[0][sent:]
+    return total
 
 
 class _Peer:
-    __slots__ = ("sock", "identity", "reader", "out")
+    __slots__ = ("sock", "identity", "reader", "out", "queued")
 
-    def __init__(self, sock: socket.socket, identity: bytes, max_frame: int):
-        self.sock, self.identity, self.reader = sock, identity, _Reader(max_frame)
+    def __init__(self, sock: socket.socket, identity: bytes, reader: _Reader):
+        self.sock, self.identity, self.reader = sock, identity, reader
         self.out: deque[memoryview] = deque()  # replies not yet taken by the socket
+        self.queued = 0  # their bytes
 
 
 class Lane:
     """The listening side, driven by its service's thread or event loop: `accept` when the
     listener is readable, `receive` when a peer is, `send` a reply to a peer (what the socket
     does not take at once stays queued: `flush` when it is writable), `drop` a peer.
-    `max_frame` (> 0) bounds each data frame received, as ZeroMQ's `MAXMSGSIZE` does."""
+    `max_frame` (> 0) bounds each data frame received, as ZeroMQ's `MAXMSGSIZE` does, and the
+    data frames of one message together (what one request may bring: no more than the service
+    takes in one frame, a unit's arena); without it a message brings at most `MAX_BODY_BYTES` of
+    data frames (such a service carries what it is sent in bodies)."""
 
     def __init__(self, max_frame: int = -1) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"sluice-rpc-{os.getpid()}-{secrets.token_hex(8)}"
         self.listener.bind("\0" + name)
-        self.listener.listen(64)
+        self.listener.listen(_BACKLOG)
         self.listener.setblocking(False)
         self.endpoint = _PREFIX + name
         self.max_frame = max_frame
@@ -271,48 +337,53 @@ class Lane:
             return None
         sock.setblocking(False)
         _buffers(sock)
+        reader = _Reader(self.max_frame, self.max_frame if self.max_frame > 0 else MAX_BODY_BYTES)
         # never a ROUTER identity (those are 5 bytes, the first zero): the two lanes share one table
-        peer = _Peer(sock, b"local/%d" % next(self._ids), self.max_frame)
+        peer = _Peer(sock, b"local/%d" % next(self._ids), reader)
         self.peers[peer.identity] = peer
         self.by_fd[sock.fileno()] = peer
         return peer
 
     def receive(self, peer: _Peer) -> tuple[list[list[Any]], bool]:
-        """(the whole messages `peer` sent so far, whether its connection then closed or broke);
-        the caller serves those messages, then `drop`s a closed peer and reports it gone (a
-        notice sent just before closing still counts)."""
-        try:
-            return peer.reader.read(peer.sock)
-        except ProtocolError as exc:
-            log.warning("local peer %r sent a malformed message (%s); closing its connection", peer.identity, exc)
-            return [], True
+        """(the whole messages `peer` sent in this wake, whether its connection then ended); the
+        caller serves those messages, then `drop`s an ended peer and reports it gone (a notice
+        sent just before closing still counts, as do the requests before a malformed message)."""
+        messages, ended = peer.reader.read(peer.sock)
+        if peer.reader.error is not None:
+            log.warning(
+                "local peer %r sent a malformed message (%s); closing its connection", peer.identity, peer.reader.error
+            )
+        return messages, ended
 
     def send(self, identity: bytes, frames: Sequence[Any]) -> _Peer | None:
         """Send a reply to `identity` (dropped if it is gone); the peer if part of it stays
-        queued (`flush` it when its socket is writable), else None. A peer whose queue grows
-        beyond `_QUEUED_MAX` stopped reading: its connection is cut (its end is read next)."""
+        queued (`flush` it when its socket is writable), else None. A reply that finds more than
+        `_QUEUED_MAX` bytes still queued for its peer cuts the peer off: it stopped reading."""
         peer = self.peers.get(identity)
         if peer is None:
             return None
-        peer.out.extend(_frame(frames))
+        if peer.queued > _QUEUED_MAX:
+            self.cut(peer)
+            return None
+        buffers = _frame(frames)
+        peer.out.extend(buffers)
+        peer.queued += sum(b.nbytes for b in buffers)
         return peer if self.flush(peer) else None
 
     def flush(self, peer: _Peer) -> bool:
         """Send what `peer`'s socket takes of its queued replies; whether some still wait."""
         try:
-            _send(peer.sock, peer.out)
+            peer.queued -= _send(peer.sock, peer.out)
         except OSError:
             peer.out.clear()  # closed: its end is read next
-            return False
-        if sum(v.nbytes for v in peer.out) > _QUEUED_MAX:
-            self.cut(peer)
-            return False
+            peer.queued = 0
         return bool(peer.out)
 
     def cut(self, peer: _Peer) -> None:
         """End `peer`'s connection at once (it stopped reading its replies); its end is read next."""
         log.warning("local peer %r stopped reading its replies; closing its connection", peer.identity)
         peer.out.clear()
+        peer.queued = 0
         try:
             peer.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -330,14 +401,20 @@ class Lane:
 
 
 def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) -> socket.socket:
-    """A connected socket to the lane at `endpoint`, whose listener runs as this user.
+    """A connected, non-blocking socket to the lane at `endpoint`, whose listener runs as this
+    user. While the listener's backlog is full the connect waits (up to `timeout` s) for its
+    service to accept, as a blocking Unix connect does.
 
     Raises:
-        SluiceError: (`lost`) it cannot be reached, or another user's process listens there.
+        SluiceError: (`lost`) it cannot be reached (gone, or no room in its backlog within
+            `timeout`), or another user's process listens there.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     _buffers(sock)
-    sock.settimeout(timeout)
+    sock.settimeout(None)
+    # blocking, bounded by the send timeout: a non-blocking connect to a full backlog fails at once
+    seconds = max(timeout, 0.001)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
     try:
         sock.connect(_address(endpoint))
         if not _same_user(sock):
@@ -345,16 +422,124 @@ def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) 
     except OSError as exc:
         sock.close()
         raise lost(f"{name} cannot be reached: {exc} (gone?)") from None
+    sock.setblocking(False)  # every read and write then waits in `poll` or the event loop
     return sock
 
 
-class LocalChannel(_Liveness):
+class _LocalLink(_Liveness):
+    """One client connection to a lane, the implementation both channels share (`LocalChannel`
+    waits on it in `poll`, `AsyncLocalChannel` in the event loop): it connects, frames and
+    queues what is sent (`_put`; `_flush` what the socket did not take), reads what arrived
+    (`_read`: each reply goes to `_arrived`) and ends (`_end`) once the connection closes,
+    breaks or brings a malformed message. Replies that arrived before an end are kept.
+
+    Raises:
+        SluiceError: (`lost`) the lane cannot be reached within `connect_timeout`, or another
+            user's process listens there.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None,
+        hint: str,
+        timeout: float,
+        connect_timeout: float,
+        dead_after: float,
+        lost: type[SluiceError],
+        late: type[SluiceError],
+    ):
+        super().__init__(
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
+        )
+        self._reader = _Reader()
+        self._out: deque[memoryview] = deque()
+        self._end_error: tuple[type[SluiceError], str] | None = None
+        self.sock = _connect(endpoint, self.name, connect_timeout, lost)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection ended (closed by either side, broken, or refused for a malformed message)."""
+        return self._end_error is not None
+
+    def _gone(self) -> SluiceError:
+        """The error of a call that needs the ended connection."""
+        assert self._end_error is not None
+        kind, text = self._end_error
+        return kind(text)
+
+    def _put(self, msg: Message, data: Sequence[Any]) -> int:
+        """Frame a request behind those queued and send what the socket takes; its id.
+
+        Raises:
+            SchemaError: `msg` cannot be encoded.
+            SluiceError: (`lost`) the connection ended.
+        """
+        if self._end_error is not None:
+            raise self._gone()
+        rid = next(self._ids)
+        self._out.extend(_frame(self.codec.encode_now(rid, msg, data)))
+        self._flush()
+        return rid
+
+    def _flush(self) -> bool:
+        """Send what the socket takes of the queue; whether some is left."""
+        try:
+            _send(self.sock, self._out)
+        except OSError:
+            self._out.clear()  # the connection is gone: its end is read next
+        return bool(self._out)
+
+    def _read(self) -> None:
+        """Take what arrived (at most `_READ_BUDGET` bytes): replies to `_arrived`, then the end."""
+        messages, ended = self._reader.read(self.sock)
+        if messages:
+            self._heard()
+        for frames in messages:
+            try:
+                rid, msg, data = self.codec.decode(frames)
+            except ProtocolError:
+                log.warning("%s sent an undecodable reply", self.name)
+                continue
+            self._arrived(rid, msg, data)
+        error = self._reader.error
+        if error is not None:
+            log.warning("%s sent a malformed message (%s); closing the connection", self.name, error)
+            self._end(ProtocolError, f"{self.name} sent a malformed message ({error}); the connection was closed")
+        elif ended:
+            self._end(self.lost, f"{self.name} dropped the connection (gone?){self.hint}")
+
+    def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _end(self, kind: type[SluiceError], text: str) -> None:
+        """End the connection (once): what needs it from now on raises `kind(text)`."""
+        if self._end_error is not None:
+            return
+        self._end_error = (kind, text)
+        self.dead = self.ended = True
+        self._out.clear()
+        self.sock.close()
+
+
+class LocalChannel(_LocalLink):
     """A blocking request/reply channel to a service's local lane at `endpoint` (its
     `local_endpoint`), used from one thread: `Channel`'s calls (`send`, `post`, `reply`,
     `ready`, `call`, `cancel`, `forget`, `close`) over that socket. A peer that is gone or drops
-    the connection raises `lost` at once; one that stays silent (pings included) for
-    `dead_after` s raises `lost` too (a hung process keeps its socket open); no answer in time
-    raises `late`.
+    the connection raises `lost` once the replies it sent before are taken; one that stays
+    silent (pings included) for `dead_after` s raises `lost` too (a hung process keeps its
+    socket open); no answer in time raises `late`; a malformed message ends the connection
+    with `ProtocolError`.
 
     Raises:
         SluiceError: (`lost`) the lane cannot be reached within `connect_timeout`, or another
@@ -387,34 +572,29 @@ class LocalChannel(_Liveness):
         )
         self._stash: dict[int, tuple[Any, list[Any]]] = {}
         self._expected: set[int] = set()
-        self._reader = _Reader()
-        self.sock = _connect(endpoint, self.name, connect_timeout, lost)
-        self.sock.setblocking(False)  # every read and write here waits in `poll`, for at most its deadline
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
 
+    def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
+        if rid in self._expected:
+            self._stash[rid] = (msg, data)
+
     def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
-        if self.sock.fileno() < 0:
-            raise self.lost(f"the channel to {self.name} was closed")
-        rid = next(self._ids)
-        out = deque(_frame(self.codec.encode_now(rid, msg, data)))
+        rid = self._put(msg, data)
+        if not self._out:
+            return rid
         writable = select.poll()
         writable.register(self.sock, select.POLLOUT)
         deadline = time.monotonic() + self.timeout
-        try:
-            while True:
-                _send(self.sock, out)
-                left = deadline - time.monotonic()
-                if not out:
-                    return rid
-                if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
-                    self.dead = self.ended = True
-                    self.sock.close()
-                    raise self.late(f"{self.name} took no message for {self.timeout:g} s")
-                writable.poll(int(left * 1000) + 1)
-        except OSError as exc:
-            self.dead = self.ended = True
-            raise self.lost(f"{self.name} dropped the connection ({exc}; gone?)") from None
+        while self._flush():
+            left = deadline - time.monotonic()
+            if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
+                self._end(self.lost, f"a message to {self.name} was cut off half sent")
+                raise self.late(f"{self.name} took no message for {self.timeout:g} s")
+            writable.poll(int(left * 1000) + 1)
+        if self._end_error is not None:
+            raise self._gone()
+        return rid
 
     def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
         """Send a request (with raw `data` frames); returns its id.
@@ -432,33 +612,14 @@ class LocalChannel(_Liveness):
         """Send a notice: a request nobody awaits an answer to (its answer is dropped). Raises as `send`."""
         self._write(msg, data)
 
-    def _take(self, wait: float | None) -> bool:
-        """Read what arrived within `wait` s (None: until something does); whether anything did.
-
-        Raises:
-            SluiceError: (`lost`) the peer dropped the connection.
-        """
+    def _wait(self, wait: float | None) -> bool:
+        """Read what arrives within `wait` s (None: until something does); whether anything did."""
+        if self._end_error is not None:
+            return False
         # rounded up, so that a wait never ends early, except a wait of 0 (`ready`'s look)
         if not self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0):
             return False
-        try:
-            messages, closed = self._reader.read(self.sock)
-        except ProtocolError as exc:
-            log.warning("%s sent a malformed message (%s)", self.name, exc)
-            messages, closed = [], True
-        if messages:
-            self._heard()
-        for frames in messages:
-            try:
-                got, msg, data = self.codec.decode(frames)
-            except ProtocolError:
-                log.warning("%s sent an undecodable reply", self.name)
-                continue
-            if got in self._expected:
-                self._stash[got] = (msg, data)
-        if closed:
-            self.dead = self.ended = True
-            raise self.lost(f"{self.name} dropped the connection (gone?){self.hint}")
+        self._read()
         return True
 
     def reply(
@@ -469,26 +630,30 @@ class LocalChannel(_Liveness):
 
         Raises:
             SluiceError: (`late`) no answer within `wait`; (`lost`) the peer dropped the
-                connection or is silent for `dead_after` s.
+                connection (before answering) or is silent for `dead_after` s.
+            ProtocolError: the peer sent a malformed message (the connection ended).
         """
         since = time.monotonic() if since is None else since
         deadline = self._deadline(since, wait)
         while rid not in self._stash:
+            if self._end_error is not None:
+                self._expected.discard(rid)
+                raise self._gone()
             ping, left = self._step(since, deadline, what)
             if ping:
                 self._write(Ping())  # its Ok is not expected: dropped on arrival, heard all the same
-            self._take(left)
+            self._wait(left)
         self._expected.discard(rid)
         return self._stash.pop(rid)
 
     def ready(self, rid: int | None = None, wait: float = 0.0) -> int | None:
         """The id of an arrived, untaken reply (to `rid` if given; else the oldest), waiting up
-        to `wait` s for one; None if none came. The reply stays for `reply`."""
+        to `wait` s for one; None if none came (an ended connection is `reply`'s to report)."""
         deadline = time.monotonic() + wait
         while True:
             if rid in self._stash or (rid is None and self._stash):
                 return rid if rid is not None else next(iter(self._stash))
-            if not self._take(max(deadline - time.monotonic(), 0.0)):
+            if not self._wait(max(deadline - time.monotonic(), 0.0)):
                 return None
 
     def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
@@ -518,15 +683,15 @@ class LocalChannel(_Liveness):
     def close(self) -> None:
         """Close the connection (what was sent before is still delivered; the service then
         sees it closed)."""
-        self.sock.close()
+        self._end(self.lost, f"the channel to {self.name} was closed")
 
 
-class AsyncLocalChannel(_Liveness):
-    """The asyncio twin of `LocalChannel` (and `AsyncChannel`'s calls): the event loop reads
-    the socket and resolves the future of whichever request a reply answers, so any number of
-    coroutines may share it; what the socket does not take at once is written when it is
-    writable, in order. Replies nobody awaits (to `post`ed requests) go to `on_reply`. Raises as
-    `LocalChannel` (a closed channel fails what still waits with `lost`).
+class AsyncLocalChannel(_LocalLink):
+    """`LocalChannel` for asyncio (`AsyncChannel`'s calls): the event loop reads the socket and
+    resolves the future of whichever request a reply answers, so any number of coroutines may
+    share it; what the socket does not take at once is written when it is writable, in order.
+    Replies nobody awaits (to `post`ed requests) go to `on_reply`. Raises as `LocalChannel`
+    (an ended channel fails what still waits).
     """
 
     def __init__(
@@ -557,55 +722,35 @@ class AsyncLocalChannel(_Liveness):
         self._on_reply = on_reply
         self._loop = asyncio.get_running_loop()
         self._waiting: dict[int, asyncio.Future] = {}
-        self._reader = _Reader()
-        self._out: deque[memoryview] = deque()
-        self.closed = False
-        self.sock = _connect(endpoint, self.name, connect_timeout, lost)
-        self.sock.setblocking(False)
         self._fd = self.sock.fileno()
-        self._loop.add_reader(self._fd, self._readable)
+        self._loop.add_reader(self._fd, self._read)
 
-    def _readable(self) -> None:
-        try:
-            messages, closed = self._reader.read(self.sock)
-        except ProtocolError as exc:
-            log.warning("%s sent a malformed message (%s)", self.name, exc)
-            messages, closed = [], True
-        if messages:
-            self._heard()
-        for frames in messages:
-            try:
-                rid, msg, data = self.codec.decode(frames)
-            except ProtocolError:
-                log.warning("%s sent an undecodable reply", self.name)
-                continue
-            fut = self._waiting.get(rid)  # removed by whoever awaits it
-            if fut is not None and not fut.done():
-                fut.set_result((msg, data))
-            elif self._on_reply is not None:
-                self._on_reply(msg)
-        if closed:
-            self.dead = self.ended = True
-            self._shut(self.lost(f"{self.name} dropped the connection (gone?){self.hint}"))
+    def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
+        fut = self._waiting.get(rid)  # removed by whoever awaits it
+        if fut is not None and not fut.done():
+            fut.set_result((msg, data))
+        elif self._on_reply is not None:
+            self._on_reply(msg)
+
+    def _end(self, kind: type[SluiceError], text: str) -> None:
+        if self._end_error is not None:
+            return
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        super()._end(kind, text)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(self._gone())
+                fut.exception()  # retrieved: whoever still awaits it gets it, nobody else is warned
 
     def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
-        if self.closed:
-            raise self.lost(f"the channel to {self.name} was closed")
-        rid = next(self._ids)
-        queued = bool(self._out)
-        self._out.extend(_frame(self.codec.encode_now(rid, msg, data)))
-        if not queued:
-            self._flush()
+        rid = self._put(msg, data)
+        if self._out:
+            self._loop.add_writer(self._fd, self._drain)
         return rid
 
-    def _flush(self) -> None:
-        try:
-            _send(self.sock, self._out)
-        except OSError:
-            self._out.clear()  # closed: the reader sees its end
-        if self._out:
-            self._loop.add_writer(self._fd, self._flush)
-        else:
+    def _drain(self) -> None:
+        if not self._flush():
             self._loop.remove_writer(self._fd)
 
     async def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
@@ -616,7 +761,7 @@ class AsyncLocalChannel(_Liveness):
 
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
         """Send a notice whose reply nobody awaits, without blocking (queued in order while the
-        socket is full); a closed channel drops it: its peer is gone."""
+        socket is full); an ended channel drops it: its peer is gone."""
         if not self.closed:
             self._write(msg, data)
 
@@ -667,18 +812,6 @@ class AsyncLocalChannel(_Liveness):
         """Stop awaiting `rid`'s reply."""
         self._waiting.pop(rid, None)
 
-    def _shut(self, error: SluiceError) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_writer(self._fd)
-        self.sock.close()
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(error)
-                fut.exception()  # retrieved: whoever still awaits it gets it, nobody else is warned
-
     def close(self) -> None:
         """Close the connection; requests still awaiting replies fail with `lost` at once."""
-        self._shut(self.lost(f"the channel to {self.name} was closed"))
+        self._end(self.lost, f"the channel to {self.name} was closed")
