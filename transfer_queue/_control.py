@@ -83,7 +83,7 @@ class ControlCore:
         if lane:
             try:
                 return LocalChannel(lane, self.codec, name=options["name"], hint=options["hint"])
-            except SluiceError:  # the lane is gone or not this user's: ZeroMQ decides the rest
+            except SluiceError:  # gone, not this user's, or accepting nobody: ZeroMQ decides the rest
                 del self.lanes[address]
         return Channel(address, self.codec, **options)
 
