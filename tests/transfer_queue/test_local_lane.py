@@ -413,8 +413,8 @@ async def test_requests_before_a_malformed_message_in_the_same_read_are_served()
 
 
 def test_a_reply_that_came_before_its_peer_closed_is_taken():
-    """The peer answers one request and closes at once: that answer is `ready` and taken; the
-    request it left raises `lost`."""
+    """The peer answers one request and closes at once: a request sent then raises `lost`, the
+    answer is `ready` and taken all the same, the request the peer left raises `lost`."""
     listener, endpoint = _listener()
     client = LocalChannel(endpoint, Codec(Reply), timeout=30)
     peer, _ = listener.accept()
@@ -422,6 +422,8 @@ def test_a_reply_that_came_before_its_peer_closed_is_taken():
         answered, left = client.send(Ping()), client.send(Ping())
         peer.sendall(_framed(answered, Ok()))
         peer.close()
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            client.send(Ping())
         assert client.ready(answered, 30) == answered
         assert isinstance(client.reply(answered, 30)[0], Ok)
         with pytest.raises(ServiceError, match="dropped the connection"):

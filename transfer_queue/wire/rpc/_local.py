@@ -493,15 +493,20 @@ class _LocalLink(_Liveness):
         return rid
 
     def _flush(self) -> bool:
-        """Send what the socket takes of the queue; whether some is left."""
+        """Send what the socket takes of the queue; whether some is left. A send that fails
+        (the peer is gone) ends the connection, after the replies it sent before are taken."""
         try:
             _send(self.sock, self._out)
-        except OSError:
-            self._out.clear()  # the connection is gone: its end is read next
+        except OSError as exc:
+            self._out.clear()
+            while self._end_error is None and self._read():
+                pass
+            self._end(self.lost, f"{self.name} dropped the connection ({exc}; gone?){self.hint}")
         return bool(self._out)
 
-    def _read(self) -> None:
-        """Take what arrived (at most `_READ_BUDGET` bytes): replies to `_arrived`, then the end."""
+    def _read(self) -> bool:
+        """Take what arrived (at most `_READ_BUDGET` bytes): replies to `_arrived`, then the
+        end; whether any message came."""
         messages, ended = self._reader.read(self.sock)
         if messages:
             self._heard()
@@ -518,6 +523,7 @@ class _LocalLink(_Liveness):
             self._end(ProtocolError, f"{self.name} sent a malformed message ({error}); the connection was closed")
         elif ended:
             self._end(self.lost, f"{self.name} dropped the connection (gone?){self.hint}")
+        return bool(messages)
 
     def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
         raise NotImplementedError
@@ -581,17 +587,16 @@ class LocalChannel(_LocalLink):
 
     def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
         rid = self._put(msg, data)
-        if not self._out:
-            return rid
-        writable = select.poll()
-        writable.register(self.sock, select.POLLOUT)
-        deadline = time.monotonic() + self.timeout
-        while self._flush():
-            left = deadline - time.monotonic()
-            if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
-                self._end(self.lost, f"a message to {self.name} was cut off half sent")
-                raise self.late(f"{self.name} took no message for {self.timeout:g} s")
-            writable.poll(int(left * 1000) + 1)
+        if self._out:  # the socket is full: wait for it to take the rest
+            writable = select.poll()
+            writable.register(self.sock, select.POLLOUT)
+            deadline = time.monotonic() + self.timeout
+            while self._flush():
+                left = deadline - time.monotonic()
+                if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
+                    self._end(self.lost, f"a message to {self.name} was cut off half sent")
+                    raise self.late(f"{self.name} took no message for {self.timeout:g} s")
+                writable.poll(int(left * 1000) + 1)
         if self._end_error is not None:
             raise self._gone()
         return rid
@@ -756,6 +761,8 @@ class AsyncLocalChannel(_LocalLink):
     async def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
         """Send a request; returns its id (see `LocalChannel.send`)."""
         rid = self._write(msg, data)
+        if self.closed:  # its peer went as it was sent
+            raise self._gone()
         self._waiting[rid] = self._loop.create_future()
         return rid
 
