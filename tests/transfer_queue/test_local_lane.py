@@ -434,6 +434,47 @@ def test_a_reply_that_came_before_its_peer_closed_is_taken():
         listener.close()
 
 
+def _answer_and_close(listener: socket.socket, rid: int, size: int) -> None:
+    """Accept the client's connection, answer `rid` with `size` bytes of data and close it;
+    the kernel holds the whole reply (the lane's buffers), the client has read none of it."""
+    peer, _ = listener.accept()
+    _local._buffers(peer)
+    peer.settimeout(30)
+    peer.sendall(_framed(rid, Ok(), [os.urandom(size)]))
+    peer.close()
+
+
+def test_a_reply_larger_than_one_read_that_came_before_its_peer_closed_is_taken():
+    """As above with a reply of more than one read's budget: the send that finds the peer gone
+    reads on to the end, not only one read's worth."""
+    listener, endpoint = _listener()
+    client = LocalChannel(endpoint, Codec(Reply), timeout=30)
+    try:
+        answered = client.send(UnitStatus())
+        _answer_and_close(listener, answered, 3 << 20)
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            client.send(Ping())
+        assert client.ready(answered, 30) == answered
+        assert len(client.reply(answered, 30)[1][0]) == 3 << 20
+    finally:
+        client.close()
+        listener.close()
+
+
+async def test_an_async_reply_larger_than_one_read_that_came_before_its_peer_closed_is_taken():
+    listener, endpoint = _listener()
+    client = AsyncLocalChannel(endpoint, Codec(Reply), timeout=30)
+    try:
+        answered = await client.send(UnitStatus())
+        _answer_and_close(listener, answered, 3 << 20)  # the loop has not read: it runs no callback here
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            await client.send(Ping())
+        assert len((await client.reply(answered, 30))[1][0]) == 3 << 20
+    finally:
+        client.close()
+        listener.close()
+
+
 async def test_a_client_connecting_while_the_backlog_is_full_waits_for_the_service():
     service = _Lane()
     waiting: list[socket.socket] = []

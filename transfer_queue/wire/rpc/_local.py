@@ -494,13 +494,18 @@ class _LocalLink(_Liveness):
 
     def _flush(self) -> bool:
         """Send what the socket takes of the queue; whether some is left. A send that fails
-        (the peer is gone) ends the connection, after the replies it sent before are taken."""
+        (the peer is gone) ends the connection, after the replies it sent before are taken: the
+        socket is read until its reader reports the end (one read may complete no message when a
+        reply is larger than its budget)."""
         try:
             _send(self.sock, self._out)
         except OSError as exc:
             self._out.clear()
-            while self._end_error is None and self._read():
-                pass
+            readable = select.poll()
+            readable.register(self.sock, select.POLLIN)
+            # a closed peer's socket stays readable (its end is read as one) until the reader ends it
+            while self._end_error is None and readable.poll(0):
+                self._read()
             self._end(self.lost, f"{self.name} dropped the connection ({exc}; gone?){self.hint}")
         return bool(self._out)
 
