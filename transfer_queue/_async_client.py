@@ -33,7 +33,6 @@ class AsyncClient(AsyncDriver):
     async def hello(self) -> None:
         """Fetch the cluster's configuration and storage units (`connect_async` does it)."""
         await self._run(self._core.hello())
-        self._take_lanes()
 
     # -- the cluster -------------------------------------------------------------------
 

@@ -35,7 +35,6 @@ class Client(ControlClient):
         SyncDriver.__init__(self, ClientCore(address, use_shm, credentials))  # a ControlClient on a fuller core
         try:
             self._run(self._core.hello())
-            self._take_lanes()
         except BaseException:
             self.close()
             raise

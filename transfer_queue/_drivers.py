@@ -85,12 +85,14 @@ class _Driver:
     def closed(self) -> bool:
         return self._state is _State.CLOSED
 
-    def _take_lanes(self) -> None:
-        """Close the ZeroMQ channels (the controller's, used to connect) to services that the
-        core has since found a local lane for: the next call reopens them over it. Only while
-        nothing is in flight (on connect)."""
-        for address in [a for a, ch in self._channels.items() if a in self._core.lanes and isinstance(ch, _ZMQ)]:
-            self._channels.pop(address).close()
+    def _replaced(self, address: str, channel: Any) -> bool:
+        """Whether `channel` to `address` is to be closed and opened anew: its local lane's
+        service went, or it is a ZeroMQ channel (the controller's, used to connect) to a service
+        the core has since found a local lane for, and nothing is in flight on it (requests
+        still on it keep it until they are answered)."""
+        if channel.ended:
+            return True
+        return isinstance(channel, _ZMQ) and address in self._core.lanes and channel.idle
 
 
 class SyncDriver(_Driver):
@@ -112,7 +114,7 @@ class SyncDriver(_Driver):
     def _channel(self, target: int) -> Channel | LocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
-        if channel is not None and channel.ended:  # a local lane whose service went: ask again
+        if channel is not None and self._replaced(address, channel):
             channel.close()
             channel = None
         if channel is None:
@@ -304,7 +306,7 @@ class AsyncDriver(_Driver):
     def _channel(self, target: int) -> AsyncChannel | AsyncLocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
-        if channel is not None and channel.ended:  # a local lane whose service went: ask again
+        if channel is not None and self._replaced(address, channel):
             channel.close()
             channel = None
         if channel is None:

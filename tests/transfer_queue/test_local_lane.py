@@ -18,9 +18,13 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.helpers import eventually_async
+from transfer_queue._async_client import AsyncClient
+from transfer_queue._flows import CONTROLLER
+from transfer_queue.compat.client import TransferQueueClient
 from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
-from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus
+from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus, WaitVersion
 from transfer_queue.wire.rpc import (
+    AsyncChannel,
     AsyncLocalChannel,
     Channel,
     Codec,
@@ -268,13 +272,45 @@ async def test_an_async_client_puts_and_gets_over_the_lanes_exactly(cluster):
         await client.close()
 
 
+async def test_a_zeromq_channel_with_a_request_in_flight_is_left_for_its_lane_only_once_idle(cluster):
+    """A request parked at the controller over ZeroMQ while the hello finds its lane is answered
+    there; the first call once that channel is idle goes over the lane."""
+    client = AsyncClient(cluster.address)
+    try:
+        zmq_channel = client._channel(CONTROLLER)
+        assert type(zmq_channel) is AsyncChannel
+        rid = await zmq_channel.send(WaitVersion(1 << 40, 30))  # answered by the set_version below
+        await client.hello()
+        await client.set_version((1 << 40) + 1)  # a call while the ZeroMQ channel still awaits a reply
+        assert (await zmq_channel.reply(rid, 30))[0].version == (1 << 40) + 1
+        await client.status()
+        assert isinstance(client._channels[cluster.address], AsyncLocalChannel)
+    finally:
+        await client.close()
+
+
+async def test_compat_first_calls_on_one_loop_share_one_client_connected_before_use(cluster):
+    client = TransferQueueClient(cluster.address)
+
+    async def first() -> tuple[AsyncClient, bool]:
+        got = await client._async_client()
+        return got, got._core.config is not None
+
+    try:
+        (a, a_connected), (b, b_connected) = await asyncio.gather(first(), first())
+        assert a is b and a_connected and b_connected
+        assert await asyncio.gather(client.async_kv_list(), client.async_kv_list())
+        assert isinstance(a._channels[cluster.address], AsyncLocalChannel)
+    finally:
+        client.close()
+
+
 def test_a_client_falls_back_to_zeromq_when_a_lane_is_absent(cluster):
     """A lane that cannot be reached (gone, or another user's) leaves that service to ZeroMQ."""
     with tq.connect(cluster.address) as client:
         gone = "local:sluice-rpc-gone"
         assert client._core.lanes, "the services on this host advertise their lanes"
         client._core.lanes = dict.fromkeys(client._core.lanes, gone)
-        client._take_lanes()
         for channel in client._channels.values():
             channel.close()
         client._channels.clear()
