@@ -511,6 +511,59 @@ async def test_an_async_reply_larger_than_one_read_that_came_before_its_peer_clo
         listener.close()
 
 
+def _tokens(client: LocalChannel, first: int, count: int) -> str:
+    """Ask `client`'s `_Lane` to echo `count` tokens from `first`; '' if each answer was its own."""
+    for token in range(first, first + count):
+        _, frames = client.reply(client.send(CommitWrite(token)), 30)
+        got = int.from_bytes(bytes(frames[0]), "little")
+        if got != token:
+            return f"{got} answered {token}"
+    return ""
+
+
+def _fork_and_use(endpoint: str) -> str:
+    """Connect, fork, and use the lane from both processes; what went wrong ('' if nothing)."""
+    client = LocalChannel(endpoint, Codec(Reply), timeout=30)
+    assert not _tokens(client, 0, 1)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports through the pipe and leaves at once, whatever happens
+        try:
+            if not client.ended:
+                problem = "the parent's connection is open in the child"
+            else:
+                with pytest.raises(ServiceError, match="forked"):
+                    client.send(Ping())
+                own = LocalChannel(endpoint, Codec(Reply), timeout=30)
+                problem = _tokens(own, 1_000_000, 300)
+                own.close()
+        except BaseException as exc:  # noqa: BLE001 - anything is the test's failure
+            problem = repr(exc)
+        os.write(write, problem.encode()[:500])
+        os._exit(0)
+    os.close(write)
+    try:
+        problem = _tokens(client, 1, 300)
+    finally:
+        child = os.read(read, 500).decode()
+        os.close(read)
+        os.waitpid(pid, 0)
+        client.close()
+    return "; ".join(p for p in (problem and f"parent: {problem}", child and f"child: {child}") if p)
+
+
+async def test_a_lane_connection_made_before_a_fork_is_the_parents_alone():
+    """The child's copy of a lane connection is ended (it would take the parent's replies); the
+    child connects anew, and each process gets its own answers."""
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    try:
+        assert await asyncio.to_thread(_fork_and_use, service.local_endpoint) == ""
+    finally:
+        service.stop()
+        await serving
+
+
 async def test_a_client_connecting_while_the_backlog_is_full_waits_for_the_service():
     service = _Lane()
     waiting: list[socket.socket] = []

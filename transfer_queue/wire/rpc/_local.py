@@ -32,6 +32,7 @@ import socket
 import struct
 import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -466,6 +467,7 @@ class _LocalLink(_Liveness):
         self._out: deque[memoryview] = deque()
         self._end_error: tuple[type[SluiceError], str] | None = None
         self.sock = _connect(endpoint, self.name, connect_timeout, lost)
+        _LINKS.add(self)
 
     @property
     def closed(self) -> bool:
@@ -533,6 +535,18 @@ class _LocalLink(_Liveness):
     def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
         raise NotImplementedError
 
+    def _forked(self) -> None:
+        """In a child forked while this link was open: the stream is its parent's (the two would
+        take each other's replies), so the child's copy ends here: its descriptor is closed,
+        nothing is shut down or unregistered (those would act on the parent's connection, and
+        its event loop's registrations), and what uses it from now on raises `lost` (a driver
+        opens a connection of its own)."""
+        if self._end_error is None:
+            self._end_error = (self.lost, f"the connection to {self.name} was made by the process that forked this one")
+            self.dead = self.ended = True
+            self._out.clear()
+        self.sock.close()
+
     def _end(self, kind: type[SluiceError], text: str) -> None:
         """End the connection (once): what needs it from now on raises `kind(text)`."""
         if self._end_error is not None:
@@ -541,6 +555,20 @@ class _LocalLink(_Liveness):
         self.dead = self.ended = True
         self._out.clear()
         self.sock.close()
+        _LINKS.discard(self)
+
+
+_LINKS: weakref.WeakSet[_LocalLink] = weakref.WeakSet()
+"""The open lane connections of this process, ended in a child it forks (`_forked`)."""
+
+
+def _after_fork_in_child() -> None:
+    for link in list(_LINKS):
+        link._forked()
+    _LINKS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LocalChannel(_LocalLink):
