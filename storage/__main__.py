@@ -101,7 +101,6 @@ def _lane(channel: AsyncChannel, registered: object, timeout: float) -> AsyncLoc
             Codec(Reply),
             name=f"{channel.name}'s local lane",
             timeout=timeout,
-            connect_timeout=timeout,
             dead_after=timeout,
             on_reply=_refused,
         )

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -600,6 +601,70 @@ async def test_a_client_connecting_while_the_backlog_is_full_waits_for_the_servi
         service.stop()
         if "serving" in locals():
             await serving
+
+
+def _fill_backlog(endpoint: str) -> list[socket.socket]:
+    """Connections that fill the backlog of the lane listening at `endpoint` (nobody accepts)."""
+    waiting = []
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect("\0" + endpoint.removeprefix("local:"))
+        except BlockingIOError:
+            sock.close()
+            return waiting
+        waiting.append(sock)
+
+
+def test_a_signal_during_a_connect_waiting_for_room_does_not_end_it():
+    """A signal interrupts the connect's wait for room in the backlog (the handler makes room):
+    the connect goes on and succeeds, instead of taking the unconnected socket for another
+    user's and refusing the lane."""
+    listener, endpoint = _listener()
+    waiting = _fill_backlog(endpoint)
+    accepted: list[socket.socket] = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: accepted.append(listener.accept()[0]))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        client = LocalChannel(endpoint, Codec(Reply), connect_timeout=60)
+        assert accepted and not client.ended
+        client.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        for sock in waiting + accepted:
+            sock.close()
+        listener.close()
+
+
+async def test_an_async_client_finding_the_backlog_full_does_not_stall_its_loop():
+    """The event loop's connect does not wait for room (a blocking connect would hold the loop
+    for its whole timeout): it raises `lost` at once, and the client goes to ZeroMQ."""
+    listener, endpoint = _listener()
+    waiting = _fill_backlog(endpoint)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceError, match="cannot be reached"):
+            AsyncLocalChannel(endpoint, Codec(Reply))
+        # a wait for room would last the connect timeout (2 s) or until an accept
+        assert time.monotonic() - started < 1.0
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()
+
+
+def test_an_async_lane_client_built_with_no_loop_running_opens_no_socket():
+    listener, endpoint = _listener()
+    try:
+        with pytest.raises(RuntimeError):
+            AsyncLocalChannel(endpoint, Codec(Reply))
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
 
 
 _FLOOD = (

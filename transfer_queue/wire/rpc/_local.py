@@ -401,23 +401,24 @@ class Lane:
         self.listener.close()
 
 
-def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) -> socket.socket:
+def _connect(endpoint: str, name: str, timeout: float | None, lost: type[SluiceError]) -> socket.socket:
     """A connected, non-blocking socket to the lane at `endpoint`, whose listener runs as this
     user. While the listener's backlog is full the connect waits (up to `timeout` s) for its
-    service to accept, as a blocking Unix connect does.
+    service to accept, as a blocking Unix connect does; with `timeout` None it does not wait
+    (an event loop's connect: the caller goes to ZeroMQ instead).
 
     Raises:
         SluiceError: (`lost`) it cannot be reached (gone, or no room in its backlog within
             `timeout`), or another user's process listens there.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    _buffers(sock)
-    sock.settimeout(None)
-    # blocking, bounded by the send timeout: a non-blocking connect to a full backlog fails at once
-    seconds = max(timeout, 0.001)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
     try:
-        sock.connect(_address(endpoint))
+        _buffers(sock)
+        if timeout is None:
+            sock.setblocking(False)
+            sock.connect(_address(endpoint))
+        else:
+            _connect_waiting(sock, _address(endpoint), time.monotonic() + timeout)
         if not _same_user(sock):
             raise PermissionError("its listener runs as another user")
     except OSError as exc:
@@ -425,6 +426,31 @@ def _connect(endpoint: str, name: str, timeout: float, lost: type[SluiceError]) 
         raise lost(f"{name} cannot be reached: {exc} (gone?)") from None
     sock.setblocking(False)  # every read and write then waits in `poll` or the event loop
     return sock
+
+
+def _connect_waiting(sock: socket.socket, address: str, deadline: float) -> None:
+    """Connect `sock`, waiting until `deadline` for room in the listener's backlog: blocking,
+    bounded by the send timeout (a non-blocking connect to a full backlog fails at once). A
+    signal interrupts such a wait without connecting (Python then reports success): whether it
+    connected is asked of the kernel (`getpeername`), and the connect is tried again meanwhile.
+
+    Raises:
+        OSError: it cannot connect (`TimeoutError`: no room in the backlog by `deadline`).
+    """
+    sock.settimeout(None)
+    while True:
+        seconds = max(deadline - time.monotonic(), 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+        try:
+            sock.connect(address)
+        except InterruptedError:
+            pass
+        try:
+            sock.getpeername()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("no room in its backlog in time") from None
 
 
 class _LocalLink(_Liveness):
@@ -435,8 +461,8 @@ class _LocalLink(_Liveness):
     breaks or brings a malformed message. Replies that arrived before an end are kept.
 
     Raises:
-        SluiceError: (`lost`) the lane cannot be reached within `connect_timeout`, or another
-            user's process listens there.
+        SluiceError: (`lost`) the lane cannot be reached within `connect_timeout` (None: at
+            once, without waiting for room in its backlog), or another user's process listens there.
     """
 
     def __init__(
@@ -447,7 +473,7 @@ class _LocalLink(_Liveness):
         name: str | None,
         hint: str,
         timeout: float,
-        connect_timeout: float,
+        connect_timeout: float | None,
         dead_after: float,
         lost: type[SluiceError],
         late: type[SluiceError],
@@ -458,7 +484,7 @@ class _LocalLink(_Liveness):
             name=name,
             hint=hint,
             timeout=timeout,
-            connect_timeout=connect_timeout,
+            connect_timeout=0.0 if connect_timeout is None else connect_timeout,
             dead_after=dead_after,
             lost=lost,
             late=late,
@@ -729,7 +755,12 @@ class AsyncLocalChannel(_LocalLink):
     resolves the future of whichever request a reply answers, so any number of coroutines may
     share it; what the socket does not take at once is written when it is writable, in order.
     Replies nobody awaits (to `post`ed requests) go to `on_reply`. Raises as `LocalChannel`
-    (an ended channel fails what still waits).
+    (an ended channel fails what still waits); the connect never waits for room in the lane's
+    backlog (it would stall the loop): a full backlog raises `lost` at once, and the caller
+    goes to ZeroMQ.
+
+    Raises:
+        RuntimeError: no event loop runs in this thread.
     """
 
     def __init__(
@@ -740,25 +771,24 @@ class AsyncLocalChannel(_LocalLink):
         name: str | None = None,
         hint: str = "",
         timeout: float = GRACE,
-        connect_timeout: float = 2.0,
         dead_after: float = DEAD_AFTER,
         lost: type[SluiceError] = ServiceError,
         late: type[SluiceError] = LateError,
         on_reply: Callable[[Any], None] | None = None,
     ):
+        self._loop = asyncio.get_running_loop()  # first: without a loop no socket is opened
         super().__init__(
             endpoint,
             replies,
             name=name,
             hint=hint,
             timeout=timeout,
-            connect_timeout=connect_timeout,
+            connect_timeout=None,
             dead_after=dead_after,
             lost=lost,
             late=late,
         )
         self._on_reply = on_reply
-        self._loop = asyncio.get_running_loop()
         self._waiting: dict[int, asyncio.Future] = {}
         self._fd = self.sock.fileno()
         self._loop.add_reader(self._fd, self._read)
