@@ -25,6 +25,7 @@ from transfer_queue.compat.client import TransferQueueClient
 from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
 from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus, WaitVersion
 from transfer_queue.wire.rpc import (
+    MAX_BODY_BYTES,
     AsyncChannel,
     AsyncLocalChannel,
     Channel,
@@ -433,6 +434,26 @@ async def test_a_header_announcing_a_huge_frame_is_refused_without_allocating_it
         client.close()
         peer.close()
         listener.close()
+
+
+async def test_an_oversized_request_is_refused_as_over_zeromq_and_the_lane_goes_on():
+    service = _Lane()
+    serving = asyncio.ensure_future(service.serve())
+    huge = Free("x" * (MAX_BODY_BYTES + (1 << 20)), [1])
+    sync = await asyncio.to_thread(LocalChannel, service.local_endpoint, Codec(Reply), timeout=30)
+    channel = AsyncLocalChannel(service.local_endpoint, Codec(Reply), timeout=30)
+    try:
+        with pytest.raises(ProtocolError, match=r"message body of \d+ bytes exceeds the limit of"):
+            await asyncio.to_thread(sync.call, huge)
+        with pytest.raises(ProtocolError, match=r"message body of \d+ bytes exceeds the limit of"):
+            await channel.call(huge)
+        assert isinstance(await asyncio.to_thread(sync.call, Ping()), Ok)
+        assert isinstance(await channel.call(Ping()), Ok)
+    finally:
+        sync.close()
+        channel.close()
+        service.stop()
+        await serving
 
 
 async def test_requests_before_a_malformed_message_in_the_same_read_are_served():

@@ -511,12 +511,17 @@ class _LocalLink(_Liveness):
 
         Raises:
             SchemaError: `msg` cannot be encoded.
+            ProtocolError: its body exceeds `MAX_BODY_BYTES` (refused here, with the error a
+                service answers over ZeroMQ: its lane would end the connection for it).
             SluiceError: (`lost`) the connection ended.
         """
         if self._end_error is not None:
             raise self._gone()
         rid = next(self._ids)
-        self._out.extend(_frame(self.codec.encode_now(rid, msg, data)))
+        frames = self.codec.encode_now(rid, msg, data)
+        if len(frames[1]) > MAX_BODY_BYTES:
+            raise ProtocolError(f"message body of {len(frames[1])} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        self._out.extend(_frame(frames))
         self._flush()
         return rid
 
