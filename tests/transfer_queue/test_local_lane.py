@@ -34,6 +34,7 @@ from transfer_queue.wire.rpc import (
     Ok,
     Ping,
     Service,
+    ThreadService,
     _local,
     current_peer,
 )
@@ -686,6 +687,20 @@ def test_an_async_lane_client_built_with_no_loop_running_opens_no_socket():
             listener.accept()  # nobody connected
     finally:
         listener.close()
+
+
+def test_a_thread_service_queues_replies_for_a_lane_client_that_only_posts():
+    """Replies to posted notices that the client does not read yet wait for its socket to take
+    them (as the asyncio services' do): the client is not cut off when its buffer fills."""
+    service = ThreadService(Codec(StorageRequest), lambda msg, pending: pending.reply(Ok()), local=True)
+    client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=60)
+    try:
+        for _ in range(20_000):  # their replies are more than a socket buffer holds
+            client.post(Ping())
+        assert isinstance(client.call(Ping(), 60), Ok)
+    finally:
+        client.close()
+        service.close()
 
 
 _FLOOD = (

@@ -124,6 +124,7 @@ class ThreadService:
         self._lane = Lane() if local and supported() else None
         self.local_endpoint = self._lane.endpoint if self._lane is not None else ""
         """Where clients on this host reach the local lane ("" without one)."""
+        self._poller = zmq.Poller()  # the server thread's alone
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._calls: deque[Callable[[], None]] = deque()
@@ -155,8 +156,8 @@ class ThreadService:
     def _send(self, identity: bytes, rid: int, msg: Message) -> None:
         if self._lane is not None and identity in self._lane.peers:
             stuck = self._lane.send(identity, self._codec.encode_now(rid, msg))
-            if stuck is not None:  # this thread never blocks on, nor queues for, one peer
-                self._lane.cut(stuck)
+            if stuck is not None:  # queued (bounded: `Lane.send` cuts a peer that stopped reading)
+                self._poller.register(stuck.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
             return
         try:
             self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
@@ -164,7 +165,7 @@ class ThreadService:
             log.debug("reply to a vanished peer dropped")
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self._monitor is not None:
@@ -231,10 +232,13 @@ class ThreadService:
             log.exception("cleaning up after a disconnected client failed")
 
     def _serve_lane(self, lane: Lane, poller: zmq.Poller, ready: dict) -> None:
-        """Take the local lane's new connections and serve what its peers sent."""
+        """Take the local lane's new connections, send what waits for a peer's socket, serve
+        what its peers sent."""
         # the poller names plain sockets by their descriptors
         for fd in [k for k in ready if isinstance(k, int) and k in lane.by_fd]:
             peer = lane.by_fd[fd]
+            if ready[fd] & zmq.POLLOUT and not lane.flush(peer):
+                poller.register(fd, zmq.POLLIN)  # all sent: wait for its requests alone again
             messages, closed = lane.receive(peer)
             for frames in messages:
                 self._dispatch(peer.identity, frames)
