@@ -234,16 +234,24 @@ class StorageUnit(Service):
         those of them that are no live sample of the partition, so a unit never keeps them."""
         if self._controller is None or (msg.put < 0 and (error is not None or not new_rows)):
             return
-        channel, secret = self._controller
-        lane = self._controller_lane
+        _, secret = self._controller
         failed = None if error is None else error_reply(error)  # what the producer is answered
         code, message = ("", "") if failed is None else (failed.code, failed.message)
         report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
-        post = lane.post if lane is not None and not lane.closed else channel.post
         if now:
-            post(report)
+            self._report(report)
         else:
-            asyncio.get_running_loop().call_soon(post, report)
+            asyncio.get_running_loop().call_soon(self._report, report)
+
+    def _report(self, report: WriteLanded) -> None:
+        """Post `report` to the controller: over its local lane while that is open, else over
+        ZeroMQ, decided as it is sent (an ended lane drops what is posted to it)."""
+        assert self._controller is not None  # reports are made only once it is known
+        lane = self._controller_lane
+        if lane is not None and not lane.closed:
+            lane.post(report)
+        else:
+            self._controller[0].post(report)
 
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled] | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)

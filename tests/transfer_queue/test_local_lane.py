@@ -22,6 +22,7 @@ from tests.helpers import eventually_async
 from transfer_queue._async_client import AsyncClient
 from transfer_queue._flows import CONTROLLER
 from transfer_queue.compat.client import TransferQueueClient
+from transfer_queue.wire.auth import Credentials
 from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
 from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus, WaitVersion
 from transfer_queue.wire.rpc import (
@@ -239,6 +240,15 @@ async def test_the_lane_admits_only_this_user_and_its_clients_talk_only_to_this_
     finally:
         service.stop()
         await serving
+
+
+def test_a_service_with_credentials_refuses_to_serve_a_lane():
+    """A lane checks who connects by user, not by key: a service given keys serves none."""
+    credentials = Credentials.generate()
+    with pytest.raises(SchemaError, match="serves no local lane"):
+        ThreadService(Codec(StorageRequest), lambda msg, pending: None, credentials=credentials, local=True)
+    with pytest.raises(SchemaError, match="serves no local lane"):
+        Service(Codec(StorageRequest), "tcp://127.0.0.1:*", credentials=credentials, local=True)
 
 
 def _batch(n: int = 64) -> TensorDict:

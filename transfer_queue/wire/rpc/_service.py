@@ -60,7 +60,8 @@ class Service:
     after whatever it sent before closing.
 
     Raises:
-        SchemaError: `bind` is beyond loopback and no `credentials` were given.
+        SchemaError: `bind` is beyond loopback and no `credentials` were given, or `local`
+            with `credentials`.
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class Service:
         credentials: Credentials | None = None,
         local: bool = False,
     ):
-        refuse_unauthenticated(bind, credentials)
+        refuse_unauthenticated(bind, credentials, local)
         self.codec = codec
         self.handlers: dict[type, Handler] = {}
         self.ctx = shared_context(zmq.asyncio.Context)

@@ -86,7 +86,8 @@ class ThreadService:
     `on_disconnect` the same way, after whatever it sent before closing.
 
     Raises:
-        SchemaError: `bind` is beyond loopback and no `credentials` were given.
+        SchemaError: `bind` is beyond loopback and no `credentials` were given, or `local`
+            with `credentials`.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class ThreadService:
         on_disconnect: Callable[[bytes], None] | None = None,
         local: bool = False,
     ):
-        refuse_unauthenticated(bind, credentials)
+        refuse_unauthenticated(bind, credentials, local)
         self._codec = codec
         self._handler = handler
         self._on_disconnect = on_disconnect
