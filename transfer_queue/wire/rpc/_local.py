@@ -286,7 +286,10 @@ def _send(sock: socket.socket, out: deque[memoryview]) -> int:
     return total
 
 
-class _Peer:
+class _LanePeer:
+    """One client connection a `Lane` accepted: its socket, the identity its requests are
+    served under (as a ROUTER peer's), its reader, and the replies its socket has not taken yet."""
+
     __slots__ = ("sock", "identity", "reader", "out", "queued")
 
     def __init__(self, sock: socket.socket, identity: bytes, reader: _Reader):
@@ -312,14 +315,14 @@ class Lane:
         self.listener.setblocking(False)
         self.endpoint = _PREFIX + name
         self.max_frame = max_frame
-        self.peers: dict[bytes, _Peer] = {}
-        self.by_fd: dict[int, _Peer] = {}
+        self.peers: dict[bytes, _LanePeer] = {}
+        self.by_fd: dict[int, _LanePeer] = {}
         self.refused = 0
         self.failed = 0
         """Accepts that failed (no descriptor left, say)."""
         self._ids = itertools.count(1)
 
-    def accept(self) -> _Peer | None:
+    def accept(self) -> _LanePeer | None:
         """The next connection, if one is waiting and comes from this user (else it is closed)."""
         try:
             sock, _ = self.listener.accept()
@@ -340,12 +343,12 @@ class Lane:
         _buffers(sock)
         reader = _Reader(self.max_frame, self.max_frame if self.max_frame > 0 else MAX_BODY_BYTES)
         # never a ROUTER identity (those are 5 bytes, the first zero): the two lanes share one table
-        peer = _Peer(sock, b"local/%d" % next(self._ids), reader)
+        peer = _LanePeer(sock, b"local/%d" % next(self._ids), reader)
         self.peers[peer.identity] = peer
         self.by_fd[sock.fileno()] = peer
         return peer
 
-    def receive(self, peer: _Peer) -> tuple[list[list[Any]], bool]:
+    def receive(self, peer: _LanePeer) -> tuple[list[list[Any]], bool]:
         """(the whole messages `peer` sent in this wake, whether its connection then ended); the
         caller serves those messages, then `drop`s an ended peer and reports it gone (a notice
         sent just before closing still counts, as do the requests before a malformed message)."""
@@ -356,7 +359,7 @@ class Lane:
             )
         return messages, ended
 
-    def send(self, identity: bytes, frames: Sequence[Any]) -> _Peer | None:
+    def send(self, identity: bytes, frames: Sequence[Any]) -> _LanePeer | None:
         """Send a reply to `identity` (dropped if it is gone); the peer if part of it stays
         queued (`flush` it when its socket is writable), else None. A reply that finds more than
         `_QUEUED_MAX` bytes still queued for its peer cuts the peer off: it stopped reading."""
@@ -371,7 +374,7 @@ class Lane:
         peer.queued += sum(b.nbytes for b in buffers)
         return peer if self.flush(peer) else None
 
-    def flush(self, peer: _Peer) -> bool:
+    def flush(self, peer: _LanePeer) -> bool:
         """Send what `peer`'s socket takes of its queued replies; whether some still wait."""
         try:
             peer.queued -= _send(peer.sock, peer.out)
@@ -380,7 +383,7 @@ class Lane:
             peer.queued = 0
         return bool(peer.out)
 
-    def cut(self, peer: _Peer) -> None:
+    def cut(self, peer: _LanePeer) -> None:
         """End `peer`'s connection at once (it stopped reading its replies); its end is read next."""
         log.warning("local peer %r stopped reading its replies; closing its connection", peer.identity)
         peer.out.clear()
@@ -390,12 +393,15 @@ class Lane:
         except OSError:
             pass
 
-    def drop(self, peer: _Peer) -> None:
+    def drop(self, peer: _LanePeer) -> None:
+        """Forget `peer` and close its socket (its connection ended; its service stops watching
+        the socket first)."""
         self.peers.pop(peer.identity, None)
         self.by_fd.pop(peer.sock.fileno(), None)
         peer.sock.close()
 
     def close(self) -> None:
+        """Close every peer's connection and the listener (the service stops)."""
         for peer in list(self.peers.values()):
             self.drop(peer)
         self.listener.close()
@@ -817,12 +823,15 @@ class AsyncLocalChannel(_LocalLink):
                 fut.exception()  # retrieved: whoever still awaits it gets it, nobody else is warned
 
     def _write(self, msg: Message, data: Sequence[Any] = ()) -> int:
+        """Frame and send a request (see `_put`); what the socket does not take now is written by
+        the loop when it is writable (`_drain`), in order. Its id; raises as `_put`."""
         rid = self._put(msg, data)
         if self._out:
             self._loop.add_writer(self._fd, self._drain)
         return rid
 
     def _drain(self) -> None:
+        """Send what the socket takes of the queue now it is writable; stop watching it once empty."""
         if not self._flush():
             self._loop.remove_writer(self._fd)
 

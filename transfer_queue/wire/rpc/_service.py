@@ -21,7 +21,7 @@ from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
-from ._local import Lane, _Peer, supported
+from ._local import Lane, _LanePeer, supported
 from ._peers import PEER_EVENTS, PeerWatch
 
 # -- asyncio service -----------------------------------------------------------------------
@@ -211,7 +211,7 @@ class Service:
         while (peer := self._lane.accept()) is not None:
             loop.add_reader(peer.sock.fileno(), self._lane_read, peer)
 
-    def _lane_read(self, peer: _Peer) -> None:
+    def _lane_read(self, peer: _LanePeer) -> None:
         """Serve what a lane peer sent; once its connection closed, end it as the ROUTER's
         closings are (`_peer_gone`), after those requests."""
         assert self._lane is not None and self._serving is not None
@@ -225,7 +225,9 @@ class Service:
             self._lane.drop(peer)
             self._peer_gone(peer.identity)
 
-    def _lane_flush(self, peer: _Peer) -> None:
+    def _lane_flush(self, peer: _LanePeer) -> None:
+        """Send the replies queued for a lane peer now its socket is writable; stop watching it
+        once they are all sent."""
         assert self._lane is not None and self._serving is not None
         if not self._lane.flush(peer):
             self._serving.get_loop().remove_writer(peer.sock.fileno())
