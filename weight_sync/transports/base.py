@@ -75,9 +75,14 @@ class Job:
     """Threads a streaming transport applies a delta's frames on (`delta.threads()`, read
     once when the subscriber was built)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the job's reads take in the buffer (the last read's end)."""
+        return self.offsets[-1] + self.reads[-1].nbytes if self.reads else 0
+
     def buffer(self) -> torch.Tensor:
-        """The subscriber's buffer for every read of this job (`into`, sized to the last read's end)."""
-        return self.into(self.offsets[-1] + self.reads[-1].nbytes if self.reads else 0)
+        """The subscriber's buffer for every read of this job (`into` of `nbytes`)."""
+        return self.into(self.nbytes)
 
     def receive_delta(self, recv: Callable[[memoryview], None]) -> torch.Tensor:
         """Apply the delta stream `recv` reads (`stream.receive_frames`) to this job's buffer,

@@ -251,8 +251,8 @@ class NixlTransport(Transport):
             where = _SLOT_DECODER.decode(grant.slot.handle)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise WeightSyncError(f"rank {job.rank} granted a slot without a nixl handle: {exc}") from None
-        total = job.offsets[-1] + job.reads[-1].nbytes if job.reads else 0
-        into = job.into(total)
+        total = job.nbytes
+        into = job.buffer()
         if not total:
             return into
         agent = self._get_agent()
