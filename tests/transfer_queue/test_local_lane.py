@@ -19,7 +19,6 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.helpers import eventually_async
-from tests.peers import ParkedService
 from transfer_queue._async_client import AsyncClient
 from transfer_queue._flows import CONTROLLER
 from transfer_queue.compat.client import TransferQueueClient
@@ -38,17 +37,49 @@ from transfer_queue.wire.rpc import (
     Service,
     ThreadService,
     _local,
+    current_peer,
 )
 from transfer_queue.wire.rpc._local import _HEAD, _LEN, _frame, _offsets
 
 BIG = 8 << 20  # more than a Unix socket's buffer: replies and requests go out in pieces
 
 
-class _Lane(ParkedService):
-    """`ParkedService` with its lane."""
+class _Lane(Service):
+    """A service with a lane: `Read` parks until released (its peer noted), `Free` is refused
+    for an empty partition (else a notice), `UnitStatus` echoes its data frames, `CommitWrite`
+    answers with its token's bytes in a buffer the next `CommitWrite` reuses."""
 
     def __init__(self, max_frame_bytes: int = -1):
-        super().__init__(max_frame_bytes, local=True)
+        super().__init__(Codec(StorageRequest), "tcp://127.0.0.1:*", max_frame_bytes, local=True)
+        self.parked: list[asyncio.Future] = []
+        self.parkers: list[bytes] = []
+        self.cancelled = 0
+        self.gone: list[bytes] = []
+        self.on_peer_gone = self.gone.append
+        self.route(Read, self._read)
+        self.route(Free, self._free)
+        self.route(UnitStatus, lambda msg, data: (Ok(), data))
+        self.scratch = bytearray(16)
+        self.route(CommitWrite, self._scratch)
+
+    async def _read(self, msg, data):
+        fut = asyncio.get_running_loop().create_future()
+        self.parked.append(fut)
+        self.parkers.append(current_peer.get())
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return Ok()
+
+    def _free(self, msg, data):
+        if not msg.partition:
+            raise SchemaError("no partition")
+
+    def _scratch(self, msg, data):
+        self.scratch[:] = msg.token.to_bytes(16, "little")
+        return Ok(), [memoryview(self.scratch)]
 
 
 def _raw(endpoint: str) -> socket.socket:
