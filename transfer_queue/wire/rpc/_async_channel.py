@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,11 +121,28 @@ class AsyncChannel(_Peer, AsyncCalls):
         not linger)."""
         return not self._waiting and not self._posting
 
-    async def _ping(self) -> None:
-        try:
-            await self.sock.send_multipart(self.codec.encode(next(self._ids), Ping()), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no connection: the silence tells
+    async def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
+        """The (message, data frames) answering `rid` (see `Channel.reply`); when this raises
+        (or is cancelled), `cancel(rid)` or `forget(rid)` the request."""
+        fut = self._waiting.get(rid)
+        if fut is None:
+            raise ProtocolError(f"request {rid} was not sent on this channel, or its reply was taken")
+        since = time.monotonic() if since is None else since
+        deadline = self._deadline(since, wait)
+        while True:
+            ping, left = self._step(since, deadline, what)
+            if ping:
+                try:
+                    # its Ok finds no future and is dropped; hearing it is enough
+                    await self.sock.send_multipart(self.codec.encode(next(self._ids), Ping()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            done, _ = await asyncio.wait({fut}, timeout=left)
+            if done:
+                self._waiting.pop(rid, None)
+                return fut.result()
 
     def close(self) -> None:
         """Close the socket; requests still awaiting replies fail with `lost` at once."""

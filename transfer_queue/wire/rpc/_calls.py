@@ -5,11 +5,10 @@ ones (`AsyncChannel`, `AsyncLocalChannel`), whatever carries their messages."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ProtocolError, error_from_code
+from ..errors import error_from_code
 from ._codec import GRACE, Cancel, ErrorReply, Message
 
 
@@ -77,38 +76,9 @@ class AsyncCalls:
 
         def post(self, msg: Message, data: Sequence[Any] = ()) -> None: ...
 
-        def _step(self, since: float, deadline: float | None, what: str) -> tuple[bool, float]: ...
-
-        def _deadline(self, since: float, wait: float | None) -> float | None: ...
-
-    async def _ping(self) -> None:
-        """Send the peer a `Ping` without waiting for room (its `Ok` finds no future and is
-        dropped: hearing it is enough)."""
-        raise NotImplementedError
-
-    async def reply(
-        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
-    ) -> tuple[Any, list[Any]]:
-        """The (message, data frames) answering `rid` (see `Channel.reply`: pings after a silence,
-        `late` at the deadline, `lost` once the peer is silent for `dead_after` s); when this
-        raises (or is cancelled), `cancel(rid)` or `forget(rid)` the request.
-
-        Raises:
-            ProtocolError: `rid` was not sent here, or its reply was taken.
-        """
-        fut = self._waiting.get(rid)
-        if fut is None:
-            raise ProtocolError(f"request {rid} was not sent on this channel, or its reply was taken")
-        since = time.monotonic() if since is None else since
-        deadline = self._deadline(since, wait)
-        while True:
-            ping, left = self._step(since, deadline, what)
-            if ping:
-                await self._ping()
-            done, _ = await asyncio.wait({fut}, timeout=left)
-            if done:
-                self._waiting.pop(rid, None)
-                return fut.result()
+        async def reply(
+            self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+        ) -> tuple[Any, list[Any]]: ...
 
     async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
         """Send `msg` and return its reply (see `SyncCalls.call`); a call cancelled by its caller

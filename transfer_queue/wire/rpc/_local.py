@@ -824,8 +824,23 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         if not self.closed:
             self._write(msg, data)
 
-    async def _ping(self) -> None:
-        self._write(Ping())  # queued in order while the socket is full
+    async def reply(
+        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
+    ) -> tuple[Any, list[Any]]:
+        """The (message, data frames) answering `rid` (see `LocalChannel.reply`)."""
+        fut = self._waiting.get(rid)
+        if fut is None:
+            raise ProtocolError(f"request {rid} was not sent on this channel, or its reply was taken")
+        since = time.monotonic() if since is None else since
+        deadline = self._deadline(since, wait)
+        while True:
+            ping, left = self._step(since, deadline, what)
+            if ping:
+                self._write(Ping())  # its Ok finds no future and is dropped; hearing it is enough
+            done, _ = await asyncio.wait({fut}, timeout=left)
+            if done:
+                self._waiting.pop(rid, None)
+                return fut.result()
 
     def close(self) -> None:
         """Close the connection; requests still awaiting replies fail with `lost` at once."""
