@@ -11,14 +11,13 @@ import zmq
 import zmq.asyncio
 
 from ..auth import Credentials
-from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError
-from ._calls import AsyncCalls
-from ._codec import DEAD_AFTER, GRACE, Codec, Message, Ping, log
+from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
+from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
 from ._context import shared_context
 from ._peer import _Peer
 
 
-class AsyncChannel(_Peer, AsyncCalls):
+class AsyncChannel(_Peer):
     """The asyncio twin of `Channel`: one reader task resolves the future of whichever request
     a reply answers, so any number of coroutines may share it. Replies nobody awaits (to
     `post`ed requests) go to `on_reply`."""
@@ -109,11 +108,6 @@ class AsyncChannel(_Peer, AsyncCalls):
         _retrieve(sent)
 
     @property
-    def closed(self) -> bool:
-        """Whether `close` was called."""
-        return self.sock.closed
-
-    @property
     def idle(self) -> bool:
         """Whether nothing sent here is in flight: no request awaits its reply (or is being
         sent), no posted one waits to be handed to ZeroMQ. Closing the channel then fails no
@@ -143,6 +137,35 @@ class AsyncChannel(_Peer, AsyncCalls):
             if done:
                 self._waiting.pop(rid, None)
                 return fut.result()
+
+    async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
+        """Send `msg` and return its reply (see `Channel.call`); a call cancelled by its caller
+        withdraws its request at the service (`Cancel`), so nothing parked there outlives it."""
+        rid = await self.send(msg, data)
+        try:
+            reply, _ = await self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        except asyncio.CancelledError:
+            if not self.dead and not self.sock.closed and not isinstance(msg, Cancel):
+                self.post(Cancel(rid))
+            raise
+        finally:
+            self._waiting.pop(rid, None)
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    async def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
+        """Withdraw request `rid` (see `Channel.cancel`)."""
+        fut = self._waiting.get(rid)
+        try:
+            await self.call(Cancel(rid), GRACE)
+        finally:
+            self._waiting.pop(rid, None)
+        return fut.result() if fut is not None and fut.done() and not fut.cancelled() else None
+
+    def forget(self, rid: int) -> None:
+        """Stop awaiting `rid`'s reply."""
+        self._waiting.pop(rid, None)
 
     def close(self) -> None:
         """Close the socket; requests still awaiting replies fail with `lost` at once."""

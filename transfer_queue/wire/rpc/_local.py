@@ -37,16 +37,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ProtocolError, ServiceError, SluiceError
+from ..errors import ProtocolError, ServiceError, SluiceError, error_from_code
 from ..errors import TimeoutError as LateError
-from ._calls import AsyncCalls, SyncCalls
 from ._codec import (
     DEAD_AFTER,
     GRACE,
     MAX_BODY_BYTES,
     MAX_DATA_FRAMES,
     SOCKET_BUFFER_BYTES,
+    Cancel,
     Codec,
+    ErrorReply,
     Message,
     Ping,
     log,
@@ -607,7 +608,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class LocalChannel(_LocalLink, SyncCalls):
+class LocalChannel(_LocalLink):
     """A blocking request/reply channel to a service's local lane at `endpoint` (its
     `local_endpoint`), used from one thread: `Channel`'s calls (`send`, `post`, `reply`,
     `ready`, `call`, `cancel`, `forget`, `close`) over that socket. A peer that is gone or drops
@@ -730,13 +731,37 @@ class LocalChannel(_LocalLink, SyncCalls):
             if not self._wait(max(deadline - time.monotonic(), 0.0)):
                 return None
 
+    def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
+        """Send `msg` and return its reply, waiting at most `timeout` s (default: the channel's).
+
+        Raises:
+            SluiceError: the `tq.*` error the service answered with, or as `send` and `reply`.
+        """
+        rid = self.send(msg, data)
+        reply, _ = self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
+        """Withdraw request `rid` at the service; its reply if that had already been sent, else
+        None (see `Channel.cancel`). Raises as `send` and `reply`."""
+        self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
+        self._expected.discard(rid)
+        return self._stash.pop(rid, None)
+
+    def forget(self, rid: int) -> None:
+        """Drop `rid`'s reply if it came (the request was abandoned without a cancel)."""
+        self._expected.discard(rid)
+        self._stash.pop(rid, None)
+
     def close(self) -> None:
         """Close the connection (what was sent before is still delivered; the service then
         sees it closed)."""
         self._end(self.lost, f"the channel to {self.name} was closed")
 
 
-class AsyncLocalChannel(_LocalLink, AsyncCalls):
+class AsyncLocalChannel(_LocalLink):
     """`LocalChannel` for asyncio (`AsyncChannel`'s calls): the event loop reads the socket and
     resolves the future of whichever request a reply answers, so any number of coroutines may
     share it; what the socket does not take at once is written when it is writable, in order.
@@ -841,6 +866,35 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
             if done:
                 self._waiting.pop(rid, None)
                 return fut.result()
+
+    async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
+        """Send `msg` and return its reply (see `AsyncChannel.call`: a cancelled call withdraws
+        its request)."""
+        rid = await self.send(msg, data)
+        try:
+            reply, _ = await self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        except asyncio.CancelledError:
+            if not self.dead and not self.closed and not isinstance(msg, Cancel):
+                self.post(Cancel(rid))
+            raise
+        finally:
+            self._waiting.pop(rid, None)
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    async def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
+        """Withdraw request `rid` (see `AsyncChannel.cancel`)."""
+        fut = self._waiting.get(rid)
+        try:
+            await self.call(Cancel(rid), GRACE)
+        finally:
+            self._waiting.pop(rid, None)
+        return fut.result() if fut is not None and fut.done() and not fut.cancelled() else None
+
+    def forget(self, rid: int) -> None:
+        """Stop awaiting `rid`'s reply."""
+        self._waiting.pop(rid, None)
 
     def close(self) -> None:
         """Close the connection; requests still awaiting replies fail with `lost` at once."""
