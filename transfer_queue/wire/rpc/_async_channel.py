@@ -110,9 +110,7 @@ class AsyncChannel(_Peer):
     @property
     def idle(self) -> bool:
         """Whether nothing sent here is in flight: no request awaits its reply (or is being
-        sent), no posted one waits to be handed to ZeroMQ. Closing the channel then fails no
-        call (a notice ZeroMQ holds but has not written yet may still be dropped: `close` does
-        not linger)."""
+        sent), no posted one waits for the socket (closing the channel then loses none)."""
         return not self._waiting and not self._posting
 
     async def reply(

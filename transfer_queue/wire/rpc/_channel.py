@@ -83,8 +83,7 @@ class Channel(_Peer):
 
     @property
     def idle(self) -> bool:
-        """Whether no request sent here awaits its reply: closing the channel then fails no call
-        (a posted notice ZeroMQ has not written yet may still be dropped: `close` does not linger)."""
+        """Whether no request sent here awaits its reply (closing the channel then fails none)."""
         return not self._expected
 
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
