@@ -51,7 +51,6 @@ class AsyncChannel(_Peer):
             late=late,
         )
         self._waiting: dict[int, asyncio.Future] = {}
-        self._posting = 0  # posted requests the socket has not taken yet
         self._on_reply = on_reply
         self._reader = asyncio.ensure_future(self._read())
 
@@ -100,18 +99,7 @@ class AsyncChannel(_Peer):
         if self.sock.closed:
             return
         sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg, data), copy=False)
-        self._posting += 1
-        sent.add_done_callback(self._posted)
-
-    def _posted(self, sent: asyncio.Future) -> None:
-        self._posting -= 1
-        _retrieve(sent)
-
-    @property
-    def idle(self) -> bool:
-        """Whether nothing sent here is in flight: no request awaits its reply (or is being
-        sent), no posted one waits for the socket (closing the channel then loses none)."""
-        return not self._waiting and not self._posting
+        sent.add_done_callback(_retrieve)
 
     async def reply(
         self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"

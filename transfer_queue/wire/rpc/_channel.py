@@ -81,11 +81,6 @@ class Channel(_Peer):
         self._expected.add(rid)
         return rid
 
-    @property
-    def idle(self) -> bool:
-        """Whether no request sent here awaits its reply (closing the channel then fails none)."""
-        return not self._expected
-
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
         """Send a notice: a request nobody awaits an answer to (a refusal, if one comes, is
         dropped; the service reports it its own way).
