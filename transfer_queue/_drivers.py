@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -170,13 +170,13 @@ class SyncDriver(_Driver):
         if inflight in self._ahead:
             self._ahead.remove(inflight)
         while inflight.calls is not None:
+            replies: list[Any] = []
             try:
-                replies = [
-                    NOTICED if rid is None else channel.reply(rid, call.wait, inflight.since, type(call.msg).__name__)
-                    for call, (channel, rid) in zip(inflight.calls, inflight.sent)
-                ]
+                for call, (channel, rid) in zip(inflight.calls, inflight.sent):
+                    what = type(call.msg).__name__
+                    replies.append(NOTICED if rid is None else channel.reply(rid, call.wait, inflight.since, what))
             except BaseException as exc:  # a timeout, a dead service, Ctrl-C: let the flow clean up
-                self._abandon(inflight)
+                self._abandon(inflight, taken=replies)
                 self._step(inflight, error=exc)
                 continue
             self._progress()
@@ -246,12 +246,16 @@ class SyncDriver(_Driver):
             except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
                 error = exc
 
-    def _abandon(self, inflight: _InFlight) -> None:
+    def _abandon(self, inflight: _InFlight, taken: Sequence[Any] = ()) -> None:
         """Withdraw the flow's calls still in flight (skipping services reported dead) and give
-        back anything they were granted meanwhile."""
+        back anything they were granted meanwhile, as well as what the replies already `taken`
+        (those of its first calls, which the flow will never see) hold."""
         if inflight.calls is None or self._state is _State.CLOSED:
             return
-        for call, (channel, rid) in zip(inflight.calls, inflight.sent):
+        for i, (call, (channel, rid)) in enumerate(zip(inflight.calls, inflight.sent)):
+            if i < len(taken):
+                self._give_back(call, taken[i][0])
+                continue
             if rid is None:  # a notice: nothing to withdraw
                 continue
             if channel.dead:
@@ -259,11 +263,22 @@ class SyncDriver(_Driver):
                 continue
             try:
                 got = channel.cancel(rid)
-                undo = None if got is None else self._core.undo(got[0])
-                if undo is not None:
-                    self._run(self._core.one(call.target, undo, Ok))
             except SluiceError:  # that service is gone; its own timers free what it held
                 channel.forget(rid)
+                continue
+            if got is not None:
+                self._give_back(call, got[0])
+
+    def _give_back(self, call: Call, reply: Any) -> None:
+        """Give back what `reply` to `call` granted (a lease, a grant, arena space), once its
+        flow will never see it; a service that is gone frees it with its own timers."""
+        undo = self._core.undo(reply)
+        if undo is None:
+            return
+        try:
+            self._run(self._core.one(call.target, undo, Ok))
+        except SluiceError:
+            pass
 
     def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
@@ -316,11 +331,22 @@ class AsyncDriver(_Driver):
             return
         try:
             got = await channel.cancel(rid)
-            undo = None if got is None else self._core.undo(got[0])
-            if undo is not None:
-                await self._run(self._core.one(call.target, undo, Ok))
         except SluiceError:  # that service is gone; its own timers free what it held
             channel.forget(rid)
+            return
+        if got is not None:
+            await self._give_back(call, got[0])
+
+    async def _give_back(self, call: Call, reply: Any) -> None:
+        """Give back what `reply` to `call` granted (a lease, a grant, arena space), once its
+        flow will never see it; a service that is gone frees it with its own timers."""
+        undo = self._core.undo(reply)
+        if undo is None or self._state is _State.CLOSED:
+            return
+        try:
+            await self._run(self._core.one(call.target, undo, Ok))
+        except SluiceError:
+            pass
 
     async def _run(self, flow: Flow) -> Any:
         try:
@@ -348,10 +374,14 @@ class AsyncDriver(_Driver):
             tasks = [asyncio.ensure_future(self._call(c)) for c in calls]
             try:
                 replies, error = list(await asyncio.gather(*tasks)), None
-            except BaseException as exc:
+            except BaseException as exc:  # a call failed, or this flow was cancelled (perhaps
+                # after its replies came, before it resumed): the flow sees none of them
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)  # each withdraws its call
+                for call, task in zip(calls, tasks):
+                    if not task.cancelled() and task.exception() is None:
+                        await self._give_back(call, task.result()[0])
                 replies, error = None, exc
 
     def _launch(self, flow: Flow) -> asyncio.Future:

@@ -11,6 +11,7 @@ import pytest
 
 import transfer_queue as tq
 from tests.helpers import eventually, rows
+from transfer_queue.wire.messages import MetaReply
 
 
 def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
@@ -96,6 +97,32 @@ async def test_async_stream_left_early_gives_back_the_prefetched_batch(cluster):
     assert batch["x"].tolist() == list(range(8))
     while (await client.status())["partitions"]["train"]["tasks"]["train"]["leased"] < 16:
         pass  # each status() awaits a round trip, while the next batch is leased (and read)
+    await batches.aclose()
+    task = (await client.status())["partitions"]["train"]["tasks"]["train"]
+    assert task["leased"] == 0 and task["consumed"] == 0
+    await client.close()
+
+
+async def test_async_stream_left_as_the_prefetched_lease_arrives_gives_it_back(cluster):
+    """The stream is left in the instant after the prefetch's lease came, before its flow
+    resumed to see it (the race behind a flaky test): the driver gives that lease back."""
+    client = await tq.connect_async(cluster.address)
+    await client.put(rows(16))
+    batches = client.stream(["x"], 8, task="train", timeout=10)
+    batch, _meta = await anext(batches)
+    assert batch["x"].tolist() == list(range(8))
+    # wait for the prefetch's lease from inside the driver: this wakes before its flow does
+    leased = asyncio.Event()
+    call = client._call
+
+    async def call_and_tell(c):
+        reply = await call(c)
+        if isinstance(reply[0], MetaReply) and len(reply[0].meta):
+            leased.set()
+        return reply
+
+    client._call = call_and_tell
+    await leased.wait()
     await batches.aclose()
     task = (await client.status())["partitions"]["train"]["tasks"]["train"]
     assert task["leased"] == 0 and task["consumed"] == 0
