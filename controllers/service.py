@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from transfer_queue.host import give_back_freed_memory
+from transfer_queue.host import give_back_freed_memory, host_id
 from transfer_queue.wire.errors import (
     SchemaError,
     SealedError,
@@ -45,6 +45,8 @@ from transfer_queue.wire.messages import (
     MetaReply,
     Nack,
     Ok,
+    Registered,
+    RegisterUnit,
     Release,
     Seal,
     SetVersion,
@@ -92,7 +94,9 @@ class Controller(Service):
         secret: str | None = None,
         credentials: Credentials | None = None,
     ):
-        super().__init__(Codec(ControllerRequest), bind, credentials=credentials)
+        # with credentials every client proves it holds the cluster's keys, which the lane (same
+        # user only) could not ask: a cluster bound beyond loopback serves no lane
+        super().__init__(Codec(ControllerRequest), bind, credentials=credentials, local=credentials is None)
         self.credentials = credentials
         self.config = config
         self.cluster_id = cluster_id or uuid.uuid4().hex[:12]
@@ -159,6 +163,7 @@ class Controller(Service):
             **self.links.handlers(),
             **self.puts.handlers(),
             **self.keys.handlers(),
+            RegisterUnit: self.on_register_unit,
         }
         for msg_type, handler in handlers.items():
             self.route(msg_type, handler)
@@ -171,9 +176,14 @@ class Controller(Service):
 
     # -- cluster ---------------------------------------------------------------------
 
+    def on_register_unit(self, msg: RegisterUnit, data) -> Registered:
+        """`links.on_register_unit`, answered with where a unit on this host reaches the lane."""
+        self.links.on_register_unit(msg, data)
+        return Registered(host_id(), self.local_endpoint)
+
     def on_hello(self, msg: Hello, data) -> HelloReply:
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
-        return HelloReply(self.cluster_id, self.config, units, self.clock.current)
+        return HelloReply(self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint)
 
     # -- consumers ---------------------------------------------------------------------
 
@@ -337,7 +347,7 @@ class Controller(Service):
         """A connection closed: its open puts end at once. Once half the peers of the busiest
         moment since the last time have left (a crowd leaving), freed heap goes back to the system."""
         self.puts.peer_gone(peer)
-        watched = len(self.peers)
+        watched = self.connections
         self._peers_peak = max(self._peers_peak, watched + 1)
         if self._peers_peak >= _CROWD and watched <= self._peers_peak // 2:
             self._peers_peak = watched

@@ -43,7 +43,16 @@ from transfer_queue.wire.messages import (
     WriteLanded,
     WriteReply,
 )
-from transfer_queue.wire.rpc import MAX_DATA_FRAMES, AsyncChannel, Codec, Credentials, Handled, Service, error_reply
+from transfer_queue.wire.rpc import (
+    MAX_DATA_FRAMES,
+    AsyncChannel,
+    AsyncLocalChannel,
+    Codec,
+    Credentials,
+    Handled,
+    Service,
+    error_reply,
+)
 
 from .arena import Arena, Chunk
 from .space import Piece, Placed, SpaceQueue, Ticket, chunks_of
@@ -83,7 +92,10 @@ class StorageUnit(Service):
         self.unit_id = unit_id
         self.arena = Arena.create(cluster_id, unit_id, capacity)
         try:
-            super().__init__(Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials)
+            # no lane with credentials: as the controller (controllers/service.py)
+            super().__init__(
+                Codec(StorageRequest), f"tcp://{host}:*", self.arena.capacity, credentials, local=credentials is None
+            )
         except BaseException:
             self.arena.close()
             raise
@@ -91,6 +103,7 @@ class StorageUnit(Service):
         self.space = SpaceQueue(self.arena, self._full_message)
         self.reservations: dict[int, Reservation] = {}
         self._controller: tuple[AsyncChannel, str] | None = None
+        self._controller_lane: AsyncLocalChannel | None = None
         self._tickets: WriteTickets | None = None
         self.unplanned = 0
         """Writes refused because the controller did not plan them (no valid ticket)."""
@@ -137,6 +150,8 @@ class StorageUnit(Service):
             self.sock.close(linger=0)
         if self._controller is not None:
             self._controller[0].close()
+        if self._controller_lane is not None:
+            self._controller_lane.close()
         self.arena.close()
 
     def _trim(self, received_before: int, busy: bool) -> None:
@@ -196,10 +211,13 @@ class StorageUnit(Service):
             self._land(msg, ServiceError(f"the write to storage unit {self.unit_id} was withdrawn by its producer"))
             raise
 
-    def report_to(self, controller: AsyncChannel, secret: str) -> None:
+    def report_to(self, controller: AsyncChannel, secret: str, lane: AsyncLocalChannel | None = None) -> None:
         """Report the outcome of put writes to `controller` (the channel the unit registered on),
-        and from now on store an open put's rows only with its ticket (signed with `secret`)."""
+        and from now on store an open put's rows only with its ticket (signed with `secret`);
+        over the controller's local `lane` while it is open (a controller that restarts comes
+        back on `controller`'s address, not on its old lane)."""
         self._controller = controller, secret
+        self._controller_lane = lane
         self._tickets = WriteTickets(secret)
 
     def _land(self, msg: Write, error: BaseException | None = None, new_rows: bool = False, now: bool = False) -> None:
@@ -216,14 +234,24 @@ class StorageUnit(Service):
         those of them that are no live sample of the partition, so a unit never keeps them."""
         if self._controller is None or (msg.put < 0 and (error is not None or not new_rows)):
             return
-        channel, secret = self._controller
+        _, secret = self._controller
         failed = None if error is None else error_reply(error)  # what the producer is answered
         code, message = ("", "") if failed is None else (failed.code, failed.message)
         report = WriteLanded(self.unit_id, msg.partition, msg.put, msg.indexes, secret, code, message)
         if now:
-            channel.post(report)
+            self._report(report)
         else:
-            asyncio.get_running_loop().call_soon(channel.post, report)
+            asyncio.get_running_loop().call_soon(self._report, report)
+
+    def _report(self, report: WriteLanded) -> None:
+        """Post `report` to the controller: over its local lane while that is open, else over
+        ZeroMQ, decided as it is sent (an ended lane drops what is posted to it)."""
+        assert self._controller is not None  # reports are made only once it is known
+        lane = self._controller_lane
+        if lane is not None and not lane.closed:
+            lane.post(report)
+        else:
+            self._controller[0].post(report)
 
     def _write(self, msg: Write, frames: list[Any]) -> Handled | Awaitable[Handled] | Ticket[Handled | None] | None:
         sizes = field_sizes(msg)

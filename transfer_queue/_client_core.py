@@ -130,7 +130,23 @@ class ClientCore(ControlCore):
         self.config, self.cluster_id = reply.config, reply.cluster_id
         self.units = {u.unit_id: u for u in reply.units}
         self._map_arenas()
+        self._find_lanes(reply)
         return reply
+
+    def _find_lanes(self, reply: HelloReply) -> None:
+        """Note the local lanes (`lanes`) of the controller, when it is on this host, and of the
+        units whose arenas this client maps: their messages carry no data. A unit reached with
+        data frames (`use_shm=False`, or an arena not mapped) stays on ZeroMQ, whose I/O threads
+        receive a large frame while the service goes on, where over the lane its loop would."""
+        me = host_id()
+        mapped = self.use_shm is not False
+        self.lanes = {
+            u.address: u.local
+            for u in reply.units
+            if u.local and u.host_id == me and mapped and u.unit_id in self._arenas
+        }
+        if reply.local and reply.host_id == me:
+            self.lanes[self.address] = reply.local
 
     def _map_arenas(self) -> None:
         if self.use_shm is False:

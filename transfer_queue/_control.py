@@ -13,7 +13,7 @@ import operator
 from typing import Any
 
 from ._flows import CONTROLLER, Call, Flow, Give, Plan, Run
-from .wire.errors import SchemaError
+from .wire.errors import SchemaError, SluiceError
 from .wire.messages import (
     AbortPut,
     Announce,
@@ -35,7 +35,19 @@ from .wire.messages import (
     WaitVersion,
     WriteReply,
 )
-from .wire.rpc import GRACE, Channel, Codec, Credentials, Message, Ok, check, credentials_from_env
+from .wire.rpc import (
+    GRACE,
+    AsyncChannel,
+    AsyncLocalChannel,
+    Channel,
+    Codec,
+    Credentials,
+    LocalChannel,
+    Message,
+    Ok,
+    check,
+    credentials_from_env,
+)
 
 __all__ = ["ControlCore", "as_int", "count", "INT64"]
 
@@ -51,6 +63,9 @@ class ControlCore:
         """Seconds to wait for a reply to a request that has no timeout of its own."""
         self.codec = Codec(Reply)
         self.units: dict[int, UnitInfo] = {}
+        self.lanes: dict[str, str] = {}
+        """Service address -> its local lane (`rpc.LocalChannel`), for the services on this
+        client's host that have one (learned on connect)."""
 
     def target_address(self, target: int) -> str:
         if target == CONTROLLER:
@@ -60,9 +75,28 @@ class ControlCore:
             raise SchemaError(f"unknown storage unit {target}; the cluster has {sorted(self.units)}")
         return unit.address
 
-    def channel(self, target: int) -> Channel:
-        """A new blocking channel to `target` (drivers keep one per address)."""
-        return Channel(self.target_address(target), self.codec, **self.channel_options(target))
+    def channel(self, target: int) -> Channel | LocalChannel:
+        """A new blocking channel to `target` (drivers keep one per address): over its local
+        lane when it is on this host and the lane can be reached, else over ZeroMQ."""
+        address, options = self.target_address(target), self.channel_options(target)
+        lane = self.lanes.get(address)
+        if lane:
+            try:
+                return LocalChannel(lane, self.codec, name=options["name"], hint=options["hint"])
+            except SluiceError:  # gone, not this user's, or accepting nobody: ZeroMQ decides the rest
+                del self.lanes[address]
+        return Channel(address, self.codec, **options)
+
+    def async_channel(self, target: int) -> AsyncChannel | AsyncLocalChannel:
+        """`channel`'s asyncio twin (call it in the event loop)."""
+        address, options = self.target_address(target), self.channel_options(target)
+        lane = self.lanes.get(address)
+        if lane:
+            try:
+                return AsyncLocalChannel(lane, self.codec, name=options["name"], hint=options["hint"])
+            except SluiceError:  # as in `channel`
+                del self.lanes[address]
+        return AsyncChannel(address, self.codec, **options)
 
     def channel_options(self, target: int) -> dict[str, Any]:
         name = "the controller" if target == CONTROLLER else f"storage unit {target}"

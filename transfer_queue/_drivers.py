@@ -20,7 +20,7 @@ import zmq
 
 from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run
 from .wire.errors import ClosedError, SchemaError, ServiceError, SluiceError
-from .wire.rpc import AsyncChannel, Channel, Ok
+from .wire.rpc import AsyncChannel, AsyncLocalChannel, Channel, LocalChannel, Ok
 
 if TYPE_CHECKING:
     from ._control import ControlCore
@@ -40,6 +40,9 @@ def foreign_error(exc: BaseException) -> BaseException:
     return exc
 
 
+_ZMQ = (Channel, AsyncChannel)
+
+
 class _State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
@@ -54,7 +57,7 @@ class _InFlight:
     def __init__(self, flow: Flow):
         self.flow = flow
         self.calls: list[Call] | None = None
-        self.sent: list[tuple[Channel, int | None]] = []
+        self.sent: list[tuple[Channel | LocalChannel, int | None]] = []
         """(channel, request id) per call; the id is None for a notice (nothing to await)."""
         self.result: Any = None
         self.error: Exception | None = None
@@ -71,6 +74,7 @@ class _Driver:
     def __init__(self, core: ControlCore):
         self._core = core
         self._state = _State.OPEN
+        self._channels: dict[str, Any] = {}  # address -> its channel (of the driver's kind)
 
     @property
     def address(self) -> str:
@@ -80,6 +84,15 @@ class _Driver:
     @property
     def closed(self) -> bool:
         return self._state is _State.CLOSED
+
+    def _replaced(self, address: str, channel: Any) -> bool:
+        """Whether `channel` to `address` is to be closed and opened anew: its local lane's
+        service went, or it is a ZeroMQ channel (the controller's, used to connect) to a service
+        the core has since found a local lane for, and nothing is in flight on it (requests
+        still on it keep it until they are answered)."""
+        if channel.ended:
+            return True
+        return isinstance(channel, _ZMQ) and address in self._core.lanes and channel.idle
 
 
 class SyncDriver(_Driver):
@@ -94,13 +107,16 @@ class SyncDriver(_Driver):
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
-        self._channels: dict[str, Channel] = {}
+        self._channels: dict[str, Channel | LocalChannel] = {}
         self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
         self._progressing = False
 
-    def _channel(self, target: int) -> Channel:
+    def _channel(self, target: int) -> Channel | LocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
+        if channel is not None and self._replaced(address, channel):
+            channel.close()
+            channel = None
         if channel is None:
             channel = self._channels[address] = self._core.channel(target)
         return channel
@@ -300,15 +316,16 @@ class AsyncDriver(_Driver):
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
-        self._channels: dict[str, AsyncChannel] = {}
+        self._channels: dict[str, AsyncChannel | AsyncLocalChannel] = {}
 
-    def _channel(self, target: int) -> AsyncChannel:
+    def _channel(self, target: int) -> AsyncChannel | AsyncLocalChannel:
         address = self._core.target_address(target)
         channel = self._channels.get(address)
+        if channel is not None and self._replaced(address, channel):
+            channel.close()
+            channel = None
         if channel is None:
-            channel = self._channels[address] = AsyncChannel(
-                address, self._core.codec, **self._core.channel_options(target)
-            )
+            channel = self._channels[address] = self._core.async_channel(target)
         return channel
 
     async def _call(self, call: Call) -> tuple[Any, list[Any]]:
@@ -323,7 +340,7 @@ class AsyncDriver(_Driver):
             await self._withdraw(channel, call, rid)
             raise
 
-    async def _withdraw(self, channel: AsyncChannel, call: Call, rid: int) -> None:
+    async def _withdraw(self, channel: AsyncChannel | AsyncLocalChannel, call: Call, rid: int) -> None:
         """Cancel `rid` at the service (unless it was reported dead); give back what its reply
         holds if it was already sent."""
         if self._state is _State.CLOSED or channel.dead:

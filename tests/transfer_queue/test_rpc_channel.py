@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from tests.helpers import eventually, eventually_async
+from tests.peers import ParkedService
 from transfer_queue.wire.errors import InternalError, SchemaError, ServiceError
 from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
 from transfer_queue.wire.rpc import (
@@ -56,35 +57,8 @@ async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
         peer.close()
 
 
-class _Parked(Service):
-    """A service whose `Read` parks until released, and whose `Free` is a notice refused for an
-    empty partition name."""
-
-    def __init__(self):
-        super().__init__(Codec(StorageRequest), "tcp://127.0.0.1:*")
-        self.parked: list[asyncio.Future] = []
-        self.cancelled = 0
-        self.route(Read, self._read)
-        self.route(Free, self._free)
-        self.route(UnitStatus, lambda msg, data: Ok())
-
-    async def _read(self, msg, data):
-        fut = asyncio.get_running_loop().create_future()
-        self.parked.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        return Ok()
-
-    def _free(self, msg, data):
-        if not msg.partition:
-            raise SchemaError("no partition")
-
-
 async def test_a_cancelled_call_is_withdrawn_and_a_closed_channel_fails_its_calls():
-    service = _Parked()
+    service = ParkedService()
     serving = asyncio.ensure_future(service.serve())
     channel = AsyncChannel(service.address, Codec(Reply))
     try:
@@ -108,7 +82,7 @@ async def test_notices_get_no_answer_and_a_refusal_is_dropped():
     """A notice's handler returns None: nothing comes back (a raw socket sees the next request's
     answer first). A refused notice is answered, and a blocking channel drops that answer
     instead of keeping it for nobody."""
-    service = _Parked()
+    service = ParkedService()
     serving = asyncio.ensure_future(service.serve())
     raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -135,7 +109,7 @@ async def test_notices_get_no_answer_and_a_refusal_is_dropped():
 async def test_a_request_withdrawn_before_its_handler_starts_is_closed_unanswered():
     """A parked request and its `Cancel` read in one drain: the handler's coroutine is cancelled
     before its first step, is closed (never left "never awaited"), and gets no answer."""
-    service = _Parked()
+    service = ParkedService()
     raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     requests, replies = Codec(StorageRequest), Codec(Reply)
@@ -203,7 +177,7 @@ async def test_a_handler_bug_arrives_as_an_internal_error():
 async def test_channels_and_services_keep_their_socket_buffers_small():
     """Every data-plane socket asks for `SOCKET_BUFFER_BYTES` (left to the kernel, loopback
     buffers grow to 32 MiB and a streamed batch falls out of cache)."""
-    service = _Parked()
+    service = ParkedService()
     channels = [Channel(service.address, Codec(Reply)), AsyncChannel(service.address, Codec(Reply))]
     try:
         for sock in [service.sock, *(c.sock for c in channels)]:

@@ -100,6 +100,8 @@ class TransferQueueClient:
         self._threads = threading.local()
         # Each client's reader task holds its loop, so entries leave explicitly (`_loop_guard`).
         self._loops: dict[asyncio.AbstractEventLoop, tuple[AsyncClient, AsyncGenerator[None]]] = {}
+        # A loop's client while it says hello: the loop's other first callers await the same one.
+        self._hellos: dict[asyncio.AbstractEventLoop, asyncio.Task[AsyncClient]] = {}
         self._all_sync: list[Client] = []
         self._lock = threading.Lock()
 
@@ -114,18 +116,32 @@ class TransferQueueClient:
         return client
 
     async def _async_client(self) -> AsyncClient:
+        """The running loop's client, connected (`hello`) before anyone uses it: coroutines that
+        make the loop's first calls together await one connect."""
         loop = asyncio.get_running_loop()
         entry = self._loops.get(loop)
         if entry is not None:
             return entry[0]
+        hello = self._hellos.get(loop)
+        if hello is None:
+            hello = self._hellos[loop] = loop.create_task(self._connect_async(loop))
+            hello.add_done_callback(lambda done: (self._hellos.pop(loop, None), done.cancelled() or done.exception()))
+        return await asyncio.shield(hello)  # a caller cancelled leaves the connect to the others
+
+    async def _connect_async(self, loop: asyncio.AbstractEventLoop) -> AsyncClient:
+        """A new client for `loop`, published once its hello is answered (a failed one is closed)."""
         client = AsyncClient(self.address, credentials=self.credentials)
+        try:
+            await client.hello()
+        except BaseException:
+            await client.close()
+            raise
         guard = _loop_guard(self._loops, loop, client)
         await anext(guard)  # now the loop finalizes it at shutdown_asyncgens
         with self._lock:
             for gone in [old for old in self._loops if old.is_closed()]:  # closed without shutdown_asyncgens
                 del self._loops[gone]
             self._loops[loop] = client, guard
-        await client.hello()
         return client
 
     def _blocking(self, flow: Callable[..., Flow], *args: Any) -> Any:

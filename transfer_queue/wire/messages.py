@@ -26,6 +26,7 @@ __all__ = [
     # controller requests
     "Hello",
     "RegisterUnit",
+    "Registered",
     "BeginPut",
     "CommitPut",
     "WriteLanded",
@@ -107,6 +108,8 @@ class UnitInfo(msgspec.Struct, frozen=True):
     capacity: int
     shm_path: str = ""
     host_id: str = ""
+    local: str = ""
+    """The unit's local lane (`rpc.Service.local_endpoint`), for clients on host `host_id`."""
 
 
 class RowInfo(msgspec.Struct, frozen=True):
@@ -432,6 +435,10 @@ class HelloReply(_Msg, tag="hello_reply", frozen=True):
     config: ClusterConfig
     units: list[UnitInfo]
     version: int
+    host_id: str = ""
+    """The controller's host (`transfer_queue.host.host_id`)."""
+    local: str = ""
+    """The controller's local lane (`rpc.Service.local_endpoint`), for clients on `host_id`."""
 
 
 class PutPlan(_Msg, tag="put_plan", frozen=True):
@@ -445,6 +452,14 @@ class PutPlan(_Msg, tag="put_plan", frozen=True):
 
 class MetaReply(_Msg, tag="meta_reply", frozen=True):
     meta: BatchMeta
+
+
+class Registered(_Msg, tag="registered", frozen=True):
+    """The controller took a unit's `RegisterUnit`; a unit on its host (`host_id`) sends its
+    reports over its local lane (`local`, `rpc.Service.local_endpoint`)."""
+
+    host_id: str = ""
+    local: str = ""
 
 
 class VersionReply(_Msg, tag="version_reply", frozen=True):
@@ -523,6 +538,7 @@ class ExportReply(_Msg, tag="export_reply", frozen=True):
 
 Reply = Union[
     Ok,
+    Registered,
     ErrorReply,
     HelloReply,
     PutPlan,

@@ -28,9 +28,10 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
 - Clients: `Channel` (blocking) and `AsyncChannel` (asyncio), one DEALER to one endpoint each:
   request ids, replies matched by id (many requests may be in flight), deadlines, `cancel`, and
   liveness (a silent peer is pinged after `PROBE_AFTER` s and reported dead after `DEAD_AFTER`
-  s of silence) written once in their shared base. `LocalChannel`: `Channel`'s calls over a
-  `ThreadService`'s local lane (`local=True`: a Unix socket that thread polls itself, for
-  clients on its host; one thread wake per message instead of three).
+  s of silence) written once in their shared base. `LocalChannel` and `AsyncLocalChannel`:
+  `Channel`'s and `AsyncChannel`'s calls over a service's local lane (`local=True` on either
+  server: a Unix socket its thread or loop reads itself, for clients of its user on its host;
+  one thread wake per message instead of three).
 - For links that are not ZeroMQ (the weight transports' raw sockets): `error_code` /
   `error_from_code`, the same error mapping as text, and `is_loopback` / `CREDENTIALS_ENV`, the
   rule and the variable that decide when credentials are required.
@@ -63,7 +64,7 @@ from ._codec import (
     pack_prefix,
     unpack_prefix,
 )
-from ._local import LocalChannel
+from ._local import AsyncLocalChannel, LocalChannel
 from ._service import Handled, Service, current_peer, run_service
 from ._thread import Pending, ThreadService
 
@@ -101,4 +102,5 @@ __all__ = [
     "Channel",
     "AsyncChannel",
     "LocalChannel",
+    "AsyncLocalChannel",
 ]

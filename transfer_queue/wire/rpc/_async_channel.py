@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,13 +10,14 @@ import zmq
 import zmq.asyncio
 
 from ..auth import Credentials
-from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
-from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
+from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError
+from ._calls import AsyncCalls
+from ._codec import DEAD_AFTER, GRACE, Codec, Message, Ping, log
 from ._context import shared_context
 from ._peer import _Peer
 
 
-class AsyncChannel(_Peer):
+class AsyncChannel(_Peer, AsyncCalls):
     """The asyncio twin of `Channel`: one reader task resolves the future of whichever request
     a reply answers, so any number of coroutines may share it. Replies nobody awaits (to
     `post`ed requests) go to `on_reply`."""
@@ -51,6 +51,7 @@ class AsyncChannel(_Peer):
             late=late,
         )
         self._waiting: dict[int, asyncio.Future] = {}
+        self._posting = 0  # posted requests the socket has not taken yet
         self._on_reply = on_reply
         self._reader = asyncio.ensure_future(self._read())
 
@@ -99,59 +100,31 @@ class AsyncChannel(_Peer):
         if self.sock.closed:
             return
         sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg, data), copy=False)
-        sent.add_done_callback(_retrieve)
+        self._posting += 1
+        sent.add_done_callback(self._posted)
 
-    async def reply(
-        self, rid: int, wait: float | None = GRACE, since: float | None = None, what: str = "a request"
-    ) -> tuple[Any, list[Any]]:
-        """The (message, data frames) answering `rid` (see `Channel.reply`); when this raises
-        (or is cancelled), `cancel(rid)` or `forget(rid)` the request."""
-        fut = self._waiting.get(rid)
-        if fut is None:
-            raise ProtocolError(f"request {rid} was not sent on this channel, or its reply was taken")
-        since = time.monotonic() if since is None else since
-        deadline = self._deadline(since, wait)
-        while True:
-            ping, left = self._step(since, deadline, what)
-            if ping:
-                try:
-                    # its Ok finds no future and is dropped; hearing it is enough
-                    await self.sock.send_multipart(self.codec.encode(next(self._ids), Ping()), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-            done, _ = await asyncio.wait({fut}, timeout=left)
-            if done:
-                self._waiting.pop(rid, None)
-                return fut.result()
+    def _posted(self, sent: asyncio.Future) -> None:
+        self._posting -= 1
+        _retrieve(sent)
 
-    async def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
-        """Send `msg` and return its reply (see `Channel.call`); a call cancelled by its caller
-        withdraws its request at the service (`Cancel`), so nothing parked there outlives it."""
-        rid = await self.send(msg, data)
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self.sock.closed
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing sent here is in flight: no request awaits its reply (or is being
+        sent), no posted one waits to be handed to ZeroMQ. Closing the channel then fails no
+        call (a notice ZeroMQ holds but has not written yet may still be dropped: `close` does
+        not linger)."""
+        return not self._waiting and not self._posting
+
+    async def _ping(self) -> None:
         try:
-            reply, _ = await self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
-        except asyncio.CancelledError:
-            if not self.dead and not self.sock.closed and not isinstance(msg, Cancel):
-                self.post(Cancel(rid))
-            raise
-        finally:
-            self._waiting.pop(rid, None)
-        if isinstance(reply, ErrorReply):
-            raise error_from_code(reply.code, reply.message)
-        return reply
-
-    async def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
-        """Withdraw request `rid` (see `Channel.cancel`)."""
-        fut = self._waiting.get(rid)
-        try:
-            await self.call(Cancel(rid), GRACE)
-        finally:
-            self._waiting.pop(rid, None)
-        return fut.result() if fut is not None and fut.done() and not fut.cancelled() else None
-
-    def forget(self, rid: int) -> None:
-        """Stop awaiting `rid`'s reply."""
-        self._waiting.pop(rid, None)
+            await self.sock.send_multipart(self.codec.encode(next(self._ids), Ping()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no connection: the silence tells
 
     def close(self) -> None:
         """Close the socket; requests still awaiting replies fail with `lost` at once."""

@@ -9,13 +9,14 @@ from typing import Any
 import zmq
 
 from ..auth import Credentials
-from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError, error_from_code
-from ._codec import DEAD_AFTER, GRACE, Cancel, Codec, ErrorReply, Message, Ping, log
+from ..errors import ProtocolError, ServiceError, SluiceError, TimeoutError
+from ._calls import SyncCalls
+from ._codec import DEAD_AFTER, GRACE, Codec, Message, Ping, log
 from ._context import monitor, shared_context
 from ._peer import _Peer
 
 
-class Channel(_Peer):
+class Channel(_Peer, SyncCalls):
     """A blocking request/reply channel to one service, used from one thread.
 
     `send` puts a request on the wire and returns its id; `reply(rid)` waits for that request's
@@ -81,6 +82,12 @@ class Channel(_Peer):
         self._expected.add(rid)
         return rid
 
+    @property
+    def idle(self) -> bool:
+        """Whether no request sent here awaits its reply: closing the channel then fails no call
+        (a posted notice ZeroMQ has not written yet may still be dropped: `close` does not linger)."""
+        return not self._expected
+
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
         """Send a notice: a request nobody awaits an answer to (a refusal, if one comes, is
         dropped; the service reports it its own way).
@@ -131,34 +138,6 @@ class Channel(_Peer):
                 return None
             while self.sock.poll(0):
                 self._take(self.sock.recv_multipart(copy=False))
-
-    def call(self, msg: Message, timeout: float | None = None, data: Sequence[Any] = ()) -> Any:
-        """Send `msg` and return its reply, waiting at most `timeout` s (default: the channel's).
-
-        Raises:
-            SluiceError: the `tq.*` error the service answered with, or as `send` and `reply`.
-        """
-        rid = self.send(msg, data)
-        reply, _ = self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
-        if isinstance(reply, ErrorReply):
-            raise error_from_code(reply.code, reply.message)
-        return reply
-
-    def cancel(self, rid: int) -> tuple[Any, list[Any]] | None:
-        """Withdraw request `rid` at the service; its reply if that had already been sent (the
-        caller gives back what it holds), else None: it will never come.
-
-        Raises:
-            SluiceError: as `send` and `reply` (the peer is gone: its own timers free what it held).
-        """
-        self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
-        self._expected.discard(rid)
-        return self._stash.pop(rid, None)
-
-    def forget(self, rid: int) -> None:
-        """Drop `rid`'s reply if it came (the request was abandoned without a cancel)."""
-        self._expected.discard(rid)
-        self._stash.pop(rid, None)
 
     def _ping(self) -> None:
         rid = next(self._ids)  # not expected: its Ok is dropped on arrival

@@ -178,7 +178,18 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
-def refuse_unauthenticated(bind: str, credentials: Credentials | None) -> None:
+def refuse_unauthenticated(bind: str, credentials: Credentials | None, local: bool) -> None:
+    """Refuse a service that would admit peers its credentials do not check.
+
+    Raises:
+        SchemaError: `bind` is beyond loopback without `credentials`, or a `local` lane is asked
+            for with them (a lane checks who connects by user, not by key).
+    """
+    if credentials is not None and local:
+        raise SchemaError(
+            "a service with CurveZMQ credentials serves no local lane: its same-user check cannot "
+            "ask for the keys (serve it with local=False)"
+        )
     if credentials is None and not is_loopback(bind):
         raise SchemaError(
             f"refusing to serve on {bind} without CurveZMQ credentials: beyond loopback anyone could "

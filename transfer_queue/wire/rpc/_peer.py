@@ -13,20 +13,17 @@ from ._codec import PROBE_AFTER, SOCKET_BUFFER_BYTES, Codec
 from ._context import socket
 
 
-class _Peer:
-    """One DEALER to one endpoint, and what both channels decide without I/O: ids, liveness,
-    deadlines. `lost` is raised when the peer is unreachable or silent for `dead_after` s (pinged
-    after `PROBE_AFTER` s), `late` at a deadline."""
+class _Liveness:
+    """What every client channel decides without I/O: ids, liveness, deadlines. `lost` is raised
+    when the peer is silent for `dead_after` s (pinged after `PROBE_AFTER` s), `late` at a deadline."""
 
     def __init__(
         self,
-        ctx: zmq.Context,
         endpoint: str,
         replies: Codec,
         *,
         name: str | None,
         hint: str,
-        credentials: Credentials | None,
         timeout: float,
         connect_timeout: float,
         dead_after: float,
@@ -43,29 +40,15 @@ class _Peer:
         self.lost, self.late = lost, late
         self.heard = 0.0  # monotonic time of the peer's last message
         self.dead = False  # reported dead and silent since
+        self.ended = False
+        """The connection ended for good (a local lane whose service is gone; a ZeroMQ channel
+        reconnects instead): a caller that goes on needs a new channel."""
         self._pinged = float("-inf")
         self._ids = itertools.count(1)
-        self.sock = socket(ctx, zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
-        self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
-        self.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout * 1000))  # ... and never block for it
-        if credentials is not None:
-            secure_client(self.sock, credentials)
-        self.sock.connect(endpoint)
 
     def _heard(self) -> None:
         self.heard = time.monotonic()
         self.dead = False
-
-    def _unreachable(self) -> SluiceError:
-        self.dead = True
-        return self.lost(
-            f"{self.name} took no message for {self.connect_timeout:g} s: it is down, or it refused this "
-            "client's credentials (a cluster bound beyond loopback admits only clients given its "
-            "SLUICE_CREDENTIALS)"
-        )
 
     def _step(self, since: float, deadline: float | None, what: str) -> tuple[bool, float]:
         """While awaiting a reply since `since`: (ping the peer now?, seconds to wait next).
@@ -90,3 +73,52 @@ class _Peer:
 
     def _deadline(self, since: float, wait: float | None) -> float | None:
         return None if wait is None else since + wait
+
+
+class _Peer(_Liveness):
+    """One DEALER to one endpoint (`_Liveness` decides the rest): `lost` is also raised when the
+    peer is unreachable."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        replies: Codec,
+        *,
+        name: str | None,
+        hint: str,
+        credentials: Credentials | None,
+        timeout: float,
+        connect_timeout: float,
+        dead_after: float,
+        lost: type[SluiceError],
+        late: type[SluiceError],
+    ):
+        super().__init__(
+            endpoint,
+            replies,
+            name=name,
+            hint=hint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            dead_after=dead_after,
+            lost=lost,
+            late=late,
+        )
+        self.sock = socket(ctx, zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected
+        self.sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout * 1000))  # ... and never block for it
+        if credentials is not None:
+            secure_client(self.sock, credentials)
+        self.sock.connect(endpoint)
+
+    def _unreachable(self) -> SluiceError:
+        self.dead = True
+        return self.lost(
+            f"{self.name} took no message for {self.connect_timeout:g} s: it is down, or it refused this "
+            "client's credentials (a cluster bound beyond loopback admits only clients given its "
+            "SLUICE_CREDENTIALS)"
+        )

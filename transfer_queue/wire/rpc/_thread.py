@@ -86,7 +86,8 @@ class ThreadService:
     `on_disconnect` the same way, after whatever it sent before closing.
 
     Raises:
-        SchemaError: `bind` is beyond loopback and no `credentials` were given.
+        SchemaError: `bind` is beyond loopback and no `credentials` were given, or `local`
+            with `credentials`.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class ThreadService:
         on_disconnect: Callable[[bytes], None] | None = None,
         local: bool = False,
     ):
-        refuse_unauthenticated(bind, credentials)
+        refuse_unauthenticated(bind, credentials, local)
         self._codec = codec
         self._handler = handler
         self._on_disconnect = on_disconnect
@@ -124,6 +125,7 @@ class ThreadService:
         self._lane = Lane() if local and supported() else None
         self.local_endpoint = self._lane.endpoint if self._lane is not None else ""
         """Where clients on this host reach the local lane ("" without one)."""
+        self._poller = zmq.Poller()  # the server thread's alone
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._calls: deque[Callable[[], None]] = deque()
@@ -154,7 +156,9 @@ class ThreadService:
 
     def _send(self, identity: bytes, rid: int, msg: Message) -> None:
         if self._lane is not None and identity in self._lane.peers:
-            self._lane.send(identity, self._codec.encode_now(rid, msg))
+            stuck = self._lane.send(identity, self._codec.encode_now(rid, msg))
+            if stuck is not None:  # queued (bounded: `Lane.send` cuts a peer that stopped reading)
+                self._poller.register(stuck.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
             return
         try:
             self._sock.send_multipart([identity, *self._codec.encode_now(rid, msg)], copy=False)
@@ -162,7 +166,7 @@ class ThreadService:
             log.debug("reply to a vanished peer dropped")
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self._monitor is not None:
@@ -229,15 +233,19 @@ class ThreadService:
             log.exception("cleaning up after a disconnected client failed")
 
     def _serve_lane(self, lane: Lane, poller: zmq.Poller, ready: dict) -> None:
-        """Take the local lane's new connections and serve what its peers sent."""
+        """Take the local lane's new connections, send what waits for a peer's socket, serve
+        what its peers sent."""
         # the poller names plain sockets by their descriptors
         for fd in [k for k in ready if isinstance(k, int) and k in lane.by_fd]:
             peer = lane.by_fd[fd]
+            if ready[fd] & zmq.POLLOUT and not lane.flush(peer):
+                poller.register(fd, zmq.POLLIN)  # all sent: wait for its requests alone again
             messages, closed = lane.receive(peer)
             for frames in messages:
                 self._dispatch(peer.identity, frames)
             if closed:
                 poller.unregister(fd)
+                lane.drop(peer)
                 self._peer_gone(peer.identity)
         if lane.listener.fileno() in ready:
             while (joined := lane.accept()) is not None:
