@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.faults import eventually, stalled_producer, unit_status
-from tests.helpers import status_bytes
+from tests.helpers import rows, status_bytes
 from tests.peers import ask, peer, raw
 from transfer_queue.wire.messages import BeginPut, CommitPut, RowInfo
 from transfer_queue.wire.meta import FieldSpec
@@ -62,6 +62,31 @@ async def test_cancelled_put_is_aborted_at_once():
         unit = unit_status(client.units[0].address)
         assert unit["pending_writes"] == 0 and unit["pending_bytes"] == 0
         await client.close()
+
+
+def test_a_placement_whose_reservation_failed_is_given_back_at_once(make_cluster):
+    """A staying put asks the controller for its plan and the unit for its space in one step.
+    When the unit's answer fails after the plan was taken (here: the client's wait for it is
+    interrupted), the plan the flow never saw is aborted at once, not left to its deadline;
+    the put then goes the ordinary way."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        client.put(rows(8))  # whole on the one unit: the next put reserves there beside its BeginPut
+        unit = client._core._ahead
+        assert unit in client.units
+        channel = client._channel(unit)
+        reply = channel.reply
+
+        def interrupted(*args, **kwargs):
+            channel.reply = reply
+            raise tq.TimeoutError("the wait for the reservation was interrupted")
+
+        channel.reply = interrupted
+        client.put(rows(8, 8))
+        assert channel.reply == reply, "the step that reserved beside the BeginPut ran"
+        part = client.status()["partitions"]["train"]
+        assert part["samples"] == 16 and part["committed"] == 16
+        assert sorted(client.get_data(client.get_meta(["x"], 16, task="t", timeout=5))["x"].tolist()) == list(range(16))
 
 
 def test_open_put_never_holds_a_sealed_stream_open(cluster, client):
