@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -728,3 +730,66 @@ async def test_a_peer_that_sends_without_pause_leaves_the_others_their_turn():
         await flood.wait()
         service.stop()
         await serving
+
+
+_STARVED = """
+import asyncio, sys, threading
+from tests.peers import ParkedService
+from transfer_queue.wire.messages import StorageRequest, UnitStatus, VersionReply
+from transfer_queue.wire.rpc import Codec, Ok, ThreadService
+
+# UnitStatus is answered with the lane's failed accepts
+if sys.argv[1] == "thread":
+    lane = []
+    service = ThreadService(
+        Codec(StorageRequest),
+        lambda msg, pending: pending.reply(VersionReply(lane[0].failed) if isinstance(msg, UnitStatus) else Ok()),
+        local=True,
+    )
+    lane.append(service._lane)
+    print(service.local_endpoint, flush=True)
+    sys.stdin.read()
+else:
+    async def main():
+        service = ParkedService(local=True)
+        service.route(UnitStatus, lambda msg, data: VersionReply(service._lane.failed))
+        print(service.local_endpoint, flush=True)
+        await service.serve()
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "thread"])
+def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_on(kind):
+    """A service whose lane cannot accept (no descriptor left: its RLIMIT_NOFILE lowered under
+    it) does not retry while the connection waits (its listener stays readable): it tries again
+    after `ACCEPT_RETRY` s or once a lane peer leaves, and serves its other peers meanwhile. Its
+    failed accepts, counted as the service serves 200 requests, stay a few."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STARVED, kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    first = waiting = None
+    try:
+        endpoint = proc.stdout.readline().strip()
+        first = LocalChannel(endpoint, Codec(Reply), timeout=30)
+        assert first.call(UnitStatus()).version == 0
+        used = {int(fd) for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+        lowest_free = min(set(range(len(used) + 1)) - used)
+        limits = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # its next descriptor fails
+        waiting = LocalChannel(endpoint, Codec(Reply), timeout=30)  # in the backlog: not accepted
+        rid = waiting.send(Ping())
+        started = time.monotonic()
+        failed = [first.call(UnitStatus()).version for _ in range(200)]
+        retries = (time.monotonic() - started) / _local.ACCEPT_RETRY
+        assert failed[-1] >= 1, "the waiting connection was accepted: the limit did not bite"
+        assert failed[-1] <= 2 + retries, f"{failed[-1]} failed accepts while serving 200 requests: it spins"
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+        first.close()  # a lane peer leaves: the service accepts again at once
+        assert isinstance(waiting.reply(rid, 30)[0], Ok)
+    finally:
+        for channel in (first, waiting):
+            if channel is not None:
+                channel.close()
+        proc.kill()
+        proc.wait()

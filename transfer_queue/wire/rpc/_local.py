@@ -53,7 +53,7 @@ from ._codec import (
 )
 from ._peer import _Liveness
 
-__all__ = ["Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
+__all__ = ["ACCEPT_RETRY", "Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
 
 _HEAD = struct.Struct("<III")
 _LEN = struct.Struct("<Q")
@@ -78,6 +78,9 @@ sends are."""
 _READ_BUDGET = SOCKET_BUFFER_BYTES
 """Bytes one wake reads from one lane socket; the socket, still readable, wakes its reader again.
 A peer that sends without pause thus takes its turn with the loop's other work and peers."""
+ACCEPT_RETRY = 1.0
+"""Seconds a lane whose accept failed (out of descriptors, say) waits before it tries again,
+unless one of its peers leaves first (as asyncio's servers wait after such a failure)."""
 _MAX_DATA = 1 << 36
 """Data bytes one lane message may announce where its receiver sets no bound of its own (a client;
 a service bounds them by its `max_frame_bytes`, or by `MAX_BODY_BYTES` when it takes none): a
@@ -319,20 +322,32 @@ class Lane:
         self.refused = 0
         self.failed = 0
         """Accepts that failed (no descriptor left, say)."""
+        self.paused = False
+        """Whether the last accept failed (`accept`): the service then stops watching the listener,
+        which a waiting connection keeps readable (watched, it would wake the service without
+        pause), and `resume`s it after `ACCEPT_RETRY` s, or once one of the lane's own peers
+        leaves (a descriptor freed)."""
         self._ids = itertools.count(1)
 
     def accept(self) -> _LanePeer | None:
-        """The next connection, if one is waiting and comes from this user (else it is closed)."""
+        """The next connection, if one is waiting and comes from this user (else it is closed).
+        None also when none can be accepted now (out of descriptors, say): the lane is then
+        `paused`, the connection waits in the backlog, and the service goes on serving the others."""
         try:
             sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return None
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return None  # an aborted connection is gone from the backlog: nothing waits for it
         except OSError as exc:
-            # out of descriptors, say: this connection waits in the backlog and the service
-            # goes on serving the others (its thread must not die of one accept)
             self.failed += 1
             if self.failed == 1 or self.failed % 1000 == 0:
-                log.warning("the local lane cannot accept a connection (%s; %d times)", exc, self.failed)
+                log.warning(
+                    "the local lane cannot accept a connection (%s; %d times); it tries again in %g s "
+                    "or once one of its peers leaves, its clients wait meanwhile",
+                    exc,
+                    self.failed,
+                    ACCEPT_RETRY,
+                )
+            self.paused = True
             return None
         if not _same_user(sock):
             self.refused += 1
@@ -391,6 +406,10 @@ class Lane:
             peer.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def resume(self) -> None:
+        """Accept again (the service watches the listener again, and calls `accept` at once)."""
+        self.paused = False
 
     def drop(self, peer: _LanePeer) -> None:
         """Forget `peer` and close its socket (its connection ended; its service stops watching
