@@ -116,8 +116,7 @@ class AsyncChannel(_Peer, AsyncCalls):
     def idle(self) -> bool:
         """Whether nothing sent here is in flight: no request awaits its reply (or is being
         sent), no posted one waits to be handed to ZeroMQ. Closing the channel then fails no
-        call (a notice ZeroMQ holds but has not written yet may still be dropped: `close` does
-        not linger)."""
+        call and drops no notice (those ZeroMQ holds go out as its socket lingers, `_Peer`)."""
         return not self._waiting and not self._posting
 
     async def _ping(self) -> None:
@@ -127,9 +126,10 @@ class AsyncChannel(_Peer, AsyncCalls):
             pass  # no connection: the silence tells
 
     def close(self) -> None:
-        """Close the socket; requests still awaiting replies fail with `lost` at once."""
+        """Close the socket; requests still awaiting replies fail with `lost` at once, posts not
+        yet handed to ZeroMQ are dropped, those it holds still go out (`_Peer`)."""
         self._reader.cancel()
-        self.sock.close(linger=0)
+        self.sock.close()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self.lost(f"the channel to {self.name} was closed"))
