@@ -26,7 +26,7 @@ from transfer_queue._async_client import AsyncClient
 from transfer_queue._flows import CONTROLLER
 from transfer_queue.compat.client import TransferQueueClient
 from transfer_queue.wire.auth import Credentials
-from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
+from transfer_queue.wire.errors import ClosedError, ProtocolError, SchemaError, ServiceError
 from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus, WaitVersion
 from transfer_queue.wire.rpc import (
     MAX_BODY_BYTES,
@@ -287,6 +287,36 @@ async def test_compat_first_calls_on_one_loop_share_one_client_connected_before_
         assert isinstance(a._channels[cluster.address], AsyncLocalChannel)
     finally:
         client.close()
+
+
+async def test_compat_close_while_a_hello_is_in_flight_closes_that_client_and_stays_closed(cluster, monkeypatch):
+    """`close()` while a loop's first call says hello (its controller stopped, so the hello
+    waits): the hello's client closes with it and is never published, the call raises
+    `ClosedError` (not after the controller answers), and so does every later call."""
+    client = TransferQueueClient(cluster.address)
+    saying_hello: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
+    hello = AsyncClient.hello
+
+    async def noted(self: AsyncClient) -> Any:
+        saying_hello.set_result(self)
+        return await hello(self)
+
+    monkeypatch.setattr(AsyncClient, "hello", noted)
+    controller = cluster.backend.procs[0]
+    controller.send_signal(signal.SIGSTOP)
+    try:
+        first = asyncio.ensure_future(client.async_kv_list())
+        connecting = await asyncio.wait_for(saying_hello, 30)
+        client.close()
+    finally:
+        controller.send_signal(signal.SIGCONT)
+    with pytest.raises(ClosedError):
+        await first
+    assert connecting.closed and not client._loops
+    with pytest.raises(ClosedError):
+        await client.async_kv_list()
+    with pytest.raises(ClosedError):
+        client.kv_list()
 
 
 def test_a_client_falls_back_to_zeromq_when_a_lane_is_absent(cluster):
