@@ -176,13 +176,18 @@ class Controller(Service):
 
     # -- cluster ---------------------------------------------------------------------
 
-    def on_register_unit(self, msg: RegisterUnit, data) -> Registered:
-        """`links.on_register_unit`, answered with where a unit on this host reaches the lane."""
+    def on_register_unit(self, msg: RegisterUnit, data) -> Registered | Ok:
+        """`links.on_register_unit`, answered with where a unit on this host reaches the lane
+        when the unit has a lane of its own (one before the lane knows only `Ok`)."""
         self.links.on_register_unit(msg, data)
-        return Registered(host_id(), self.local_endpoint)
+        return Registered(host_id(), self.local_endpoint) if msg.unit.local else Ok()
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
+        """The cluster's configuration, units and version; this controller's host and lane
+        when the client asks for them (one before the lane refuses those fields)."""
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
+        if not msg.lane:
+            return HelloReply(self.cluster_id, self.config, units, self.clock.current)
         return HelloReply(self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint)
 
     # -- consumers ---------------------------------------------------------------------

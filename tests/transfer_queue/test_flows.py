@@ -16,6 +16,7 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from transfer_queue._client_core import ClientCore
 from transfer_queue._flows import CONTROLLER, NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
+from transfer_queue.wire.errors import ProtocolError
 from transfer_queue.wire.messages import (
     AbortPut,
     Ack,
@@ -34,7 +35,7 @@ from transfer_queue.wire.messages import (
     Write,
 )
 from transfer_queue.wire.meta import BatchMeta, FieldSpec
-from transfer_queue.wire.rpc import GRACE, ErrorReply, Ok
+from transfer_queue.wire.rpc import GRACE, ErrorReply, Ok, error_reply
 
 X = {"x": FieldSpec("int64", ())}
 Answer = Callable[[Call], Any]
@@ -124,8 +125,18 @@ def _core(units: int = 2) -> ClientCore:
     hello = HelloReply("c1", ClusterConfig(num_storage_units=units, storage_capacity=units << 30), infos, 0)
     driver = Scripted(lambda call: hello)
     assert driver.run(core.hello()) is hello
-    assert driver.sent(Hello) == [Hello()] and sorted(core.units) == list(range(units))
+    assert driver.sent(Hello) == [Hello(lane=True)] and sorted(core.units) == list(range(units))
     return core
+
+
+def test_hello_to_a_controller_before_the_lane_asks_again_without_the_lane():
+    """Such a controller refuses `Hello.lane` (an unknown field) with `ProtocolError`."""
+    core = ClientCore("tcp://127.0.0.1:1", use_shm=False)
+    hello = HelloReply("c1", ClusterConfig(num_storage_units=1, storage_capacity=1 << 30), [], 0)
+    refusal = error_reply(ProtocolError("undecodable message: Object contains unknown field `lane`"))
+    driver = Scripted(lambda call: refusal if call.msg.lane else hello)
+    assert driver.run(core.hello()) is hello
+    assert driver.sent(Hello) == [Hello(lane=True), Hello()] and core.lanes == {}
 
 
 def _answers(**by_type: Any) -> Answer:

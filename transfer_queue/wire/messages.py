@@ -143,7 +143,10 @@ class _Msg(Message, Checked, frozen=True):
 
 
 class Hello(_Msg, tag="hello", frozen=True):
-    pass
+    lane: bool = False
+    """The client takes the controller's local lane (`HelloReply.host_id`, `.local`). Only then
+    are they sent: a client before the lane refuses fields it does not know, and a controller
+    before it refuses this one (`ProtocolError`: the client says hello again without it)."""
 
 
 class RegisterUnit(_Msg, tag="register_unit", frozen=True):
@@ -456,7 +459,8 @@ class MetaReply(_Msg, tag="meta_reply", frozen=True):
 
 class Registered(_Msg, tag="registered", frozen=True):
     """The controller took a unit's `RegisterUnit`; a unit on its host (`host_id`) sends its
-    reports over its local lane (`local`, `rpc.Service.local_endpoint`)."""
+    reports over its local lane (`local`, `rpc.Service.local_endpoint`). Only a unit that names
+    its own lane (`UnitInfo.local`) gets it: a unit before the lane knows only `Ok`."""
 
     host_id: str = ""
     local: str = ""

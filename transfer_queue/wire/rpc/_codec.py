@@ -41,8 +41,15 @@ _PREFIX = struct.Struct("<3sBQ")
 # -- messages ------------------------------------------------------------------------------
 
 
-class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
-    """Base of every Sluice message: subclass with `tag="name"`; new fields need defaults."""
+class Message(msgspec.Struct, frozen=True, tag_field="op", omit_defaults=True):
+    """Base of every Sluice message: subclass with `tag="name"`.
+
+    Messages evolve without breaking peers of another release of the same protocol version
+    (msgspec's schema evolution): a new field gets a default and keeps the message's meaning for
+    a peer that ignores it (else it is a new message type); a field at its default is not sent
+    (`omit_defaults`), and a field a peer does not know is ignored. A peer that answers with a
+    new message type or a new field set only does so when the request shows that its sender
+    knows it (peers before this rule refuse unknown fields)."""
 
 
 class Cancel(Message, tag="cancel", frozen=True):

@@ -1,0 +1,155 @@
+"""Peers of another release on one cluster (a rolling upgrade): the messages the local lane
+changed (`Hello`, `HelloReply`, `RegisterUnit`'s answer) in the shapes peers before the lane
+decode, and theirs in ours. Those peers refuse unknown fields (`_Before` below is their
+`Message`), so a new field or reply type reaches a peer only when its request asked for it."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import pytest
+
+from transfer_queue.wire.errors import ProtocolError
+from transfer_queue.wire.messages import (
+    ClusterConfig,
+    Hello,
+    HelloReply,
+    Registered,
+    RegisterUnit,
+    Reply,
+    UnitInfo,
+)
+from transfer_queue.wire.rpc import Channel, Codec, Ok, error_reply
+
+# -- the shapes of a release before the local lane (09c9613) --------------------------------
+
+
+class _Before(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+class OldOk(_Before, tag="ok", frozen=True):
+    pass
+
+
+class OldErrorReply(_Before, tag="error", frozen=True):
+    code: str
+    message: str
+
+
+class OldHello(_Before, tag="hello", frozen=True):
+    pass
+
+
+class OldUnitInfo(msgspec.Struct, frozen=True):
+    unit_id: int
+    address: str
+    capacity: int
+    shm_path: str = ""
+    host_id: str = ""
+
+
+class OldRegisterUnit(_Before, tag="register_unit", frozen=True):
+    unit: OldUnitInfo
+    secret: str = ""
+
+
+class OldHelloReply(_Before, tag="hello_reply", frozen=True):
+    cluster_id: str
+    config: ClusterConfig
+    units: list[OldUnitInfo]
+    version: int
+
+
+OldReply = Union[OldOk, OldErrorReply, OldHelloReply]
+"""What a unit or client before the lane decodes of the controller's answers (those used here)."""
+
+OldRequest = Union[OldHello, OldRegisterUnit]
+"""What a controller before the lane decodes of these requests."""
+
+CONFIG = ClusterConfig(num_storage_units=1, storage_capacity=1 << 30)
+
+
+def _as(kind: object, msg: msgspec.Struct) -> object:
+    return msgspec.msgpack.Decoder(kind).decode(msgspec.msgpack.encode(msg))
+
+
+# -- struct shapes, both ways ---------------------------------------------------------------
+
+
+def test_hello_and_its_reply_decode_both_ways_unless_the_lane_is_asked_for():
+    assert _as(OldRequest, Hello()) == OldHello()  # a client that cannot ask is understood
+    assert _as(Hello, OldHello()) == Hello(lane=False)
+    with pytest.raises(msgspec.ValidationError, match="lane"):  # why the client asks again without
+        _as(OldRequest, Hello(lane=True))
+    plain = HelloReply("c", CONFIG, [UnitInfo(0, "tcp://h:1", 1, local="local:u")], 3)
+    assert _as(OldReply, plain) == OldHelloReply("c", CONFIG, [OldUnitInfo(0, "tcp://h:1", 1)], 3)
+    assert _as(HelloReply, OldHelloReply("c", CONFIG, [], 3)) == HelloReply("c", CONFIG, [], 3, "", "")
+    with pytest.raises(msgspec.ValidationError, match="host_id"):  # why only a client that asks gets them
+        _as(OldReply, HelloReply("c", CONFIG, [], 3, "host", "local:c"))
+
+
+def test_register_unit_and_its_answers_decode_both_ways():
+    unit = UnitInfo(0, "tcp://h:1", 1, "/dev/shm/a", "host", "local:u")
+    assert _as(OldRequest, RegisterUnit(unit, "s")) == OldRegisterUnit(
+        OldUnitInfo(0, "tcp://h:1", 1, "/dev/shm/a", "host"), "s"
+    )
+    assert _as(RegisterUnit, OldRegisterUnit(OldUnitInfo(0, "a", 1), "s")) == RegisterUnit(UnitInfo(0, "a", 1), "s")
+    assert _as(Reply, OldOk()) == Ok()  # what a controller before the lane answers a new unit
+    with pytest.raises(msgspec.ValidationError, match="registered"):  # why only a unit with a lane gets it
+        _as(OldReply, Registered("host", "local:c"))
+
+
+def test_a_field_of_a_later_release_is_ignored():
+    later = {"op": "registered", "host_id": "h", "local": "local:c", "added_later": [1, 2]}
+    assert msgspec.msgpack.Decoder(Reply).decode(msgspec.msgpack.encode(later)) == Registered("h", "local:c")
+
+
+# -- a controller of this release and peers of the one before -----------------------------
+
+
+def test_a_client_before_the_lane_says_hello_to_this_controller(cluster):
+    """Over a real controller: the hello of a client before the lane gets the reply it knows."""
+    channel = Channel(cluster.address, Codec(OldReply), timeout=10)
+    try:
+        hello = channel.call(OldHello())
+        assert isinstance(hello, OldHelloReply) and [u.unit_id for u in hello.units] == [0, 1]
+    finally:
+        channel.close()
+
+
+def test_a_unit_before_the_lane_registers_with_this_controller(cluster):
+    """Over a real controller: a unit before the lane (unit 0 coming back) is answered with the
+    `Ok` it knows."""
+    channel = Channel(cluster.address, Codec(OldReply), timeout=10)
+    ours = Channel(cluster.address, Codec(Reply), timeout=10)
+    try:
+        unit = ours.call(Hello()).units[0]
+        old = OldUnitInfo(unit.unit_id, unit.address, unit.capacity, unit.shm_path, unit.host_id)
+        assert isinstance(channel.call(OldRegisterUnit(old, cluster.secret)), OldOk)
+    finally:
+        channel.close()
+        ours.close()
+
+
+def test_a_unit_with_a_lane_is_told_the_controllers(cluster):
+    channel = Channel(cluster.address, Codec(Reply), timeout=30)
+    try:
+        hello = channel.call(Hello(lane=True))
+        assert hello.local.startswith("local:") and hello.host_id
+        unit = hello.units[0]
+        assert unit.local.startswith("local:")
+        assert channel.call(RegisterUnit(unit, cluster.secret)) == Registered(hello.host_id, hello.local)
+        assert channel.call(Hello()) == HelloReply(hello.cluster_id, hello.config, hello.units, hello.version)
+    finally:
+        channel.close()
+
+
+def test_an_old_controllers_refusal_of_the_lane_question_is_a_protocol_error_for_that_hello():
+    """A controller before the lane answers `Hello(lane=True)` as any message it cannot decode:
+    a `ProtocolError` reply to that request, which the client's hello takes as "no lane"
+    (test_flows: it says hello again without asking)."""
+    with pytest.raises(ProtocolError) as refused:
+        Codec(OldRequest).decode(Codec(Reply).encode(7, Hello(lane=True)))
+    assert refused.value.request_id == 7 and error_reply(refused.value).code == "protocol"
