@@ -7,6 +7,7 @@ import asyncio
 import os
 import resource
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -823,3 +824,33 @@ def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_o
                 channel.close()
         proc.kill()
         proc.wait()
+
+
+async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_taken():
+    """Notices posted to a lane whose service reads nothing yet (more than the socket holds, so
+    most wait in the channel), then the channel is closed: every one still arrives, in order,
+    once the service reads, as over a ZeroMQ channel (test_rpc_channel)."""
+    lane = _local.Lane()
+    channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+    n, frame = 64, bytes(256 << 10)  # 16 MiB: far beyond the socket's buffer
+    try:
+        for _ in range(n):
+            channel.post(Ping(), [frame])
+        assert channel._out, "the socket took everything: nothing to linger"
+        channel.close()
+
+        def pings() -> list[int]:
+            peer = lane.accept()
+            assert peer is not None
+            requests, ids = Codec(StorageRequest), []
+            while select.select([peer.sock], [], [], 10)[0]:
+                messages, ended = lane.receive(peer)
+                ids += [rid for rid, msg, _ in map(requests.decode, messages) if isinstance(msg, Ping)]
+                if ended:
+                    break
+            return ids
+
+        ids = await asyncio.to_thread(pings)
+        assert ids == sorted(ids) and len(ids) == n
+    finally:
+        lane.close()

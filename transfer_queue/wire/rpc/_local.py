@@ -847,5 +847,33 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         self._write(Ping())  # queued in order while the socket is full
 
     def close(self) -> None:
-        """Close the connection; requests still awaiting replies fail with `lost` at once."""
+        """Close the connection; requests still awaiting replies fail with `lost` at once. What
+        was sent and the socket has not taken yet (it was full: posted notices, say) still goes
+        as the socket takes it, for up to `timeout` s, as a ZeroMQ channel's socket lingers
+        (`_linger`); the connection then closes."""
+        if self._out and self._end_error is None:
+            _linger(self._loop, self.sock.dup(), self._out, self.timeout)
+            self._out = deque()
         self._end(self.lost, f"the channel to {self.name} was closed")
+
+
+def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
+    """Send the buffers in `out` on `sock` (a closed channel's connection) as `loop` finds it
+    writable, then close it: once all are sent, the peer is gone, or `seconds` have passed."""
+    fd = sock.fileno()
+
+    def done() -> None:
+        timer.cancel()
+        loop.remove_writer(fd)
+        sock.close()
+
+    def drain() -> None:
+        try:
+            _send(sock, out)
+        except OSError:
+            out.clear()  # the peer is gone
+        if not out:
+            done()
+
+    timer = loop.call_later(seconds, done)
+    loop.add_writer(fd, drain)
