@@ -1,7 +1,8 @@
 """Peers of another release on one cluster (a rolling upgrade): the messages the local lane
 changed (`Hello`, `HelloReply`, `RegisterUnit`'s answer) in the shapes peers before the lane
-decode, and theirs in ours. Those peers refuse unknown fields (`_Before` below is their
-`Message`), so a new field or reply type reaches a peer only when its request asked for it."""
+decode, and theirs in ours. Every peer refuses a field it does not know (`_Before` below is
+the `Message` of those before the lane; ours also sends no field at its default), so a new field
+or reply type reaches a peer only when its request asked for it."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import pytest
 from transfer_queue.wire.errors import ProtocolError
 from transfer_queue.wire.messages import (
     ClusterConfig,
+    Free,
     Hello,
     HelloReply,
     Registered,
     RegisterUnit,
     Reply,
+    StorageRequest,
     UnitInfo,
 )
-from transfer_queue.wire.rpc import Channel, Codec, Ok, error_reply
+from transfer_queue.wire.rpc import Channel, Codec, Ok, error_reply, pack_prefix
 
 # -- the shapes of a release before the local lane (09c9613) --------------------------------
 
@@ -101,9 +104,22 @@ def test_register_unit_and_its_answers_decode_both_ways():
         _as(OldReply, Registered("host", "local:c"))
 
 
-def test_a_field_of_a_later_release_is_ignored():
-    later = {"op": "registered", "host_id": "h", "local": "local:c", "added_later": [1, 2]}
-    assert msgspec.msgpack.Decoder(Reply).decode(msgspec.msgpack.encode(later)) == Registered("h", "local:c")
+def test_a_field_the_receiver_does_not_know_is_a_protocol_error():
+    """A misspelt field is refused, not dropped: dropped, `Free(indices=...)` would free the
+    whole partition and `CommitWrite(abrt=True)` would commit instead of aborting."""
+    for union, body in [
+        (StorageRequest, {"op": "free", "partition": "p", "indices": [1]}),
+        (StorageRequest, {"op": "commit_write", "token": 3, "abrt": True}),
+        (Reply, {"op": "registered", "host_id": "h", "local": "local:c", "added_later": [1, 2]}),
+    ]:
+        with pytest.raises(ProtocolError, match="unknown field") as refused:
+            Codec(union).decode([pack_prefix(5), msgspec.msgpack.encode(body)])
+        assert refused.value.request_id == 5
+
+
+def test_a_field_at_its_default_is_not_sent():
+    """What lets a peer of the release before decode a message that gained a field."""
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Free("p"))) == {"op": "free", "partition": "p"}
 
 
 # -- a controller of this release and peers of the one before -----------------------------

@@ -41,15 +41,17 @@ _PREFIX = struct.Struct("<3sBQ")
 # -- messages ------------------------------------------------------------------------------
 
 
-class Message(msgspec.Struct, frozen=True, tag_field="op", omit_defaults=True):
+class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
     """Base of every Sluice message: subclass with `tag="name"`.
 
-    Messages evolve without breaking peers of another release of the same protocol version
-    (msgspec's schema evolution): a new field gets a default and keeps the message's meaning for
-    a peer that ignores it (else it is a new message type); a field at its default is not sent
-    (`omit_defaults`), and a field a peer does not know is ignored. A peer that answers with a
-    new message type or a new field set only does so when the request shows that its sender
-    knows it (peers before this rule refuse unknown fields)."""
+    A field the receiver does not know makes the message undecodable (`ProtocolError`), so a
+    misspelt field is refused rather than dropped (`Free(indices=...)` would free the whole
+    partition). Messages still evolve within a protocol version: a new field gets a default that
+    keeps the message's meaning, a field at its default is not sent (`omit_defaults`: a peer of
+    the release before decodes the message it knows), and a new field or message type goes to a
+    peer only when that peer is known to decode it. Never change a field's default: a receiver
+    cannot tell a field at its default from one left out, and the controller's journal holds
+    `CommitPut`s written by the release before."""
 
 
 class Cancel(Message, tag="cancel", frozen=True):
