@@ -11,8 +11,11 @@ from typing import Union
 import msgspec
 import pytest
 
+import transfer_queue as tq
 from transfer_queue.wire.errors import ProtocolError
 from transfer_queue.wire.messages import (
+    FEATURES,
+    LANE,
     ClusterConfig,
     Free,
     Hello,
@@ -81,16 +84,16 @@ def _as(kind: object, msg: msgspec.Struct) -> object:
 # -- struct shapes, both ways ---------------------------------------------------------------
 
 
-def test_hello_and_its_reply_decode_both_ways_unless_the_lane_is_asked_for():
+def test_hello_and_its_reply_decode_both_ways_unless_features_are_asked_for():
     assert _as(OldRequest, Hello()) == OldHello()  # a client that cannot ask is understood
-    assert _as(Hello, OldHello()) == Hello(lane=False)
-    with pytest.raises(msgspec.ValidationError, match="lane"):  # why the client asks again without
-        _as(OldRequest, Hello(lane=True))
+    assert _as(Hello, OldHello()) == Hello(features=[])
+    with pytest.raises(msgspec.ValidationError, match="features"):  # why the client asks again without
+        _as(OldRequest, Hello([LANE]))
     plain = HelloReply("c", CONFIG, [UnitInfo(0, "tcp://h:1", 1, local="local:u")], 3)
     assert _as(OldReply, plain) == OldHelloReply("c", CONFIG, [OldUnitInfo(0, "tcp://h:1", 1)], 3)
-    assert _as(HelloReply, OldHelloReply("c", CONFIG, [], 3)) == HelloReply("c", CONFIG, [], 3, "", "")
+    assert _as(HelloReply, OldHelloReply("c", CONFIG, [], 3)) == HelloReply("c", CONFIG, [], 3, "", "", [])
     with pytest.raises(msgspec.ValidationError, match="host_id"):  # why only a client that asks gets them
-        _as(OldReply, HelloReply("c", CONFIG, [], 3, "host", "local:c"))
+        _as(OldReply, HelloReply("c", CONFIG, [], 3, "host", "local:c", [LANE]))
 
 
 def test_register_unit_and_its_answers_decode_both_ways():
@@ -152,8 +155,8 @@ def test_a_unit_before_the_lane_registers_with_this_controller(cluster):
 def test_a_unit_with_a_lane_is_told_the_controllers(cluster):
     channel = Channel(cluster.address, Codec(Reply), timeout=30)
     try:
-        hello = channel.call(Hello(lane=True))
-        assert hello.local.startswith("local:") and hello.host_id
+        hello = channel.call(Hello([LANE]))
+        assert hello.features == [LANE] and hello.local.startswith("local:") and hello.host_id
         unit = hello.units[0]
         assert unit.local.startswith("local:")
         assert channel.call(RegisterUnit(unit, cluster.secret)) == Registered(hello.host_id, hello.local)
@@ -162,10 +165,24 @@ def test_a_unit_with_a_lane_is_told_the_controllers(cluster):
         channel.close()
 
 
-def test_an_old_controllers_refusal_of_the_lane_question_is_a_protocol_error_for_that_hello():
-    """A controller before the lane answers `Hello(lane=True)` as any message it cannot decode:
-    a `ProtocolError` reply to that request, which the client's hello takes as "no lane"
-    (test_flows: it says hello again without asking)."""
+def test_the_controller_grants_only_the_features_it_supports(cluster):
+    """A client of a later release asks for features this controller does not know: they are
+    not granted (nor refused), so that client sends none of their fields."""
+    channel = Channel(cluster.address, Codec(Reply), timeout=30)
+    try:
+        assert channel.call(Hello([LANE, "from_a_later_release"])).features == [LANE]
+        later = channel.call(Hello(["from_a_later_release"]))
+        assert later.features == [] and later.local == "" and later.host_id == ""
+    finally:
+        channel.close()
+    with tq.connect(cluster.address) as client:
+        assert client._core.features == FEATURES
+
+
+def test_an_old_controllers_refusal_of_the_features_question_is_a_protocol_error_for_that_hello():
+    """A controller before features answers `Hello(features=...)` as any message it cannot
+    decode: a `ProtocolError` reply to that request, which the client's hello takes as "no
+    features" (test_flows: it says hello again without asking)."""
     with pytest.raises(ProtocolError) as refused:
-        Codec(OldRequest).decode(Codec(Reply).encode(7, Hello(lane=True)))
+        Codec(OldRequest).decode(Codec(Reply).encode(7, Hello([LANE])))
     assert refused.value.request_id == 7 and error_reply(refused.value).code == "protocol"

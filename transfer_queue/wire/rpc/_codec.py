@@ -49,7 +49,8 @@ class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields
     partition). Messages still evolve within a protocol version: a new field gets a default that
     keeps the message's meaning, a field at its default is not sent (`omit_defaults`: a peer of
     the release before decodes the message it knows), and a new field or message type goes to a
-    peer only when that peer is known to decode it. Never change a field's default: a receiver
+    peer only when that peer is known to decode it (a request's: once the controller granted
+    its feature, `messages.FEATURES`). Never change a field's default: a receiver
     cannot tell a field at its default from one left out, and the controller's journal holds
     `CommitPut`s written by the release before."""
 
