@@ -767,8 +767,9 @@ _STARVED = """
 import asyncio, sys, threading
 from tests.peers import ParkedService
 from transfer_queue.wire.messages import StorageRequest, UnitStatus, VersionReply
-from transfer_queue.wire.rpc import Codec, Ok, ThreadService
+from transfer_queue.wire.rpc import Codec, Ok, ThreadService, _local
 
+_local.ACCEPT_RETRY = float(sys.argv[2])
 # UnitStatus is answered with the lane's failed accepts
 if sys.argv[1] == "thread":
     lane = []
@@ -791,13 +792,16 @@ else:
 
 
 @pytest.mark.parametrize("kind", ["asyncio", "thread"])
-def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_on(kind):
+@pytest.mark.parametrize("resume", ["peer_leaves", "retry"])
+def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_on(kind, resume):
     """A service whose lane cannot accept (no descriptor left: its RLIMIT_NOFILE lowered under
-    it) does not retry while the connection waits (its listener stays readable): it tries again
-    after `ACCEPT_RETRY` s or once a lane peer leaves, and serves its other peers meanwhile. Its
-    failed accepts, counted as the service serves 200 requests, stay a few."""
+    it) does not retry while the connection waits (its listener stays readable): it serves its
+    other peers meanwhile, its failed accepts (counted as it serves 200 requests) stay a few, and
+    it accepts the waiting connection once a lane peer leaves (`peer_leaves`: its retry set to
+    an hour, so only that can resume it) or after `ACCEPT_RETRY` s (`retry`: no peer leaves)."""
+    retry = 3600.0 if resume == "peer_leaves" else 0.2
     proc = subprocess.Popen(
-        [sys.executable, "-c", _STARVED, kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _STARVED, kind, str(retry)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     first = waiting = None
     try:
@@ -812,11 +816,12 @@ def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_o
         rid = waiting.send(Ping())
         started = time.monotonic()
         failed = [first.call(UnitStatus()).version for _ in range(200)]
-        retries = (time.monotonic() - started) / _local.ACCEPT_RETRY
+        retries = (time.monotonic() - started) / retry
         assert failed[-1] >= 1, "the waiting connection was accepted: the limit did not bite"
         assert failed[-1] <= 2 + retries, f"{failed[-1]} failed accepts while serving 200 requests: it spins"
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
-        first.close()  # a lane peer leaves: the service accepts again at once
+        if resume == "peer_leaves":
+            first.close()  # a lane peer leaves: the service accepts again at once
         assert isinstance(waiting.reply(rid, 30)[0], Ok)
     finally:
         for channel in (first, waiting):

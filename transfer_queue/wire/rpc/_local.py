@@ -80,7 +80,8 @@ _READ_BUDGET = SOCKET_BUFFER_BYTES
 A peer that sends without pause thus takes its turn with the loop's other work and peers."""
 ACCEPT_RETRY = 1.0
 """Seconds a lane whose accept failed (out of descriptors, say) waits before it tries again,
-unless one of its peers leaves first (as asyncio's servers wait after such a failure)."""
+unless one of its peers leaves first (as asyncio's servers wait after such a failure). Read as
+each retry is set (`_local.ACCEPT_RETRY`), so a process may change it (the tests do)."""
 _MAX_DATA = 1 << 36
 """Data bytes one lane message may announce where its receiver sets no bound of its own (a client;
 a service bounds them by its `max_frame_bytes`, or by `MAX_BODY_BYTES` when it takes none): a

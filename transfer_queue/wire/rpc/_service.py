@@ -19,9 +19,10 @@ import zmq.asyncio
 
 from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError
+from . import _local
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
-from ._local import ACCEPT_RETRY, Lane, _LanePeer, supported
+from ._local import Lane, _LanePeer, supported
 from ._peers import PEER_EVENTS, PeerWatch
 
 # -- asyncio service -----------------------------------------------------------------------
@@ -216,7 +217,7 @@ class Service:
             loop.add_reader(peer.sock.fileno(), self._lane_read, peer)
         if self._lane.paused:
             loop.remove_reader(self._lane.listener.fileno())
-            self._lane_retry = loop.call_later(ACCEPT_RETRY, self._lane_resume)
+            self._lane_retry = loop.call_later(_local.ACCEPT_RETRY, self._lane_resume)
 
     def _lane_resume(self) -> None:
         """Watch a paused lane's listener again and accept what waits (its retry is due, or one

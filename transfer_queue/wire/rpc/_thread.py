@@ -16,9 +16,10 @@ import zmq
 
 from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError, TimeoutError
+from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
-from ._local import ACCEPT_RETRY, Lane, supported
+from ._local import Lane, supported
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class ThreadService:
             poller.register(joined.sock.fileno(), zmq.POLLIN)
         if lane.paused:  # it stays readable while a connection waits: not watched until the retry
             poller.unregister(listener)
-            self._lane_retry = time.monotonic() + ACCEPT_RETRY
+            self._lane_retry = time.monotonic() + _local.ACCEPT_RETRY
 
     def _serve(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
