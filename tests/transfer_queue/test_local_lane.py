@@ -812,7 +812,8 @@ def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_o
         lowest_free = min(set(range(len(used) + 1)) - used)
         limits = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # its next descriptor fails
-        waiting = LocalChannel(endpoint, Codec(Reply), timeout=30)  # in the backlog: not accepted
+        # in the backlog: not accepted, so its pings are not answered until it is (DEAD_AFTER)
+        waiting = LocalChannel(endpoint, Codec(Reply), timeout=30, dead_after=30)
         rid = waiting.send(Ping())
         started = time.monotonic()
         failed = [first.call(UnitStatus()).version for _ in range(200)]
