@@ -27,6 +27,8 @@ from transfer_queue.wire.errors import (
     SealedError,
 )
 from transfer_queue.wire.messages import (
+    FEATURES,
+    LANE,
     Ack,
     Acquire,
     Announce,
@@ -176,14 +178,25 @@ class Controller(Service):
 
     # -- cluster ---------------------------------------------------------------------
 
-    def on_register_unit(self, msg: RegisterUnit, data) -> Registered:
-        """`links.on_register_unit`, answered with where a unit on this host reaches the lane."""
+    def on_register_unit(self, msg: RegisterUnit, data) -> Registered | Ok:
+        """`links.on_register_unit`, answered with where a unit on this host reaches the lane
+        when the unit has a lane of its own (one before the lane knows only `Ok`)."""
         self.links.on_register_unit(msg, data)
-        return Registered(host_id(), self.local_endpoint)
+        # A unit that names its own lane is of a release that decodes `Registered`; one before
+        # the lane names none (its `UnitInfo` has no `local`), so no feature needs asking here.
+        return Registered(host_id(), self.local_endpoint) if msg.unit.local else Ok()
 
     def on_hello(self, msg: Hello, data) -> HelloReply:
+        """The cluster's configuration, units and version, and the features the client asked for
+        that this controller supports (`FEATURES`): with `LANE`, its host and lane. Nothing
+        unasked is sent: a client before a feature refuses its fields."""
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
-        return HelloReply(self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint)
+        granted = sorted(FEATURES.intersection(msg.features))
+        if LANE not in granted:
+            return HelloReply(self.cluster_id, self.config, units, self.clock.current, features=granted)
+        return HelloReply(
+            self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint, granted
+        )
 
     # -- consumers ---------------------------------------------------------------------
 

@@ -32,8 +32,9 @@ from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Wit
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
-from .wire.errors import CapacityError, SchemaError, SluiceError
+from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError
 from .wire.messages import (
+    FEATURES,
     AbortPut,
     Ack,
     Acquire,
@@ -125,8 +126,14 @@ class ClientCore(ControlCore):
     # -- cluster -----------------------------------------------------------------------
 
     def hello(self) -> Flow:
-        """Fetch the cluster's configuration and storage units (done on connect)."""
-        reply = yield from self.one(CONTROLLER, Hello(), HelloReply)
+        """Fetch the cluster's configuration and storage units (done on connect), and ask for
+        every feature this release knows (`features`: those the controller grants; a controller
+        before features refuses to be asked, and is asked again without: it grants none)."""
+        try:
+            reply = yield from self.one(CONTROLLER, Hello(sorted(FEATURES)), HelloReply)
+        except ProtocolError:
+            reply = yield from self.one(CONTROLLER, Hello(), HelloReply)
+        self.features = frozenset(reply.features)
         self.config, self.cluster_id = reply.config, reply.cluster_id
         self.units = {u.unit_id: u for u in reply.units}
         self._map_arenas()

@@ -66,6 +66,9 @@ class ControlCore:
         self.lanes: dict[str, str] = {}
         """Service address -> its local lane (`rpc.LocalChannel`), for the services on this
         client's host that have one (learned on connect)."""
+        self.features: frozenset[str] = frozenset()
+        """The features (`wire.messages.FEATURES`) the controller granted this client on connect:
+        a new field of a request goes only to a controller that granted its feature."""
 
     def target_address(self, target: int) -> str:
         if target == CONTROLLER:

@@ -16,7 +16,10 @@ from tensordict import TensorDict
 import transfer_queue as tq
 from transfer_queue._client_core import ClientCore
 from transfer_queue._flows import CONTROLLER, NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
+from transfer_queue.wire.errors import ProtocolError
 from transfer_queue.wire.messages import (
+    FEATURES,
+    LANE,
     AbortPut,
     Ack,
     BeginPut,
@@ -34,7 +37,7 @@ from transfer_queue.wire.messages import (
     Write,
 )
 from transfer_queue.wire.meta import BatchMeta, FieldSpec
-from transfer_queue.wire.rpc import GRACE, ErrorReply, Ok
+from transfer_queue.wire.rpc import GRACE, ErrorReply, Ok, error_reply
 
 X = {"x": FieldSpec("int64", ())}
 Answer = Callable[[Call], Any]
@@ -121,11 +124,25 @@ def _core(units: int = 2) -> ClientCore:
     """A client core that said hello to a cluster of `units` units on other hosts (no arenas)."""
     core = ClientCore("tcp://127.0.0.1:1", use_shm=False)
     infos = [UnitInfo(u, f"tcp://127.0.0.1:{10 + u}", 1 << 30) for u in range(units)]
-    hello = HelloReply("c1", ClusterConfig(num_storage_units=units, storage_capacity=units << 30), infos, 0)
+    config = ClusterConfig(num_storage_units=units, storage_capacity=units << 30)
+    hello = HelloReply("c1", config, infos, 0, features=[LANE])
     driver = Scripted(lambda call: hello)
     assert driver.run(core.hello()) is hello
-    assert driver.sent(Hello) == [Hello()] and sorted(core.units) == list(range(units))
+    assert driver.sent(Hello) == [Hello(sorted(FEATURES))] and sorted(core.units) == list(range(units))
+    assert core.features == {LANE}
     return core
+
+
+def test_hello_to_a_controller_before_features_asks_again_without_them():
+    """Such a controller refuses `Hello.features` (an unknown field) with `ProtocolError`; it
+    grants no feature."""
+    core = ClientCore("tcp://127.0.0.1:1", use_shm=False)
+    hello = HelloReply("c1", ClusterConfig(num_storage_units=1, storage_capacity=1 << 30), [], 0)
+    refusal = error_reply(ProtocolError("undecodable message: Object contains unknown field `features`"))
+    driver = Scripted(lambda call: refusal if call.msg.features else hello)
+    assert driver.run(core.hello()) is hello
+    assert driver.sent(Hello) == [Hello(sorted(FEATURES)), Hello()]
+    assert core.features == frozenset() and core.lanes == {}
 
 
 def _answers(**by_type: Any) -> Answer:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,7 +27,7 @@ from transfer_queue._async_client import AsyncClient
 from transfer_queue._flows import CONTROLLER
 from transfer_queue.compat.client import TransferQueueClient
 from transfer_queue.wire.auth import Credentials
-from transfer_queue.wire.errors import ProtocolError, SchemaError, ServiceError
+from transfer_queue.wire.errors import ClosedError, ProtocolError, SchemaError, ServiceError
 from transfer_queue.wire.messages import CommitWrite, Free, Read, Reply, StorageRequest, UnitStatus, WaitVersion
 from transfer_queue.wire.rpc import (
     MAX_BODY_BYTES,
@@ -285,6 +288,36 @@ async def test_compat_first_calls_on_one_loop_share_one_client_connected_before_
         assert isinstance(a._channels[cluster.address], AsyncLocalChannel)
     finally:
         client.close()
+
+
+async def test_compat_close_while_a_hello_is_in_flight_closes_that_client_and_stays_closed(cluster, monkeypatch):
+    """`close()` while a loop's first call says hello (its controller stopped, so the hello
+    waits): the hello's client closes with it and is never published, the call raises
+    `ClosedError` (not after the controller answers), and so does every later call."""
+    client = TransferQueueClient(cluster.address)
+    saying_hello: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
+    hello = AsyncClient.hello
+
+    async def noted(self: AsyncClient) -> Any:
+        saying_hello.set_result(self)
+        return await hello(self)
+
+    monkeypatch.setattr(AsyncClient, "hello", noted)
+    controller = cluster.backend.procs[0]
+    controller.send_signal(signal.SIGSTOP)
+    try:
+        first = asyncio.ensure_future(client.async_kv_list())
+        connecting = await asyncio.wait_for(saying_hello, 30)
+        client.close()
+    finally:
+        controller.send_signal(signal.SIGCONT)
+    with pytest.raises(ClosedError):
+        await first
+    assert connecting.closed and not client._loops
+    with pytest.raises(ClosedError):
+        await client.async_kv_list()
+    with pytest.raises(ClosedError):
+        client.kv_list()
 
 
 def test_a_client_falls_back_to_zeromq_when_a_lane_is_absent(cluster):
@@ -728,3 +761,102 @@ async def test_a_peer_that_sends_without_pause_leaves_the_others_their_turn():
         await flood.wait()
         service.stop()
         await serving
+
+
+_STARVED = """
+import asyncio, sys, threading
+from tests.peers import ParkedService
+from transfer_queue.wire.messages import StorageRequest, UnitStatus, VersionReply
+from transfer_queue.wire.rpc import Codec, Ok, ThreadService, _local
+
+_local.ACCEPT_RETRY = float(sys.argv[2])
+# UnitStatus is answered with the lane's failed accepts
+if sys.argv[1] == "thread":
+    lane = []
+    service = ThreadService(
+        Codec(StorageRequest),
+        lambda msg, pending: pending.reply(VersionReply(lane[0].failed) if isinstance(msg, UnitStatus) else Ok()),
+        local=True,
+    )
+    lane.append(service._lane)
+    print(service.local_endpoint, flush=True)
+    sys.stdin.read()
+else:
+    async def main():
+        service = ParkedService(local=True)
+        service.route(UnitStatus, lambda msg, data: VersionReply(service._lane.failed))
+        print(service.local_endpoint, flush=True)
+        await service.serve()
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "thread"])
+@pytest.mark.parametrize("resume", ["peer_leaves", "retry"])
+def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_on(kind, resume):
+    """A service whose lane cannot accept (no descriptor left: its RLIMIT_NOFILE lowered under
+    it) does not retry while the connection waits (its listener stays readable): it serves its
+    other peers meanwhile, its failed accepts (counted as it serves 200 requests) stay a few, and
+    it accepts the waiting connection once a lane peer leaves (`peer_leaves`: its retry set to
+    an hour, so only that can resume it) or after `ACCEPT_RETRY` s (`retry`: no peer leaves)."""
+    retry = 3600.0 if resume == "peer_leaves" else 0.2
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STARVED, kind, str(retry)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    first = waiting = None
+    try:
+        endpoint = proc.stdout.readline().strip()
+        first = LocalChannel(endpoint, Codec(Reply), timeout=30)
+        assert first.call(UnitStatus()).version == 0
+        used = {int(fd) for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+        lowest_free = min(set(range(len(used) + 1)) - used)
+        limits = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # its next descriptor fails
+        # in the backlog: not accepted, so its pings are not answered until it is (DEAD_AFTER)
+        waiting = LocalChannel(endpoint, Codec(Reply), timeout=30, dead_after=30)
+        rid = waiting.send(Ping())
+        started = time.monotonic()
+        failed = [first.call(UnitStatus()).version for _ in range(200)]
+        retries = (time.monotonic() - started) / retry
+        assert failed[-1] >= 1, "the waiting connection was accepted: the limit did not bite"
+        assert failed[-1] <= 2 + retries, f"{failed[-1]} failed accepts while serving 200 requests: it spins"
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+        if resume == "peer_leaves":
+            first.close()  # a lane peer leaves: the service accepts again at once
+        assert isinstance(waiting.reply(rid, 30)[0], Ok)
+    finally:
+        for channel in (first, waiting):
+            if channel is not None:
+                channel.close()
+        proc.kill()
+        proc.wait()
+
+
+async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_taken():
+    """Notices posted to a lane whose service reads nothing yet (more than the socket holds, so
+    most wait in the channel), then the channel is closed: every one still arrives, in order,
+    once the service reads, as over a ZeroMQ channel (test_rpc_channel)."""
+    lane = _local.Lane()
+    channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+    n, frame = 64, bytes(256 << 10)  # 16 MiB: far beyond the socket's buffer
+    try:
+        for _ in range(n):
+            channel.post(Ping(), [frame])
+        assert channel._out, "the socket took everything: nothing to linger"
+        channel.close()
+
+        def pings() -> list[int]:
+            peer = lane.accept()
+            assert peer is not None
+            requests, ids = Codec(StorageRequest), []
+            while select.select([peer.sock], [], [], 10)[0]:
+                messages, ended = lane.receive(peer)
+                ids += [rid for rid, msg, _ in map(requests.decode, messages) if isinstance(msg, Ping)]
+                if ended:
+                    break
+            return ids
+
+        ids = await asyncio.to_thread(pings)
+        assert ids == sorted(ids) and len(ids) == n
+    finally:
+        lane.close()

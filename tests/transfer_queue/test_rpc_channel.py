@@ -57,6 +57,42 @@ async def test_posted_requests_are_queued_not_dropped_when_the_peer_lags():
         peer.close()
 
 
+def _lagging_peer() -> tuple[zmq.Socket, str]:
+    """A ROUTER that takes little before it is read: what a channel sends it waits in the
+    channel's ZeroMQ queue, unwritten."""
+    peer = zmq.Context.instance().socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 1 << 16)
+    return peer, f"tcp://127.0.0.1:{peer.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _pings(peer: zmq.Socket, n: int) -> int:
+    """How many of the next `n` messages `peer` receives are `Ping`s (it stops at a silence of 10 s)."""
+    requests, got = Codec(StorageRequest), 0
+    while got < n and peer.poll(10_000):
+        got += isinstance(requests.decode(peer.recv_multipart(copy=False)[1:])[1], Ping)
+    return got
+
+
+@pytest.mark.parametrize("kind", [Channel, AsyncChannel])
+async def test_closing_an_idle_channel_drops_no_posted_notice(kind):
+    """Notices posted to a peer that has not read them yet (more than the socket buffers hold,
+    so ZeroMQ still holds most, unwritten), then the channel, idle, is closed (as a client
+    closes a ZeroMQ channel it leaves for a lane): every notice still arrives."""
+    peer, endpoint = _lagging_peer()
+    channel = kind(endpoint, Codec(Reply), connect_timeout=30)
+    n, frame = 64, bytes(256 << 10)  # 16 MiB: far beyond the two socket buffers
+    try:
+        for _ in range(n):
+            channel.post(Ping(), [frame])
+        await eventually_async(lambda: channel.idle, what="every post handed to ZeroMQ")
+        channel.close()
+        assert _pings(peer, n) == n
+    finally:
+        peer.close()
+
+
 async def test_a_cancelled_call_is_withdrawn_and_a_closed_channel_fails_its_calls():
     service = ParkedService()
     serving = asyncio.ensure_future(service.serve())

@@ -36,7 +36,7 @@ from .._client_core import ClientCore
 from .._flows import CONTROLLER, Flow
 from .._tensors import is_non_tensor, jagged
 from ..wire.auth import Credentials
-from ..wire.errors import SchemaError
+from ..wire.errors import ClosedError, SchemaError
 from ..wire.messages import KvClear, KvKeys, KvKeysReply, KvList, KvListReply, KvMetaReply, KvResolve, KvTag, Ok
 from ..wire.meta import BatchMeta
 from .kv_meta import KVBatchMeta
@@ -102,22 +102,36 @@ class TransferQueueClient:
         self._loops: dict[asyncio.AbstractEventLoop, tuple[AsyncClient, AsyncGenerator[None]]] = {}
         # A loop's client while it says hello: the loop's other first callers await the same one.
         self._hellos: dict[asyncio.AbstractEventLoop, asyncio.Task[AsyncClient]] = {}
+        self._connecting: dict[asyncio.AbstractEventLoop, AsyncClient] = {}  # theirs, for `close`
         self._all_sync: list[Client] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     # -- drivers -------------------------------------------------------------------------
 
+    def _refuse_closed(self) -> None:
+        """Raises ClosedError once `close()` was called."""
+        if self._closed:
+            raise ClosedError("this TransferQueueClient was closed; create a new one")
+
     def _client(self) -> Client:
+        self._refuse_closed()
         client = getattr(self._threads, "client", None)
         if client is None:
-            client = self._threads.client = Client(self.address, credentials=self.credentials)
+            client = Client(self.address, credentials=self.credentials)
             with self._lock:
-                self._all_sync.append(client)
+                if not self._closed:
+                    self._all_sync.append(client)
+            if self._closed:  # closed as it connected
+                client.close()
+                self._refuse_closed()
+            self._threads.client = client
         return client
 
     async def _async_client(self) -> AsyncClient:
         """The running loop's client, connected (`hello`) before anyone uses it: coroutines that
         make the loop's first calls together await one connect."""
+        self._refuse_closed()
         loop = asyncio.get_running_loop()
         entry = self._loops.get(loop)
         if entry is not None:
@@ -129,19 +143,31 @@ class TransferQueueClient:
         return await asyncio.shield(hello)  # a caller cancelled leaves the connect to the others
 
     async def _connect_async(self, loop: asyncio.AbstractEventLoop) -> AsyncClient:
-        """A new client for `loop`, published once its hello is answered (a failed one is closed)."""
-        client = AsyncClient(self.address, credentials=self.credentials)
+        """A new client for `loop`, published once its hello is answered (a failed one is
+        closed, and one that `close()` closed while it said hello: ClosedError)."""
+        with self._lock:
+            self._refuse_closed()
+            client = self._connecting[loop] = AsyncClient(self.address, credentials=self.credentials)
         try:
             await client.hello()
-        except BaseException:
+            guard = _loop_guard(self._loops, loop, client)
+            await anext(guard)  # now the loop finalizes it at shutdown_asyncgens
+            with self._lock:
+                if not self._closed:
+                    for gone in [old for old in self._loops if old.is_closed()]:  # closed without shutdown_asyncgens
+                        del self._loops[gone]
+                    self._loops[loop] = client, guard
+            if self._closed:
+                await guard.aclose()  # closes the client
+        except BaseException as exc:
             await client.close()
+            if self._closed and not isinstance(exc, ClosedError):
+                raise ClosedError("this TransferQueueClient was closed while it connected") from exc
             raise
-        guard = _loop_guard(self._loops, loop, client)
-        await anext(guard)  # now the loop finalizes it at shutdown_asyncgens
-        with self._lock:
-            for gone in [old for old in self._loops if old.is_closed()]:  # closed without shutdown_asyncgens
-                del self._loops[gone]
-            self._loops[loop] = client, guard
+        finally:
+            with self._lock:
+                self._connecting.pop(loop, None)
+        self._refuse_closed()
         return client
 
     def _blocking(self, flow: Callable[..., Flow], *args: Any) -> Any:
@@ -155,16 +181,21 @@ class TransferQueueClient:
         return await client._run(flow(client._core, *args))
 
     def close(self) -> None:
-        """Close every thread's blocking client and the async clients of loops still open: at
-        once on a loop that is not running, by a task on a running one (waited for up to
-        `_CLOSE_WAIT` s when it runs in another thread)."""
+        """Close every thread's blocking client and the async clients of loops still open,
+        those still saying hello included: at once on a loop that is not running, by a task on
+        a running one (waited for up to `_CLOSE_WAIT` s when it runs in another thread). The
+        client stays closed: what is called on it afterwards, or was awaiting a connect, raises
+        `ClosedError`."""
         with self._lock:
+            self._closed = True
             clients, self._all_sync = self._all_sync, []
-            loops, self._loops = self._loops, {}
+            loops = [(loop, entry[0]) for loop, entry in self._loops.items()]
+            loops += list(self._connecting.items())
+            self._loops = {}
         for client in clients:
             client.close()
         self._threads = threading.local()
-        for loop, (aclient, _guard) in loops.items():
+        for loop, aclient in loops:
             if loop.is_closed():
                 continue
             if not loop.is_running():

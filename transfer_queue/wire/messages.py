@@ -3,8 +3,9 @@
 Controller and storage units each decode exactly one union (`ControllerRequest`,
 `StorageRequest`) and answer with a `Reply`. Tensor bytes never appear here: they travel as
 separate raw frames after the message (see `rpc`, which also defines the messages every
-service shares: `Cancel`, `Ping`, `Ok`, `ErrorReply`). New fields get defaults so messages can
-evolve without breaking older peers of the same protocol version.
+service shares: `Cancel`, `Ping`, `Ok`, `ErrorReply`). Messages evolve as `rpc.Message` says: a
+new field of a request goes only to a controller that granted its feature (`FEATURES`, asked for
+in `Hello`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .rpc import Cancel, ErrorReply, Message, Ok, Ping
 from .staleness import Checked, StalenessConfig
 
 __all__ = [
+    "LANE",
+    "FEATURES",
     "ClusterConfig",
     "UnitInfo",
     "RowInfo",
@@ -139,11 +142,27 @@ class _Msg(Message, Checked, frozen=True):
     """A request whose field bounds (`Timeout`, ...) hold when built in Python as on the wire."""
 
 
+# -- features ----------------------------------------------------------------------------
+
+
+LANE = "lane"
+"""Feature: the controller names its host and local lane (`HelloReply.host_id`, `.local`)."""
+FEATURES = frozenset({LANE})
+"""The features of this release: what a client asks for in `Hello` and the controller grants
+(`HelloReply.features`). A feature gates what a peer of the release before could not decode: a
+new field of a request goes only to a controller that granted its feature (the client core's
+`features`), a new field of the hello's reply only to a client that asked for it."""
+
+
 # -- controller requests -----------------------------------------------------------------
 
 
 class Hello(_Msg, tag="hello", frozen=True):
-    pass
+    """Ask for the cluster's configuration, units and version, and for `features`: those of
+    `FEATURES` the client knows. A controller before features refuses the field (`ProtocolError`):
+    the client says hello again without it and uses none."""
+
+    features: list[str] = []
 
 
 class RegisterUnit(_Msg, tag="register_unit", frozen=True):
@@ -436,9 +455,12 @@ class HelloReply(_Msg, tag="hello_reply", frozen=True):
     units: list[UnitInfo]
     version: int
     host_id: str = ""
-    """The controller's host (`transfer_queue.host.host_id`)."""
+    """The controller's host (`transfer_queue.host.host_id`); only with `LANE`."""
     local: str = ""
-    """The controller's local lane (`rpc.Service.local_endpoint`), for clients on `host_id`."""
+    """The controller's local lane (`rpc.Service.local_endpoint`), for clients on `host_id`;
+    only with `LANE`."""
+    features: list[str] = []
+    """The features of `Hello.features` this controller supports (none sent when none asked)."""
 
 
 class PutPlan(_Msg, tag="put_plan", frozen=True):
@@ -456,7 +478,8 @@ class MetaReply(_Msg, tag="meta_reply", frozen=True):
 
 class Registered(_Msg, tag="registered", frozen=True):
     """The controller took a unit's `RegisterUnit`; a unit on its host (`host_id`) sends its
-    reports over its local lane (`local`, `rpc.Service.local_endpoint`)."""
+    reports over its local lane (`local`, `rpc.Service.local_endpoint`). Only a unit that names
+    its own lane (`UnitInfo.local`) gets it: a unit before the lane knows only `Ok`."""
 
     host_id: str = ""
     local: str = ""

@@ -93,10 +93,12 @@ class AsyncChannel(_Peer, AsyncCalls):
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
         """Send a request whose reply nobody awaits (it goes to `on_reply`) without blocking: at
         once when the peer takes it, else queued on the socket, in order, until it does (or the
-        channel closes). Nothing posted is dropped (a lost `Free` would leak a unit's bytes, a
-        lost `Ping` make a busy unit look dead), and the send goes through the asyncio socket so
-        that it never swallows the readiness event the reader waits on. A closed channel drops it:
-        its peer is gone."""
+        channel closes). Nothing posted is dropped while the channel is open (a lost `Free` would
+        leak a unit's bytes, a lost `Ping` make a busy unit look dead), and the send goes through
+        the asyncio socket so that it never swallows the readiness event the reader waits on.
+        `close` drops the posts not yet handed to ZeroMQ (its high-water mark reached, or no
+        connection up: `IMMEDIATE`; a client leaves a channel for its lane only once `idle`), and
+        a closed channel drops a new post: its peer is gone."""
         if self.sock.closed:
             return
         sent = self.sock.send_multipart(self.codec.encode(next(self._ids), msg, data), copy=False)
@@ -116,8 +118,7 @@ class AsyncChannel(_Peer, AsyncCalls):
     def idle(self) -> bool:
         """Whether nothing sent here is in flight: no request awaits its reply (or is being
         sent), no posted one waits to be handed to ZeroMQ. Closing the channel then fails no
-        call (a notice ZeroMQ holds but has not written yet may still be dropped: `close` does
-        not linger)."""
+        call and drops no notice (those ZeroMQ holds go out as its socket lingers, `_Peer`)."""
         return not self._waiting and not self._posting
 
     async def _ping(self) -> None:
@@ -127,9 +128,11 @@ class AsyncChannel(_Peer, AsyncCalls):
             pass  # no connection: the silence tells
 
     def close(self) -> None:
-        """Close the socket; requests still awaiting replies fail with `lost` at once."""
+        """Close the socket; requests still awaiting replies fail with `lost` at once, posts not
+        yet handed to ZeroMQ (waiting for its high-water mark, or for a connection under
+        `IMMEDIATE`) are dropped, those it holds still go out (`_Peer`)."""
         self._reader.cancel()
-        self.sock.close(linger=0)
+        self.sock.close()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self.lost(f"the channel to {self.name} was closed"))

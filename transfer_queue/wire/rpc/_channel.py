@@ -85,7 +85,7 @@ class Channel(_Peer, SyncCalls):
     @property
     def idle(self) -> bool:
         """Whether no request sent here awaits its reply: closing the channel then fails no call
-        (a posted notice ZeroMQ has not written yet may still be dropped: `close` does not linger)."""
+        and drops no posted notice (those ZeroMQ holds go out as its socket lingers, `_Peer`)."""
         return not self._expected
 
     def post(self, msg: Message, data: Sequence[Any] = ()) -> None:
@@ -157,7 +157,8 @@ class Channel(_Peer, SyncCalls):
             self._stash[rid] = (msg, data)
 
     def close(self) -> None:
+        """Close the socket at once; what ZeroMQ holds of what was sent still goes out (`_Peer`)."""
         if self._monitor is not None:
             self.sock.disable_monitor()
             self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close()

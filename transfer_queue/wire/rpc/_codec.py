@@ -41,8 +41,18 @@ _PREFIX = struct.Struct("<3sBQ")
 # -- messages ------------------------------------------------------------------------------
 
 
-class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
-    """Base of every Sluice message: subclass with `tag="name"`; new fields need defaults."""
+class Message(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every Sluice message: subclass with `tag="name"`.
+
+    A field the receiver does not know makes the message undecodable (`ProtocolError`), so a
+    misspelt field is refused rather than dropped (`Free(indices=...)` would free the whole
+    partition). Messages still evolve within a protocol version: a new field gets a default that
+    keeps the message's meaning, a field at its default is not sent (`omit_defaults`: a peer of
+    the release before decodes the message it knows), and a new field or message type goes to a
+    peer only when that peer is known to decode it (a request's: once the controller granted
+    its feature, `messages.FEATURES`). Never change a field's default: a receiver
+    cannot tell a field at its default from one left out, and the controller's journal holds
+    `CommitPut`s written by the release before."""
 
 
 class Cancel(Message, tag="cancel", frozen=True):

@@ -53,7 +53,7 @@ from ._codec import (
 )
 from ._peer import _Liveness
 
-__all__ = ["Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
+__all__ = ["ACCEPT_RETRY", "Lane", "LocalChannel", "AsyncLocalChannel", "supported"]
 
 _HEAD = struct.Struct("<III")
 _LEN = struct.Struct("<Q")
@@ -78,6 +78,10 @@ sends are."""
 _READ_BUDGET = SOCKET_BUFFER_BYTES
 """Bytes one wake reads from one lane socket; the socket, still readable, wakes its reader again.
 A peer that sends without pause thus takes its turn with the loop's other work and peers."""
+ACCEPT_RETRY = 1.0
+"""Seconds a lane whose accept failed (out of descriptors, say) waits before it tries again,
+unless one of its peers leaves first (as asyncio's servers wait after such a failure). Read as
+each retry is set (`_local.ACCEPT_RETRY`), so a process may change it (the tests do)."""
 _MAX_DATA = 1 << 36
 """Data bytes one lane message may announce where its receiver sets no bound of its own (a client;
 a service bounds them by its `max_frame_bytes`, or by `MAX_BODY_BYTES` when it takes none): a
@@ -319,20 +323,32 @@ class Lane:
         self.refused = 0
         self.failed = 0
         """Accepts that failed (no descriptor left, say)."""
+        self.paused = False
+        """Whether the last accept failed (`accept`): the service then stops watching the listener,
+        which a waiting connection keeps readable (watched, it would wake the service without
+        pause), and `resume`s it after `ACCEPT_RETRY` s, or once one of the lane's own peers
+        leaves (a descriptor freed)."""
         self._ids = itertools.count(1)
 
     def accept(self) -> _LanePeer | None:
-        """The next connection, if one is waiting and comes from this user (else it is closed)."""
+        """The next connection, if one is waiting and comes from this user (else it is closed).
+        None also when none can be accepted now (out of descriptors, say): the lane is then
+        `paused`, the connection waits in the backlog, and the service goes on serving the others."""
         try:
             sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return None
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return None  # an aborted connection is gone from the backlog: nothing waits for it
         except OSError as exc:
-            # out of descriptors, say: this connection waits in the backlog and the service
-            # goes on serving the others (its thread must not die of one accept)
             self.failed += 1
             if self.failed == 1 or self.failed % 1000 == 0:
-                log.warning("the local lane cannot accept a connection (%s; %d times)", exc, self.failed)
+                log.warning(
+                    "the local lane cannot accept a connection (%s; %d times); it tries again in %g s "
+                    "or once one of its peers leaves, its clients wait meanwhile",
+                    exc,
+                    self.failed,
+                    ACCEPT_RETRY,
+                )
+            self.paused = True
             return None
         if not _same_user(sock):
             self.refused += 1
@@ -391,6 +407,10 @@ class Lane:
             peer.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def resume(self) -> None:
+        """Accept again (the service watches the listener again, and calls `accept` at once)."""
+        self.paused = False
 
     def drop(self, peer: _LanePeer) -> None:
         """Forget `peer` and close its socket (its connection ended; its service stops watching
@@ -828,5 +848,33 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         self._write(Ping())  # queued in order while the socket is full
 
     def close(self) -> None:
-        """Close the connection; requests still awaiting replies fail with `lost` at once."""
+        """Close the connection; requests still awaiting replies fail with `lost` at once. What
+        was sent and the socket has not taken yet (it was full: posted notices, say) still goes
+        as the socket takes it, for up to `timeout` s, as a ZeroMQ channel's socket lingers
+        (`_linger`); the connection then closes."""
+        if self._out and self._end_error is None:
+            _linger(self._loop, self.sock.dup(), self._out, self.timeout)
+            self._out = deque()
         self._end(self.lost, f"the channel to {self.name} was closed")
+
+
+def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
+    """Send the buffers in `out` on `sock` (a closed channel's connection) as `loop` finds it
+    writable, then close it: once all are sent, the peer is gone, or `seconds` have passed."""
+    fd = sock.fileno()
+
+    def done() -> None:
+        timer.cancel()
+        loop.remove_writer(fd)
+        sock.close()
+
+    def drain() -> None:
+        try:
+            _send(sock, out)
+        except OSError:
+            out.clear()  # the peer is gone
+        if not out:
+            done()
+
+    timer = loop.call_later(seconds, done)
+    loop.add_writer(fd, drain)

@@ -77,7 +77,11 @@ class _Liveness:
 
 class _Peer(_Liveness):
     """One DEALER to one endpoint (`_Liveness` decides the rest): `lost` is also raised when the
-    peer is unreachable."""
+    peer is unreachable. Its socket lingers `connect_timeout` s once closed: what was handed to
+    ZeroMQ and not yet written (a posted `Free`, `CommitWrite(abort)` or ping) still goes out,
+    in ZeroMQ's I/O thread (`close` returns at once), as long as the peer takes it that soon.
+    So a `term()` of the channel's context can block up to `connect_timeout` s while notices to
+    a peer that is not reading are pending (nothing in Sluice terminates a context)."""
 
     def __init__(
         self,
@@ -106,7 +110,7 @@ class _Peer(_Liveness):
             late=late,
         )
         self.sock = socket(ctx, zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.LINGER, int(connect_timeout * 1000))
         self.sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not connected

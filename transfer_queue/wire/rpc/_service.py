@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError
+from . import _local
 from ._codec import SOCKET_BUFFER_BYTES, Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
 from ._local import Lane, _LanePeer, supported
@@ -99,6 +100,7 @@ class Service:
         self._lane = Lane(max_frame_bytes) if local and supported() else None
         self.local_endpoint = self._lane.endpoint if self._lane is not None else ""
         """Where clients on this host reach the local lane ("" without one)."""
+        self._lane_retry: asyncio.TimerHandle | None = None  # a paused lane's next accept
         self._plain: zmq.Socket = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without futures
         self._drain_pending = False
         self._draining = False
@@ -162,6 +164,8 @@ class Service:
         finally:
             loop.remove_reader(fd)
             loop.remove_reader(events)
+            if self._lane_retry is not None:
+                self._lane_retry.cancel()
             if self._lane is not None:
                 for peer_fd in [self._lane.listener.fileno(), *self._lane.by_fd]:
                     loop.remove_reader(peer_fd)
@@ -205,11 +209,26 @@ class Service:
             self._serving.get_loop().call_soon(self._drain)
 
     def _lane_accept(self) -> None:
-        """Take the local lane's new connections (those of this user) and read each as it comes."""
+        """Take the local lane's new connections (those of this user) and read each as it comes.
+        A lane that cannot accept now (`Lane.paused`) is not watched until `_lane_resume`."""
         assert self._lane is not None and self._serving is not None
         loop = self._serving.get_loop()
         while (peer := self._lane.accept()) is not None:
             loop.add_reader(peer.sock.fileno(), self._lane_read, peer)
+        if self._lane.paused:
+            loop.remove_reader(self._lane.listener.fileno())
+            self._lane_retry = loop.call_later(_local.ACCEPT_RETRY, self._lane_resume)
+
+    def _lane_resume(self) -> None:
+        """Watch a paused lane's listener again and accept what waits (its retry is due, or one
+        of its peers left)."""
+        assert self._lane is not None and self._serving is not None
+        if self._lane_retry is not None:
+            self._lane_retry.cancel()
+            self._lane_retry = None
+        self._lane.resume()
+        self._serving.get_loop().add_reader(self._lane.listener.fileno(), self._lane_accept)
+        self._lane_accept()
 
     def _lane_read(self, peer: _LanePeer) -> None:
         """Serve what a lane peer sent; once its connection closed, end it as the ROUTER's
@@ -224,6 +243,8 @@ class Service:
             loop.remove_writer(peer.sock.fileno())
             self._lane.drop(peer)
             self._peer_gone(peer.identity)
+            if self._lane.paused:  # its descriptor is free
+                self._lane_resume()
 
     def _lane_flush(self, peer: _LanePeer) -> None:
         """Send the replies queued for a lane peer now its socket is writable; stop watching it

@@ -16,6 +16,7 @@ import zmq
 
 from ..auth import REFUSALS, Credentials, secure_server
 from ..errors import ProtocolError, TimeoutError
+from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
 from ._local import Lane, supported
@@ -133,6 +134,7 @@ class ThreadService:
         self._open: dict[tuple[bytes, int], Pending] = {}
         self._seq = itertools.count()
         self._closed = False
+        self._lane_retry = 0.0  # when a paused lane accepts again (monotonic)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -177,8 +179,11 @@ class ThreadService:
         try:
             while not self._closed:
                 timeout: int | None = None
-                if self._parked:
-                    timeout = int(max(0.0, (self._parked[0][0] - time.monotonic()) * 1000))
+                due = [self._parked[0][0]] if self._parked else []
+                if lane is not None and lane.paused:
+                    due.append(self._lane_retry)
+                if due:
+                    timeout = int(max(0.0, (min(due) - time.monotonic()) * 1000))
                 ready = dict(poller.poll(timeout))
                 try:
                     os.read(self._wake_r, 4096)
@@ -247,9 +252,18 @@ class ThreadService:
                 poller.unregister(fd)
                 lane.drop(peer)
                 self._peer_gone(peer.identity)
-        if lane.listener.fileno() in ready:
-            while (joined := lane.accept()) is not None:
-                poller.register(joined.sock.fileno(), zmq.POLLIN)
+                self._lane_retry = 0.0  # its descriptor is free: a paused lane tries again now
+        listener = lane.listener.fileno()
+        if lane.paused and time.monotonic() >= self._lane_retry:
+            lane.resume()
+            poller.register(listener, zmq.POLLIN)
+        elif listener not in ready:
+            return
+        while (joined := lane.accept()) is not None:
+            poller.register(joined.sock.fileno(), zmq.POLLIN)
+        if lane.paused:  # it stays readable while a connection waits: not watched until the retry
+            poller.unregister(listener)
+            self._lane_retry = time.monotonic() + _local.ACCEPT_RETRY
 
     def _serve(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
