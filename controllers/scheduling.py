@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,12 +103,16 @@ class Scheduler:
     leases: dict[int, _Lease] = field(default_factory=dict)
     served: int = 0
     acked: int = 0
+    ack_refused: int = 0
+    """Samples acks left alone: their lease had expired and they went to another consumer."""
     demand: _Demand = field(default_factory=_Demand)
-    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # lease ids start at the controller's start time in microseconds: a journaled controller
+    # started again never hands out the id of a lease a client still holds from before
+    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
 
     def status(self) -> SchedulerStatus:
         parked = sum(len(queue) for queue in self.waiters.values())
-        return SchedulerStatus(self.served, self.acked, len(self.leases), parked)
+        return SchedulerStatus(self.served, self.acked, len(self.leases), parked, self.ack_refused)
 
     # -- get_meta ----------------------------------------------------------------------
 
@@ -321,20 +326,49 @@ class Scheduler:
 
     # -- ack / nack / leases -------------------------------------------------------------
 
-    def ack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+    def ack(self, part: Partition, task_name: str, indexes: list[int], lease_id: int = 0) -> list[int]:
+        """Mark the samples at `indexes` consumed by the task and end the leases they are under;
+        returns the indexes it took (what the journal records).
+
+        With the `lease_id` they were handed out under, a sample under another lease, or consumed
+        under another, is left alone: that lease expired and the sample went to another consumer
+        of the task, whose lease stays whole (`ack_refused` counts them; the caller reports them).
+        Samples under no lease and not consumed (the lease expired, nobody took them) are taken,
+        and those already consumed under this lease (a repeated ack) or under an unknown one are
+        a no-op. `lease_id=0` takes every sample, whatever lease it is under."""
         task = part.task(task_name)
         rows = part.rows_of(indexes, alive=False)
-        self._release_leases(task.lease[rows])
-        fresh = int(np.count_nonzero(~task.consumed[rows]))
-        self.acked += fresh
+        held = task.lease[rows]
+        taken = indexes
+        if lease_id:
+            ours = (held == 0) | (np.abs(held) == lease_id)
+            if not ours.all():
+                self.ack_refused += int(np.count_nonzero(~ours))
+                rows, held = rows[ours], held[ours]
+                taken = np.asarray(indexes, np.int64)[ours].tolist()
+        self._release_leases(held)
+        before = task.consumed[rows]
+        self.acked += int(np.count_nonzero(~before))
+        # a consumed sample keeps minus the lease it was consumed under, so that a late ack of
+        # another lease can tell it went to someone else (0: under none, or unknown)
+        marks = np.where(before, held, -(lease_id or held))
         part.consume(task, rows)
+        task.lease[rows] = marks
         if part.sealed:  # the task's last lease may have been all that kept a waiter from `_drained`
             self.wake(part.name)
+        return taken
 
-    def nack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+    def nack(self, part: Partition, task_name: str, indexes: list[int], lease_id: int = 0) -> None:
+        """Give the unconsumed samples at `indexes` back to the task's ready pool. With a
+        `lease_id`, only those still under that lease: the others are in the pool already (it
+        expired) or another consumer's now, so a late nack is a no-op for them."""
         task = part.task(task_name)
         rows = part.rows_of(indexes, alive=False)
         rows = rows[~task.consumed[rows]]
+        if lease_id:
+            rows = rows[task.lease[rows] == lease_id]
+        if not len(rows):
+            return
         self._release_leases(task.lease[rows])
         task.lease[rows] = 0
         self.wake(part.name)

@@ -35,6 +35,8 @@ class TaskState:
 
     consumed: np.ndarray
     lease: np.ndarray
+    """Per row: the id of the lease holding it (> 0), 0 when none, and once consumed minus the
+    id of the lease it was consumed under (0: none or unknown); see `Scheduler.ack`."""
     cursor: int = 0
 
     def grow(self, capacity: int) -> None:

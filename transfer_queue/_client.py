@@ -178,11 +178,17 @@ class Client(ControlClient):
         return self._run(self._core.get_data(meta, fields, device))
 
     def ack(self, meta: BatchMeta) -> None:
-        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.
+
+        Raises:
+            LeaseExpiredError: the lease had expired and some samples were leased again to another
+                consumer of the task meanwhile; those are left to it, the rest are acked.
+        """
         self._run(self._core.ack(meta))
 
     def nack(self, meta: BatchMeta) -> None:
-        """Give the batch back unconsumed: its samples are ready for the task again."""
+        """Give the batch back unconsumed: its samples are ready for the task again (after its
+        lease expired, only those nobody leased since: the others stay with their consumer)."""
         self._run(self._core.nack(meta))
 
     def clear(self, meta: BatchMeta) -> None:

@@ -438,14 +438,17 @@ class ClientCore(ControlCore):
             return assembler.result()
 
     def ack(self, meta: BatchMeta) -> Flow:
-        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.
+        Raises `LeaseExpiredError` when the lease had expired and some samples were leased again
+        to another consumer of the task: those are left to it, the others acked."""
         if len(meta):
-            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes)), Ok)
+            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
 
     def nack(self, meta: BatchMeta) -> Flow:
-        """Give the batch back unconsumed: its samples are ready for the task again."""
+        """Give the batch back unconsumed: its samples still under its lease are ready for the
+        task again (those leased again since it expired stay with their new consumer)."""
         if len(meta):
-            yield from self.one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes)), Ok)
+            yield from self.one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
 
     def clear(self, meta: BatchMeta) -> Flow:
         """Delete the batch's samples from the controller and the storage units."""
