@@ -10,12 +10,14 @@ import pytest
 
 from controllers import journal as journal_mod
 from controllers.service import Controller
-from transfer_queue.wire.errors import SchemaError
+from tests.helpers import eventually_async
+from transfer_queue.wire.errors import LeaseExpiredError, SchemaError
 from transfer_queue.wire.messages import (
     Ack,
     BeginPut,
     ClearPartition,
     CommitPut,
+    GetMeta,
     KvClear,
     KvKeys,
     KvResolve,
@@ -130,6 +132,26 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
     after = _state(again)
     assert "b" not in after and after["c"] == before["c"] and after["next"] >= before["next"]
     assert after["keys"] == before["keys"] and after["keys"]["k"]["p1"][1] == {"status": "finished", "n": 2}
+    stop(again)
+
+
+async def test_a_late_ack_journals_only_the_samples_it_took(tmp_path) -> None:
+    """An ack whose lease expired and whose samples were partly leased again journals the ones it
+    consumed, so a replay consumes those and no others."""
+    path = tmp_path / "j"
+    ctl = journaled_controller(path, "journaltest")
+    ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
+    _put(ctl, "a", RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4))
+    late = (await ctl.on_get_meta(GetMeta("a", "t", ["x"], 4, timeout=0, lease_timeout=0.01), [])).meta
+    await eventually_async(lambda: not ctl.scheduler.leases, what="the lease expired")
+    await ctl.on_get_meta(GetMeta("a", "t", ["x"], 2, timeout=0), [])  # another consumer takes two
+    with pytest.raises(LeaseExpiredError, match="2 of its 4"):
+        ctl.on_ack(Ack("a", "t", late.indexes, late.lease_id), [])
+    before = _state(ctl)
+    assert before["a"]["consumed"]["t"] == [False, False, True, True]
+    stop(ctl)
+    again = journaled_controller(path, "journaltest")
+    assert _state(again) == before
     stop(again)
 
 
