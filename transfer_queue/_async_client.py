@@ -280,6 +280,8 @@ class AsyncClient(AsyncDriver):
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
+            LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
+                of its samples went to another consumer of the task (raised a batch later).
         """
         return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 

@@ -225,6 +225,8 @@ class Client(ControlClient):
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
             SchemaError: `device` is not the CPU or a CUDA device this process has.
+            LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
+                of its samples went to another consumer of the task (raised a batch later).
         """
         return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 
