@@ -350,8 +350,9 @@ class Scheduler:
         before = task.consumed[rows]
         self.acked += int(np.count_nonzero(~before))
         # a consumed sample keeps minus the lease it was consumed under, so that a late ack of
-        # another lease can tell it went to someone else (0: under none, or unknown)
-        marks = np.where(before, held, -(lease_id or held))
+        # another lease can tell it went to someone else (0: under none, or unknown); one taken
+        # now was consumed under this ack's lease, or without one under the lease holding it
+        marks = np.where(before, held, -lease_id if lease_id else -held)
         part.consume(task, rows)
         task.lease[rows] = marks
         if part.sealed:  # the task's last lease may have been all that kept a waiter from `_drained`
