@@ -220,10 +220,10 @@ class Controller(Service):
         refused = len(msg.indexes) - len(taken)
         if refused:
             raise LeaseExpiredError(
-                f"ack(task={msg.task!r}, partition={part.name!r}) came after its lease expired: {refused} of its "
-                f"{len(msg.indexes)} samples were leased again to another consumer of task {msg.task!r} meanwhile "
-                f"and were left to it, so both processed them ({len(taken)} acked). Raise lease_timeout above "
-                f"the time a batch takes: get_meta(lease_timeout=...), or the cluster's (now "
+                f"ack(task={msg.task!r}, partition={part.name!r}) came after its lease expired (or was nacked): "
+                f"{refused} of its {len(msg.indexes)} samples were leased again to another consumer of task "
+                f"{msg.task!r} meanwhile and were left to it, so both processed them ({len(taken)} acked). Raise "
+                f"lease_timeout above the time a batch takes: get_meta(lease_timeout=...), or the cluster's (now "
                 f"{self.config.lease_timeout:g}s: tq.init(lease_timeout=...), sluice serve --lease-timeout)"
             )
         return Ok()

@@ -10,6 +10,7 @@ import pytest
 
 import transfer_queue as tq
 from tests.helpers import eventually, rows
+from transfer_queue.wire.messages import Ack, Nack
 
 TINY = 0.05
 """A lease that expires while the test looks on."""
@@ -137,3 +138,9 @@ def test_merged_batches_keep_a_lease_only_when_they_share_it(client):
     client.ack(mixed)
     assert _task(client) == {"consumed": 6, "leased": 0, "pending": 0}
     assert client.status()["counters"]["open_leases"] == 0
+
+
+def test_an_ack_or_nack_from_an_older_client_decodes_without_a_lease():
+    for kind, cls in (("ack", Ack), ("nack", Nack)):
+        old = msgspec.msgpack.encode({"op": kind, "partition": "train", "task": "t", "indexes": [3]})
+        assert msgspec.msgpack.decode(old, type=cls) == cls("train", "t", [3], 0)
