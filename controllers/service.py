@@ -214,10 +214,9 @@ class Controller(Service):
         """Ack what the lease allows (`Scheduler.ack`), journal it, then raise
         `LeaseExpiredError` for the samples another consumer of the task holds or acked now."""
         part = self.ledger.existing(msg.partition)
-        taken = self.scheduler.ack(part, msg.task, msg.indexes, msg.lease_id)
+        taken, refused = self.scheduler.ack(part, msg.task, msg.indexes, msg.lease_id)
         if taken:
             self.record(Acked(part.name, msg.task, taken))
-        refused = len(msg.indexes) - len(taken)
         if refused:
             raise LeaseExpiredError(
                 f"ack(task={msg.task!r}, partition={part.name!r}) came after its lease expired (or was nacked): "
