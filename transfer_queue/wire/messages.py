@@ -135,6 +135,11 @@ Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT)]
 refused: by `SchemaError` where the message is built, by `ProtocolError` where it is decoded."""
 
 
+LeaseId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+"""A lease's id (`BatchMeta.lease_id`), 0 for none: the controller's lease columns are int64, so
+a larger one is refused like a bad `Timeout`, never compared there."""
+
+
 class _Msg(Message, Checked, frozen=True):
     """A request whose field bounds (`Timeout`, ...) hold when built in Python as on the wire."""
 
@@ -229,7 +234,7 @@ class Ack(_Msg, tag="ack", frozen=True):
     partition: str
     task: str
     indexes: list[int]
-    lease_id: Annotated[int, msgspec.Meta(ge=0)] = 0
+    lease_id: LeaseId = 0
 
 
 class Nack(_Msg, tag="nack", frozen=True):
@@ -240,7 +245,7 @@ class Nack(_Msg, tag="nack", frozen=True):
     partition: str
     task: str
     indexes: list[int]
-    lease_id: Annotated[int, msgspec.Meta(ge=0)] = 0
+    lease_id: LeaseId = 0
 
 
 class Clear(_Msg, tag="clear", frozen=True):
