@@ -121,7 +121,7 @@ class SchedulerStatus(msgspec.Struct):
     parked: int
     """`get_meta` calls waiting for samples now."""
     ack_refused: int
-    """Samples acks left to another consumer (see `Counters.samples_ack_refused`)."""
+    """Sample-acks refused, left to another consumer (see `Counters.samples_ack_refused`)."""
 
 
 class Counters(msgspec.Struct):
@@ -148,9 +148,9 @@ class Counters(msgspec.Struct):
     puts_abandoned: int = 0
     """Puts whose producer's connection closed before their commit; ended at once, rows freed."""
     samples_ack_refused: int = 0
-    """Samples an ack could not take because its lease had expired and they were leased again to
-    another consumer of the task (the acker got `LeaseExpiredError`): processed twice. Raise
-    `lease_timeout` if it grows."""
+    """Sample-acks refused because the ack's lease had expired and the sample was leased again to
+    another consumer of the task (the acker got `LeaseExpiredError`): processed twice. A sample
+    acked late twice counts twice. Raise `lease_timeout` if it grows."""
 
 
 class ClusterStatus(msgspec.Struct):
