@@ -174,7 +174,9 @@ def test_a_lease_id_past_int64_is_refused_and_acks_nothing(client):
     client.ack(meta)
     assert _task(client) == {"consumed": 2, "leased": 0, "pending": 0}
     for kind, cls in (("ack", Ack), ("nack", Nack)):  # what a service decodes: a ProtocolError there
-        wire = msgspec.msgpack.encode({"op": kind, "partition": "train", "task": "t", "indexes": [0], "lease_id": 2**64 - 1})
+        wire = msgspec.msgpack.encode(
+            {"op": kind, "partition": "train", "task": "t", "indexes": [0], "lease_id": 2**64 - 1}
+        )
         with pytest.raises(msgspec.ValidationError, match="lease_id"):
             msgspec.msgpack.decode(wire, type=cls)
 
