@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from controllers.service import Controller
-from tests.controllers.journaled import journaled_controller, stop
-from tests.controllers.test_journal import _state
+from tests.controllers.journaled import journaled_controller, state, stop
 from transfer_queue.wire.errors import LeaseExpiredError, SchemaError
 from transfer_queue.wire.messages import (
     Ack,
@@ -66,11 +65,11 @@ async def test_a_late_ack_after_its_samples_were_cleared_and_compacted(tmp_path)
         ctl.on_ack(Ack("p", "t", late.indexes, late.lease_id), [])
     assert ctl.scheduler.leases[c.lease_id].outstanding == 500  # C's lease whole
     assert ctl.scheduler.ack_refused == 500
-    before = _state(ctl)
+    before = state(ctl)
     assert before["p"]["consumed"]["t"] == [False] * 500 + [True] * 500
     stop(ctl)
     again = _controller(path)  # the replay consumes the 500 the late ack took, no others
-    assert _state(again) == before
+    assert state(again) == before
     stop(again)
 
 
