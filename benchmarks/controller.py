@@ -141,7 +141,7 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
                 meta_s.append(time.perf_counter() - t1)
                 if not len(meta):
                     break
-                ctl.on_ack(Ack(part, task, list(meta.indexes)), [])
+                ctl.on_ack(Ack(part, task, list(meta.indexes), meta.lease_id), [])
                 got += len(meta)
             rates.append(total / (time.perf_counter() - t0))
             assert got == total

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,12 +103,17 @@ class Scheduler:
     leases: dict[int, _Lease] = field(default_factory=dict)
     served: int = 0
     acked: int = 0
+    ack_refused: int = 0
+    """Sample-acks refused: their lease had expired and the sample went to another consumer
+    (a sample acked late twice counts twice)."""
     demand: _Demand = field(default_factory=_Demand)
-    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # lease ids start at the controller's start time in microseconds: a journaled controller
+    # started again never hands out the id of a lease a client still holds from before
+    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
 
     def status(self) -> SchedulerStatus:
         parked = sum(len(queue) for queue in self.waiters.values())
-        return SchedulerStatus(self.served, self.acked, len(self.leases), parked)
+        return SchedulerStatus(self.served, self.acked, len(self.leases), parked, self.ack_refused)
 
     # -- get_meta ----------------------------------------------------------------------
 
@@ -321,20 +327,68 @@ class Scheduler:
 
     # -- ack / nack / leases -------------------------------------------------------------
 
-    def ack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+    def ack(self, part: Partition, task_name: str, indexes: list[int], lease_id: int = 0) -> tuple[list[int], int]:
+        """Mark the samples at `indexes` consumed by the task and end the leases they are under;
+        returns the indexes it took (what the journal records) and how many it refused.
+
+        With the `lease_id` they were handed out under, a sample under another lease, or consumed
+        under another, is refused and left alone: that lease expired and the sample went to
+        another consumer of the task, whose lease stays whole (`ack_refused` counts them; the
+        caller reports them). Samples under no lease and not consumed (the lease expired, nobody
+        took them) are taken, and those already consumed under this lease (a repeated ack) or
+        under an unknown one are a no-op. `lease_id=0` takes every sample, whatever lease it is
+        under. Samples cleared and compacted away are neither taken nor refused: who consumed
+        them is forgotten, so a late ack goes unnoticed for those.
+
+        Raises:
+            SchemaError: an index the partition was never given (nothing is acked)."""
         task = part.task(task_name)
-        rows = part.rows_of(indexes, alive=False)
-        self._release_leases(task.lease[rows])
-        fresh = int(np.count_nonzero(~task.consumed[rows]))
-        self.acked += fresh
-        part.consume(task, rows)
+        rows, known = part.given(indexes)  # `known` stays aligned with `indexes`: what is taken
+        whole = bool(known.all())
+        if not whole:
+            rows = rows[known]
+        held = task.lease[rows]
+        refused = 0
+        if lease_id and (held == lease_id).all():
+            # the usual ack: its own lease still holds every sample, so none is consumed yet
+            self._release_lease(lease_id, len(rows))
+            self.acked += len(rows)
+            part.consume(task, rows)
+            task.lease[rows] = -lease_id
+        else:
+            if lease_id:
+                ours = (held == 0) | (np.abs(held) == lease_id)
+                refused = int(np.count_nonzero(~ours))
+                if refused:
+                    self.ack_refused += refused
+                    rows, held = rows[ours], held[ours]
+                    known[known] = ours
+                    whole = False
+            self._release_leases(held)
+            before = task.consumed[rows]
+            self.acked += int(np.count_nonzero(~before))
+            # a consumed sample keeps minus the lease it was consumed under, so that a late ack of
+            # another lease can tell it went to someone else (0: under none, or unknown); one taken
+            # now was consumed under this ack's lease, or without one under the lease holding it
+            marks = np.where(before, held, -lease_id if lease_id else -held)
+            part.consume(task, rows)
+            task.lease[rows] = marks
         if part.sealed:  # the task's last lease may have been all that kept a waiter from `_drained`
             self.wake(part.name)
+        taken = indexes if whole else np.asarray(indexes, np.int64)[known].tolist()
+        return taken, refused
 
-    def nack(self, part: Partition, task_name: str, indexes: list[int]) -> None:
+    def nack(self, part: Partition, task_name: str, indexes: list[int], lease_id: int = 0) -> None:
+        """Give the unconsumed samples at `indexes` back to the task's ready pool. With a
+        `lease_id`, only those still under that lease: the others are in the pool already (it
+        expired) or another consumer's now, so a late nack is a no-op for them."""
         task = part.task(task_name)
         rows = part.rows_of(indexes, alive=False)
         rows = rows[~task.consumed[rows]]
+        if lease_id:
+            rows = rows[task.lease[rows] == lease_id]
+        if not len(rows):
+            return
         self._release_leases(task.lease[rows])
         task.lease[rows] = 0
         self.wake(part.name)
@@ -342,13 +396,17 @@ class Scheduler:
     def _release_leases(self, lease_ids: np.ndarray) -> None:
         ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
         for lease_id, count in zip(ids.tolist(), counts.tolist()):
-            lease = self.leases.get(lease_id)
-            if lease is None:
-                continue
-            lease.outstanding -= count
-            if lease.outstanding <= 0:
-                lease.timer.cancel()
-                del self.leases[lease_id]
+            self._release_lease(lease_id, count)
+
+    def _release_lease(self, lease_id: int, count: int) -> None:
+        """`count` of the lease's samples were acked or given back: close it when none is left."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        lease.outstanding -= count
+        if lease.outstanding <= 0:
+            lease.timer.cancel()
+            del self.leases[lease_id]
 
     def _expire_lease(self, lease_id: int) -> None:
         lease = self.leases.pop(lease_id, None)

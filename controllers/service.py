@@ -23,6 +23,7 @@ import msgspec
 
 from transfer_queue.host import give_back_freed_memory, host_id
 from transfer_queue.wire.errors import (
+    LeaseExpiredError,
     SchemaError,
     SealedError,
 )
@@ -223,14 +224,25 @@ class Controller(Service):
         return MetaReply(await self.scheduler.get_meta(msg))
 
     def on_ack(self, msg: Ack, data) -> Ok:
+        """Ack what the lease allows (`Scheduler.ack`), journal it, then raise
+        `LeaseExpiredError` for the samples another consumer of the task holds or acked now."""
         part = self.ledger.existing(msg.partition)
-        self.scheduler.ack(part, msg.task, msg.indexes)
-        self.record(Acked(part.name, msg.task, msg.indexes))
+        taken, refused = self.scheduler.ack(part, msg.task, msg.indexes, msg.lease_id)
+        if taken:
+            self.record(Acked(part.name, msg.task, taken))
+        if refused:
+            raise LeaseExpiredError(
+                f"ack(task={msg.task!r}, partition={part.name!r}) came after its lease expired (or was nacked): "
+                f"{refused} of its {len(msg.indexes)} samples were leased again to another consumer of task "
+                f"{msg.task!r} meanwhile and were left to it, so both processed them ({len(taken)} acked). Raise "
+                f"lease_timeout above the time a batch takes: get_meta(lease_timeout=...), or the cluster's (now "
+                f"{self.config.lease_timeout:g}s: tq.init(lease_timeout=...), sluice serve --lease-timeout)"
+            )
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
         part = self.ledger.existing(msg.partition)
-        self.scheduler.nack(part, msg.task, msg.indexes)
+        self.scheduler.nack(part, msg.task, msg.indexes, msg.lease_id)
         return Ok()
 
     def on_clear(self, msg: Clear, data) -> Ok:
@@ -340,6 +352,7 @@ class Controller(Service):
                 samples_put=self.puts.samples,
                 samples_served=scheduler.served,
                 samples_acked=scheduler.acked,
+                samples_ack_refused=scheduler.ack_refused,
                 open_leases=scheduler.open_leases,
                 parked_get_meta=scheduler.parked,
                 open_puts=len(self.puts.open),

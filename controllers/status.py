@@ -120,6 +120,8 @@ class SchedulerStatus(msgspec.Struct):
     open_leases: int
     parked: int
     """`get_meta` calls waiting for samples now."""
+    ack_refused: int
+    """Sample-acks refused, left to another consumer (see `Counters.samples_ack_refused`)."""
 
 
 class Counters(msgspec.Struct):
@@ -145,6 +147,10 @@ class Counters(msgspec.Struct):
     requests_rejected: int
     puts_abandoned: int = 0
     """Puts whose producer's connection closed before their commit; ended at once, rows freed."""
+    samples_ack_refused: int = 0
+    """Sample-acks refused because the ack's lease had expired and the sample was leased again to
+    another consumer of the task (the acker got `LeaseExpiredError`): processed twice. A sample
+    acked late twice counts twice. Raise `lease_timeout` if it grows."""
 
 
 class ClusterStatus(msgspec.Struct):

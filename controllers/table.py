@@ -35,6 +35,8 @@ class TaskState:
 
     consumed: np.ndarray
     lease: np.ndarray
+    """Per row: the id of the lease holding it (> 0), 0 when none, and once consumed minus the
+    id of the lease it was consumed under (0: none or unknown); see `Scheduler.ack`."""
     cursor: int = 0
 
     def grow(self, capacity: int) -> None:
@@ -161,23 +163,37 @@ class Partition:
         rows = np.minimum(np.searchsorted(self.gidx[: self.n], idx), max(self.n - 1, 0))
         return rows, (self.n > 0) & (self.gidx[rows] == idx)
 
+    def given(self, indexes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row numbers of global `indexes`, each one the partition was given, and which of them
+        it still has (`known`): those freed and compacted away are not, and their row numbers
+        mean nothing. The two stay aligned with `indexes`.
+
+        Raises:
+            SchemaError: names up to five indexes the partition was never given (at or past
+                `high`, or negative)."""
+        idx = np.asarray(indexes, dtype=np.int64)
+        rows, known = self.locate(idx)
+        bad = ~known & ((idx >= self.high) | (idx < 0))
+        if np.any(bad):
+            raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {idx[bad][:5].tolist()}")
+        return rows, known
+
     def rows_of(self, indexes: Sequence[int] | np.ndarray, *, alive: bool = True) -> np.ndarray:
         """Row numbers of global `indexes`, which must all be live samples of this partition.
         With `alive=False` they may be gone too: those freed and compacted away are left out, and
-        only indexes the partition was never given (at or past `high`) are refused.
+        only indexes the partition was never given are refused (see `given`).
 
         Raises:
             SchemaError: names up to five indexes the partition lacks."""
+        if not alive:
+            rows, known = self.given(indexes)
+            return rows[known]
         idx = np.asarray(indexes, dtype=np.int64)
         rows, known = self.locate(idx)
-        if alive:
-            bad = ~known | ~self.alive[rows]
-        else:
-            bad = ~known & ((idx >= self.high) | (idx < 0))
+        bad = ~known | ~self.alive[rows]
         if np.any(bad):
-            missing = idx[bad][:5].tolist()
-            raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {missing}")
-        return rows if alive else rows[known]
+            raise SchemaError(f"partition {self.name!r} has no (live) samples with indexes {idx[bad][:5].tolist()}")
+        return rows
 
     def run(self, first: int, n: int) -> slice | None:
         """The row numbers of global indexes `first` .. `first + n - 1` as a slice when they are
@@ -198,7 +214,9 @@ class Partition:
         self.live -= int(np.count_nonzero(self.alive[np.unique(rows)]))
         self.alive[rows] = False
         for task in self.tasks.values():
-            task.lease[rows] = 0
+            # a dead row is under no lease, but keeps its consumed-under mark (< 0): a late ack
+            # of another lease still learns the sample went to someone else, until compaction
+            task.lease[rows] = np.minimum(task.lease[rows], 0)
             self._advance(task)
 
     # -- fields ------------------------------------------------------------------------

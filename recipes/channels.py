@@ -51,4 +51,7 @@ class RolloutStats(msgspec.Struct):
     version: int = -1
     """Weights the worker holds."""
     weight_apply_s: float = 0.0
+    late_acks: int = 0
+    """Batches whose prompts' lease expired during generation and some of whose prompts another
+    worker leased and generated too (their ack raised `tq.LeaseExpiredError`)."""
     finished: bool = False

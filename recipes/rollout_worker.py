@@ -13,7 +13,9 @@ tokens so far under the new ones, and the samples record the version span (first
 Several workers may run at once (`--worker-id` tells them apart). A worker stops when the
 trainer announces it is done (after applying the final version) or the prompts run out; then it
 seals the train partition, so that a trainer waiting for more samples than are left learns it
-at once.
+at once. A batch that outlived its prompts' lease (`cluster.lease_timeout`), some of whose
+prompts another worker leased meanwhile, is logged and counted (`RolloutStats.late_acks`, in
+`run.json`'s `rollout`), and the worker goes on.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Sequence
@@ -42,6 +45,7 @@ from .task import PAD, DigitReversal
 
 __all__ = ["RolloutWorker", "main"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _FOREVER = 1e6
 """Timeout for waits that end by an event (budget, stop), not by time."""
@@ -127,7 +131,14 @@ class RolloutWorker:
                 await client.put(
                     td, partition=TRAIN, policy_version=span, groups=[groups[r] for r in rows], grant=grant
                 )
-            await client.ack(meta)
+            try:
+                await client.ack(meta)
+            except tq.LeaseExpiredError as exc:
+                # the generation outlived the prompts' lease and another worker leased some of
+                # them meanwhile: both generate them (each rollout a sample of its own), and
+                # this one's are put already; going on loses nothing, dying loses a worker
+                self.stats.late_acks += 1
+                log.warning("worker %d: late ack of prompts %s: %s", self.stats.worker, meta.indexes, exc)
             self.stats.busy_s += time.perf_counter() - start
         self.stats.samples += rollouts.n
         self.stats.batches += 1

@@ -177,11 +177,17 @@ class AsyncClient(AsyncDriver):
         return await self._run(self._core.get_data(meta, fields, device))
 
     async def ack(self, meta: BatchMeta) -> None:
-        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.
+
+        Raises:
+            LeaseExpiredError: the lease had expired and some samples were leased again to another
+                consumer of the task meanwhile; those are left to it, the rest are acked.
+        """
         await self._run(self._core.ack(meta))
 
     async def nack(self, meta: BatchMeta) -> None:
-        """Give the batch back unconsumed: its samples are ready for the task again."""
+        """Give the batch back unconsumed: its samples are ready for the task again (after its
+        lease expired, only those nobody leased since: the others stay with their consumer)."""
         await self._run(self._core.nack(meta))
 
     async def clear(self, meta: BatchMeta) -> None:
@@ -274,6 +280,8 @@ class AsyncClient(AsyncDriver):
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
+            LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
+                of its samples went to another consumer of the task (raised a batch later).
         """
         return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 

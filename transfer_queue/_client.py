@@ -178,11 +178,17 @@ class Client(ControlClient):
         return self._run(self._core.get_data(meta, fields, device))
 
     def ack(self, meta: BatchMeta) -> None:
-        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.
+
+        Raises:
+            LeaseExpiredError: the lease had expired and some samples were leased again to another
+                consumer of the task meanwhile; those are left to it, the rest are acked.
+        """
         self._run(self._core.ack(meta))
 
     def nack(self, meta: BatchMeta) -> None:
-        """Give the batch back unconsumed: its samples are ready for the task again."""
+        """Give the batch back unconsumed: its samples are ready for the task again (after its
+        lease expired, only those nobody leased since: the others stay with their consumer)."""
         self._run(self._core.nack(meta))
 
     def clear(self, meta: BatchMeta) -> None:
@@ -219,6 +225,8 @@ class Client(ControlClient):
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.
             SchemaError: `device` is not the CPU or a CUDA device this process has.
+            LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
+                of its samples went to another consumer of the task (raised a batch later).
         """
         return self._iterate(self._core.stream(fields, batch_size, task, partition, timeout, get_meta_options, device))
 

@@ -445,14 +445,17 @@ class ClientCore(ControlCore):
             return assembler.result()
 
     def ack(self, meta: BatchMeta) -> Flow:
-        """Mark the batch consumed by its task (exactly-once effect per task)."""
+        """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.
+        Raises `LeaseExpiredError` when the lease had expired and some samples were leased again
+        to another consumer of the task: those are left to it, the others acked."""
         if len(meta):
-            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes)), Ok)
+            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
 
     def nack(self, meta: BatchMeta) -> Flow:
-        """Give the batch back unconsumed: its samples are ready for the task again."""
+        """Give the batch back unconsumed: its samples still under its lease are ready for the
+        task again (those leased again since it expired stay with their new consumer)."""
         if len(meta):
-            yield from self.one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes)), Ok)
+            yield from self.one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
 
     def clear(self, meta: BatchMeta) -> Flow:
         """Delete the batch's samples from the controller and the storage units."""
@@ -504,8 +507,9 @@ class ClientCore(ControlCore):
         next one already launched (its lease, then its data, advancing while the driver waits
         for anything; launched once this one is in hand, so that `timeout` counts from there);
         taking the next batch sends the previous one's ack, whose answer is collected when the
-        batch after is taken. Leaving early withdraws the prefetched batch (giving its lease
-        back) and nacks the one in hand. Batches come on `device` (see `get_data`)."""
+        batch after is taken. Leaving early, or on an ack's error (`LeaseExpiredError`: raised
+        once that is done), withdraws the prefetched batch (giving its lease back) and nacks the
+        one in hand. Batches come on `device` (see `get_data`)."""
         wait = 1e9 if timeout is None else timeout
         target_device(device)  # a bad device fails here, not in the first fetch
 
@@ -515,6 +519,7 @@ class ClientCore(ControlCore):
         nxt = yield fetch()  # in flight until taken: withdrawn if the loop is left
         acks: list[Any] = []  # acks sent, their answers not yet collected
         meta = None
+        leaving: BaseException | None = None
         try:
             while True:
                 while len(acks) > 1:  # its answer came long ago, while a batch was fetched
@@ -528,15 +533,26 @@ class ClientCore(ControlCore):
                 yield Give((batch, meta))
                 acks.append((yield Launch(self.ack(meta))))
                 meta = None
+        except BaseException as exc:
+            leaving = exc
+            raise
         finally:
+            # an ack's error (a late one: `LeaseExpiredError`) waits until every lease the stream
+            # holds is given back, or the prefetched batch and the one in hand would stay leased
+            failed: SluiceError | None = None
             while acks:
-                yield Finish(acks.pop(0))
+                try:
+                    yield Finish(acks.pop(0))
+                except SluiceError as exc:
+                    failed = failed or exc
             if nxt is not None:
                 held = yield Withdraw(nxt)
                 if held is not None and len(held[1]):
                     yield Run(self.nack(held[1]))
             if meta is not None:
                 yield Run(self.nack(meta))
+            if failed is not None and (leaving is None or isinstance(leaving, GeneratorExit)):
+                raise failed  # the stream ended or was left: this is its only error
 
     # -- checkpoints ---------------------------------------------------------------------
 

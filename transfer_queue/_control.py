@@ -116,7 +116,7 @@ class ControlCore:
         rows, arena space)."""
         if isinstance(reply, MetaReply) and len(reply.meta):
             meta = reply.meta
-            return Nack(meta.partition, meta.task, list(meta.indexes))
+            return Nack(meta.partition, meta.task, list(meta.indexes), meta.lease_id)
         if isinstance(reply, GrantReply):
             return Release(reply.grant_id, reply.n)
         if isinstance(reply, WriteReply) and reply.token:  # arena space reserved for a write

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from controllers.service import Controller
 from transfer_queue.wire.messages import ClusterConfig
 
@@ -27,3 +29,28 @@ def stop(ctl: Controller) -> None:
     for channel in ctl.links.channels.values():
         channel.close()
     ctl.sock.close(linger=0)
+
+
+def state(ctl: Controller) -> dict:
+    """What a replay must give back: the ledger's tables (live rows) and the key indexes."""
+    ledger = ctl.ledger
+    out = {
+        "version": ctl.clock.current,
+        "next": ledger.next_index,
+        "units": sorted(ledger.units),
+        "bytes": ledger.unit_bytes,
+    }
+    for name, part in ledger.partitions.items():
+        live = np.flatnonzero(part.alive[: part.n])
+        out[name] = {
+            "sealed": part.sealed,
+            "gidx": part.gidx[live].tolist(),
+            "committed": part.committed[live].tolist(),
+            "v": (part.v_first[live].tolist(), part.v_last[live].tolist()),
+            "ready": {f: r[live].tolist() for f, r in part.ready.items()},
+            "consumed": {t: s.consumed[live].tolist() for t, s in part.tasks.items()},
+        }
+    out["keys"] = {
+        name: {k: (index.index[k], index.tags[k]) for k in index.live_keys()} for name, index in ctl.keys.live().items()
+    }
+    return out

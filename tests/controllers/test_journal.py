@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from controllers import journal as journal_mod
 from controllers.service import Controller
-from transfer_queue.wire.errors import SchemaError
+from tests.helpers import eventually_async
+from transfer_queue.wire.errors import LeaseExpiredError, SchemaError
 from transfer_queue.wire.messages import (
     Ack,
     BeginPut,
     ClearPartition,
     CommitPut,
+    GetMeta,
     KvClear,
     KvKeys,
     KvResolve,
@@ -30,33 +31,9 @@ from transfer_queue.wire.messages import (
 )
 from transfer_queue.wire.meta import FieldSpec
 
-from .journaled import journaled_controller, stop
+from .journaled import journaled_controller, state, stop
 
 SPECS = {"x": FieldSpec("int64", ())}
-
-
-def _state(ctl: Controller) -> dict:
-    ledger = ctl.ledger
-    out = {
-        "version": ctl.clock.current,
-        "next": ledger.next_index,
-        "units": sorted(ledger.units),
-        "bytes": ledger.unit_bytes,
-    }
-    for name, part in ledger.partitions.items():
-        live = np.flatnonzero(part.alive[: part.n])
-        out[name] = {
-            "sealed": part.sealed,
-            "gidx": part.gidx[live].tolist(),
-            "committed": part.committed[live].tolist(),
-            "v": (part.v_first[live].tolist(), part.v_last[live].tolist()),
-            "ready": {f: r[live].tolist() for f, r in part.ready.items()},
-            "consumed": {t: s.consumed[live].tolist() for t, s in part.tasks.items()},
-        }
-    out["keys"] = {
-        name: {k: (index.index[k], index.tags[k]) for k in index.live_keys()} for name, index in ctl.keys.live().items()
-    }
-    return out
 
 
 def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
@@ -92,10 +69,10 @@ async def test_replay_restores_the_tables(tmp_path) -> None:
     path = tmp_path / "j"
     ctl = journaled_controller(path, "journaltest")
     gone = await _fill(ctl)
-    before = _state(ctl)
+    before = state(ctl)
     stop(ctl)
     again = journaled_controller(path, "journaltest")
-    after = _state(again)
+    after = state(again)
     # the uncommitted put died with the old controller: its rows are freed, its index not reused
     assert after["a"]["gidx"] == before["a"]["gidx"][:-2] and all(after["a"]["committed"])
     before["a"] = {k: (v[:-2] if isinstance(v, list) else v) for k, v in before["a"].items()}
@@ -122,14 +99,34 @@ async def test_compaction_and_a_torn_tail(tmp_path, monkeypatch) -> None:
         _put(ctl, "c", RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4))
     size = os.path.getsize(path)
     assert size < 2 * 4096, size
-    before = _state(ctl)
+    before = state(ctl)
     stop(ctl)
     with open(path, "ab") as f:
         f.write(b"\xff\x00\x00\x00partial")  # the process died in the middle of a write
     again = journaled_controller(path, "journaltest")
-    after = _state(again)
+    after = state(again)
     assert "b" not in after and after["c"] == before["c"] and after["next"] >= before["next"]
     assert after["keys"] == before["keys"] and after["keys"]["k"]["p1"][1] == {"status": "finished", "n": 2}
+    stop(again)
+
+
+async def test_a_late_ack_journals_only_the_samples_it_took(tmp_path) -> None:
+    """An ack whose lease expired and whose samples were partly leased again journals the ones it
+    consumed, so a replay consumes those and no others."""
+    path = tmp_path / "j"
+    ctl = journaled_controller(path, "journaltest")
+    ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
+    _put(ctl, "a", RowInfo([0] * 4, [0] * 4, [0] * 4, [0] * 4))
+    late = (await ctl.on_get_meta(GetMeta("a", "t", ["x"], 4, timeout=0, lease_timeout=0.01), [])).meta
+    await eventually_async(lambda: not ctl.scheduler.leases, what="the lease expired")
+    await ctl.on_get_meta(GetMeta("a", "t", ["x"], 2, timeout=0), [])  # another consumer takes two
+    with pytest.raises(LeaseExpiredError, match="2 of its 4"):
+        ctl.on_ack(Ack("a", "t", late.indexes, late.lease_id), [])
+    before = state(ctl)
+    assert before["a"]["consumed"]["t"] == [False, False, True, True]
+    stop(ctl)
+    again = journaled_controller(path, "journaltest")
+    assert state(again) == before
     stop(again)
 
 

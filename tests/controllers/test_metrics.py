@@ -59,6 +59,7 @@ def test_prometheus_endpoint_serves_the_staleness_metrics(make_cluster):
     assert samples[("sluice_stale_samples_total", (("outcome", "requeued"),))] == 0
     assert samples[("sluice_admission_waits_total", ())] == 1
     assert samples[("sluice_queue_depth", (("partition", "train"), ("task", "train")))] == 2
+    assert samples[("sluice_samples_ack_refused_total", ())] == 0  # acks of leases that expired (test_leases.py)
 
 
 def test_sluice_status_shows_the_staleness_metrics(make_cluster, capsys):

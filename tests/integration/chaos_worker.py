@@ -6,7 +6,8 @@
 Each prints `READY` once connected. A producer puts batches of 8 samples with ids FIRST_ID, FIRST_ID + 1, ... and prints
 `PUT id...` once a put returned (acked). A consumer leases 8 samples at a time, checks every
 payload against its id (a torn sample would not match), prints `GOT id...`, acks, prints
-`ACKED id...` and clears them; it exits with `DRAINED` once the sealed partition is empty,
+`ACKED id...` and clears them (`LATE id...` instead when its lease ran out and another consumer
+was handed them: that one acks them); it exits with `DRAINED` once the sealed partition is empty,
 and with `DEAD <error>` when a service it needs died.
 """
 
@@ -55,7 +56,11 @@ def consume(client: tq.Client, partition: str) -> None:
             print("TORN", *batch["id"].tolist(), flush=True)
         ids = batch["id"].tolist()
         print("GOT", *ids, flush=True)
-        client.ack(meta)
+        try:
+            client.ack(meta)
+        except tq.LeaseExpiredError:  # starved past the lease: another consumer has these, and acks them
+            print("LATE", *ids, flush=True)
+            continue
         print("ACKED", *ids, flush=True)
         client.clear(meta)
 

@@ -3,7 +3,9 @@ processes, the invariants read back from `steps.jsonl`, `run.json` and the clust
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import select
 import signal
@@ -15,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from tensordict import TensorDict
 
 import transfer_queue as tq
 from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout_key
@@ -149,6 +152,56 @@ def test_partial_rollout_swaps_weights_mid_generation_and_records_the_span():
         finally:
             worker.subscriber.close()
             publisher.close()
+
+
+def test_a_worker_whose_prompts_lease_ran_out_logs_the_late_ack_and_goes_on(caplog):
+    """The generation outlives the prompts' lease and another worker leases them meanwhile: the
+    ack raises `tq.LeaseExpiredError`, the worker counts it, logs it and takes its next batch."""
+    cfg = load(["fully_async"], SMALL)
+    n = cfg.rollout.prompts_per_batch
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as other:
+        publisher = WeightPublisher(cluster.address, transport="shm")
+        worker = RolloutWorker(cfg, cluster.address)
+        generate = worker._generate
+
+        def generate_past_the_lease(prompts: torch.Tensor):  # noqa: ANN202
+            # what an expired lease does, without waiting for it: the prompts go back to the
+            # pool (a nack naming no lease), and another worker leases them
+            other.nack(msgspec.structs.replace(put, task=ROLLOUT_TASK, lease_id=0))
+            assert len(other.get_meta(["prompts"], n, ROLLOUT_TASK, PROMPTS, timeout=5)) == n
+            return generate(prompts)
+
+        async def two_batches() -> list[bool]:
+            client = await tq.connect_async(cluster.address)
+            stop = asyncio.get_running_loop().create_future()
+            try:
+                late = await worker._batch(client, stop)
+                worker._generate = generate
+                return [late, await worker._batch(client, stop)]
+            finally:
+                await client.close()
+
+        try:
+            publisher.publish(dict(worker.engine.weights()), version=0)
+            put = other.put(
+                TensorDict({"prompts": worker.task.prompts(n, torch.Generator().manual_seed(0))}, [n]),
+                partition=PROMPTS,
+            )
+            other.put(
+                TensorDict({"prompts": worker.task.prompts(n, torch.Generator().manual_seed(1))}, [n]),
+                partition=PROMPTS,
+            )
+            worker._generate = generate_past_the_lease
+            with caplog.at_level(logging.WARNING, "recipes.rollout_worker"):
+                assert asyncio.run(two_batches()) == [True, True]
+        finally:
+            worker.subscriber.close()
+            publisher.close()
+        assert worker.stats.late_acks == 1 and worker.stats.batches == 2
+        assert [r.levelno for r in caplog.records] == [logging.WARNING] and "late ack" in caplog.text
+        status = other.status()
+        assert status["counters"]["samples_ack_refused"] == n
+        assert status["partitions"][TRAIN]["samples"] == 2 * n * cfg.rollout.group_size
 
 
 def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):

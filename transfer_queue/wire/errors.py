@@ -5,6 +5,8 @@ whole family at once::
 
     SluiceError
      ├── TimeoutError        (also builtins.TimeoutError) not enough samples/budget/space in time
+     │   └── LeaseExpiredError  an ack came after its lease expired and the samples were
+     │                       leased again to another consumer of the task
      ├── CapacityError       storage stayed full for the whole `timeout` of a put
      ├── SchemaError         (also ValueError) the data contradicts a field's dtype/shape, or
      │   │                   asks for a field that does not exist; your input is wrong
@@ -36,6 +38,7 @@ import builtins
 __all__ = [
     "SluiceError",
     "TimeoutError",
+    "LeaseExpiredError",
     "CapacityError",
     "SchemaError",
     "UnsatisfiableError",
@@ -62,6 +65,15 @@ class TimeoutError(SluiceError, builtins.TimeoutError):  # noqa: A001 - the cont
     """The request could not be satisfied within its `timeout` (samples, budget or a reply)."""
 
     code = "timeout"
+
+
+class LeaseExpiredError(TimeoutError):
+    """An `ack` came after its lease expired, and some of its samples had been leased again to
+    another consumer of the same task meanwhile (held or already acked by it): those were left
+    to that consumer, the rest were acked. Both consumers processed those samples; raise
+    `lease_timeout` above the time a batch takes. The message says how many and which task."""
+
+    code = "lease_expired"
 
 
 class CapacityError(SluiceError):
@@ -143,6 +155,7 @@ _BY_CODE: dict[str, type[SluiceError]] = {
     for cls in (
         SluiceError,
         TimeoutError,
+        LeaseExpiredError,
         CapacityError,
         SchemaError,
         UnsatisfiableError,

@@ -138,6 +138,11 @@ Timeout = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIMEOUT)]
 refused: by `SchemaError` where the message is built, by `ProtocolError` where it is decoded."""
 
 
+LeaseId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+"""A lease's id (`BatchMeta.lease_id`), 0 for none: the controller's lease columns are int64, so
+a larger one is refused like a bad `Timeout`, never compared there."""
+
+
 class _Msg(Message, Checked, frozen=True):
     """A request whose field bounds (`Timeout`, ...) hold when built in Python as on the wire."""
 
@@ -240,15 +245,26 @@ class GetMeta(_Msg, tag="get_meta", frozen=True):
 
 
 class Ack(_Msg, tag="ack", frozen=True):
+    """Mark `indexes` consumed by `task`. With the `lease_id` the samples were handed out under
+    (`BatchMeta.lease_id`), samples leased again to another consumer since that lease expired
+    are left to it (`LeaseExpiredError`); 0 (a meta built or merged by hand, an older client)
+    acks them whatever lease they are under. Last, with a default: older clients still decode."""
+
     partition: str
     task: str
     indexes: list[int]
+    lease_id: LeaseId = 0
 
 
 class Nack(_Msg, tag="nack", frozen=True):
+    """Give `indexes` back to `task`'s ready pool. With a `lease_id`, only the samples still
+    under that lease go back (a late nack leaves another consumer's lease alone); 0 gives back
+    every unconsumed one, whatever lease it is under."""
+
     partition: str
     task: str
     indexes: list[int]
+    lease_id: LeaseId = 0
 
 
 class Clear(_Msg, tag="clear", frozen=True):

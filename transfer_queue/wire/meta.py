@@ -90,6 +90,8 @@ class BatchMeta(msgspec.Struct):
     fields: dict[str, FieldSpec]
     task: str = ""
     lease_id: int = 0
+    """The lease `get_meta` handed the batch out under (0: none, or unknown for a batch built or
+    merged by hand); `ack`/`nack` send it, so that they end this lease and no other."""
     extra_info: dict = {}
 
     def __len__(self) -> int:
@@ -195,16 +197,21 @@ class BatchMeta(msgspec.Struct):
         return [self.copy()] if len(self) else []
 
     def union(self, other: BatchMeta) -> BatchMeta:
-        """The same samples with both batches' fields (`other`'s win) and `extra_info`; an empty
-        side gives a copy of the other. `SchemaError` unless both hold the same samples."""
+        """The same samples with both batches' fields (`other`'s win) and `extra_info`, under the
+        lease either names (none, 0, if they name two); an empty side gives a copy of the other.
+        `SchemaError` unless both hold the same samples."""
         if not len(other):
             return self.copy()
         if not len(self):
             return other.copy()
         if (self.partition, self.indexes) != (other.partition, other.indexes):
             raise SchemaError("union needs two batches of the same samples in the same order")
+        leases = {self.lease_id, other.lease_id} - {0}  # the same samples: one lease, or unknown
         return msgspec.structs.replace(
-            self.copy(), fields={**self.fields, **other.fields}, extra_info={**self.extra_info, **other.extra_info}
+            self.copy(),
+            fields={**self.fields, **other.fields},
+            extra_info={**self.extra_info, **other.extra_info},
+            lease_id=leases.pop() if len(leases) == 1 else 0,
         )
 
     def get_extra_info(self, key: str, default: Any = None) -> Any:
@@ -239,7 +246,9 @@ class BatchMeta(msgspec.Struct):
     def concat(cls, data: list[BatchMeta], validate: bool = True) -> BatchMeta:
         """One batch of `data`'s samples in order; they must share partition, task and fields
         (`SchemaError` otherwise; `validate=False` skips the check, as in TransferQueue, and the
-        first part's fields stand for all). Empty parts are skipped; no parts give `BatchMeta.empty()`."""
+        first part's fields stand for all). It keeps the parts' lease when they share one, else
+        its `lease_id` is 0 (acked or nacked whatever lease its samples are under). Empty parts
+        are skipped; no parts give `BatchMeta.empty()`."""
         parts = [m for m in data if m is not None and len(m)]
         if not parts:
             return cls.empty()
@@ -258,6 +267,7 @@ class BatchMeta(msgspec.Struct):
             groups=[g for m in parts for g in m.groups],
             units=[u for m in parts for u in m.units],
             extra_info={k: v for m in parts for k, v in m.extra_info.items()},
+            lease_id=first.lease_id if all(m.lease_id == first.lease_id for m in parts) else 0,
         )
 
     @classmethod
