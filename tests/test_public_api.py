@@ -29,6 +29,7 @@ CONTRACT = {
     "InternalError",
     "UnsatisfiableError",
     "ClosedError",
+    "LeaseExpiredError",
 }
 CLIENT_METHODS = {
     "acquire",

@@ -449,13 +449,15 @@ class ClientCore(ControlCore):
         Raises `LeaseExpiredError` when the lease had expired and some samples were leased again
         to another consumer of the task: those are left to it, the others acked."""
         if len(meta):
-            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
+            yield from self.one(CONTROLLER, Ack(meta.partition, meta.task, list(meta.indexes), self.lease_of(meta)), Ok)
 
     def nack(self, meta: BatchMeta) -> Flow:
         """Give the batch back unconsumed: its samples still under its lease are ready for the
         task again (those leased again since it expired stay with their new consumer)."""
         if len(meta):
-            yield from self.one(CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes), meta.lease_id), Ok)
+            yield from self.one(
+                CONTROLLER, Nack(meta.partition, meta.task, list(meta.indexes), self.lease_of(meta)), Ok
+            )
 
     def clear(self, meta: BatchMeta) -> Flow:
         """Delete the batch's samples from the controller and the storage units."""

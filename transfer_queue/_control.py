@@ -15,6 +15,7 @@ from typing import Any
 from ._flows import CONTROLLER, Call, Flow, Give, Plan, Run
 from .wire.errors import SchemaError, SluiceError
 from .wire.messages import (
+    LEASE,
     AbortPut,
     Announce,
     CommitWrite,
@@ -35,6 +36,7 @@ from .wire.messages import (
     WaitVersion,
     WriteReply,
 )
+from .wire.meta import BatchMeta
 from .wire.rpc import (
     GRACE,
     AsyncChannel,
@@ -110,13 +112,17 @@ class ControlCore:
         )
         return {"name": f"{name} at {self.target_address(target)}", "hint": hint, "credentials": self.credentials}
 
-    @staticmethod
-    def undo(reply: Any) -> Message | None:
+    def lease_of(self, meta: BatchMeta) -> int:
+        """The lease an `Ack` or `Nack` of `meta` names: its own, or 0 (any) for a controller
+        that did not grant `LEASE` (it would refuse the field)."""
+        return meta.lease_id if LEASE in self.features else 0
+
+    def undo(self, reply: Any) -> Message | None:
         """The request that gives back what an abandoned reply holds (a lease, a grant, a put's
         rows, arena space)."""
         if isinstance(reply, MetaReply) and len(reply.meta):
             meta = reply.meta
-            return Nack(meta.partition, meta.task, list(meta.indexes), meta.lease_id)
+            return Nack(meta.partition, meta.task, list(meta.indexes), self.lease_of(meta))
         if isinstance(reply, GrantReply):
             return Release(reply.grant_id, reply.n)
         if isinstance(reply, WriteReply) and reply.token:  # arena space reserved for a write

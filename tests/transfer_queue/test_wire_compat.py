@@ -10,16 +10,22 @@ from typing import Union
 
 import msgspec
 import pytest
+import torch
+from tensordict import TensorDict
 
 import transfer_queue as tq
 from transfer_queue.wire.errors import ProtocolError
 from transfer_queue.wire.messages import (
     FEATURES,
     LANE,
+    LEASE,
+    Ack,
     ClusterConfig,
     Free,
     Hello,
     HelloReply,
+    MetaReply,
+    Nack,
     Registered,
     RegisterUnit,
     Reply,
@@ -186,3 +192,22 @@ def test_an_old_controllers_refusal_of_the_features_question_is_a_protocol_error
     with pytest.raises(ProtocolError) as refused:
         Codec(OldRequest).decode(Codec(Reply).encode(7, Hello([LANE])))
     assert refused.value.request_id == 7 and error_reply(refused.value).code == "protocol"
+
+
+def test_acks_name_their_lease_only_to_a_controller_that_granted_it(cluster):
+    """`Ack.lease_id` and `Nack.lease_id` are fields a controller before `LEASE` refuses: a
+    client names the lease only where it was granted, and elsewhere sends neither field (the
+    old behaviour: the ack ends whatever lease holds the samples)."""
+    with tq.connect(cluster.address) as client:
+        client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]))
+        meta = client.get_meta(["x"], 4, task="t", timeout=5)
+        assert LEASE in client._core.features and meta.lease_id != 0
+        for flow in (client._core.ack(meta), client._core.nack(meta), client._core.undo(MetaReply(meta))):
+            msg = flow if isinstance(flow, (Ack, Nack)) else next(flow)[0].msg
+            assert msg.lease_id == meta.lease_id
+        client._core.features = FEATURES - {LEASE}  # what a controller of the release before grants
+        for flow in (client._core.ack(meta), client._core.nack(meta), client._core.undo(MetaReply(meta))):
+            msg = flow if isinstance(flow, (Ack, Nack)) else next(flow)[0].msg
+            assert msg.lease_id == 0 and b"lease_id" not in Codec(Reply).encode(1, msg)[1]
+        client.ack(meta)  # without its lease, as before
+        assert client.status()["partitions"]["train"]["tasks"]["t"]["consumed"] == 4

@@ -20,6 +20,7 @@ from .staleness import Checked, StalenessConfig
 
 __all__ = [
     "LANE",
+    "LEASE",
     "FEATURES",
     "ClusterConfig",
     "UnitInfo",
@@ -152,7 +153,9 @@ class _Msg(Message, Checked, frozen=True):
 
 LANE = "lane"
 """Feature: the controller names its host and local lane (`HelloReply.host_id`, `.local`)."""
-FEATURES = frozenset({LANE})
+LEASE = "lease"
+"""Feature: the controller reads the lease an `Ack` or `Nack` ends (`lease_id`)."""
+FEATURES = frozenset({LANE, LEASE})
 """The features of this release: what a client asks for in `Hello` and the controller grants
 (`HelloReply.features`). A feature gates what a peer of the release before could not decode: a
 new field of a request goes only to a controller that granted its feature (the client core's
