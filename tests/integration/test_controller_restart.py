@@ -3,7 +3,9 @@
 Producers put samples tagged with unique ids and a consumer acks them while the controller is
 killed; the storage units keep serving. The restarted controller (same port, `journal=`)
 replays the journal: every put that was acked before or after the kill is delivered, no sample
-whose ack was answered is delivered again, and versions and seals survive.
+whose ack was answered is delivered again, and versions and seals survive. An ack that failed as
+the controller died may or may not have been journaled first: its samples are neither counted
+delivered nor lost.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
         stop = threading.Event()
         acked_puts: set[int] = set()  # sample ids whose put returned
         acked: list[int] = []  # sample ids whose ack was answered
+        unsure: set[int] = set()  # ids whose ack failed: the controller may have journaled it before it died
         failures = {"producer": 0, "consumer": 0}
 
         def produce(lane: int) -> None:
@@ -57,7 +60,11 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
                     if not len(meta):
                         continue
                     ids = client.get_data(meta)["id"].tolist()
-                    client.ack(meta)
+                    try:
+                        client.ack(meta)
+                    except tq.SluiceError:
+                        unsure.update(ids)
+                        raise
                     acked.extend(ids)
                 except tq.SluiceError:
                     failures["consumer"] += 1
@@ -99,7 +106,8 @@ def test_a_controller_killed_mid_run_restarts_from_its_journal_and_loses_no_acke
                 client.ack(meta)
             status = client.status()
         delivered = acked + rest
-        lost = acked_puts - set(delivered)
+        lost = acked_puts - set(delivered) - unsure
+        assert len(unsure) <= 8 * failures["consumer"]
         duplicated = len(acked) - len(set(acked))
         print(
             f"\njournal: {len(acked_puts)} samples acked by put ({killed_at} before the kill), {len(acked)} "
