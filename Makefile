@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-all lint experiments bench bench-staleness bench-weights clean vllm-test
+.PHONY: venv demo test test-all lint experiments bench clean vllm-test
 
 venv: $(STAMP)
 
