@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ __all__ = [
     "machine_info",
     "cpu_seconds",
     "CpuMeter",
+    "exit_on_sigterm",
 ]
 
 
@@ -284,3 +286,10 @@ def physical_limits(total: int = 256 << 20, reps: int = 3) -> dict[str, Any]:
         "memcpy_runs": mem,
         "bytes": total,
     }
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a `timeout`, a job scheduler) end the benchmark as an exception would, so
+    that its `finally` blocks and context managers still stop the clusters and processes it
+    started and remove its files in /dev/shm (by default SIGTERM ends Python without them)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import transfer_queue as tq
-from benchmarks._common import median, percentile, print_table, write_record
+from benchmarks._common import exit_on_sigterm, median, percentile, print_table, write_record
 
 FIELD = "x"
 
@@ -160,6 +160,7 @@ def in_process(total: int, put_batch: int, batch: int, reps: int) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (< 30 s)")
     p.add_argument("--samples", type=int, default=100_000, help="samples tracked (default 100,000)")

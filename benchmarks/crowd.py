@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 import transfer_queue as tq
-from benchmarks._common import percentile, print_table, write_record
+from benchmarks._common import exit_on_sigterm, percentile, print_table, write_record
 from controllers.intake import WINDOW_SHARE
 from transfer_queue.wire.messages import BeginPut, CommitPut, Write
 
@@ -345,6 +345,7 @@ def _report(s: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--producers", type=int, default=800)
     parser.add_argument("--consumers", type=int, default=200)

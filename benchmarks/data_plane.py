@@ -48,7 +48,16 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from benchmarks._common import CpuMeter, gbps, median, percentile, physical_limits, print_table, write_record
+from benchmarks._common import (
+    CpuMeter,
+    exit_on_sigterm,
+    gbps,
+    median,
+    percentile,
+    physical_limits,
+    print_table,
+    write_record,
+)
 
 SEQ = 4096
 FIELDS = {"input_ids": torch.int64, "responses": torch.int64, "log_probs": torch.float32}
@@ -583,6 +592,7 @@ def targets(record: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (< 1 minute)")
     p.add_argument("--samples", type=int, help="samples per run (default 8192; quick 1024)")

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import gbps, median, print_table, write_record  # noqa: E402
+from benchmarks._common import exit_on_sigterm, gbps, median, print_table, write_record  # noqa: E402
 from benchmarks.weight_sync import llama_shapes  # noqa: E402
 
 WARMUP = 2
@@ -335,6 +335,7 @@ def _available(name: str, device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4GiB,16GiB", help="comma-separated of 256MiB,1GiB,4GiB,16GiB")
     parser.add_argument("--subscribers", default="1,2", help="comma-separated subscriber counts")

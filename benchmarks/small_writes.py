@@ -35,7 +35,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from benchmarks._common import print_table, write_record
+from benchmarks._common import exit_on_sigterm, print_table, write_record
 from transfer_queue.wire.messages import Reply, UnitStatus
 from transfer_queue.wire.rpc import Channel, Codec
 
@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="8 s of churn")
     p.add_argument("--seconds", type=float, help="churn duration (default 30; quick 8)")

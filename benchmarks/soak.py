@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import transfer_queue as tq
-from benchmarks._common import print_table, write_record
+from benchmarks._common import exit_on_sigterm, print_table, write_record
 
 STEP = 100_000
 GOAL_SLOPE_MIB = 2.0
@@ -101,6 +101,7 @@ def slope(points: list[tuple[int, float]]) -> float:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=5_000_000)
     parser.add_argument("--warmup", type=int, default=None, help="samples before the slope is measured (20%%)")

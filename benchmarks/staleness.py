@@ -52,7 +52,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from benchmarks._common import median, print_table, write_record
+from benchmarks._common import exit_on_sigterm, median, print_table, write_record
 
 MODES = ("plain", "controlled")
 _names = itertools.count()
@@ -331,6 +331,7 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (< 1 minute)")
     p.add_argument("--samples", type=int, help="samples per run (default 4096; quick 2048)")

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import transfer_queue as tq
-from benchmarks._common import gbps, median, print_table, write_record
+from benchmarks._common import exit_on_sigterm, gbps, median, print_table, write_record
 from benchmarks.data_plane import NAMES, PATHS, SAMPLE_BYTES, make_batch
 
 _parts = itertools.count()
@@ -166,6 +166,7 @@ def report(record: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=4096, help="samples per run (default 4096)")
     p.add_argument("--put-batch", type=int, default=256)

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 
-from benchmarks._common import print_table
+from benchmarks._common import exit_on_sigterm, print_table
 from storage.arena import Arena
 from storage.table import Table
 from transfer_queue.wire.meta import RAGGED, FieldSpec
@@ -87,6 +87,7 @@ def _round(spec: FieldSpec, rng: random.Random) -> dict[str, float]:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

@@ -67,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import gbps, median, percentile, print_table, write_record  # noqa: E402
+from benchmarks._common import exit_on_sigterm, gbps, median, percentile, print_table, write_record  # noqa: E402
 from benchmarks._ucx import limit as ucx_limit  #
 from benchmarks._ucx import perftest_binary  # noqa: E402
 
@@ -669,6 +669,7 @@ def summarize(size: str, record: dict) -> list[list]:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="256 MiB only, 3 repeats")
     parser.add_argument("--sizes", default=None, help="comma-separated of 256MiB,1GiB,4GiB (default 1GiB)")

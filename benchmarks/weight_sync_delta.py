@@ -64,7 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import median, print_table, write_record  # noqa: E402
+from benchmarks._common import exit_on_sigterm, median, print_table, write_record  # noqa: E402
 from benchmarks.weight_sync import Workers, llama_shapes  # noqa: E402
 
 HEADER = [
@@ -361,6 +361,7 @@ def recipe(config: str, overrides: list[str], steps: int) -> dict:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1GiB", help="comma-separated of 256MiB,1GiB,4GiB")
     parser.add_argument("--lrs", default="1e-6,3e-6,1e-5")
