@@ -99,7 +99,7 @@ class Columns:
             self.n = int(data.batch_size[0])
         else:
             items = list(data.items())
-            self.n = _rows(items[0][1]) if items else 0
+            self.n = _rows(*items[0]) if items else 0
         if self.n <= 0:
             raise SchemaError(f"put needs at least one sample, got batch_size {self.n}")
         if not items:
@@ -224,11 +224,26 @@ def is_non_tensor(value: Any) -> bool:
     return getattr(value, "_is_non_tensor", False) or type(value).__name__ in ("NonTensorData", "NonTensorStack")
 
 
-def _rows(value: Any) -> int:
-    """Samples in a field's value; 0 for a 0-dim tensor (no batch dimension), refused later."""
+_FIELD_VALUES = (
+    "a field holds one row per sample: a tensor with the samples along dim 0, a jagged nested tensor "
+    "(torch.nested.nested_tensor([...], layout=torch.jagged)) for ragged rows, or per-sample non-tensor "
+    "values as a list, a numpy array or a NonTensorStack (a NonTensorData for one value for the batch)"
+)
+
+
+def _rows(name: str, value: Any) -> int:
+    """Samples in the field `name`'s value; 0 for a 0-dim tensor (no batch dimension), refused later.
+
+    Raises:
+        SchemaError: the value has no samples to count (a scalar, say)."""
     if isinstance(value, torch.Tensor):  # nested ones too, which have no `shape`
         return int(value.size(0)) if value.dim() > 0 else 0
-    return int(value.shape[0]) if hasattr(value, "shape") and len(value.shape) else len(value)
+    if hasattr(value, "shape") and len(value.shape):
+        return int(value.shape[0])
+    try:
+        return len(value)
+    except TypeError:
+        raise SchemaError(f"field {name!r} is of type {type(value).__name__}; {_FIELD_VALUES}") from None
 
 
 def _object_column(name: str, value: Any, n: int) -> _Column:
@@ -241,11 +256,15 @@ def _object_column(name: str, value: Any, n: int) -> _Column:
         values = value.tolist()
     elif isinstance(value, (list, tuple, np.ndarray)):
         values = list(value)
+        if any(isinstance(v, torch.Tensor) for v in values):
+            raise SchemaError(
+                f"field {name!r} is a {type(value).__name__} of tensors; a list is read as per-sample non-tensor "
+                "values (sent as msgpack: Sluice never pickles), which tensors are not. Pass ragged rows as one jagged "
+                "nested tensor, torch.nested.nested_tensor([...], layout=torch.jagged), and rows of one "
+                "shape as one tensor (torch.stack([...]))"
+            )
     else:
-        raise SchemaError(
-            f"field {name!r} is a {type(value).__name__}; put tensors, or per-sample values as a "
-            "NonTensorStack, a list or a numpy array (a NonTensorData for one value per batch)"
-        )
+        raise SchemaError(f"field {name!r} is of type {type(value).__name__}; {_FIELD_VALUES}")
     if len(values) != n:
         raise SchemaError(f"field {name!r} has {len(values)} samples, the batch has {n}")
     raw, offsets = encode_values(name, values)

@@ -22,6 +22,9 @@ def _td(n: int = 2) -> TensorDict:
 
 BAD_PUTS = {
     "arbitrary objects (no pickle)": lambda c: c.put({"x": [object(), object()]}),
+    "list of tensors (ragged rows)": lambda c: c.put({"x": [torch.zeros(3), torch.zeros(4)]}),
+    "int field": lambda c: c.put({"x": 5}),
+    "int field after a tensor": lambda c: c.put({"y": torch.zeros(2), "x": 5}),
     "0-dim tensor": lambda c: c.put({"x": torch.tensor(1.0)}),
     "strided nested tensor": lambda c: c.put({"x": torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)])}),
     "field of shape (8, 0)": lambda c: c.put(TensorDict({"y": torch.zeros(8, 0)}, batch_size=[8])),
@@ -54,6 +57,25 @@ def test_bad_input_is_a_schema_error_and_changes_nothing(shared_cluster, name):
         after = client.status()
         assert after["partitions"] == before["partitions"]
         assert after["counters"]["open_puts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        (
+            "list of tensors (ragged rows)",
+            r"field 'x' is a list of tensors; .*torch\.nested\.nested_tensor\(\[\.\.\.\], layout=torch\.jagged\).*torch\.stack",
+        ),
+        (
+            "int field",
+            r"field 'x' is of type int; a field holds one row per sample: a tensor .* a jagged nested tensor .* a list",
+        ),
+        ("int field after a tensor", r"field 'x' is of type int; a field holds one row per sample"),
+    ],
+)
+def test_a_value_that_is_no_field_is_named_with_what_a_field_holds(client, name, says):
+    with pytest.raises(tq.SchemaError, match=says):
+        BAD_PUTS[name](client)
 
 
 def test_chunk_zero_is_a_schema_error(client):
