@@ -193,11 +193,8 @@ class Controller(Service):
         unasked is sent: a client before a feature refuses its fields."""
         units = [self.ledger.units[k] for k in sorted(self.ledger.units)]
         granted = sorted(FEATURES.intersection(msg.features))
-        if LANE not in granted:
-            return HelloReply(self.cluster_id, self.config, units, self.clock.current, features=granted)
-        return HelloReply(
-            self.cluster_id, self.config, units, self.clock.current, host_id(), self.local_endpoint, granted
-        )
+        host, local = (host_id(), self.local_endpoint) if LANE in granted else ("", "")
+        return HelloReply(self.cluster_id, self.config, units, self.clock.current, host, local, granted)
 
     # -- consumers ---------------------------------------------------------------------
 
