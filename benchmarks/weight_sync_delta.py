@@ -27,7 +27,10 @@ publisher's compare and encode pools and the subscriber's apply pool run them): 
 the speedup, medians of 5 paired runs. End to end, `--threads 1,` runs each trajectory once
 with the passes one at a time and once spread (the default count: the cores but one, at most 8), the count in the record;
 `--copy-threads N` gives torch N threads in the publisher and the subscribers (the staging
-copies and `poll`'s copy into the tensors, whole and delta alike).
+copies and `poll`'s copy into the tensors, whole and delta alike). `--receive-memory host,cuda`
+runs each trajectory once with the subscribers' tcp receive buffers in host memory and once in
+GPU memory (`TcpTransport(memory="cuda")`: frames applied on the GPU, the version applied
+device to device), whole and delta alike.
 
 With `--recipe CONFIG`, it instead trains the recipes' own policy (`recipes.learner.Learner`:
 the demo's tiny transformer, or `model.family=qwen2 rollout.engine=hf` for the HF Qwen2) on
@@ -42,6 +45,7 @@ results/weight_sync_delta-<time>.json. Run:
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB          # ~28 GiB of RAM: Adam's states
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda   # a GPU trainer: compared on the device
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda --subscriber-device cuda   # GPU to GPU
+    .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --device cuda --subscriber-device cuda --receive-memory host,cuda
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 256MiB --transport torch   # gloo broadcast
     .venv/bin/python benchmarks/weight_sync_delta.py --micro
     .venv/bin/python benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6 --subscribers 1 --steps 4 --copy-threads 8
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -71,6 +76,7 @@ HEADER = [
     "size",
     "lr",
     "subs",
+    "recv in",
     "threads",
     "copy threads",
     "values changed",
@@ -124,6 +130,7 @@ def run(
     device: str = "cpu",
     transport: str = "tcp",
     threads: str = "",
+    memory: str = "host",
 ) -> dict:
     """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (their
     tensors) over `transport` ("tcp", or "torch": a gloo broadcast), alternating whole and
@@ -145,7 +152,8 @@ def run(
     with WeightPublisher(None, transport=served, delta=True, timeout=300) as pub:
         versions = [version[0] + i for i in range(1, steps + 3)]
         version[0] = versions[-1]
-        workers.send(n, "session", transport, {}, pub.endpoint, versions, {})
+        kwargs = {"memory": memory} if memory != "host" else {}
+        workers.send(n, "session", transport, kwargs, pub.endpoint, versions, {})
         assert workers.recv(n) == ["ready"] * n
         for i, v in enumerate(versions):
             changed = trainer.step() if i >= 2 else 0  # two warm-up versions: one per slot
@@ -180,6 +188,7 @@ def run(
         "copy_threads": torch.get_num_threads(),
         "device": device,
         "transport": transport,
+        "receive_memory": memory,
         "versions": rows,
     }
 
@@ -194,6 +203,7 @@ def summarize(record: dict) -> list:
         record["size"],
         f"{record['lr']:.0e}",
         record["subscribers"],
+        record["receive_memory"],
         record["threads"],
         record["copy_threads"],
         f"{100 * median(r['values_changed'] for r in record['versions']):.1f}%",
@@ -396,6 +406,12 @@ def main() -> None:
         default=1,
         help="torch's threads in the publisher and the subscribers (staging and applying copies), whole and delta",
     )
+    parser.add_argument(
+        "--receive-memory",
+        default="host",
+        help="comma-separated of host,cuda: where tcp subscribers receive (TcpTransport(memory=): "
+        "cuda lands the bytes in GPU buffers and applies delta frames there), each a run of its own",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
     torch.set_num_threads(args.copy_threads)
@@ -447,8 +463,10 @@ def main() -> None:
                 assert workers.recv(max(counts)) == ["ok"] * max(counts)
             for n in counts:
                 for lr in (float(x) for x in args.lrs.split(",")):
-                    for threads in args.threads.split(","):
-                        record = run(size, lr, n, args.steps, workers, version, args.device, args.transport, threads)
+                    for threads, memory in itertools.product(args.threads.split(","), args.receive_memory.split(",")):
+                        record = run(
+                            size, lr, n, args.steps, workers, version, args.device, args.transport, threads, memory
+                        )
                         records.append(record)
                         rows.append(summarize(record))
                         print_table(

@@ -81,7 +81,8 @@ class BackgroundReceiver(Receiver):
         self._fetched = -1
         """The newest version the thread brought in (applied or not)."""
         self._coordinator: RpcClient | None = None
-        if settings.relay and ranks.transport.fanout is not None:
+        if settings.relay and ranks.transport.fanout is not None and ranks.transport.receive_device is None:
+            # a relay serves from its receive buffer, which must be host memory to send from
             ranks.relay_endpoint = ranks.transport.serve(RelaySource(self))
         self._thread = threading.Thread(target=self._loop, args=(coordinator,), name="sluice-ws-receiver", daemon=True)
         self._thread.start()

@@ -25,8 +25,10 @@ __all__ = ["checksum", "box_checksum", "Snapshot", "compare"]
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """xxh3-64 of `tensor`'s bytes, row-major."""
-    return xxhash.xxh3_64_intdigest(tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
+    """xxh3-64 of `tensor`'s bytes, row-major (a GPU tensor's are copied to the host first: a
+    validating subscriber's tensors may live there)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_intdigest((flat if flat.device.type == "cpu" else flat.cpu()).numpy().data.cast("B"))
 
 
 def box_checksum(slot: torch.Tensor, read: Read) -> int:

@@ -15,9 +15,9 @@ Every function takes and returns torch tensors. `compare` runs where the staged 
 torch ops on a device (a GPU staging buffer, before its device-to-host copy: only `Changes`,
 a few percent of the bytes, then cross to the host), numpy kernels over the same memory on the
 host, where it compares 8-byte words first and bytes only inside the words that changed, a
-cache-sized chunk at a time. Frames are built, sent and applied on the host, so `encode` and
-`apply` use numpy: a few passes per changed byte, the gaps over 255 (a few percent) fixed up
-apart.
+cache-sized chunk at a time. Frames are built and sent on the host, so `encode` uses numpy:
+a few passes per changed byte, the gaps over 255 (a few percent) fixed up apart. `apply` runs
+where the receiver's copy of the base is: numpy on the host, torch ops on a GPU receive buffer.
 
 Frame layout (`HEADER`, then the payload):
 
@@ -343,9 +343,12 @@ def positions_of(gaps: torch.Tensor) -> torch.Tensor:
 
 
 def apply(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
-    """Write GAPS `frame` (its `payload`, host uint8) into `target` (host uint8, `frame.span`
+    """Write GAPS `frame` (its `payload`, host uint8) into `target` (uint8, `frame.span`
     bytes, the receiver's copy of the base), checking first that the payload arrived intact
-    and that `target` holds what the frame assumes.
+    and that `target` holds what the frame assumes. A host `target` is written with numpy;
+    one on a GPU (a receive buffer in GPU memory) with torch ops there (`_apply_torch`), so
+    that only the payload crosses to the device and the scattered writes run at device
+    memory speed.
 
     Raises:
         WeightSyncError: the payload is corrupt, or `target` is not the frame's base; nothing
@@ -356,12 +359,42 @@ def apply(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
     body = payload.numpy()
     if _sum(body) != frame.payload_sum:
         raise WeightSyncError("a delta frame arrived corrupt (payload checksum mismatch)")
+    if target.device.type != "cpu":
+        _apply_torch(frame, payload, target)
+        return
     at = positions_of(payload[: frame.gaps]).numpy()
     if len(at) != frame.count or (frame.count and int(at[-1]) >= frame.span):
         raise WeightSyncError("a delta frame's positions do not match its header")
     into = target.numpy()
     if _sum(np.take(into, at)) != frame.base_sum:
-        raise WeightSyncError(
-            f"this subscriber's copy of version {frame.base} differs from the publisher's: delta refused"
-        )
+        raise _wrong_base(frame)
     np.put(into, at, body[frame.gaps :])
+
+
+def _apply_torch(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
+    """`apply`'s checks and writes as torch ops on `target`'s device, the payload's checksum
+    already checked: the payload is copied there, the gaps decoded there, and only the base's
+    bytes at the changed positions come back to the host, for their checksum. Returns once
+    the writes are done (the caller reports the span as new)."""
+    if frame.gaps and int(payload[frame.gaps - 1]) == 0:
+        raise WeightSyncError("a delta frame's gap stream ends without a change")
+    body = payload.to(target.device)
+    steps = body[: frame.gaps].to(torch.int64)
+    marks = steps == 0  # a 0 adds 255 and is no change itself
+    steps[marks] = _MAX_GAP
+    if frame.gaps:
+        steps[0] -= 1  # positions count from 0, gaps from -1
+    at = torch.cumsum(steps, 0)[~marks]
+    if at.numel() != frame.count or (frame.count and int(at[-1]) >= frame.span):
+        raise WeightSyncError("a delta frame's positions do not match its header")
+    if _sum(target[at].cpu().numpy()) != frame.base_sum:
+        raise _wrong_base(frame)
+    target[at] = body[frame.gaps :]
+    if target.is_cuda:
+        torch.cuda.current_stream(target.device).synchronize()
+
+
+def _wrong_base(frame: Frame) -> WeightSyncError:
+    return WeightSyncError(
+        f"this subscriber's copy of version {frame.base} differs from the publisher's: delta refused"
+    )

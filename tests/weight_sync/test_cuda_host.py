@@ -6,11 +6,16 @@ Without CUDA, registration is never attempted."""
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 import torch
 
+from transfer_queue import SchemaError
 from transfer_queue.cuda import in_use
-from weight_sync import WeightPublisher
+from weight_sync import TcpTransport, WeightPublisher
+from weight_sync.transports.stream import LANDING_BYTES, Landing
 
 from .harness import Subscribers, check
 from .workers import BUCKET, sparse_weights, weights
@@ -133,6 +138,68 @@ def test_with_deltas_the_trainer_may_overwrite_its_weights_right_after_publish()
         stats = {s.version: s for s in pub.stats()}
         assert all(stats[v].delta_pulls == 1 for v in range(2, 6)), stats
         for summary in subs.finish().values():
+            check(summary, 5)
+    finally:
+        pub.close()
+
+
+def test_tcp_receive_memory_is_host_or_a_cuda_device_this_process_sees():
+    assert TcpTransport().receive_device is None and TcpTransport(memory="host").receive_device is None
+    for wrong in ("bogus", "cpu", 0):
+        with pytest.raises(SchemaError, match="'host' or a CUDA device"):
+            TcpTransport(memory=wrong)
+    if torch.cuda.is_available():
+        assert TcpTransport(memory="cuda").receive_device == torch.device("cuda", torch.cuda.current_device())
+        with pytest.raises(SchemaError, match="sees"):
+            TcpTransport(memory=f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(SchemaError, match="no CUDA"):
+            TcpTransport(memory="cuda")
+
+
+@pytest.mark.cuda
+def test_a_stream_lands_in_gpu_memory_through_pinned_buffers():
+    """`Landing` fills a GPU tensor from a socket through its pinned buffers taken in turn:
+    more bytes than all of them hold, ending inside one, arrive exact."""
+    data = torch.randint(0, 256, (5 * LANDING_BYTES + 12_345,), dtype=torch.uint8)
+    ours, theirs = socket.socketpair()
+    sender = threading.Thread(target=theirs.sendall, args=(data.numpy().tobytes(),))
+    sender.start()
+    try:
+        target = torch.empty(data.numel(), dtype=torch.uint8, device="cuda")
+        landing = Landing(target.device)
+
+        def recv(view: memoryview) -> None:
+            got = 0
+            while got < len(view):
+                got += ours.recv_into(view[got:])
+
+        landing.receive(recv, target[:LANDING_BYTES])
+        landing.receive(recv, target[LANDING_BYTES:])
+        assert torch.equal(target.cpu(), data)
+    finally:
+        sender.join()
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.cuda
+def test_deltas_over_tcp_into_gpu_receive_buffers_are_applied_on_the_gpu():
+    """Subscribers with CUDA tensors and `TcpTransport(memory="cuda")`: whole versions land in
+    GPU receive buffers, delta frames are applied there, every version exact under validation;
+    they pull from the rank (a GPU buffer is no relay's)."""
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
+    subs = Subscribers(2, pub.endpoint, ("tcp", {"memory": "cuda"}), sparse=True, validate=True, device="cuda")
+    try:
+        for version in range(1, 6):
+            pub.publish({n: t.cuda() for n, t in sparse_weights(version).items()}, version)
+            subs.wait_applied(version)
+        stats = {s.version: s for s in pub.stats()}
+        for version in range(2, 6):
+            assert stats[version].delta_pulls == 2 and stats[version].sent * 5 < stats[version].requested
+        for summary in subs.finish().values():
+            assert summary["applied"] == [1, 2, 3, 4, 5]
+            assert summary["sources"] and all(source == "" for source in summary["sources"])
             check(summary, 5)
     finally:
         pub.close()

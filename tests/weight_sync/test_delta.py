@@ -22,6 +22,7 @@ from weight_sync.delta import (
     WHOLE,
     Changes,
     Frame,
+    _apply_torch,
     _compare_device,
     apply,
     compare,
@@ -177,6 +178,45 @@ def test_stream_frames_cross_buckets_and_apply_to_the_base():
     position = 0
     with pytest.raises(WeightSyncError, match="base"):
         receive_frames(recv, buffer, [read], [32], 4, done.append)  # frames for base 5, not 4
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [0, 1, 255, 256, 511, 70_000, 100_002],
+        [255, 256],  # a first gap of 256, whose low byte is 0
+        [3, 260, 773, 1030],
+        [],
+    ],
+)
+def test_the_device_apply_writes_what_the_host_apply_writes(positions):
+    """`apply` on a GPU receive buffer runs as torch ops there (`_apply_torch`): run here on
+    CPU tensors, it writes exactly what the numpy path writes, and refuses what it refuses,
+    untouched."""
+    base = torch.arange(100_003, dtype=torch.int64).to(torch.uint8)
+    new = base.clone()
+    new[positions] += torch.arange(1, len(positions) + 1, dtype=torch.uint8)
+    changes = compare(new, base)
+    frame, payload = encode(new.numel(), changes.positions, changes.old, changes.new, base=5)
+    on_host, on_device = base.clone(), base.clone()
+    apply(frame, payload, on_host)
+    _apply_torch(frame, payload, on_device)
+    assert torch.equal(on_device, new) and torch.equal(on_host, new)
+    if not positions:
+        return
+    wrong = base.clone()
+    wrong[positions[0]] ^= 0x01  # not the base the delta assumes
+    before = wrong.clone()
+    with pytest.raises(WeightSyncError, match="differs"):
+        _apply_torch(frame, payload, wrong)
+    one_more = Frame(frame.kind, frame.span, frame.gaps, frame.count + 1, frame.base, frame.base_sum, 0)
+    with pytest.raises(WeightSyncError, match="do not match"):
+        _apply_torch(one_more, payload, wrong)
+    ends_open = payload.clone()
+    ends_open[frame.gaps - 1] = 0
+    with pytest.raises(WeightSyncError, match="ends without a change"):
+        _apply_torch(frame, ends_open, wrong)
+    assert torch.equal(wrong, before)
 
 
 def test_the_device_path_finds_the_same_changes():

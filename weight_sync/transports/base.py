@@ -26,14 +26,25 @@ from typing import ClassVar, Literal, Protocol
 
 import torch
 
-from transfer_queue import WeightSyncError
+from transfer_queue import SchemaError, WeightSyncError
 
 from ..delta import Changes
 from ..plan import Read
 from ..protocol import Granted, Pull, RelayPull, SlotInfo
-from .stream import FrameLog, receive_frames
+from .stream import FrameLog, Landing, receive_frames
 
-__all__ = ["Transport", "MapTransport", "Mode", "Job", "Source", "StagedChanges", "register", "get", "names"]
+__all__ = [
+    "Transport",
+    "MapTransport",
+    "Mode",
+    "Job",
+    "Source",
+    "StagedChanges",
+    "memory_device",
+    "register",
+    "get",
+    "names",
+]
 
 Mode = Literal["map", "image", "reads"]
 
@@ -84,9 +95,10 @@ class Job:
         """The subscriber's buffer for every read of this job (`into` of `nbytes`)."""
         return self.into(self.nbytes)
 
-    def receive_delta(self, recv: Callable[[memoryview], None]) -> torch.Tensor:
+    def receive_delta(self, recv: Callable[[memoryview], None], landing: Landing | None = None) -> torch.Tensor:
         """Apply the delta stream `recv` reads (`stream.receive_frames`) to this job's buffer,
-        which holds version `base` of its reads; returns the buffer, `received` set.
+        which holds version `base` of its reads; returns the buffer, `received` set. A buffer
+        in GPU memory needs `landing`.
 
         Raises:
             WeightSyncError: a frame is malformed, corrupt or meant for another base (the
@@ -94,7 +106,7 @@ class Job:
         """
         into = self.buffer()
         self.received = receive_frames(
-            recv, into, self.reads, self.offsets, self.base, self.progress, self.log, self.delta_threads
+            recv, into, self.reads, self.offsets, self.base, self.progress, self.log, self.delta_threads, landing
         )
         return into
 
@@ -180,6 +192,37 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Stop serving, drop connections and mappings."""
+
+
+def memory_device(owner: str, memory: str | torch.device) -> torch.device | None:
+    """What a transport's `memory=` names (`owner`, e.g. "TcpTransport", for the errors): None
+    for "host", else the CUDA device (its index filled in: the current device for a bare
+    "cuda").
+
+    Raises:
+        SchemaError: `memory` is neither "host" nor a CUDA device, or names CUDA in a process
+            without CUDA, or a device it does not see.
+    """
+    if memory == "host":
+        return None
+    device = None
+    if isinstance(memory, (str, torch.device)):  # not an int: torch reads 0 as a CUDA device
+        try:
+            device = torch.device(memory)
+        except RuntimeError:
+            pass
+    if device is None or device.type != "cuda":
+        raise SchemaError(f"{owner}(memory={memory!r}): 'host' or a CUDA device ('cuda', 'cuda:1')")
+    if not torch.cuda.is_available():
+        raise SchemaError(
+            f"{owner}(memory={memory!r}) puts buffers in GPU memory, and this process has no CUDA "
+            "(torch sees no CUDA device); use memory='host'"
+        )
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise SchemaError(f"{owner}(memory={memory!r}): this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 _REGISTRY: dict[str, type[Transport]] = {}

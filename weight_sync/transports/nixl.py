@@ -42,11 +42,11 @@ import msgspec
 import numpy as np
 import torch
 
-from transfer_queue import SchemaError, WeightSyncError
+from transfer_queue import WeightSyncError
 from transfer_queue.cuda import make_current
 
 from ..plan import Read
-from .base import Job, Transport, register
+from .base import Job, Transport, memory_device, register
 
 __all__ = ["NixlTransport", "NixlSlot", "runs"]
 
@@ -98,38 +98,6 @@ def runs(read: Read) -> np.ndarray:
         idx = np.arange(lo[k], hi[k], dtype=np.int64) * strides[k]
         starts = (starts[:, None] + idx[None, :]).reshape(-1)
     return np.stack([starts, np.full(len(starts), length, np.int64)], axis=1)
-
-
-def _memory_device(memory: str | torch.device) -> torch.device | None:
-    """What `NixlTransport(memory=)` names: None for "host", else the CUDA device (its index
-    filled in: the current device for a bare "cuda").
-
-    Raises:
-        SchemaError: `memory` is neither "host" nor a CUDA device, or names CUDA in a process
-            without CUDA, or a device it does not see.
-    """
-    if memory == "host":
-        return None
-    device = None
-    if isinstance(memory, (str, torch.device)):  # not an int: torch reads 0 as a CUDA device
-        try:
-            device = torch.device(memory)
-        except RuntimeError:
-            pass
-    if device is None or device.type != "cuda":
-        raise SchemaError(f"NixlTransport(memory={memory!r}): 'host' or a CUDA device ('cuda', 'cuda:1')")
-    if not torch.cuda.is_available():
-        raise SchemaError(
-            f"NixlTransport(memory={memory!r}) stages and receives in GPU memory, and this process has no CUDA "
-            "(torch sees no CUDA device); use memory='host'"
-        )
-    if device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.index >= torch.cuda.device_count():
-        raise SchemaError(
-            f"NixlTransport(memory={memory!r}): this process sees {torch.cuda.device_count()} CUDA device(s)"
-        )
-    return device
 
 
 def _where(tensor: torch.Tensor) -> tuple[Literal["DRAM", "VRAM"], int]:
@@ -196,7 +164,7 @@ class NixlTransport(Transport):
     pipelined: ClassVar[bool] = False
 
     def __init__(self, memory: str | torch.device = "host") -> None:
-        device = _memory_device(memory)
+        device = memory_device("NixlTransport", memory)
         if device is not None:
             self.staging = "cuda"
             self.receive_device = device

@@ -22,11 +22,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
 
 from transfer_queue import WeightSyncError
+from transfer_queue.cuda import pinned_empty
 from transfer_queue.wire.rpc import error_code, error_from_code
 
 from ..delta import GAPS, HEADER, WHOLE, Changes, Frame, apply, encode_span
@@ -41,6 +43,7 @@ __all__ = [
     "Scratch",
     "gather",
     "as_bytes",
+    "Landing",
     "encode_request",
     "decode_request",
     "STATUS",
@@ -131,6 +134,49 @@ def gather(slot: torch.Tensor, read: Read, box: Box, scratch: Scratch) -> memory
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous uint8 tensor (for `recv_into`-style receives)."""
     return tensor.numpy().data.cast("B")
+
+
+class Landing:
+    """Where a stream's bytes land on their way into a receive buffer in GPU memory (a socket
+    can fill only host memory): `LANDING_BUFFERS` pinned buffers of `LANDING_BYTES`, taken in
+    turn, each copied to the GPU on a stream of its own while the next one is received. One
+    per receiving transport, used by one thread at a time; the buffers are allocated on first
+    use and reused from version to version."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._stream: Any = None
+
+    def receive(self, recv: Callable[[memoryview], None], target: torch.Tensor) -> None:
+        """Fill `target` (uint8 on `device`) with the next `target.numel()` bytes `recv`
+        reads; returns once they are in `target`. Whatever `recv` raises is raised as it is,
+        with no copy still running."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._buffers = [pinned_empty(LANDING_BYTES) for _ in range(LANDING_BUFFERS)]
+            self._events = [None] * LANDING_BUFFERS
+        try:
+            for turn, lo in enumerate(range(0, target.numel(), LANDING_BYTES)):
+                which = turn % LANDING_BUFFERS
+                if self._events[which] is not None:
+                    self._events[which].synchronize()  # its last copy to the GPU is done
+                hi = min(lo + LANDING_BYTES, target.numel())
+                landed = self._buffers[which][: hi - lo]
+                recv(as_bytes(landed))
+                with torch.cuda.stream(self._stream):
+                    target[lo:hi].copy_(landed, non_blocking=True)
+                    self._events[which] = self._stream.record_event()
+        finally:
+            self._stream.synchronize()
+
+
+LANDING_BYTES = 8 << 20
+"""Bytes a `Landing` buffer takes: large enough that each copy to the GPU costs little beyond
+its bytes, small enough that the buffers hold little pinned memory."""
+LANDING_BUFFERS = 4
+"""`Landing` buffers in turn: the socket fills one while the others' copies run."""
 
 
 STATUS = struct.Struct("<BI")
@@ -327,11 +373,13 @@ def receive_frames(
     progress: Callable[[int], None],
     log: FrameLog | None = None,
     workers: int = 1,
+    landing: Landing | None = None,
 ) -> int:
     """Apply a delta stream to `buffer` (uint8, holding version `base` of these reads at
     `offsets`): `recv(view)` fills `view` from the stream; `progress(n)` once bytes [0, n) of
     the buffer hold the new version, each frame having been added to `log` before. Returns
-    the bytes the stream carried.
+    the bytes the stream carried. A `buffer` in GPU memory takes WHOLE frames through
+    `landing` and GAPS frames as their payloads, applied there (`delta.apply`).
 
     With `workers` > 1 (`delta.threads()`, read by the subscriber when it was built), GAPS
     frames are applied on a pool of that many threads while this thread receives the next
@@ -364,7 +412,10 @@ def receive_frames(
                 target = buffer[offset + covered : offset + covered + frame.span]
                 payload = None
                 if frame.kind == WHOLE:
-                    recv(as_bytes(target))
+                    if landing is not None:
+                        landing.receive(recv, target)
+                    else:
+                        recv(as_bytes(target))
                 else:
                     assert frame.kind == GAPS
                     payload = torch.empty(frame.payload, dtype=torch.uint8)

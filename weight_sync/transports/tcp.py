@@ -29,8 +29,8 @@ from transfer_queue.wire.rpc import Credentials
 
 from ..protocol import Pull, RelayPull
 from . import handshake
-from .base import Job, Source, Transport, register
-from .stream import STATUS, as_bytes, decode_request, encode_request, raise_status, status_header
+from .base import Job, Source, Transport, memory_device, register
+from .stream import STATUS, Landing, as_bytes, decode_request, encode_request, raise_status, status_header
 
 __all__ = ["TcpTransport"]
 
@@ -97,15 +97,34 @@ class TcpTransport(Transport):
     """Raw sockets; `fanout` children per node in the relay tree (None: no relaying).
 
     `credentials` default to `SLUICE_CREDENTIALS`; with them every connection is authenticated
-    both ways, and without them serving beyond loopback raises `SchemaError`."""
+    both ways, and without them serving beyond loopback raises `SchemaError`.
+
+    `memory` is where a subscriber's receive buffers live: "host" (the default), or a CUDA
+    device ("cuda", "cuda:N") for a subscriber whose tensors are there. Bytes then land in
+    pinned buffers and are copied to the GPU as they arrive (`stream.Landing`), a delta's
+    frames are applied on the GPU (only their payloads cross), and `poll` applies the version
+    device to device. Such a subscriber does not relay (relays forward from host memory).
+    A publisher's staging stays in host memory either way.
+
+    Raises:
+        SchemaError: `memory` is neither "host" nor a CUDA device this process sees.
+    """
 
     name = "tcp"
     mode = "reads"
     deltas = True
 
-    def __init__(self, host: str = "127.0.0.1", fanout: int | None = 2, credentials: Credentials | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        fanout: int | None = 2,
+        credentials: Credentials | None = None,
+        memory: str | torch.device = "host",
+    ):
         self.host = host
         self.fanout = fanout
+        self.receive_device = memory_device("TcpTransport", memory)
+        self._landing = Landing(self.receive_device) if self.receive_device is not None else None
         self._key = handshake.key_of(credentials)
         self.auth_refused = 0
         self._listener: socket.socket | None = None
@@ -217,11 +236,13 @@ class TcpTransport(Transport):
                 _recv_exact(sock, memoryview(text))
                 raise_status(bytes(text))
             if request.base >= 0:
-                return job.receive_delta(lambda view: _recv_exact(sock, view))
+                return job.receive_delta(lambda view: _recv_exact(sock, view), self._landing)
             into = job.buffer()
-            buf = as_bytes(into)
             for read, offset in zip(job.reads, job.offsets):
-                _recv_exact(sock, buf[offset : offset + read.nbytes], job.progress, offset)
+                if self._landing is not None:
+                    self._landing.receive(lambda view: _recv_exact(sock, view), into[offset : offset + read.nbytes])
+                else:
+                    _recv_exact(sock, as_bytes(into[offset : offset + read.nbytes]), job.progress, offset)
                 job.progress(offset + read.nbytes)
             job.received = sum(read.nbytes for read in job.reads)
         except Exception as exc:
