@@ -156,16 +156,19 @@ def worker(conn) -> None:  # noqa: ANN001
             os.environ.update({"SLUICE_DELTA_THREADS": delta} if delta else {})
             torch.set_num_threads(copies)
             conn.send("ok")
-        elif cmd == "session":  # (transport name, kwargs, endpoint, versions, subscriber kwargs)
-            name, kwargs, endpoint, versions, sub_kwargs = args
+        elif cmd == "session":  # (transport name, kwargs, endpoint, versions, subscriber kwargs, stamp deltas)
+            name, kwargs, endpoint, versions, sub_kwargs, timeline = args
             transport = get(name)(**kwargs) if kwargs else name
-            with WeightSubscriber(
-                None, targets, transport=transport, publisher=endpoint, timeout=120, **sub_kwargs
-            ) as sub:
+            with (
+                Timeline(delta_steps()[1] if timeline else ()) as steps,
+                WeightSubscriber(
+                    None, targets, transport=transport, publisher=endpoint, timeout=120, **sub_kwargs
+                ) as sub,
+            ):
                 conn.send("ready")
                 for version in versions:
                     sub.wait(version, timeout=300)
-                    conn.send((version, time.monotonic(), sub.last_apply_seconds))
+                    conn.send((version, time.monotonic(), sub.last_apply_seconds, steps.take()))
             conn.send(float(sum(t.float().sum().item() for t in list(targets.values())[:3])))
         elif cmd == "latency":  # (endpoint, versions, timeline, transport, device): wait for each version
             endpoint, versions, timeline, name, device = args
@@ -313,7 +316,7 @@ def channel(
     with WeightPublisher(None, transport=transport, slots=slots, timeout=300, model=state) as pub:
         versions = [version[0] + i for i in range(1, reps + WARMUP + 1)]
         version[0] = versions[-1]
-        workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs)
+        workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs, False)
         assert workers.recv(n) == ["ready"] * n
         for i, v in enumerate(versions):
             if limit is not None and i >= WARMUP:
@@ -324,13 +327,13 @@ def channel(
             returned = time.monotonic()
             done = workers.recv(n)
             if i == 0:
-                out["first"] = [max(t for _, t, _ in done) - t0]
+                out["first"] = [max(t for _, t, *_ in done) - t0]
                 out["first_blocking"] = [pub.last_publish_seconds]
             if i < WARMUP:
                 continue  # the first versions fault each subscriber's receive buffers in
-            last = max(t for _, t, _ in done)
+            last = max(t for _, t, *_ in done)
             for key, value in zip(
-                out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a in done), copy)
+                out, (last - t0, last - returned, pub.last_publish_seconds, max(a for _, _, a, _ in done), copy)
             ):
                 out[key].append(value)
         sums = workers.recv(n)
@@ -402,6 +405,36 @@ def _steps() -> tuple[list, list]:
         (Targets, "apply", "subscriber: apply starts", "enter", None),
         (Targets, "apply", "subscriber: apply done", "exit", None),
         (MappedReceiver, "_release", "subscriber: released", "exit", None),
+    ]
+    return publisher, subscriber
+
+
+def delta_steps() -> tuple[list, list]:
+    """The steps the delta benchmark's `--timeline` stamps: (in the publisher's process, in the
+    subscriber's). Each frame's encode and apply is stamped, so a version has many of those."""
+    from transfer_queue.wire.rpc import Channel, LocalChannel
+    from weight_sync.coordinator import Coordinator
+    from weight_sync.protocol import Offer
+    from weight_sync.publisher import WeightPublisher
+    from weight_sync.receivers import Targets
+    from weight_sync.transports import stream
+    from weight_sync.transports.tcp import TcpTransport
+
+    publisher = [
+        (WeightPublisher, "_stage", "publisher: staging issued", "exit", None),
+        (WeightPublisher, "_compare", "publisher: a compare job done", "exit", None),
+        (stream, "encode_span", "publisher: a frame encoded", "exit", None),
+        (Coordinator, "on_staged", "publisher: version complete", "enter", None),
+        (WeightPublisher, "_count", "publisher: a stream sent", "enter", None),
+    ]
+    subscriber = [
+        (Channel, "reply", "subscriber: offer in", "exit", lambda _, out: isinstance(out[0], Offer)),
+        (LocalChannel, "reply", "subscriber: offer in", "exit", lambda _, out: isinstance(out[0], Offer)),
+        (TcpTransport, "receive", "subscriber: pull starts", "enter", None),
+        (TcpTransport, "receive", "subscriber: pull ends", "exit", None),
+        (stream, "apply", "subscriber: a frame applied", "exit", None),
+        (Targets, "apply", "subscriber: poll applies", "enter", None),
+        (Targets, "apply", "subscriber: poll applied", "exit", None),
     ]
     return publisher, subscriber
 

@@ -70,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import exit_on_sigterm, median, print_table, write_record  # noqa: E402
-from benchmarks.weight_sync import Workers, llama_shapes  # noqa: E402
+from benchmarks.weight_sync import Timeline, Workers, delta_steps, llama_shapes  # noqa: E402
 
 HEADER = [
     "size",
@@ -131,6 +131,7 @@ def run(
     transport: str = "tcp",
     threads: str = "",
     memory: str = "host",
+    timeline: bool = False,
 ) -> dict:
     """One trajectory of `steps` Adam steps on `device` published to `n` subscribers (their
     tensors) over `transport` ("tcp", or "torch": a gloo broadcast), alternating whole and
@@ -149,11 +150,14 @@ def run(
     numel = sum(t.numel() for t in trainer.bf16.values())
     rows = []
     served = TorchTransport(world_size=n + 1) if transport == "torch" else transport
-    with WeightPublisher(None, transport=served, delta=True, timeout=300) as pub:
+    with (
+        Timeline(delta_steps()[0] if timeline else ()) as stamped,
+        WeightPublisher(None, transport=served, delta=True, timeout=300) as pub,
+    ):
         versions = [version[0] + i for i in range(1, steps + 3)]
         version[0] = versions[-1]
         kwargs = {"memory": memory} if memory != "host" else {}
-        workers.send(n, "session", transport, kwargs, pub.endpoint, versions, {})
+        workers.send(n, "session", transport, kwargs, pub.endpoint, versions, {}, timeline)
         assert workers.recv(n) == ["ready"] * n
         for i, v in enumerate(versions):
             changed = trainer.step() if i >= 2 else 0  # two warm-up versions: one per slot
@@ -162,6 +166,7 @@ def run(
             t0 = time.monotonic()
             pub.publish(trainer.bf16, v)
             done = workers.recv(n)
+            stamps = stamped.take() + [mark for *_, marks in done for mark in marks]
             if i < 2:
                 continue
             stats = next(s for s in pub.stats() if s.version == v)
@@ -173,10 +178,11 @@ def run(
                     "floor": changed * 2,
                     "whole": stats.requested / n,
                     "sent": stats.sent / n,
-                    "seconds": max(t for _, t, _ in done) - t0,
+                    "seconds": max(t for _, t, *_ in done) - t0,
                     "blocking": pub.last_publish_seconds,
                     "density": stats.density,
                     "compared_on": stats.compared_on,
+                    "stamps": _spans(stamps, t0),
                 }
             )
         workers.recv(n)  # the session's checksum
@@ -191,6 +197,40 @@ def run(
         "receive_memory": memory,
         "versions": rows,
     }
+
+
+def _spans(stamps: list[tuple[str, float]], t0: float) -> dict[str, list]:
+    """Per `--timeline` label: [ms after `publish` started of its first and last stamp, stamps]."""
+    spans: dict[str, list] = {}
+    for label, at in stamps:
+        ms = (at - t0) * 1e3
+        span = spans.setdefault(label, [ms, ms, 0])
+        span[0], span[1], span[2] = min(span[0], ms), max(span[1], ms), span[2] + 1
+    return spans
+
+
+def print_timeline(record: dict) -> None:
+    """`--timeline`: for whole and delta versions, medians of each step's first and last stamp."""
+    rows = []
+    for delta in (False, True):
+        versions = [r for r in record["versions"] if r["delta"] == delta]
+        labels = sorted(
+            {label for r in versions for label in r["stamps"]},
+            key=lambda x: median(r["stamps"][x][0] for r in versions if x in r["stamps"]),
+        )
+        for label in labels:
+            spans = [r["stamps"][label] for r in versions if label in r["stamps"]]
+            rows.append(
+                [
+                    "delta" if delta else "whole",
+                    label,
+                    median(s[0] for s in spans),
+                    median(s[1] for s in spans),
+                    median(s[2] for s in spans),
+                ]
+            )
+    title = f"timeline, {record['size']} lr {record['lr']:.0e}, recv in {record['receive_memory']}: ms after publish starts (medians)"
+    print_table(title, ["version", "step", "first ms", "last ms", "stamps"], rows)
 
 
 def summarize(record: dict) -> list:
@@ -412,6 +452,11 @@ def main() -> None:
         help="comma-separated of host,cuda: where tcp subscribers receive (TcpTransport(memory=): "
         "cuda lands the bytes in GPU buffers and applies delta frames there), each a run of its own",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="stamp each step of a version in the publisher and the subscribers (compares, frames, pulls, applies)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe config overrides")
     args = parser.parse_args()
     torch.set_num_threads(args.copy_threads)
@@ -465,7 +510,17 @@ def main() -> None:
                 for lr in (float(x) for x in args.lrs.split(",")):
                     for threads, memory in itertools.product(args.threads.split(","), args.receive_memory.split(",")):
                         record = run(
-                            size, lr, n, args.steps, workers, version, args.device, args.transport, threads, memory
+                            size,
+                            lr,
+                            n,
+                            args.steps,
+                            workers,
+                            version,
+                            args.device,
+                            args.transport,
+                            threads,
+                            memory,
+                            args.timeline,
                         )
                         records.append(record)
                         rows.append(summarize(record))
@@ -474,6 +529,8 @@ def main() -> None:
                             HEADER,
                             rows[-1:],
                         )
+                        if args.timeline:
+                            print_timeline(record)
     finally:
         workers.close()
     title = (

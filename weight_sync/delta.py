@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from transfer_queue import SchemaError, WeightSyncError
+from transfer_queue.cuda import pinned_empty
 
 __all__ = [
     "WHOLE",
@@ -185,7 +186,10 @@ def compare(
         device = _compare_device(new, old, dense)
         if device is None:
             return None
-        positions, before, after = (found.cpu() for found in device)
+        positions, before, after = (pinned_empty(found.numel() * found.itemsize).view(found.dtype) for found in device)
+        for into, found in zip((positions, before, after), device):
+            into.copy_(found, non_blocking=True)  # pinned: at the link's speed, not staged by the driver
+        torch.cuda.current_stream(new.device).synchronize()
     return Changes(positions, before, after, new.numel())
 
 
