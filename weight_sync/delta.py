@@ -12,12 +12,13 @@ never costs more than today plus a 48-byte header per bucket. `apply` checks a f
 the receiver's copy of the base and writes the new bytes in place.
 
 Every function takes and returns torch tensors. `compare` runs where the staged bytes are:
-torch ops on a device (a GPU staging buffer, before its device-to-host copy: only `Changes`,
-a few percent of the bytes, then cross to the host), numpy kernels over the same memory on the
-host, where it compares 8-byte words first and bytes only inside the words that changed, a
-cache-sized chunk at a time. Frames are built and sent on the host, so `encode` uses numpy:
-a few passes per changed byte, the gaps over 255 (a few percent) fixed up apart. `apply` runs
-where the receiver's copy of the base is: numpy on the host, torch ops on a GPU receive buffer.
+torch ops on a device (a GPU staging buffer, before its device-to-host copy: only the frames
+built from its `Changes`, a few percent of the bytes, then cross to the host), numpy kernels
+over the same memory on the host, where it compares 8-byte words first and bytes only inside the words that changed, a
+cache-sized chunk at a time. `encode` builds a frame where the changes are: numpy on the host
+(a few passes per changed byte, the gaps over 255, a few percent, fixed up apart), torch ops
+on a GPU, from which only the frame crosses to the host. `apply` runs where the receiver's
+copy of the base is: numpy on the host, torch ops on a GPU receive buffer.
 
 Frame layout (`HEADER`, then the payload):
 
@@ -38,7 +39,6 @@ import torch
 import xxhash
 
 from transfer_queue import SchemaError, WeightSyncError
-from transfer_queue.cuda import pinned_empty
 
 __all__ = [
     "WHOLE",
@@ -134,11 +134,12 @@ class Changes:
     """The bytes of one staged range that differ from the base version at the same place."""
 
     positions: torch.Tensor
-    """Sorted byte positions from the start of the range (int64, host)."""
+    """Sorted byte positions from the start of the range (int64, where the range was compared:
+    the host, or the GPU that holds a packed version)."""
     old: torch.Tensor
-    """The base's bytes at `positions` (uint8, host): what a delta assumes the receiver holds."""
+    """The base's bytes at `positions` (uint8, beside them): what a delta assumes the receiver holds."""
     new: torch.Tensor
-    """The new version's bytes at `positions` (uint8, host): what a delta carries."""
+    """The new version's bytes at `positions` (uint8, beside them): what a delta carries."""
     size: int
     """Bytes in the range."""
 
@@ -170,7 +171,8 @@ def compare(
 
     On the host: one pass over 8-byte words (`_compare_host`), bytes looked at only inside
     the words that changed; `scratch` (one per compare thread) keeps the word mask between
-    calls. Device tensors stay in torch, where they are (`_compare_device`).
+    calls. Device tensors stay in torch, where they are (`_compare_device`), and so do their
+    changes: frames are then built there too (`encode`), and only they cross to the host.
 
     Raises:
         ValueError: the tensors are not flat uint8 of one size.
@@ -186,10 +188,9 @@ def compare(
         device = _compare_device(new, old, dense)
         if device is None:
             return None
-        positions, before, after = (pinned_empty(found.numel() * found.itemsize).view(found.dtype) for found in device)
-        for into, found in zip((positions, before, after), device):
-            into.copy_(found, non_blocking=True)  # pinned: at the link's speed, not staged by the driver
-        torch.cuda.current_stream(new.device).synchronize()
+        positions, before, after = device
+        if new.is_cuda:  # the encoders read them on streams of their own
+            torch.cuda.current_stream(new.device).synchronize()
     return Changes(positions, before, after, new.numel())
 
 
@@ -285,12 +286,15 @@ def encode(
     span: int, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, base: int
 ) -> tuple[Frame, torch.Tensor | None]:
     """The frame for a span of `span` bytes whose bytes at `positions` (sorted, from the
-    span's start) changed from `old` to `new` (host uint8): (frame, payload), the payload None
-    for a WHOLE frame (send the span itself). Frames live on the host, where they are sent:
-    numpy kernels."""
+    span's start) changed from `old` to `new` (uint8): (frame, payload), the payload None for
+    a WHOLE frame (send the span itself). The payload is on the host, where it is sent: built
+    with numpy from host changes, or with torch ops on the device that holds the changes
+    (`_encode_torch`), so that only the frame crosses to the host."""
     count = positions.numel()
     if 2 * count >= span:
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
+    if positions.device.type != "cpu":
+        return _encode_torch(span, positions, old, new, base)
     stream = _gap_stream(positions.numpy())
     if len(stream) + count >= span:
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
@@ -299,6 +303,27 @@ def encode(
     payload[len(stream) :] = new.numpy()
     frame = Frame(GAPS, span, len(stream), count, base, _sum(old.numpy()), _sum(payload))
     return frame, torch.from_numpy(payload)
+
+
+def _encode_torch(
+    span: int, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, base: int
+) -> tuple[Frame, torch.Tensor | None]:
+    """`encode` as torch ops where the changes are: the gaps written straight to their places
+    in the payload (a gap over 255 preceded by its 0 bytes, left as allocated), then the
+    payload and the base's bytes (for their checksums) copied to the host."""
+    count = positions.numel()
+    steps = torch.diff(positions, prepend=positions.new_full((1,), -1))  # the first gap from -1
+    escapes = torch.div(steps - 1, _MAX_GAP, rounding_mode="floor")  # 0 bytes before each gap
+    at = torch.cumsum(escapes, 0)
+    gaps = count + (int(at[-1]) if count else 0)
+    if gaps + count >= span:
+        return Frame(WHOLE, span, 0, 0, base, 0, 0), None
+    at += torch.arange(count, device=positions.device)  # where each gap's last byte goes
+    body = torch.zeros(gaps + count, dtype=torch.uint8, device=positions.device)
+    body[at] = (steps - escapes * _MAX_GAP).to(torch.uint8)
+    body[gaps:] = new
+    payload, before = body.cpu(), old.cpu()
+    return Frame(GAPS, span, gaps, count, base, _sum(before.numpy()), _sum(payload.numpy())), payload
 
 
 def _gap_stream(at: np.ndarray) -> np.ndarray:
@@ -322,7 +347,8 @@ def encode_span(changes: Changes | None, lo: int, hi: int, base: int) -> tuple[F
     (frame, payload), the payload None for a WHOLE frame (send the span's bytes themselves)."""
     if changes is None:
         return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
-    first, last = torch.searchsorted(changes.positions, torch.tensor([lo, hi])).tolist()
+    bounds = torch.tensor([lo, hi], device=changes.positions.device)
+    first, last = torch.searchsorted(changes.positions, bounds).tolist()
     positions = changes.positions[first:last]
     return encode(hi - lo, positions - lo if lo else positions, changes.old[first:last], changes.new[first:last], base)
 

@@ -1044,14 +1044,15 @@ class _SlotSource(Source):
             nonlocal sent
             scratch = Scratch()
             for read in request.reads:
-                slot.wait_filled(read.end, request.version, self.timeout)
+                span = None if staged is None else contiguous_span(read)
+                if span is None:  # whole bytes: once staged (delta frames wait for them where they send them)
+                    slot.wait_filled(read.end, request.version, self.timeout)
                 if staged is None:
                     for box in read_chunks(read):
                         view = gather(slot.mapped.tensor, read, box, scratch)
                         sent += len(view)
                         yield view
                     continue
-                span = contiguous_span(read)
                 pieces = (
                     delta_frames(
                         slot.mapped.tensor,
@@ -1062,6 +1063,7 @@ class _SlotSource(Source):
                         self.encoder,
                         self.ahead,
                         staged.ready,
+                        functools.partial(slot.wait_filled, version=request.version, timeout=self.timeout),
                     )
                     if span is not None
                     else whole_frames(slot.mapped.tensor, read, scratch, staged.base)

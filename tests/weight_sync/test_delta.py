@@ -24,9 +24,11 @@ from weight_sync.delta import (
     Frame,
     _apply_torch,
     _compare_device,
+    _encode_torch,
     apply,
     compare,
     encode,
+    encode_span,
     threads,
 )
 from weight_sync.plan import Read
@@ -217,6 +219,42 @@ def test_the_device_apply_writes_what_the_host_apply_writes(positions):
     with pytest.raises(WeightSyncError, match="ends without a change"):
         _apply_torch(frame, ends_open, wrong)
     assert torch.equal(wrong, before)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [0, 1, 255, 256, 511, 70_000, 100_002],
+        [254, 509, 764],  # gaps of exactly 255: one byte each
+        [255, 256],  # a first gap of 256, whose low byte is 0
+        [3, 260, 773, 1030],  # gaps of 257, 513 and 257
+        [0, 65_535, 65_536 + 510],  # gaps of 255 x 257 and of 511
+        [],
+    ],
+)
+def test_the_device_encoder_builds_the_host_encoders_frame(positions):
+    """`encode` of changes found on a GPU runs as torch ops there (`_encode_torch`): run here
+    on CPU tensors, it gives the numpy encoder's frame and payload byte for byte, and goes
+    whole where that one does."""
+    base = torch.arange(100_003, dtype=torch.int64).to(torch.uint8)
+    new = base.clone()
+    new[positions] += torch.arange(1, len(positions) + 1, dtype=torch.uint8)
+    changes = compare(new, base)
+    on_host = encode(new.numel(), changes.positions, changes.old, changes.new, base=9)
+    on_device = _encode_torch(new.numel(), changes.positions, changes.old, changes.new, base=9)
+    assert on_device[0] == on_host[0] and on_host[0].kind == GAPS
+    assert torch.equal(on_device[1], on_host[1])
+    for lo, hi in [(0, 300), (200, 70_001), (100, 100_003)]:  # spans of the range, as frames cut them
+        first, last = torch.searchsorted(changes.positions, torch.tensor([lo, hi])).tolist()
+        cut = (hi - lo, changes.positions[first:last] - lo, changes.old[first:last], changes.new[first:last], 9)
+        host, device = encode(*cut), _encode_torch(*cut)
+        assert device[0] == host[0] == encode_span(changes, lo, hi, 9)[0]
+        assert (device[1] is None and host[1] is None) or torch.equal(device[1], host[1])
+    dense = torch.arange(0, 600, 2)  # 300 changes in a span of 600: as many gap bytes as values
+    assert _encode_torch(600, dense, dense.to(torch.uint8), dense.to(torch.uint8), 9) == (
+        Frame(WHOLE, 600, 0, 0, 9, 0, 0),
+        None,
+    )
 
 
 def test_the_device_path_finds_the_same_changes():

@@ -236,18 +236,25 @@ def delta_frames(
     encoder: Executor | None = None,
     ahead: int = 1,
     ready: Callable[[int], bool] = lambda k: True,
+    filled: Callable[[int], None] = lambda end: None,
 ) -> Iterator[memoryview]:
     """Frames for bytes [start, stop) of `slot` against version `base`: a header and payload
     per staging bucket the span touches; `changes_of(k)` gives bucket k's changes (None:
     whole), waiting for them if need be. With an `encoder` pool, buckets with changes worth
     it are encoded there, up to `ahead` of them while the earlier frames are sent; while the
     next bucket's changes are not `ready(k)` (a non-blocking look), the oldest encoded frames
-    are sent instead of waiting for them with the link idle."""
+    are sent instead of waiting for them with the link idle. Only a WHOLE frame sends the
+    slot's bytes, so only it waits for them to be staged (`filled(end)` blocks until bytes
+    [0, end) of the slot are): a GAPS frame comes from its changes, which the compare found
+    in the staged bytes or in the version packed on the GPU, and goes out while the slot
+    is still being staged."""
     start, stop = span
     pending: deque[tuple[Future[tuple[Frame, torch.Tensor | None]], int, int]] = deque()
 
     def send(job: Future[tuple[Frame, torch.Tensor | None]], lo: int, hi: int) -> Iterator[memoryview]:
         frame, payload = job.result()
+        if payload is None:
+            filled(hi)
         yield memoryview(frame.pack())
         yield as_bytes(slot[lo:hi] if payload is None else payload)
 
