@@ -72,11 +72,17 @@ def test_publish_returns_before_its_copies_and_the_trainer_may_overwrite_at_once
 
 
 @pytest.mark.cuda
-def test_deltas_of_cuda_weights_are_compared_on_the_gpu():
-    """With deltas on, each version of CUDA weights is packed on the GPU and compared with the
-    previous one there; subscribers (validating) pull deltas and every apply is exact."""
+@pytest.mark.parametrize("receive", ["host", "cuda"])
+def test_deltas_of_cuda_weights_are_compared_on_the_gpu(receive):
+    """With deltas on, each version of CUDA weights is packed on the GPU, compared with the
+    previous one and encoded there; subscribers (validating) pull deltas and every apply is
+    exact. With `receive="cuda"` the subscribers hold CUDA tensors and receive into GPU buffers
+    (`TcpTransport(memory="cuda")`): frames are applied there, and each pulls from the rank (a
+    GPU buffer serves no relay)."""
     pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
-    subs = Subscribers(2, pub.endpoint, "tcp", sparse=True, validate=True)
+    on_gpu = receive == "cuda"
+    transport = ("tcp", {"memory": "cuda"}) if on_gpu else "tcp"
+    subs = Subscribers(2, pub.endpoint, transport, sparse=True, validate=True, device="cuda" if on_gpu else "cpu")
     try:
         for version in range(1, 6):
             pub.publish({n: t.cuda() for n, t in sparse_weights(version).items()}, version)
@@ -87,6 +93,8 @@ def test_deltas_of_cuda_weights_are_compared_on_the_gpu():
             assert stats[version].delta_pulls == 2 and stats[version].sent * 5 < stats[version].requested
         for summary in subs.finish().values():
             assert summary["applied"] == [1, 2, 3, 4, 5]
+            if on_gpu:
+                assert summary["sources"] and all(source == "" for source in summary["sources"])
             check(summary, 5)
     finally:
         pub.close()
@@ -181,25 +189,3 @@ def test_a_stream_lands_in_gpu_memory_through_pinned_buffers():
         sender.join()
         ours.close()
         theirs.close()
-
-
-@pytest.mark.cuda
-def test_deltas_over_tcp_into_gpu_receive_buffers_are_applied_on_the_gpu():
-    """Subscribers with CUDA tensors and `TcpTransport(memory="cuda")`: whole versions land in
-    GPU receive buffers, delta frames are applied there, every version exact under validation;
-    they pull from the rank (a GPU buffer is no relay's)."""
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
-    subs = Subscribers(2, pub.endpoint, ("tcp", {"memory": "cuda"}), sparse=True, validate=True, device="cuda")
-    try:
-        for version in range(1, 6):
-            pub.publish({n: t.cuda() for n, t in sparse_weights(version).items()}, version)
-            subs.wait_applied(version)
-        stats = {s.version: s for s in pub.stats()}
-        for version in range(2, 6):
-            assert stats[version].delta_pulls == 2 and stats[version].sent * 5 < stats[version].requested
-        for summary in subs.finish().values():
-            assert summary["applied"] == [1, 2, 3, 4, 5]
-            assert summary["sources"] and all(source == "" for source in summary["sources"])
-            check(summary, 5)
-    finally:
-        pub.close()
