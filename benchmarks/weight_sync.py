@@ -351,6 +351,7 @@ class Timeline:
     def __init__(self, steps):  # noqa: ANN001 - the tuples above
         self.steps = list(steps)
         self.marks: list[tuple[str, float]] = []
+        self._lock = threading.Lock()  # stamps come from several threads; `take` empties the list
         self._saved: list[tuple[object, str, object]] = []
 
     def __enter__(self) -> Timeline:
@@ -366,20 +367,23 @@ class Timeline:
         self._saved.clear()
 
     def _wrap(self, fn, label: str, at: str, test):  # noqa: ANN001, ANN202
-        marks = self.marks
+        def stamp() -> None:
+            with self._lock:
+                self.marks.append((label, time.monotonic()))
 
         def stamped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             if at == "enter" and (test is None or test(args, None)):
-                marks.append((label, time.monotonic()))
+                stamp()
             out = fn(*args, **kwargs)
             if at == "exit" and (test is None or test(args, out)):
-                marks.append((label, time.monotonic()))
+                stamp()
             return out
 
         return stamped
 
     def take(self) -> list[tuple[str, float]]:
-        out, self.marks[:] = list(self.marks), []
+        with self._lock:
+            out, self.marks = self.marks, []
         return out
 
 

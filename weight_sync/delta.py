@@ -30,6 +30,7 @@ Frame layout (`HEADER`, then the payload):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch
 import xxhash
 
 from transfer_queue import SchemaError, WeightSyncError
+from transfer_queue.cuda import side_stream
 
 __all__ = [
     "WHOLE",
@@ -189,7 +191,7 @@ def compare(
         if device is None:
             return None
         positions, before, after = device
-        if new.is_cuda:  # the encoders read them on streams of their own
+        if new.is_cuda:  # done before other threads' encodes read them, on a stream of their own
             torch.cuda.current_stream(new.device).synchronize()
     return Changes(positions, before, after, new.numel())
 
@@ -294,7 +296,11 @@ def encode(
     if 2 * count >= span:
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
     if positions.device.type != "cpu":
-        return _encode_torch(span, positions, old, new, base)
+        try:
+            with _on_its_stream(positions.device, "delta-encode"):
+                return _encode_torch(span, positions, old, new, base)
+        except torch.cuda.OutOfMemoryError:  # no GPU memory for the frame: build it on the host
+            positions, old, new = positions.cpu(), old.cpu(), new.cpu()
     stream = _gap_stream(positions.numpy())
     if len(stream) + count >= span:
         return Frame(WHOLE, span, 0, 0, base, 0, 0), None
@@ -303,6 +309,13 @@ def encode(
     payload[len(stream) :] = new.numpy()
     frame = Frame(GAPS, span, len(stream), count, base, _sum(old.numpy()), _sum(payload))
     return frame, torch.from_numpy(payload)
+
+
+def _on_its_stream(device: torch.device, purpose: str) -> contextlib.AbstractContextManager:
+    """A GPU's encodes and applies run on side streams of their own (one per purpose), not on
+    the default stream that the trainer's or the engine's work is queued on: each waits for its
+    own work only. Nothing to do for the host."""
+    return side_stream(device, purpose) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _encode_torch(
@@ -348,7 +361,10 @@ def encode_span(changes: Changes | None, lo: int, hi: int, base: int) -> tuple[F
     if changes is None:
         return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
     bounds = torch.tensor([lo, hi], device=changes.positions.device)
-    first, last = torch.searchsorted(changes.positions, bounds).tolist()
+    with _on_its_stream(changes.positions.device, "delta-encode"):
+        first, last = torch.searchsorted(changes.positions, bounds).tolist()
+    if 2 * (last - first) >= hi - lo:
+        return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
     positions = changes.positions[first:last]
     return encode(hi - lo, positions - lo if lo else positions, changes.old[first:last], changes.new[first:last], base)
 
@@ -390,7 +406,8 @@ def apply(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> None:
     if _sum(body) != frame.payload_sum:
         raise WeightSyncError("a delta frame arrived corrupt (payload checksum mismatch)")
     if target.device.type != "cpu":
-        _apply_torch(frame, payload, target)
+        with _on_its_stream(target.device, "delta-apply"):
+            _apply_torch(frame, payload, target)
         return
     at = positions_of(payload[: frame.gaps]).numpy()
     if len(at) != frame.count or (frame.count and int(at[-1]) >= frame.span):
@@ -420,7 +437,7 @@ def _apply_torch(frame: Frame, payload: torch.Tensor, target: torch.Tensor) -> N
     if _sum(target[at].cpu().numpy()) != frame.base_sum:
         raise _wrong_base(frame)
     target[at] = body[frame.gaps :]
-    if target.is_cuda:
+    if target.is_cuda:  # the apply stream: done before the span is reported new
         torch.cuda.current_stream(target.device).synchronize()
 
 

@@ -3,8 +3,9 @@
 With deltas on and CUDA weights staged in host memory, a publisher rank packs each version
 into a GPU buffer first (device to device, in the staging layout) and copies it to its host
 slot from there, one copy per bucket. The compare then reads the new and the previous version
-where they already are, at device memory speed, and only the changed bytes and their
-positions (`delta.Changes`, a few percent) cross to the host. The cost is GPU memory: two
+where they already are, at device memory speed; its changes (`delta.Changes`) stay there and
+delta frames are encoded there, so only the frames (a few percent) cross to the host. The
+cost is GPU memory: two
 packed copies of the rank's weights (the version being staged and its base), held from the
 first version of CUDA weights published with deltas on until the publisher closes
 (or until the GPU has no memory for them: the compare then runs on the host).

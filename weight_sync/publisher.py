@@ -597,7 +597,13 @@ class WeightPublisher:
             if (k >= _DENSE_RUN and staged.dense_before(_DENSE_RUN, _DENSE_RUN)) or staged.dense_before(k, _DENSE_RUN):
                 complete = staged.add(k, None)
                 continue
-            changes = compare(new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket], scratch=scratch)
+            try:
+                changes = compare(
+                    new[k * bucket : (k + 1) * bucket], old[k * bucket : (k + 1) * bucket], scratch=scratch
+                )
+            except torch.cuda.OutOfMemoryError:  # no GPU memory for this bucket's changes: it goes whole
+                log.warning("no GPU memory to compare bucket %d of version %d; it is sent whole", k, staged.version)
+                changes = None
             complete = staged.add(k, changes)
         return complete
 

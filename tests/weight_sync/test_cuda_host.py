@@ -180,7 +180,9 @@ def test_a_stream_lands_in_gpu_memory_through_pinned_buffers():
         def recv(view: memoryview) -> None:
             got = 0
             while got < len(view):
-                got += ours.recv_into(view[got:])
+                n = ours.recv_into(view[got:])
+                assert n, "the sender closed early"
+                got += n
 
         landing.receive(recv, target[:LANDING_BYTES])
         landing.receive(recv, target[LANDING_BYTES:])

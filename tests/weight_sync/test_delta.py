@@ -257,6 +257,44 @@ def test_the_device_encoder_builds_the_host_encoders_frame(positions):
     )
 
 
+def test_the_device_apply_refuses_positions_past_the_span():
+    """A frame whose gaps lead past its span is refused before anything is written (on a GPU an
+    index past the buffer would be a device-side assert that poisons the process's CUDA)."""
+    frame, payload = encode(
+        1000, torch.tensor([0, 500]), torch.zeros(2, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8), 3
+    )
+    short = Frame(frame.kind, 500, frame.gaps, frame.count, frame.base, frame.base_sum, frame.payload_sum)
+    target = torch.zeros(500, dtype=torch.uint8)
+    with pytest.raises(WeightSyncError, match="do not match"):
+        _apply_torch(short, payload, target)
+    assert not target.any()
+
+
+def test_only_whole_frames_wait_for_staging():
+    """`delta_frames` sends a GAPS frame without waiting for the slot (its bytes are its
+    changes'); a WHOLE frame's bytes go only once `filled` said they are staged."""
+    bucket = 4096
+    base = torch.zeros(3 * bucket, dtype=torch.uint8)
+    new = base.clone()
+    new[[5, 900, 2 * bucket + 7]] = 1
+    changes = {0: compare(new[:bucket], base[:bucket]), 1: None, 2: compare(new[2 * bucket :], base[2 * bucket :])}
+    slot = torch.zeros_like(new)  # nothing staged yet
+    events: list = []
+
+    def filled(end: int) -> None:
+        events.append(("filled", end))
+        slot[:end] = new[:end]  # staging catches up to `end`
+
+    out = delta_frames(slot, (0, 3 * bucket), changes.__getitem__, bucket, 5, filled=filled)
+    for header in out:
+        frame = Frame.unpack(bytes(header))
+        body = bytes(next(out))
+        events.append(("frame", frame.kind))
+        if frame.kind == WHOLE:
+            assert body == bytes(new[bucket : 2 * bucket].numpy())  # the staged bytes, not zeros
+    assert events == [("frame", GAPS), ("filled", 2 * bucket), ("frame", WHOLE), ("frame", GAPS)]
+
+
 def test_the_device_path_finds_the_same_changes():
     """`compare` keeps device tensors in torch: its torch path gives the host path's answer
     (run here on CPU tensors, of a size that leaves a tail after the last 8-byte word)."""

@@ -153,10 +153,10 @@ class Landing:
         """Fill `target` (uint8 on `device`) with the next `target.numel()` bytes `recv`
         reads; returns once they are in `target`. Whatever `recv` raises is raised as it is,
         with no copy still running."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        if self._stream is None:  # the stream last: a failed allocation is tried again next time
             self._buffers = [pinned_empty(LANDING_BYTES) for _ in range(LANDING_BUFFERS)]
             self._events = [None] * LANDING_BUFFERS
+            self._stream = torch.cuda.Stream(self.device)
         try:
             for turn, lo in enumerate(range(0, target.numel(), LANDING_BYTES)):
                 which = turn % LANDING_BUFFERS
