@@ -301,7 +301,8 @@ def weight_sync(
     transport, backend = _transport(name, n, device)
     out: dict = {"seconds": [], "blocking": [], "apply": [], "exact": True, "backend": backend}
     first = next(iter(state.values())).view(-1)
-    with WeightPublisher(None, transport=transport, slots=slots, timeout=600, model=state) as pub:
+    # whole versions: what this measures (deltas are weight_sync_delta.py's)
+    with WeightPublisher(None, transport=transport, slots=slots, timeout=600, model=state, delta=False) as pub:
         versions = list(range(1, WARMUP + reps + 1))
         assert subs.all(n, "session", name, backend, pub.endpoint, versions) == ["ready"] * n
         for i, version in enumerate(versions):

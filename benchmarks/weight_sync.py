@@ -313,7 +313,8 @@ def channel(
 
     transport = TorchTransport(world_size=n + 1) if name == "torch" else name
     out = {k: [] for k in ("seconds", "after_publish", "blocking", "apply", "memcpy")}
-    with WeightPublisher(None, transport=transport, slots=slots, timeout=300, model=state) as pub:
+    # whole versions: what this measures (deltas are weight_sync_delta.py's)
+    with WeightPublisher(None, transport=transport, slots=slots, timeout=300, model=state, delta=False) as pub:
         versions = [version[0] + i for i in range(1, reps + WARMUP + 1)]
         version[0] = versions[-1]
         workers.send(n, "session", name, {}, pub.endpoint, versions, sub_kwargs, False)
@@ -468,7 +469,7 @@ def latency(
     per_version: list[dict[str, float]] = []
     with (
         Timeline(_steps()[0] if timeline else ()) as steps,
-        WeightPublisher(None, transport=transport, timeout=60, model=state) as pub,
+        WeightPublisher(None, transport=transport, timeout=60, model=state, delta=False) as pub,  # whole versions
     ):
         workers.send(1, "latency", pub.endpoint, numbers, timeline, transport, device)
         assert workers.recv(1) == ["ready"]

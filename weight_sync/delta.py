@@ -84,7 +84,7 @@ def threads() -> int:
     `_MAX_THREADS`; `SLUICE_DELTA_THREADS` sets it (1: no pool, each pass on the thread that
     needs it). The passes' numpy and xxh3 calls release the GIL, so these threads run in
     parallel. Publishers and subscribers read it once, when they are built, and only with
-    deltas on.
+    deltas on or able to turn on (a publisher's "auto").
 
     Raises:
         SchemaError: `SLUICE_DELTA_THREADS` is not a whole number from 1 to `_MAX_OVERRIDE`.

@@ -10,10 +10,11 @@ fills, a finisher thread checksums it (validation mode) and marks it complete, a
 coordinator (rank 0) records version v in the controller only once every rank has v complete,
 then tells subscribers. A slot is reused only after every lease on it is released.
 
-With deltas on, compare threads diff each staged bucket against the previous version, still
-in the other slot, so subscribers holding that version pull only what changed, their frames
-encoded on a pool of their own; `publish` waits for the compares only when the slot it claims
-is the base still being compared.
+With deltas on (by default, from the first lease a subscriber takes over tcp or ucx), compare
+threads diff each staged bucket against the previous version, still in the other slot, so
+subscribers holding that version pull only what changed, their frames encoded on a pool of
+their own; `publish` waits for the compares only when the slot it claims is the base still
+being compared.
 
 Threads in the trainer process: the control server (an `rpc.ThreadService`, which also runs
 the coordinator's bookkeeping), the coordinator's recorder (controller round trips), the
@@ -136,18 +137,25 @@ class WeightPublisher:
         delta: compare each staged bucket with the previous version's (one vectorised pass
             per bucket, on compare threads while `publish` stages the next buckets and
             transports send the previous ones) so that a subscriber holding that version pulls
-            only the bytes that changed (`delta.py`). "auto": on when a served transport pulls deltas
-            (tcp, its relays included, ucx, and torch under gloo) and there are two slots or more; True: on (needs
-            `slots >= 2`); False (the default): every subscriber pulls whole versions. Off by
-            default because comparing, framing and applying a delta on the host still cost more
-            CPU than a copy of the bytes: deltas pay where the link is slower than those passes
-            (across hosts), not between processes of one machine. With deltas on, the
-            compares, frame encodes and frame applies run on `delta.threads()` threads each
-            (`SLUICE_DELTA_THREADS`), read here.
+            only the bytes that changed (`delta.py`). "auto" (the default): on from the first
+            lease a subscriber takes over a pull transport that takes deltas (tcp, its relays
+            included, or ucx), or from the start when a push transport that takes deltas is
+            served (torch under gloo); never with one slot. Until then nothing is compared, no
+            compare thread runs and no GPU memory is taken for packed copies, so a trainer
+            whose subscribers all map its staging (shm, on its host) pays nothing for it. Once
+            on, each version staged is compared with the one before it (CUDA weights: from the
+            second one on, as a base must first be packed on the GPU). Deltas pay where the
+            link is the bottleneck: across hosts, or into GPU receive buffers (on an H200, 4 GiB
+            at lr 1e-6 over loopback tcp: a delta arrived 5.0x faster than the whole version).
+            Between processes of one CPU-only host, comparing, framing and applying still cost
+            more than copying the bytes: pass False for tcp subscribers on the trainer's host
+            there. True: on from the first version (needs `slots >= 2`). False: every
+            subscriber pulls whole versions. With deltas on or able to turn on, the compares, frame encodes and frame
+            applies run on `delta.threads()` threads each (`SLUICE_DELTA_THREADS`), read here.
 
     Raises:
-        SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on), or `host` is beyond
-            loopback without credentials.
+        SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on or able to turn on), or
+            `host` is beyond loopback without credentials.
         ValueError: `rank` is not below `world_size`.
     """
 
@@ -170,7 +178,7 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         credentials: Credentials | None = None,
         model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
-        delta: bool | Literal["auto"] = False,
+        delta: bool | Literal["auto"] = "auto",
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -200,14 +208,20 @@ class WeightPublisher:
             raise ValueError(f"validate=True checksums host staging; {sorted(self._transports)} stage on the GPU")
         if delta is True and slots < 2:
             raise ValueError("delta=True needs slots >= 2: the previous version is the base")
-        self.delta = slots >= 2 and (
-            delta is True or (delta == "auto" and any(t.deltas for t in self._transports.values()))
-        )
-        """Whether staged versions are compared with the previous one for delta pulls."""
+        served_deltas = [t for t in self._transports.values() if t.deltas]
+        pushed_deltas = any(t.mode == "image" for t in served_deltas)
+        self.delta = slots >= 2 and (delta is True or (delta == "auto" and pushed_deltas))
+        """Whether staged versions are compared with the previous one for delta pulls (the
+        benchmark turns it off and on between versions)."""
+        self._delta_on_lease = delta == "auto" and slots >= 2 and bool(served_deltas) and not self.delta
+        """Whether deltas are "auto" and still off: the first lease over a transport that takes
+        deltas (a pull: tcp, ucx) turns them on (`_turn_deltas_on`), so that none is compared
+        before a subscriber can use it."""
         self._deltas: dict[int, _StagedDelta] = {}  # slot index -> its changes against the previous version
         self._stats: OrderedDict[int, VersionStats] = OrderedDict()
         self._stats_lock = threading.Lock()
-        workers = threads() if self.delta else 1
+        # ThreadPoolExecutor starts its threads at the first jobs: none run before deltas are on
+        workers = threads() if self.delta or self._delta_on_lease else 1
         self._comparer = ThreadPoolExecutor(workers, thread_name_prefix="sluice-ws-compare")
         """Compares staged buckets, several at once (each a pass over memory)."""
         self._compare_scratch = threading.local()  # a CompareScratch per compare thread
@@ -218,9 +232,10 @@ class WeightPublisher:
         """Encodes delta frames for the streams, ahead of their sending threads (None: one
         thread; each stream then encodes its own frames as it sends)."""
         self._device_packs = DevicePacks() if self.delta else None
-        """With deltas on, CUDA weights are packed on the GPU first, so the compare runs there
-        (every version, also one published with `delta` turned off: it is the next one's base);
-        None once the GPU had no memory for the packs (the compare then runs on the host)."""
+        """Once deltas are on, CUDA weights are packed on the GPU first, so the compare runs
+        there (every version, also one published with `delta` turned off: it is the next one's
+        base); None before ("auto") and once the GPU had no memory for the packs (the compare
+        then runs on the host)."""
         self._skip_dense = 0
         """Versions still to publish without a compare, since the last compare found most
         buckets dense (updates too large for deltas)."""
@@ -387,7 +402,21 @@ class WeightPublisher:
             self._preparing = self._table.prepare_in_background(manifest.nbytes)
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
-        if self.delta and not skip and base is not None and base is not slot and base.manifest is manifest:
+        on = self.delta
+        device = cuda if self._table.device is None else None  # GPU weights into host staging
+        # after `delta` (`_turn_deltas_on` sets the packs first), and once: the server thread
+        # may turn deltas on while this version stages
+        packs = self._device_packs if device is not None else None
+        if (
+            on
+            and not skip
+            and base is not None
+            and base is not slot
+            and base.manifest is manifest
+            # CUDA weights compare on the GPU, against a base packed there (none when deltas
+            # have just turned on, or the previous version's weights were on the host)
+            and (packs is None or packs.base(self._last, manifest) is not None)
+        ):
             staged = self._deltas[slot.index] = _StagedDelta(
                 version, self._last, manifest.bucket_bytes, manifest.num_buckets
             )
@@ -402,17 +431,16 @@ class WeightPublisher:
             assert got is not None  # the slot was claimed for `version` just above
             transport.send(slot, functools.partial(self._table.release, got[0]))
         self._record_stats(version, manifest.nbytes, staged)
-        device = cuda if self._table.device is None else None  # GPU weights into host staging
-        if device is not None and self._device_packs is not None:
+        if device is not None and packs is not None:
             try:
-                return self._pack_on_device(version, manifest, items, slot, device, staged)
+                return self._pack_on_device(packs, version, manifest, items, slot, device, staged)
             except torch.cuda.OutOfMemoryError:
                 log.warning(
                     "no GPU memory for the two packed copies (%d bytes each) deltas compare on the device; "
                     "comparing on the host from now on",
                     manifest.nbytes,
                 )
-                self._device_packs.clear()
+                packs.clear()
                 self._device_packs = None
         progress = functools.partial(self._table.advance, slot)
         if staged is not None and base is not None:
@@ -467,6 +495,7 @@ class WeightPublisher:
 
     def _pack_on_device(
         self,
+        packs: DevicePacks,
         version: int,
         manifest: Manifest,
         items: list[tuple[str, torch.Tensor]],
@@ -475,18 +504,17 @@ class WeightPublisher:
         staged: _StagedDelta | None,
     ) -> Callable[[], None]:
         """`_pack_in_background` for CUDA weights with deltas on: pack the version on the GPU
-        (`DevicePacks`; the trainer's stream waits for this device-to-device pack only), copy it
-        to the host slot bucket by bucket from there on a stream of its own, and have the compare
-        thread compare it with the base's packed bytes on the device (whole buckets when the base
-        was not packed there). Returns the drain of the copies to the host.
+        (`packs`; the trainer's stream waits for this device-to-device pack only), copy it to
+        the host slot bucket by bucket from there on a stream of its own, and have the compare
+        thread compare it with the base's packed bytes on the device (`_stage` compares only
+        against a base packed there). Returns the drain of the copies to the host.
 
         Raises:
             torch.cuda.OutOfMemoryError: no GPU memory for the pack (nothing is left half done).
         """
-        assert self._device_packs is not None  # deltas are on
         bucket = manifest.bucket_bytes
         with background_copies(device) as mark:
-            packed = self._device_packs.pack(version, manifest, [t for _, t in items], device)
+            packed = packs.pack(version, manifest, [t for _, t in items], device)
             ready = mark()
         marks: list[tuple[Callable[[], None], int]] = []
         with trailing_copies(device) as mark:  # they read the pack only: the trainer need not wait
@@ -496,14 +524,12 @@ class WeightPublisher:
                 host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
                 marks.append((mark(), hi))
         if staged is not None:
-            old = self._device_packs.base(staged.base, manifest)
-            if old is None:  # the base was not packed on the GPU (its tensors were not CUDA): go whole
-                for k in range(manifest.num_buckets):
-                    staged.add(k, None)
-            else:  # one job: the device runs its compares one after another anyway
-                self._comparing.append(
-                    self._comparer.submit(self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready)
-                )
+            old = packs.base(staged.base, manifest)
+            assert old is not None  # `_stage` compares only against a packed base; packing kept the newest
+            # one job: the device runs its compares one after another anyway
+            self._comparing.append(
+                self._comparer.submit(self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready)
+            )
         return self._drain(marks, functools.partial(self._table.advance, slot))
 
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
@@ -786,6 +812,8 @@ class WeightPublisher:
             WeightSyncError: the transport cannot describe the slot (nothing stays pinned).
         """
         transport = self._transports.get(msg.transport)
+        if self._delta_on_lease and transport is not None and transport.deltas:
+            self._turn_deltas_on()
         local = transport is not None and transport.mode == "map"
         got = self._table.lease(msg.version, holder if local else b"")
         if got is None:
@@ -800,6 +828,16 @@ class WeightPublisher:
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
+
+    def _turn_deltas_on(self) -> None:
+        """Deltas are "auto" and a subscriber leased a version over a transport that takes
+        deltas: compare the versions published from now on (server thread). The packs are set
+        before `delta`, so a `publish` that sees deltas on packs CUDA weights on the GPU; one
+        that sees only the packs makes its version the next one's packed base."""
+        self._delta_on_lease = False
+        self._device_packs = DevicePacks()
+        self.delta = True
+        log.info("weight channel %r rank %d: a subscriber can pull deltas; comparing versions", self.name, self.rank)
 
     def _describe_slots(self, name: str) -> list[SlotInfo]:
         """The slots allocated so far, as a subscriber of transport `name` reaches them (none

@@ -33,7 +33,9 @@ def test_a_process_without_cuda_registers_nothing():
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_cuda_weights_through_host_staging(transport):
     gpu = {n: t.cuda() for n, t in weights(0).items()}
-    pub = WeightPublisher(None, transport=transport, bucket_bytes=BUCKET, model=gpu)
+    # whole versions, copied from the weights on a side stream (with deltas on, CUDA weights
+    # are packed on the GPU first: the tests below)
+    pub = WeightPublisher(None, transport=transport, bucket_bytes=BUCKET, model=gpu, delta=False)
     subs = Subscribers(2, pub.endpoint, transport, device="cuda")
     try:
         assert pub._table.pin and all(s.segment._pinned._ranges for s in pub._table.slots)
@@ -79,7 +81,7 @@ def test_deltas_of_cuda_weights_are_compared_on_the_gpu(receive):
     exact. With `receive="cuda"` the subscribers hold CUDA tensors and receive into GPU buffers
     (`TcpTransport(memory="cuda")`): frames are applied there, and each pulls from the rank (a
     GPU buffer serves no relay)."""
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=True, validate=True)
     on_gpu = receive == "cuda"
     transport = ("tcp", {"memory": "cuda"}) if on_gpu else "tcp"
     subs = Subscribers(2, pub.endpoint, transport, sparse=True, validate=True, device="cuda" if on_gpu else "cpu")
@@ -110,7 +112,7 @@ def test_without_gpu_memory_for_the_packs_the_compare_moves_to_the_host(monkeypa
     def no_memory(self, version, *args):  # noqa: ANN001, ANN002
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True)
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=True, validate=True)
     subs = Subscribers(1, pub.endpoint, "tcp", sparse=True, validate=True)
     try:
         for version in range(1, 5):
@@ -133,7 +135,7 @@ def test_with_deltas_the_trainer_may_overwrite_its_weights_right_after_publish()
     (here: zeroing its weights) run after the pack has read them, while the copies to the host
     and the compare go on; every version, as a delta, arrives exact."""
     live = {n: t.cuda() for n, t in sparse_weights(0).items()}
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", validate=True, model=live)
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=True, validate=True, model=live)
     subs = Subscribers(1, pub.endpoint, "tcp", sparse=True, validate=True)
     try:
         for version in range(1, 6):

@@ -266,7 +266,8 @@ def test_dense_updates_stop_the_compare_until_the_next_probe(monkeypatch, thread
     real = publisher_module.compare
     monkeypatch.setattr(publisher_module, "compare", lambda *a, **k: compared.append(1) or real(*a, **k))
     # staging made up front: without the model, version 2 may find only version 1's slot ready
-    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto", model=weights(0)) as pub:
+    # delta=True: with no subscriber, "auto" would never turn on
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=True, model=weights(0)) as pub:
         for version in range(1, 11):
             pub.publish(weights(version), version)
         # version 10's compares have run (close would cancel them)
@@ -327,13 +328,16 @@ def test_a_stream_broken_off_by_any_error_is_not_read_as_the_next_reply(monkeypa
 
 
 def test_a_bad_thread_count_fails_the_construction_with_deltas_on_only(monkeypatch):
-    """A malformed `SLUICE_DELTA_THREADS` is a `SchemaError` when a publisher with deltas on
-    or a subscriber whose transport takes deltas is built, not at its first pull; without
-    deltas it is not read."""
+    """A malformed `SLUICE_DELTA_THREADS` is a `SchemaError` when a publisher whose deltas are
+    on or may turn on ("auto" over tcp, before any lease) or a subscriber whose transport takes
+    deltas is built, not at its first pull; without deltas (False, or "auto" serving only shm)
+    it is not read."""
     monkeypatch.setenv("SLUICE_DELTA_THREADS", "abc")
     with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
         WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta="auto")
     with pytest.raises(SchemaError, match="SLUICE_DELTA_THREADS"):
         WeightSubscriber(None, zeros(), transport="tcp", publisher="127.0.0.1:1")
-    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET) as pub:
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=False) as pub:
+        assert not pub.delta
+    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET) as pub:
         assert not pub.delta
