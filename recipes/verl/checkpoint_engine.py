@@ -107,7 +107,9 @@ class SluiceCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None) -> dict:
         """Publish `weights` as version `global_steps` (default: one more than the last sent).
 
-        Returns verl metrics: publish seconds and bytes. Raises `weight_sync`'s errors.
+        Returns verl metrics: publish seconds and bytes, and for the newest earlier version the
+        rollout pulled, the bytes its pulls put on the wire and the fraction of bytes that
+        changed against its base (deltas). Raises `weight_sync`'s errors.
         """
         start = time.perf_counter()
         tensors = {name: tensor.detach().to("cpu") for name, tensor in weights}
@@ -123,10 +125,15 @@ class SluiceCheckpointEngine(CheckpointEngine):
             with tq.connect(self.address) as client:
                 client.announce(_shapes_key(self.name), msgspec.msgpack.encode(shapes))
         await asyncio.to_thread(self._publisher.publish, tensors, version)
-        return {
+        metrics = {
             "sluice/weight_sync/publish_s": time.perf_counter() - start,
             "sluice/weight_sync/bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         }
+        pulled = [s for s in self._publisher.stats() if s.version < version and s.requested]
+        if pulled:  # the newest earlier version the rollout pulled: its pulls have ended by now
+            metrics["sluice/weight_sync/wire_bytes"] = pulled[-1].sent
+            metrics["sluice/weight_sync/density"] = pulled[-1].density
+        return metrics
 
     # -- rollout side ---------------------------------------------------------------------
 

@@ -122,19 +122,24 @@ def test_checkpoint_engine_moves_weights_exactly():
     receiver = SluiceCheckpointEngine(bucket_size=1 << 20, transport="tcp", timeout=60.0)
     model = tiny_qwen2()
 
-    async def sync_version(step: int) -> dict[str, torch.Tensor]:
-        await sender.send_weights(((n, p.detach()) for n, p in model.state_dict().items()), global_steps=step)
-        return {name: tensor.clone() async for name, tensor in receiver.receive_weights(global_steps=step)}
+    async def sync_version(step: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        metrics = await sender.send_weights(((n, p.detach()) for n, p in model.state_dict().items()), global_steps=step)
+        return metrics, {name: tensor.clone() async for name, tensor in receiver.receive_weights(global_steps=step)}
 
     try:
         for step in (1, 2):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(step)
-            got = asyncio.run(sync_version(step))
+            metrics, got = asyncio.run(sync_version(step))
             want = model.state_dict()
             assert got.keys() == want.keys()
             assert all(torch.equal(got[n], want[n]) for n in want)
+            if step == 2:  # version 1's pull, whole (nothing to compare it with)
+                assert metrics["sluice/weight_sync/wire_bytes"] >= metrics["sluice/weight_sync/bytes"]
+                assert metrics["sluice/weight_sync/density"] == 1.0
+            else:
+                assert "sluice/weight_sync/wire_bytes" not in metrics
         with tq.connect(sender.address) as client:
             assert client.version == 2  # the publisher moved Sluice's version clock
     finally:
