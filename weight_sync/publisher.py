@@ -148,10 +148,11 @@ class WeightPublisher:
             link is the bottleneck: across hosts, or into GPU receive buffers (on an H200, 4 GiB
             at lr 1e-6 over loopback tcp: a delta arrived 5.0x faster than the whole version).
             Between processes of one CPU-only host, comparing, framing and applying still cost
-            more than copying the bytes: pass False for tcp subscribers on the trainer's host
-            there. True: on from the first version (needs `slots >= 2`). False: every
-            subscriber pulls whole versions. With deltas on or able to turn on, the compares, frame encodes and frame
-            applies run on `delta.threads()` threads each (`SLUICE_DELTA_THREADS`), read here.
+            more than copying the bytes: pass False for tcp or gloo subscribers on the trainer's
+            host there. Each rank turns on at its own first such lease. True: on from the first
+            version (needs `slots >= 2`). False: every subscriber pulls whole versions. With
+            deltas on or able to turn on, the compares, frame encodes and frame applies run on
+            `delta.threads()` threads each (`SLUICE_DELTA_THREADS`), read here.
 
     Raises:
         SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on or able to turn on), or

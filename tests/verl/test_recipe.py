@@ -127,21 +127,27 @@ def test_checkpoint_engine_moves_weights_exactly():
         return metrics, {name: tensor.clone() async for name, tensor in receiver.receive_weights(global_steps=step)}
 
     try:
-        for step in (1, 2):
+        for step in (1, 2, 3):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(step)
+                if step == 1:
+                    for p in model.parameters():
+                        p.add_(step)
+                else:  # a few values of one tensor: versions 2 and 3 go as deltas over tcp
+                    next(model.parameters()).view(-1)[:10] += step
             metrics, got = asyncio.run(sync_version(step))
             want = model.state_dict()
             assert got.keys() == want.keys()
             assert all(torch.equal(got[n], want[n]) for n in want)
-            if step == 2:  # version 1's pull, whole (nothing to compare it with)
-                assert metrics["sluice/weight_sync/wire_bytes"] >= metrics["sluice/weight_sync/bytes"]
+            if step == 1:
+                assert "sluice/weight_sync/wire_bytes" not in metrics  # nothing pulled before it
+            elif step == 2:  # version 1's pull: whole, nothing to compare it with
+                assert metrics["sluice/weight_sync/wire_bytes"] == metrics["sluice/weight_sync/bytes"]
                 assert metrics["sluice/weight_sync/density"] == 1.0
-            else:
-                assert "sluice/weight_sync/wire_bytes" not in metrics
+            else:  # version 2's pull: a delta of 10 values
+                assert metrics["sluice/weight_sync/wire_bytes"] * 5 < metrics["sluice/weight_sync/bytes"]
+                assert 0 < metrics["sluice/weight_sync/density"] < 0.05
         with tq.connect(sender.address) as client:
-            assert client.version == 2  # the publisher moved Sluice's version clock
+            assert client.version == 3  # the publisher moved Sluice's version clock
     finally:
         sender.close()
         receiver.close()

@@ -1,10 +1,11 @@
 """The default `delta="auto"` over real processes and sockets: a publisher whose subscribers all
 map its staging (shm) never compares a version and starts no compare or encode thread; the
 first lease a subscriber takes over tcp turns deltas on, the next versions cross as deltas,
-exact (validated); `delta=False` stays off with a tcp subscriber."""
+exact (validated); `delta=False`, or one slot, stays off with a tcp subscriber."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -59,10 +60,12 @@ def test_the_default_never_compares_for_subscribers_over_shm(compares):
         pub.close()
 
 
-def test_the_default_turns_deltas_on_at_a_tcp_lease(compares):
+def test_the_default_turns_deltas_on_at_a_tcp_lease(compares, caplog):
     """A default publisher stages versions 1 and 2 with no subscriber: whole, nothing compared,
-    no delta thread. A tcp subscriber (validating) then leases 2, which turns deltas on: 3..5
-    are compared with the version before and cross as deltas, every apply exact."""
+    no delta thread. A tcp subscriber (validating) then leases 2, which turns deltas on, once
+    for all the leases after it: 3..5 are compared with the version before and cross as
+    deltas, every apply exact."""
+    caplog.set_level(logging.INFO, logger="sluice.weight_sync")
     pub = WeightPublisher(None, bucket_bytes=BUCKET, validate=True)
     try:
         for version in (1, 2):
@@ -84,6 +87,7 @@ def test_the_default_turns_deltas_on_at_a_tcp_lease(compares):
             assert stats[version].sent * 5 < stats[version].requested, stats[version]
             assert stats[version].compared_on == "cpu"
         assert compares
+        assert sum("comparing versions" in r.getMessage() for r in caplog.records) == 1
         (summary,) = subs.finish().values()
         assert summary["applied"] == [2, 3, 4, 5]
         check(summary, 5)
@@ -91,10 +95,12 @@ def test_the_default_turns_deltas_on_at_a_tcp_lease(compares):
         pub.close()
 
 
-def test_delta_false_stays_off_with_a_tcp_subscriber(compares):
-    """`delta=False`: a tcp subscriber's leases turn nothing on; versions 1..3 land whole and
-    exact, none compared, no delta thread started."""
-    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True, delta=False)
+@pytest.mark.parametrize("off", [{"delta": False}, {"slots": 1}], ids=["delta_false", "one_slot"])
+def test_deltas_stay_off_with_a_tcp_subscriber(compares, off):
+    """`delta=False`, or the default with one slot (no base to compare with): a tcp
+    subscriber's leases turn nothing on; versions 1..3 land whole and exact, none compared, no
+    delta thread started."""
+    pub = WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True, **off)
     subs = Subscribers(1, pub.endpoint, "tcp", sparse=True, validate=True)
     try:
         for version in (1, 2, 3):
