@@ -3,12 +3,15 @@ policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
 whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
-moves; its deadline is a loop timer. Each time a request waits, its consumer's demand under the
-current version (granted samples its task took from the partition since the version began, plus
-the batches it waits for) goes to admission, which grows the producers' budget to it, or, when
-the budget is pinned and can never let that batch in, the request fails at once with
-`UnsatisfiableError` (see `controllers/admission.py`). Nothing here sleeps or polls, so a
-waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
+moves; its deadline is a loop timer. A consumer's demand under the current version is the
+granted samples its task was handed from the partition since the version began and did not give
+back; each batch handed out reports it to admission, which grows the producers' budget to it. A
+request that waits counts only while admission is what holds it back (more puts may come, but
+what admission can still let in under this version falls short of its batch): then the batches
+its task waits for count as well, or, when the budget is pinned and can never let that batch in,
+the request fails at once with `UnsatisfiableError` (see `controllers/admission.py`). A request
+answered empty (a sealed partition drained) or withdrawn counts nothing. Nothing here sleeps or
+polls, so a waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
 the ready pool (at-least-once delivery).
 """
 
@@ -57,8 +60,9 @@ class StaleCounters:
 
 @dataclass
 class _Demand:
-    """Granted samples each consumer, a (partition, task), took under `version`. A sample served
-    twice (nacked, or its lease expired) counts twice: the estimate errs only on the generous side."""
+    """Granted samples each consumer, a (partition, task), was handed under `version` and did not
+    give back: a sample nacked, or whose lease expired, stops counting, so one handed out again
+    counts once."""
 
     version: int = 0
     taken: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -68,6 +72,18 @@ class _Demand:
         if version != self.version:
             self.version, self.taken = version, {}
         return self.taken
+
+    def took(self, version: int, key: tuple[str, str], n: int) -> int:
+        """`key` was handed `n` granted samples under `version`; returns its count under it."""
+        taken = self.at(version)
+        taken[key] = taken.get(key, 0) + n
+        return taken[key]
+
+    def gave_back(self, version: int, key: tuple[str, str], n: int) -> None:
+        """`n` granted samples handed to `key` under `version` went back to the ready pool (a
+        version already over is forgotten)."""
+        if version == self.version and key in self.taken:
+            self.taken[key] = max(0, self.taken[key] - n)
 
 
 @dataclass
@@ -85,6 +101,8 @@ class _Lease:
     """Global indexes of the leased samples (row numbers change when the table compacts)."""
     outstanding: int
     timer: asyncio.TimerHandle
+    version: int
+    """The version it was handed out under: what its samples count as demand for."""
 
 
 @dataclass
@@ -201,11 +219,19 @@ class Scheduler:
         return int(np.count_nonzero(pending)) == n_ready
 
     def _report_demand(self, part: Partition, req: GetMeta, n_ready: int) -> None:
-        """Tell admission what this request's consumer takes under the current version, when the
-        partition is fed under grants; raises `UnsatisfiableError` if a pinned budget can never
-        let its batch in."""
+        """A request waits: when admission is what holds it back (the partition is fed under
+        grants, unsealed, and the `n_ready` samples plus what admission can still let in under
+        this version fall short of its batch), tell admission what its consumer takes under this
+        version, the batches it waits for included. A request that waits only for producers the
+        budget lets in is no demand: its samples count once handed out (`_lease`); nor is one on
+        a sealed partition, which no put can feed.
+
+        Raises:
+            UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not adm.bounded or not part.granted[: part.n].any():
+        if not adm.bounded or part.sealed or not part.granted[: part.n].any():
+            return
+        if not adm.holds_back(n_ready, req.batch_size):
             return
         key = (part.name, req.task)
         others = sum(
@@ -215,7 +241,7 @@ class Scheduler:
         )
         demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
         adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
-        if adm.starves(demand, n_ready, req.batch_size):
+        if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
             raise UnsatisfiableError(
                 f"get_meta(task={req.task!r}, partition={part.name!r}, batch_size={req.batch_size}) can never be "
                 f"served: this consumer takes {demand} samples per version, but the admission budget is pinned "
@@ -238,7 +264,7 @@ class Scheduler:
             )
         adm = self.admission
         held_by_admission = part is not None and adm.bounded and part.granted[: part.n].any()
-        if held_by_admission and n_ready + adm.running + adm.budget() < req.batch_size:
+        if held_by_admission and adm.holds_back(n_ready, req.batch_size):
             raise TimeoutError(
                 f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}) found "
                 f"{n_ready} ready samples within {req.timeout:g}s, and admission lets no more producers in "
@@ -258,11 +284,12 @@ class Scheduler:
             task.lease[rows] = lease_id
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
-            self.leases[lease_id] = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer)
+            lease = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer, self.clock.current)
+            self.leases[lease_id] = lease
         granted = int(np.count_nonzero(part.granted[rows]))
         if granted:
-            taken = self.demand.at(self.clock.current)
-            taken[(part.name, req.task)] = taken.get((part.name, req.task), 0) + granted
+            demand = self.demand.took(self.clock.current, (part.name, req.task), granted)
+            self.admission.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
         staleness = self.clock.current - part.v_first[rows[part.versioned[rows]]]
         self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)
@@ -389,9 +416,20 @@ class Scheduler:
             rows = rows[task.lease[rows] == lease_id]
         if not len(rows):
             return
-        self._release_leases(task.lease[rows])
+        held = task.lease[rows]
+        self._give_back_demand(part, held[part.granted[rows]])
+        self._release_leases(held)
         task.lease[rows] = 0
         self.wake(part.name)
+
+    def _give_back_demand(self, part: Partition, lease_ids: np.ndarray) -> None:
+        """Granted samples under `lease_ids` went back to the ready pool: they no longer count
+        as demand under the version their lease was handed out in."""
+        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
+        for lease_id, count in zip(ids.tolist(), counts.tolist()):
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                self.demand.gave_back(lease.version, (part.name, lease.task), count)
 
     def _release_leases(self, lease_ids: np.ndarray) -> None:
         ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
@@ -420,6 +458,7 @@ class Scheduler:
         rows = rows[known]
         back = rows[task.lease[rows] == lease_id]
         task.lease[back] = 0
+        self.demand.gave_back(lease.version, (part.name, lease.task), int(np.count_nonzero(part.granted[back])))
         self.wake(part.name)
 
     def forget_partition(self, name: str) -> None:

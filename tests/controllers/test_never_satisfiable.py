@@ -89,6 +89,78 @@ def test_the_budget_learns_several_batches_per_version_even_with_no_slack(make_c
     assert status["staleness"]["histogram"] == {"0": 48}
 
 
+def fill(client: tq.Client, n: int) -> None:
+    """Put `n` samples under one grant into 'train'."""
+    with client.acquire(n, timeout=5) as grant:
+        client.put(rows(n), partition="train", grant=grant)
+
+
+def ask_for_4(address: str, task: str, out: list[tq.BatchMeta]) -> None:
+    """`get_meta` of 4 samples from a client of its own (a client belongs to one thread)."""
+    with tq.connect(address) as client:
+        out.append(client.get_meta(["x"], 4, task=task, timeout=60))
+
+
+@pytest.mark.parametrize(
+    "staleness",
+    [tq.StalenessConfig(8, 2), tq.StalenessConfig(8, 0, follow_consumers=False)],
+    ids=["following", "pinned-and-spent"],
+)
+def test_a_request_a_sealed_drained_partition_answers_empty_counts_nothing(make_cluster, staleness):
+    """A stream's last, prefetched `get_meta` arrives while its previous batch is still leased:
+    it waits for that lease, then ends empty. It asked for 4 more, but no put can come to a
+    sealed partition, so it is no demand: the budget stays at the 8 samples handed out, and a
+    pinned budget with no slot left does not fail it as unsatisfiable."""
+    cluster = make_cluster(staleness=staleness)
+    with cluster.connect() as client:
+        fill(client, 8)
+        client.seal("train")
+        for task in ("a", "b", "c"):  # a few streams, each its own consumer of the 8 samples
+            first = client.get_meta(["x"], 4, task=task, timeout=5)
+            second = client.get_meta(["x"], 4, task=task, timeout=5)
+            last: list[tq.BatchMeta] = []
+            waiter = threading.Thread(target=ask_for_4, args=(cluster.address, task, last))
+            waiter.start()
+            eventually(lambda w=waiter: client.status()["counters"]["parked_get_meta"] == 1 or not w.is_alive())
+            client.ack(first)
+            client.ack(second)
+            waiter.join(60)
+            assert len(last) == 1 and len(last[0]) == 0
+        adm = admission(client)
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def test_a_request_that_waits_within_the_budget_and_gives_up_counts_nothing(make_cluster):
+    """The budget still lets producers in for this batch: the request waits for them, not for
+    admission, so it is no demand until samples are handed out to it (here none are)."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=8)
+    with cluster.connect() as client:
+        fill(client, 8)
+        assert len(client.get_meta(["x"], 8, task="train", timeout=5)) == 8
+        with pytest.raises(tq.TimeoutError):
+            client.get_meta(["x"], 4, task="train", timeout=0.2)
+        adm = admission(client)
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def test_samples_handed_out_again_count_once(make_cluster):
+    """Samples nacked and handed out again in the same version are the same samples: the 8
+    served three times are 8 per version, not 24."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=8)
+    with cluster.connect() as client:
+        fill(client, 8)
+        for _ in range(3):
+            client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
+        assert admission(client)["consumer_batch_size"] == 8
+        meta = client.get_meta(["x"], 8, task="train", timeout=5)
+        fill(client, 4)
+        meta_more = client.get_meta(["x"], 4, task="train", timeout=5)
+        adm = admission(client)
+    assert len(meta) == 8 and len(meta_more) == 4
+    assert adm["consumer_batch_size"] == 12  # 12 distinct samples taken in one version
+    assert adm["grown_by"] == "task 'train' on partition 'train' takes 12 samples per version"
+
+
 # -- a pinned budget fails at once what it can never let in ----------------------------------
 
 
