@@ -10,9 +10,11 @@ request that waits counts only while admission is what holds it back (more puts 
 what admission can still let in under this version falls short of its batch): then the batches
 its task waits for count as well, or, when the budget is pinned and can never let that batch in,
 the request fails at once with `UnsatisfiableError` (see `controllers/admission.py`). A request
-answered empty (a sealed partition drained) or withdrawn counts nothing. Nothing here sleeps or
-polls, so a waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
-the ready pool (at-least-once delivery).
+on a sealed partition (a stream's last, answered empty once the partition drains) counts
+nothing, nor does one that waits only for producers the budget already lets in, until it is
+served. Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are
+loop timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
+delivery).
 """
 
 from __future__ import annotations
