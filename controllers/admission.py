@@ -14,13 +14,14 @@ as accepted, like one under an expired grant.
 `consumer_batch_size` means what AReaL means by it: the samples the trainer consumes per version.
 A setting below the truth starves the trainer for good once the η versions of slack are used up
 (with the trainer waiting for samples that admission will not let in until the trainer publishes
-a version). So by default the budget follows the consumers (`follow_consumers`): the scheduler
-reports each consumer's demand under the current version, that is the granted samples one task
-was handed from one partition since the version began and did not give back, plus, while
-admission is what holds its requests back (`holds_back`), the batches it is waiting for; and
+a version). So by default the budget follows the consumers (`follow_consumers`): when admission
+is what holds a consumer's request back (`holds_back`), the scheduler reports that consumer's
+demand under the current version, that is the granted samples one task was handed from one
+partition since the version began and did not give back plus the batches it is waiting for; and
 `consumer_batch_size` grows to the largest demand seen (never below the configured value, never
-shrinking). A request that waits only for producers the budget lets in, or ends empty, counts
-nothing. A producer's batch is the smallest unit a grant has, so one acquire always fits:
+shrinking). Samples served from the budget's slack (a batch taken ahead of its version), a
+request that waits only for producers the budget lets in, or one that ends empty, count nothing
+by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
 `consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
 `status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
 the staleness bound (checked on every consumed sample) holds whatever the budget.

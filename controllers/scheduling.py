@@ -5,14 +5,14 @@ A request that cannot be served now is parked as a `Waiter` on its partition and
 whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
 moves; its deadline is a loop timer. A consumer's demand under the current version is the
 granted samples its task was handed from the partition since the version began and did not give
-back; each batch handed out reports it to admission, which grows the producers' budget to it. A
-request that waits counts only while admission is what holds it back (more puts may come, but
-what admission can still let in under this version falls short of its batch): then the batches
-its task waits for count as well, or, when the budget is pinned and can never let that batch in,
-the request fails at once with `UnsatisfiableError` (see `controllers/admission.py`). A request
-on a sealed partition (a stream's last, answered empty once the partition drains) counts
-nothing, nor does one that waits only for producers the budget already lets in, until it is
-served. Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are
+back, plus the batches its task waits for. A request reports it to admission, which grows the
+producers' budget to it, only while admission is what holds it back (more puts may come, but
+what admission can still let in under this version falls short of its batch); when the budget
+is pinned and can never let that batch in, the request fails at once with `UnsatisfiableError`
+instead (see `controllers/admission.py`). So a batch served from the budget's slack ahead of the
+version it is for (a stream's prefetch) reports nothing, nor does a request on a sealed
+partition (a stream's last, answered empty once the partition drains), nor one that waits only
+for producers the budget already lets in. Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are
 loop timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
 delivery).
 """
@@ -75,11 +75,10 @@ class _Demand:
             self.version, self.taken = version, {}
         return self.taken
 
-    def took(self, version: int, key: tuple[str, str], n: int) -> int:
-        """`key` was handed `n` granted samples under `version`; returns its count under it."""
+    def took(self, version: int, key: tuple[str, str], n: int) -> None:
+        """`key` was handed `n` granted samples under `version`."""
         taken = self.at(version)
         taken[key] = taken.get(key, 0) + n
-        return taken[key]
 
     def gave_back(self, version: int, key: tuple[str, str], n: int) -> None:
         """`n` granted samples handed to `key` under `version` went back to the ready pool (a
@@ -225,8 +224,8 @@ class Scheduler:
         grants, unsealed, and the `n_ready` samples plus what admission can still let in under
         this version fall short of its batch), tell admission what its consumer takes under this
         version, the batches it waits for included. A request that waits only for producers the
-        budget lets in is no demand: its samples count once handed out (`_lease`); nor is one on
-        a sealed partition, which no put can feed.
+        budget lets in is no demand, nor is one on a sealed partition, which no put can feed: the
+        samples handed out (`_lease`) count only in what a request held back reports.
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
@@ -290,8 +289,7 @@ class Scheduler:
             self.leases[lease_id] = lease
         granted = int(np.count_nonzero(part.granted[rows]))
         if granted:
-            demand = self.demand.took(self.clock.current, (part.name, req.task), granted)
-            self.admission.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
+            self.demand.took(self.clock.current, (part.name, req.task), granted)
         staleness = self.clock.current - part.v_first[rows[part.versioned[rows]]]
         self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)

@@ -145,20 +145,39 @@ def test_a_request_that_waits_within_the_budget_and_gives_up_counts_nothing(make
 
 def test_samples_handed_out_again_count_once(make_cluster):
     """Samples nacked and handed out again in the same version are the same samples: the 8
-    served three times are 8 per version, not 24."""
-    cluster = make_cluster(max_staleness=2, consumer_batch_size=8)
+    served three times are 8 per version, not 24, when a request the spent budget holds back
+    reports its consumer's demand (8 + the 4 it waits for)."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)  # admits 8 at version 0
     with cluster.connect() as client:
         fill(client, 8)
         for _ in range(3):
             client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
-        assert admission(client)["consumer_batch_size"] == 8
         meta = client.get_meta(["x"], 8, task="train", timeout=5)
-        fill(client, 4)
-        meta_more = client.get_meta(["x"], 4, task="train", timeout=5)
+        more: list[tq.BatchMeta] = []
+        waiter = threading.Thread(target=ask_for_4, args=(cluster.address, "train", more))
+        waiter.start()
+        eventually(lambda: admission(client)["consumer_batch_size"] != 8 or not waiter.is_alive())
+        fill(client, 4)  # the 4 slots the budget grew by
+        waiter.join(60)
         adm = admission(client)
-    assert len(meta) == 8 and len(meta_more) == 4
-    assert adm["consumer_batch_size"] == 12  # 12 distinct samples taken in one version
+    assert len(meta) == 8 and len(more) == 1 and len(more[0]) == 4
+    assert adm["consumer_batch_size"] == 12, adm  # 12 distinct samples taken in one version
     assert adm["grown_by"] == "task 'train' on partition 'train' takes 12 samples per version"
+
+
+def test_a_batch_taken_ahead_within_the_budget_is_no_demand(make_cluster):
+    """A stream asks for its next batch before the trainer publishes; the budget's slack (η = 1)
+    let its samples in, so it is served under the same version. The trainer still consumes 8
+    per version: the budget stays at 8, not 16 (what a consumer was handed counts only with a
+    request the budget holds back)."""
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=8)  # admits 16 at version 0
+    with cluster.connect() as client:
+        fill(client, 16)
+        batch = client.get_meta(["x"], 8, task="train", timeout=5)
+        ahead = client.get_meta(["x"], 8, task="train", timeout=5)
+        adm = admission(client)
+    assert len(batch) == len(ahead) == 8
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
 
 
 # -- a pinned budget fails at once what it can never let in ----------------------------------
