@@ -2,19 +2,19 @@
 policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
-whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
-moves; its deadline is a loop timer. A consumer's demand under the current version is the
-granted samples its task was handed from the partition since the version began and did not give
-back, plus the batches its task waits for. A request reports it to admission, which grows the
-producers' budget to it, only while admission is what holds it back (more puts may come, but
-what admission can still let in under this version falls short of its batch); when the budget
-is pinned and can never let that batch in, the request fails at once with `UnsatisfiableError`
-instead (see `controllers/admission.py`). So a batch served from the budget's slack ahead of the
-version it is for (a stream's prefetch) reports nothing, nor does a request on a sealed
-partition (a stream's last, answered empty once the partition drains), nor one that waits only
-for producers the budget already lets in. Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are
-loop timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
-delivery).
+whenever that partition changes (a commit, a nack, an expired lease, a seal), the version moves,
+or a put under a grant commits to any partition; its deadline is a loop timer. A consumer's
+demand under the current version is the granted samples its task was handed from the partition
+since the version began and did not give back, plus the batches its task waits for. A request
+reports it to admission, which grows the producers' budget to it, only while admission is what
+holds it back (more puts may come, but what admission can still let in under this version falls
+short of its batch); when the budget is pinned and can never let that batch in, the request
+fails at once with `UnsatisfiableError` instead (see `controllers/admission.py`). So a batch
+served from the budget's slack ahead of the version it is for (a stream's prefetch) reports
+nothing, nor does a request on a sealed partition (a stream's last, answered empty once the
+partition drains), nor one that waits only for producers the budget already lets in. Nothing
+here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop timers too:
+an expired lease returns its unacked samples to the ready pool (at-least-once delivery).
 """
 
 from __future__ import annotations
@@ -159,6 +159,10 @@ class Scheduler:
                 self._settle(waiter, final=False)
 
     def wake_all(self) -> None:
+        """Re-evaluate every partition's parked requests: the version moved, or a put under a
+        grant raised admission's `accepted`, which may now hold back a request parked on any
+        partition that it did not hold back before; that request must report its consumer's
+        demand (`_report_demand`), or the budget may never grow to it."""
         for name in list(self.waiters):
             self.wake(name)
 

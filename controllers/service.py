@@ -139,6 +139,7 @@ class Controller(Service):
             self.intake,
             self.admission,
             self.scheduler.wake,
+            self.scheduler.wake_all,
             self.record,
             config.storage_capacity,
         )

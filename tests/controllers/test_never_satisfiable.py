@@ -89,10 +89,10 @@ def test_the_budget_learns_several_batches_per_version_even_with_no_slack(make_c
     assert status["staleness"]["histogram"] == {"0": 48}
 
 
-def fill(client: tq.Client, n: int) -> None:
-    """Put `n` samples under one grant into 'train'."""
+def fill(client: tq.Client, n: int, partition: str = "train") -> None:
+    """Put `n` samples under one grant into `partition`."""
     with client.acquire(n, timeout=5) as grant:
-        client.put(rows(n), partition="train", grant=grant)
+        client.put(rows(n), partition=partition, grant=grant)
 
 
 def ask_for_4(address: str, task: str, out: list[tq.BatchMeta]) -> None:
@@ -178,6 +178,28 @@ def test_a_batch_taken_ahead_within_the_budget_is_no_demand(make_cluster):
         adm = admission(client)
     assert len(batch) == len(ahead) == 8
     assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_request(make_cluster):
+    """A request parked while the budget could still let its batch in is no demand then; a put
+    under a grant into another partition spends that budget, and the request must report its
+    consumer's demand at once (4 taken + 4 waited for), or the budget never grows to it and it
+    waits for a version the trainer publishes only after it."""
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=4)  # admits 8 at version 0
+    with cluster.connect() as client:
+        fill(client, 4)
+        taken = client.get_meta(["x"], 4, task="train", timeout=5)
+        more: list[tq.BatchMeta] = []
+        waiter = threading.Thread(target=ask_for_4, args=(cluster.address, "train", more))
+        waiter.start()
+        eventually(lambda: client.status()["counters"]["parked_get_meta"] == 1 or not waiter.is_alive())
+        fill(client, 4, partition="eval")  # the budget's last 4 slots, spent elsewhere
+        adm = admission(client)
+        assert adm["consumer_batch_size"] == 8, adm
+        assert adm["grown_by"] == "task 'train' on partition 'train' takes 8 samples per version"
+        fill(client, 4)  # the slots the budget grew by
+        waiter.join(60)
+    assert len(taken) == 4 and len(more) == 1 and len(more[0]) == 4
 
 
 # -- a pinned budget fails at once what it can never let in ----------------------------------
