@@ -10,7 +10,9 @@ returns what is left at once, as a stream's end.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -95,10 +97,28 @@ def fill(client: tq.Client, n: int, partition: str = "train") -> None:
         client.put(rows(n), partition=partition, grant=grant)
 
 
-def ask_for_4(address: str, task: str, out: list[tq.BatchMeta]) -> None:
-    """`get_meta` of 4 samples from a client of its own (a client belongs to one thread)."""
-    with tq.connect(address) as client:
-        out.append(client.get_meta(["x"], 4, task=task, timeout=60))
+@contextlib.contextmanager
+def asking(address: str, task: str, batch: int = 4) -> Iterator[tuple[threading.Thread, list[tq.BatchMeta]]]:
+    """A `get_meta` of `batch` samples in a thread, from a client of its own (a client belongs to
+    one thread): yields the thread and the list its answer lands in; the thread is joined on the
+    way out, a failing test's too (it then ends at the request's timeout)."""
+    out: list[tq.BatchMeta] = []
+
+    def ask() -> None:
+        with tq.connect(address) as client:
+            out.append(client.get_meta(["x"], batch, task=task, timeout=60))
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        yield thread, out
+    finally:
+        thread.join(60)
+
+
+def parked_or_ended(client: tq.Client, thread: threading.Thread) -> Callable[[], bool]:
+    """For `eventually`: one request is parked at the controller, or the thread asking ended."""
+    return lambda: client.status()["counters"]["parked_get_meta"] == 1 or not thread.is_alive()
 
 
 @pytest.mark.parametrize(
@@ -118,13 +138,10 @@ def test_a_request_a_sealed_drained_partition_answers_empty_counts_nothing(make_
         for task in ("a", "b", "c"):  # a few streams, each its own consumer of the 8 samples
             first = client.get_meta(["x"], 4, task=task, timeout=5)
             second = client.get_meta(["x"], 4, task=task, timeout=5)
-            last: list[tq.BatchMeta] = []
-            waiter = threading.Thread(target=ask_for_4, args=(cluster.address, task, last))
-            waiter.start()
-            eventually(lambda w=waiter: client.status()["counters"]["parked_get_meta"] == 1 or not w.is_alive())
-            client.ack(first)
-            client.ack(second)
-            waiter.join(60)
+            with asking(cluster.address, task) as (waiter, last):
+                eventually(parked_or_ended(client, waiter))
+                client.ack(first)
+                client.ack(second)
             assert len(last) == 1 and len(last[0]) == 0
         adm = admission(client)
     assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
@@ -153,12 +170,9 @@ def test_samples_handed_out_again_count_once(make_cluster):
         for _ in range(3):
             client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
         meta = client.get_meta(["x"], 8, task="train", timeout=5)
-        more: list[tq.BatchMeta] = []
-        waiter = threading.Thread(target=ask_for_4, args=(cluster.address, "train", more))
-        waiter.start()
-        eventually(lambda: admission(client)["consumer_batch_size"] != 8 or not waiter.is_alive())
-        fill(client, 4)  # the 4 slots the budget grew by
-        waiter.join(60)
+        with asking(cluster.address, "train") as (waiter, more):
+            eventually(lambda: admission(client)["consumer_batch_size"] != 8 or not waiter.is_alive())
+            fill(client, 4)  # the 4 slots the budget grew by
         adm = admission(client)
     assert len(meta) == 8 and len(more) == 1 and len(more[0]) == 4
     assert adm["consumer_batch_size"] == 12, adm  # 12 distinct samples taken in one version
@@ -189,16 +203,13 @@ def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_re
     with cluster.connect() as client:
         fill(client, 4)
         taken = client.get_meta(["x"], 4, task="train", timeout=5)
-        more: list[tq.BatchMeta] = []
-        waiter = threading.Thread(target=ask_for_4, args=(cluster.address, "train", more))
-        waiter.start()
-        eventually(lambda: client.status()["counters"]["parked_get_meta"] == 1 or not waiter.is_alive())
-        fill(client, 4, partition="eval")  # the budget's last 4 slots, spent elsewhere
-        adm = admission(client)
-        assert adm["consumer_batch_size"] == 8, adm
-        assert adm["grown_by"] == "task 'train' on partition 'train' takes 8 samples per version"
-        fill(client, 4)  # the slots the budget grew by
-        waiter.join(60)
+        with asking(cluster.address, "train") as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            fill(client, 4, partition="eval")  # the budget's last 4 slots, spent elsewhere
+            adm = admission(client)
+            assert adm["consumer_batch_size"] == 8, adm
+            assert adm["grown_by"] == "task 'train' on partition 'train' takes 8 samples per version"
+            fill(client, 4)  # the slots the budget grew by
     assert len(taken) == 4 and len(more) == 1 and len(more[0]) == 4
 
 
