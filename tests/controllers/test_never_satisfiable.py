@@ -160,15 +160,25 @@ def test_a_request_that_waits_within_the_budget_and_gives_up_counts_nothing(make
     assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
 
 
-def test_samples_handed_out_again_count_once(make_cluster):
-    """Samples nacked and handed out again in the same version are the same samples: the 8
-    served three times are 8 per version, not 24, when a request the spent budget holds back
-    reports its consumer's demand (8 + the 4 it waits for)."""
+def give_back_by_nack(client: tq.Client) -> None:
+    client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
+
+
+def give_back_by_lease_expiry(client: tq.Client) -> None:
+    client.get_meta(["x"], 8, task="train", timeout=5, lease_timeout=0.1)
+    eventually(lambda: client.status()["counters"]["open_leases"] == 0, what="the lease's expiry")
+
+
+@pytest.mark.parametrize("give_back", [give_back_by_nack, give_back_by_lease_expiry], ids=["nack", "lease-expiry"])
+def test_samples_handed_out_again_count_once(make_cluster, give_back):
+    """Samples given back (nacked, or their lease expired) and handed out again in the same
+    version are the same samples: the 8 served three times are 8 per version, not 24, when a
+    request the spent budget holds back reports its consumer's demand (8 + the 4 it waits for)."""
     cluster = make_cluster(max_staleness=0, consumer_batch_size=8)  # admits 8 at version 0
     with cluster.connect() as client:
         fill(client, 8)
         for _ in range(3):
-            client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
+            give_back(client)
         meta = client.get_meta(["x"], 8, task="train", timeout=5)
         with asking(cluster.address, "train") as (waiter, more):
             eventually(lambda: admission(client)["consumer_batch_size"] != 8 or not waiter.is_alive())
