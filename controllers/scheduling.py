@@ -2,14 +2,16 @@
 policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
-whenever that partition changes (a commit, a nack, an expired lease, a seal), the version moves,
-or a put under a grant commits to any partition; its deadline is a loop timer. A consumer's
-demand under the current version is the granted samples its task was handed from the partition
-since the version began and did not give back, plus the batches its task waits for. A request
-reports it to admission, which grows the producers' budget to it, only while admission is what
-holds it back (more puts may come, but what admission can still let in under this version falls
-short of its batch); when the budget is pinned and can never let that batch in, the request
-fails at once with `UnsatisfiableError` instead (see `controllers/admission.py`). So a batch
+whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
+moves; a put under a grant into another partition spends admission's budget, so the request
+checks its demand again then, with the samples ready for it at its last evaluation. Its
+deadline is a loop timer. A consumer's demand under the current version is the granted samples
+its task was handed from the partition since the version began and did not give back, plus the
+batches its task waits for. A request reports it to admission, which grows the producers'
+budget to it, only while admission is what holds it back (more puts may come, but what
+admission can still let in under this version falls short of its batch); when the budget is
+pinned and can never let that batch in, the request fails at once with `UnsatisfiableError`
+instead (see `controllers/admission.py`). So a batch
 served from the budget's slack ahead of the version it is for (a stream's prefetch) reports
 nothing, nor does a request on a sealed partition (a stream's last, answered empty once the
 partition drains), nor one that waits only for producers the budget already lets in. Nothing
@@ -92,6 +94,9 @@ class _Waiter:
     req: GetMeta
     future: asyncio.Future
     deadline: asyncio.TimerHandle | None = None
+    ready: int = 0
+    """Samples ready for it when it was last evaluated: what it reports demand with when a
+    granted put elsewhere spends the budget (`granted_commit`)."""
 
 
 @dataclass
@@ -126,6 +131,10 @@ class Scheduler:
     """Sample-acks refused: their lease had expired and the sample went to another consumer
     (a sample acked late twice counts twice)."""
     demand: _Demand = field(default_factory=_Demand)
+    _recount: set[str] = field(default_factory=set)
+    """Partitions where samples stopped being ready for parked requests after those were last
+    evaluated (served to another request, acked from the pool, cleared, dropped as stale): their
+    `_Waiter.ready` may be too high, so `granted_commit` evaluates them in full."""
     # lease ids start at the controller's start time in microseconds: a journaled controller
     # started again never hands out the id of a lease a client still holds from before
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
@@ -137,11 +146,11 @@ class Scheduler:
     # -- get_meta ----------------------------------------------------------------------
 
     async def get_meta(self, req: GetMeta) -> BatchMeta:
-        meta = self._evaluate(req, final=False)
-        if meta is not None:
-            return meta
         loop = asyncio.get_running_loop()
         waiter = _Waiter(req, loop.create_future())
+        meta = self._evaluate(waiter, final=False)
+        if meta is not None:
+            return meta
         waiter.deadline = loop.call_later(max(req.timeout, 0.0), self._expire_waiter, waiter)
         self.waiters.setdefault(req.partition, []).append(waiter)
         try:
@@ -154,17 +163,43 @@ class Scheduler:
 
     def wake(self, partition: str) -> None:
         """Re-evaluate the partition's parked requests in arrival order."""
+        self._recount.discard(partition)
         for waiter in list(self.waiters.get(partition, ())):
             if not waiter.future.done():
                 self._settle(waiter, final=False)
 
     def wake_all(self) -> None:
-        """Re-evaluate every partition's parked requests: the version moved, or a put under a
-        grant raised admission's `accepted`, which may now hold back a request parked on any
-        partition that it did not hold back before; that request must report its consumer's
-        demand (`_report_demand`), or the budget may never grow to it."""
+        """Re-evaluate every partition's parked requests: the version moved."""
         for name in list(self.waiters):
             self.wake(name)
+
+    def granted_commit(self, partition: str) -> None:
+        """A put under a grant committed to `partition`: re-evaluate the requests parked there.
+        It raised admission's `accepted`, which may now hold back a request parked on any other
+        partition that it did not hold back before; that request must report its consumer's
+        demand, or the budget may never grow to it. Its ready samples did not change since it
+        was last evaluated (a partition where they may have dropped is in `_recount`), so it
+        reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
+        demand check per request parked elsewhere, not a full evaluation."""
+        for name in list(self.waiters):
+            part = self.partitions.get(name)
+            if name == partition or name in self._recount:
+                self.wake(name)
+            elif part is not None:
+                for waiter in list(self.waiters[name]):
+                    if waiter.future.done():
+                        continue
+                    try:
+                        self._report_demand(part, waiter.req, waiter.ready)
+                    except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
+                        waiter.future.set_exception(exc)
+
+    def ready_fell(self, partition: str) -> None:
+        """Samples of `partition` stopped being ready for a task without the requests parked
+        there being evaluated again (leased to another request, acked from the ready pool,
+        cleared, dropped as stale): the next granted commit evaluates them in full."""
+        if self.waiters.get(partition):
+            self._recount.add(partition)
 
     def _expire_waiter(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
@@ -172,19 +207,22 @@ class Scheduler:
 
     def _settle(self, waiter: _Waiter, final: bool) -> None:
         try:
-            meta = self._evaluate(waiter.req, final)
+            meta = self._evaluate(waiter, final)
         except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
             waiter.future.set_exception(exc)
             return
         if meta is not None:
             waiter.future.set_result(meta)
 
-    def _evaluate(self, req: GetMeta, final: bool) -> BatchMeta | None:
-        """A leased batch, or None to keep waiting; at the deadline a short batch or an error."""
+    def _evaluate(self, waiter: _Waiter, final: bool) -> BatchMeta | None:
+        """A leased batch, or None to keep waiting (`waiter.ready` then says how many samples
+        are ready for it); at the deadline a short batch or an error."""
+        req = waiter.req
         part = self.partitions.get(req.partition)
         sampler = self.samplers.get(req.sampler)
         if part is None:
             if not final:
+                waiter.ready = 0
                 return None
             if not req.allow_partial:
                 return self._give_up(req, None, 0)
@@ -204,6 +242,7 @@ class Scheduler:
             rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
         if rows is None:
             if not final:
+                waiter.ready = len(ready)
                 self._report_demand(part, req, len(ready))
                 return None
             if not req.allow_partial:
@@ -291,6 +330,8 @@ class Scheduler:
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
             lease = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer, self.clock.current)
             self.leases[lease_id] = lease
+            if any(w.req.task == req.task and w.req is not req for w in self.waiters.get(part.name, ())):
+                self.ready_fell(part.name)  # the other requests of the task parked there
         granted = int(np.count_nonzero(part.granted[rows]))
         if granted:
             self.demand.took(self.clock.current, (part.name, req.task), granted)
@@ -325,6 +366,7 @@ class Scheduler:
             self.stale.dropped += len(rows)
         self.admission.forget(int(np.count_nonzero(part.granted[rows])))  # only granted samples were counted
         self.free_rows(part, rows)
+        self.ready_fell(part.name)
 
     def _requeue_sources(self, part: Partition, rows: np.ndarray) -> None:
         """Offer the prompts that produced `rows` to their producers again."""
@@ -397,6 +439,8 @@ class Scheduler:
                     whole = False
             self._release_leases(held)
             before = task.consumed[rows]
+            if ((held == 0) & ~before).any():  # taken from the ready pool
+                self.ready_fell(part.name)
             self.acked += int(np.count_nonzero(~before))
             # a consumed sample keeps minus the lease it was consumed under, so that a late ack of
             # another lease can tell it went to someone else (0: under none, or unknown); one taken

@@ -223,6 +223,37 @@ def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_re
     assert len(taken) == 4 and len(more) == 1 and len(more[0]) == 4
 
 
+@pytest.mark.parametrize("how", ["served", "cleared", "acked-late"])
+def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_is_left(make_cluster, how):
+    """A request for 8 parks with 4 ready and 8 more the budget can let in: not held back.
+    The 4 then stop being ready for it with nothing else on its partition changing: served to
+    another request of its task, cleared by another task, or acked after their lease expired.
+    A put under a grant into another partition spends 2 slots: the 0 ready + 6 fall short of
+    8, so the request must report its consumer's demand, though 4 + 6 would not have."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0
+    with cluster.connect() as client:
+        fill(client, 4)
+        if how == "acked-late":
+            late = client.get_meta(["x"], 4, task="train", timeout=5, lease_timeout=0.1)
+            eventually(lambda: client.status()["counters"]["open_leases"] == 0, what="the lease's expiry")
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            taken = 0  # granted samples handed to the task under this version and kept
+            if how == "served":
+                client.get_meta(["x"], 4, task="train", timeout=5)
+                taken = 4
+            elif how == "cleared":
+                client.clear(client.get_meta(["x"], 4, task="other", timeout=5))
+            else:
+                client.ack(late)  # under no lease since it expired: taken from the ready pool
+            fill(client, 2, partition="eval")
+            adm = admission(client)
+            assert adm["consumer_batch_size"] == taken + 8, adm
+            assert adm["grown_by"] == f"task 'train' on partition 'train' takes {taken + 8} samples per version"
+            fill(client, 8)  # the slots the budget grew by
+    assert len(more) == 1 and len(more[0]) == 8
+
+
 # -- a pinned budget fails at once what it can never let in ----------------------------------
 
 
