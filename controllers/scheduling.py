@@ -437,7 +437,7 @@ class Scheduler:
                     rows, held = rows[ours], held[ours]
                     known[known] = ours
                     whole = False
-            self._release_leases(held)
+            self._release_leases(part, held)
             before = task.consumed[rows]
             if ((held == 0) & ~before).any():  # taken from the ready pool
                 self.ready_fell(part.name)
@@ -464,24 +464,25 @@ class Scheduler:
             rows = rows[task.lease[rows] == lease_id]
         if not len(rows):
             return
-        held = task.lease[rows]
-        self._give_back_demand(part, held[part.granted[rows]])
-        self._release_leases(held)
+        self._release_leases(part, task.lease[rows], given_back=part.granted[rows])
         task.lease[rows] = 0
         self.wake(part.name)
 
-    def _give_back_demand(self, part: Partition, lease_ids: np.ndarray) -> None:
-        """Granted samples under `lease_ids` went back to the ready pool: they no longer count
-        as demand under the version their lease was handed out in."""
-        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
-        for lease_id, count in zip(ids.tolist(), counts.tolist()):
+    def _release_leases(self, part: Partition, lease_ids: np.ndarray, given_back: np.ndarray | None = None) -> None:
+        """One sample under each of `lease_ids` (0 or below: under none) was acked or went back
+        to the ready pool: close the leases left with none. With `given_back` (a nack: a mask
+        aligned with `lease_ids`, True for a granted sample), the granted samples given back no
+        longer count as demand under the version their lease was handed out in; one
+        `np.unique` serves both."""
+        held = lease_ids > 0
+        ids, inverse, counts = np.unique(lease_ids[held], return_inverse=True, return_counts=True)
+        granted = [0] * len(ids)
+        if given_back is not None:
+            granted = np.bincount(inverse, weights=given_back[held], minlength=len(ids)).astype(np.int64).tolist()
+        for lease_id, count, n_granted in zip(ids.tolist(), counts.tolist(), granted):
             lease = self.leases.get(lease_id)
-            if lease is not None:
-                self.demand.gave_back(lease.version, (part.name, lease.task), count)
-
-    def _release_leases(self, lease_ids: np.ndarray) -> None:
-        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
-        for lease_id, count in zip(ids.tolist(), counts.tolist()):
+            if lease is not None and n_granted:
+                self.demand.gave_back(lease.version, (part.name, lease.task), n_granted)
             self._release_lease(lease_id, count)
 
     def _release_lease(self, lease_id: int, count: int) -> None:
