@@ -11,12 +11,15 @@ batches its task waits for. A request reports it to admission, which grows the p
 budget to it, only while admission is what holds it back (more puts may come, but what
 admission can still let in under this version falls short of its batch); when the budget is
 pinned and can never let that batch in, the request fails at once with `UnsatisfiableError`
-instead (see `controllers/admission.py`). So a batch
-served from the budget's slack ahead of the version it is for (a stream's prefetch) reports
-nothing, nor does a request on a sealed partition (a stream's last, answered empty once the
-partition drains), nor one that waits only for producers the budget already lets in. Nothing
-here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop timers too:
-an expired lease returns its unacked samples to the ready pool (at-least-once delivery).
+instead (see `controllers/admission.py`). So a batch served from the budget's slack ahead of
+the version it is for reports nothing by itself (its samples count in what a later request held
+back reports), nor does a request on a sealed partition (a stream's last, answered empty once
+the partition drains), nor one that waits only for producers the budget already lets in. A
+stream's prefetch thus counts nothing while the budget has a batch of slack for it, and counts
+when it does not: with η = 0 it is held back and asks for a second batch under one version.
+Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop
+timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
+delivery).
 """
 
 from __future__ import annotations

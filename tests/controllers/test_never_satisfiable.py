@@ -204,6 +204,23 @@ def test_a_batch_taken_ahead_within_the_budget_is_no_demand(make_cluster):
     assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
 
 
+def test_a_stream_prefetch_with_less_than_a_batch_of_slack_counts(make_cluster):
+    """The behaviour docs/staleness.md describes: η = 0 leaves the budget no slack, so a
+    stream's prefetch, launched once its first batch is in hand, is held back under the same
+    version and asks for a second batch: the budget grows to two batches per version."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)  # admits 8 at version 0
+    with cluster.connect() as trainer:
+        fill(trainer, 8)
+        for _batch, meta in trainer.stream(["x"], 8, task="train", timeout=60):
+            assert meta.policy_versions == [0] * 8
+            eventually(lambda: admission(trainer)["consumer_batch_size"] != 8)
+            adm = admission(trainer)
+            fill(trainer, 8)  # the prefetch is served: leaving the stream gives it back at once
+            break
+    assert adm["consumer_batch_size"] == 16
+    assert adm["grown_by"] == "task 'train' on partition 'train' takes 16 samples per version"
+
+
 def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_request(make_cluster):
     """A request parked while the budget could still let its batch in is no demand then; a put
     under a grant into another partition spends that budget, and the request must report its
