@@ -123,11 +123,15 @@ class Admission:
         if self.bounded and self.follow and demand > self.batch_size:
             self._grow(demand, f"{who} takes {demand} samples per version")
 
+    def room(self) -> float:
+        """All that admission can still let in under this version: running grants and the
+        budget (infinite when unbounded)."""
+        return self.running + self.budget()
+
     def holds_back(self, ready: int, batch: int) -> bool:
-        """The `ready` samples plus all that admission can still let in under this version
-        (running grants and the budget) fall short of a consumer's `batch`: it waits for a new
-        version, or for the budget to grow."""
-        return self.bounded and ready + self.running + self.budget() < batch
+        """The `ready` samples plus the `room` fall short of a consumer's `batch`: it waits for
+        a new version, or for the budget to grow."""
+        return ready + self.room() < batch
 
     def _grow(self, batch_size: int, why: str) -> None:
         log.warning(

@@ -184,18 +184,21 @@ class Scheduler:
         was last evaluated (a partition where they may have dropped is in `_recount`), so it
         reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
         demand check per request parked elsewhere, not a full evaluation."""
+        room = self.admission.room()  # a report only grows it: `_report_demand` checks again
         for name in list(self.waiters):
-            part = self.partitions.get(name)
             if name == partition or name in self._recount:
                 self.wake(name)
-            elif part is not None:
-                for waiter in list(self.waiters[name]):
-                    if waiter.future.done():
-                        continue
-                    try:
-                        self._report_demand(part, waiter.req, waiter.ready)
-                    except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
-                        waiter.future.set_exception(exc)
+                continue
+            part = self.partitions.get(name)
+            if part is None or not self._fed_under_grants(part):
+                continue  # admission holds back no request parked there
+            for waiter in list(self.waiters[name]):
+                if waiter.future.done() or waiter.ready + room >= waiter.req.batch_size:
+                    continue
+                try:
+                    self._report_demand(part, waiter.req, waiter.ready)
+                except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
+                    waiter.future.set_exception(exc)
 
     def ready_fell(self, partition: str) -> None:
         """Samples of `partition` stopped being ready for a task without the requests parked
@@ -276,9 +279,7 @@ class Scheduler:
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not adm.bounded or part.sealed or not part.granted[: part.n].any():
-            return
-        if not adm.holds_back(n_ready, req.batch_size):
+        if not self._fed_under_grants(part) or not adm.holds_back(n_ready, req.batch_size):
             return
         key = (part.name, req.task)
         others = sum(
@@ -297,6 +298,11 @@ class Scheduler:
                 f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
                 "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
             )
+
+    def _fed_under_grants(self, part: Partition) -> bool:
+        """More samples may come to `part` through a bounded admission: a put under a grant
+        brought some, and it is not sealed."""
+        return self.admission.bounded and not part.sealed and bool(part.granted[: part.n].any())
 
     def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:
         """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
