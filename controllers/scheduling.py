@@ -192,13 +192,19 @@ class Scheduler:
             part = self.partitions.get(name)
             if part is None or not self._fed_under_grants(part):
                 continue  # admission holds back no request parked there
+            waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
+            for waiter in self.waiters[name]:
+                if not waiter.future.done():
+                    waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
             for waiter in list(self.waiters[name]):
                 if waiter.future.done() or waiter.ready + room >= waiter.req.batch_size:
                     continue
+                req = waiter.req
                 try:
-                    self._report_demand(part, waiter.req, waiter.ready)
+                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size)
                 except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
                     waiter.future.set_exception(exc)
+                    waiting[req.task] -= req.batch_size
 
     def ready_fell(self, partition: str) -> None:
         """Samples of `partition` stopped being ready for a task without the requests parked
@@ -268,7 +274,7 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int) -> None:
+    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int, others: int | None = None) -> None:
         """A request waits: when admission is what holds it back (the partition is fed under
         grants, unsealed, and the `n_ready` samples plus what admission can still let in under
         this version fall short of its batch), tell admission what its consumer takes under this
@@ -276,17 +282,21 @@ class Scheduler:
         budget lets in is no demand, nor is one on a sealed partition, which no put can feed: the
         samples handed out (`_lease`) count only in what a request held back reports.
 
+        `others`: the batches the task's other requests parked on the partition wait for, when
+        the caller has summed them for several requests at once (else summed here).
+
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
         if not self._fed_under_grants(part) or not adm.holds_back(n_ready, req.batch_size):
             return
         key = (part.name, req.task)
-        others = sum(
-            w.req.batch_size
-            for w in self.waiters.get(part.name, ())
-            if w.req.task == req.task and w.req is not req and not w.future.done()
-        )
+        if others is None:
+            others = sum(
+                w.req.batch_size
+                for w in self.waiters.get(part.name, ())
+                if w.req.task == req.task and w.req is not req and not w.future.done()
+            )
         demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
         adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
         if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned

@@ -271,6 +271,41 @@ def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_i
     assert len(more) == 1 and len(more[0]) == 8
 
 
+def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with_none(make_cluster):
+    """A request for 8 parks with 4 ready (version 0) under version 1 and 12 more the budget can
+    let in: not held back. Another task's tighter bound drops the 4 as stale, with nothing else
+    on the partition changing; a put under a grant into another partition then leaves room for
+    7: 0 ready + 7 fall short of 8, so the request reports its consumer's demand."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0, 16 at 1
+    with cluster.connect() as client:
+        fill(client, 4)
+        client.set_version(1)
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            assert len(client.get_meta(["x"], 4, task="other", max_staleness=0, timeout=0, allow_partial=True)) == 0
+            assert client.status()["staleness"]["dropped"] == 4
+            fill(client, 9, partition="eval")
+            assert admission(client)["consumer_batch_size"] == 8
+            fill(client, 8)
+    assert len(more) == 1 and len(more[0]) == 8
+
+
+@pytest.mark.parametrize("spent, grows", [(4, False), (5, True)])
+def test_a_parked_request_reports_only_when_its_ready_samples_and_the_room_fall_short(make_cluster, spent, grows):
+    """8 asked with 4 ready and room for 8 more (12 admitted at version 0): a put under a grant
+    into another partition spends `spent` of it. 4 + 4 reach the batch (no demand); 4 + 3 fall
+    short, and the request reports 8."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)
+    with cluster.connect() as client:
+        fill(client, 4)
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            fill(client, spent, partition="eval")
+            assert admission(client)["consumer_batch_size"] == (8 if grows else 4)
+            fill(client, 4)
+    assert len(more) == 1 and len(more[0]) == 8
+
+
 # -- a pinned budget fails at once what it can never let in ----------------------------------
 
 
