@@ -14,11 +14,14 @@ as accepted, like one under an expired grant.
 `consumer_batch_size` means what AReaL means by it: the samples the trainer consumes per version.
 A setting below the truth starves the trainer for good once the η versions of slack are used up
 (with the trainer waiting for samples that admission will not let in until the trainer publishes
-a version). So by default the budget follows the consumers (`follow_consumers`): the scheduler
-reports each consumer's demand under the current version, that is the granted samples one task
-took from one partition since the version began plus the batches it is waiting for, and
+a version). So by default the budget follows the consumers (`follow_consumers`): when admission
+is what holds a consumer's request back (`holds_back`), the scheduler reports that consumer's
+demand under the current version, that is the granted samples one task was handed from one
+partition since the version began and did not give back plus the batches it is waiting for; and
 `consumer_batch_size` grows to the largest demand seen (never below the configured value, never
-shrinking). A producer's batch is the smallest unit a grant has, so one acquire always fits:
+shrinking). Samples served from the budget's slack (a batch taken ahead of its version), a
+request that waits only for producers the budget lets in, or one that ends empty, count nothing
+by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
 `consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
 `status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
 the staleness bound (checked on every consumed sample) holds whatever the budget.
@@ -27,7 +30,7 @@ With `follow_consumers=False` the configured value is pinned, and a request it c
 fails at once with `UnsatisfiableError` naming the budget and the fix, instead of waiting out
 its timeout: an acquire larger than `(η + 1) * consumer_batch_size`, or a consumer whose demand
 exceeds `consumer_batch_size` while what admission can still let in under the current version
-does not cover its batch (`Scheduler` asks `starves`).
+does not cover its batch (`holds_back`).
 """
 
 from __future__ import annotations
@@ -120,13 +123,15 @@ class Admission:
         if self.bounded and self.follow and demand > self.batch_size:
             self._grow(demand, f"{who} takes {demand} samples per version")
 
-    def starves(self, demand: int, ready: int, batch: int) -> bool:
-        """A pinned budget cannot serve a consumer: its `demand` per version exceeds
-        `consumer_batch_size`, and the `ready` samples plus all that admission can still let in
-        under this version fall short of its `batch`."""
-        if not self.bounded or self.follow or demand <= self.batch_size:
-            return False
-        return ready + self.running + self.budget() < batch
+    def room(self) -> float:
+        """All that admission can still let in under this version: running grants and the
+        budget (infinite when unbounded)."""
+        return self.running + self.budget()
+
+    def holds_back(self, ready: int, batch: int) -> bool:
+        """The `ready` samples plus the `room` fall short of a consumer's `batch`: it waits for
+        a new version, or for the budget to grow."""
+        return ready + self.room() < batch
 
     def _grow(self, batch_size: int, why: str) -> None:
         log.warning(

@@ -96,17 +96,21 @@ class Puts:
         intake: Intake,
         admission: Admission,
         wake: Callable[[str], None],
+        granted_commit: Callable[[str], None],
         record: Callable[[Record], None],
         storage_capacity: int,
     ):
         """`links` authenticates the units' reports and takes frees of stray rows; `wake`
-        re-evaluates the consumers parked on a partition (`Scheduler.wake`); `record` journals a
-        change; `storage_capacity` is the cluster's, which no put may exceed."""
+        re-evaluates the consumers parked on a partition (`Scheduler.wake`), `granted_commit`
+        also has those a put under a grant may now hold back report their demand
+        (`Scheduler.granted_commit`); `record` journals a change; `storage_capacity` is the
+        cluster's, which no put may exceed."""
         self.ledger = ledger
         self.links = links
         self.intake = intake
         self.admission = admission
         self._wake = wake
+        self._granted_commit = granted_commit
         self._record = record
         self.storage_capacity = storage_capacity
         self.open: dict[int, _OpenPut] = {}
@@ -331,7 +335,10 @@ class Puts:
                 self.admission.used(info.grant_id, n)
             self.samples += n
         part.mark_ready(rows, list(msg.fields))
-        self._wake(part.name)
+        if info is not None and info.grant_id:
+            self._granted_commit(part.name)  # `accepted` rose: a request parked anywhere may be held back now
+        else:
+            self._wake(part.name)
 
     def _new_columns(self, msg: CommitPut) -> tuple[Partition, np.ndarray]:
         """Check and account for new columns of existing rows (a put with `meta=`)."""

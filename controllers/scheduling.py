@@ -3,13 +3,23 @@ policy, sample, lease, or park; acks, nacks and lease expiry.
 
 A request that cannot be served now is parked as a `Waiter` on its partition and re-evaluated
 whenever that partition changes (a commit, a nack, an expired lease, a seal) or the version
-moves; its deadline is a loop timer. Each time a request waits, its consumer's demand under the
-current version (granted samples its task took from the partition since the version began, plus
-the batches it waits for) goes to admission, which grows the producers' budget to it, or, when
-the budget is pinned and can never let that batch in, the request fails at once with
-`UnsatisfiableError` (see `controllers/admission.py`). Nothing here sleeps or polls, so a
-waiting consumer never slows anyone else. Leases are loop timers too: an expired lease returns its unacked samples to
-the ready pool (at-least-once delivery).
+moves; a put under a grant into another partition spends admission's budget, so the request
+checks its demand again then, with the samples ready for it at its last evaluation. Its
+deadline is a loop timer. A consumer's demand under the current version is the granted samples
+its task was handed from the partition since the version began and did not give back, plus the
+batches its task waits for. A request reports it to admission, which grows the producers'
+budget to it, only while admission is what holds it back (more puts may come, but what
+admission can still let in under this version falls short of its batch); when the budget is
+pinned and can never let that batch in, the request fails at once with `UnsatisfiableError`
+instead (see `controllers/admission.py`). So a batch served from the budget's slack ahead of
+the version it is for reports nothing by itself (its samples count in what a later request held
+back reports), nor does a request on a sealed partition (a stream's last, answered empty once
+the partition drains), nor one that waits only for producers the budget already lets in. A
+stream's prefetch thus counts nothing while the budget has a batch of slack for it, and counts
+when it does not: with η = 0 it is held back and asks for a second batch under one version.
+Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop
+timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
+delivery).
 """
 
 from __future__ import annotations
@@ -57,8 +67,9 @@ class StaleCounters:
 
 @dataclass
 class _Demand:
-    """Granted samples each consumer, a (partition, task), took under `version`. A sample served
-    twice (nacked, or its lease expired) counts twice: the estimate errs only on the generous side."""
+    """Granted samples each consumer, a (partition, task), was handed under `version` and did not
+    give back: a sample nacked, or whose lease expired, stops counting, so one handed out again
+    counts once."""
 
     version: int = 0
     taken: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -69,12 +80,26 @@ class _Demand:
             self.version, self.taken = version, {}
         return self.taken
 
+    def took(self, version: int, key: tuple[str, str], n: int) -> None:
+        """`key` was handed `n` granted samples under `version`."""
+        taken = self.at(version)
+        taken[key] = taken.get(key, 0) + n
+
+    def gave_back(self, version: int, key: tuple[str, str], n: int) -> None:
+        """`n` granted samples handed to `key` under `version` went back to the ready pool (a
+        version already over is forgotten)."""
+        if version == self.version and key in self.taken:
+            self.taken[key] = max(0, self.taken[key] - n)
+
 
 @dataclass
 class _Waiter:
     req: GetMeta
     future: asyncio.Future
     deadline: asyncio.TimerHandle | None = None
+    ready: int = 0
+    """Samples ready for it when it was last evaluated: what it reports demand with when a
+    granted put elsewhere spends the budget (`granted_commit`)."""
 
 
 @dataclass
@@ -85,6 +110,8 @@ class _Lease:
     """Global indexes of the leased samples (row numbers change when the table compacts)."""
     outstanding: int
     timer: asyncio.TimerHandle
+    version: int
+    """The version it was handed out under: what its samples count as demand for."""
 
 
 @dataclass
@@ -107,6 +134,10 @@ class Scheduler:
     """Sample-acks refused: their lease had expired and the sample went to another consumer
     (a sample acked late twice counts twice)."""
     demand: _Demand = field(default_factory=_Demand)
+    _recount: set[str] = field(default_factory=set)
+    """Partitions where samples stopped being ready for parked requests after those were last
+    evaluated (served to another request, acked from the pool, cleared, dropped as stale): their
+    `_Waiter.ready` may be too high, so `granted_commit` evaluates them in full."""
     # lease ids start at the controller's start time in microseconds: a journaled controller
     # started again never hands out the id of a lease a client still holds from before
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
@@ -118,11 +149,11 @@ class Scheduler:
     # -- get_meta ----------------------------------------------------------------------
 
     async def get_meta(self, req: GetMeta) -> BatchMeta:
-        meta = self._evaluate(req, final=False)
-        if meta is not None:
-            return meta
         loop = asyncio.get_running_loop()
         waiter = _Waiter(req, loop.create_future())
+        meta = self._evaluate(waiter, final=False)
+        if meta is not None:
+            return meta
         waiter.deadline = loop.call_later(max(req.timeout, 0.0), self._expire_waiter, waiter)
         self.waiters.setdefault(req.partition, []).append(waiter)
         try:
@@ -135,13 +166,52 @@ class Scheduler:
 
     def wake(self, partition: str) -> None:
         """Re-evaluate the partition's parked requests in arrival order."""
+        self._recount.discard(partition)
         for waiter in list(self.waiters.get(partition, ())):
             if not waiter.future.done():
                 self._settle(waiter, final=False)
 
     def wake_all(self) -> None:
+        """Re-evaluate every partition's parked requests: the version moved."""
         for name in list(self.waiters):
             self.wake(name)
+
+    def granted_commit(self, partition: str) -> None:
+        """A put under a grant committed to `partition`: re-evaluate the requests parked there.
+        It raised admission's `accepted`, which may now hold back a request parked on any other
+        partition that it did not hold back before; that request must report its consumer's
+        demand, or the budget may never grow to it. Its ready samples did not change since it
+        was last evaluated (a partition where they may have dropped is in `_recount`), so it
+        reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
+        demand check per request parked elsewhere, not a full evaluation."""
+        room = self.admission.room()  # a report only grows it: `_report_demand` checks again
+        for name in list(self.waiters):
+            if name == partition or name in self._recount:
+                self.wake(name)
+                continue
+            part = self.partitions.get(name)
+            if part is None or not self._fed_under_grants(part):
+                continue  # admission holds back no request parked there
+            waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
+            for waiter in self.waiters[name]:
+                if not waiter.future.done():
+                    waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+            for waiter in list(self.waiters[name]):
+                if waiter.future.done() or waiter.ready + room >= waiter.req.batch_size:
+                    continue
+                req = waiter.req
+                try:
+                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size)
+                except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
+                    waiter.future.set_exception(exc)
+                    waiting[req.task] -= req.batch_size
+
+    def ready_fell(self, partition: str) -> None:
+        """Samples of `partition` stopped being ready for a task without the requests parked
+        there being evaluated again (leased to another request, acked from the ready pool,
+        cleared, dropped as stale): the next granted commit evaluates them in full."""
+        if self.waiters.get(partition):
+            self._recount.add(partition)
 
     def _expire_waiter(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
@@ -149,19 +219,22 @@ class Scheduler:
 
     def _settle(self, waiter: _Waiter, final: bool) -> None:
         try:
-            meta = self._evaluate(waiter.req, final)
+            meta = self._evaluate(waiter, final)
         except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
             waiter.future.set_exception(exc)
             return
         if meta is not None:
             waiter.future.set_result(meta)
 
-    def _evaluate(self, req: GetMeta, final: bool) -> BatchMeta | None:
-        """A leased batch, or None to keep waiting; at the deadline a short batch or an error."""
+    def _evaluate(self, waiter: _Waiter, final: bool) -> BatchMeta | None:
+        """A leased batch, or None to keep waiting (`waiter.ready` then says how many samples
+        are ready for it); at the deadline a short batch or an error."""
+        req = waiter.req
         part = self.partitions.get(req.partition)
         sampler = self.samplers.get(req.sampler)
         if part is None:
             if not final:
+                waiter.ready = 0
                 return None
             if not req.allow_partial:
                 return self._give_up(req, None, 0)
@@ -181,6 +254,7 @@ class Scheduler:
             rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, True)
         if rows is None:
             if not final:
+                waiter.ready = len(ready)
                 self._report_demand(part, req, len(ready))
                 return None
             if not req.allow_partial:
@@ -200,22 +274,32 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int) -> None:
-        """Tell admission what this request's consumer takes under the current version, when the
-        partition is fed under grants; raises `UnsatisfiableError` if a pinned budget can never
-        let its batch in."""
+    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int, others: int | None = None) -> None:
+        """A request waits: when admission is what holds it back (the partition is fed under
+        grants, unsealed, and the `n_ready` samples plus what admission can still let in under
+        this version fall short of its batch), tell admission what its consumer takes under this
+        version, the batches it waits for included. A request that waits only for producers the
+        budget lets in is no demand, nor is one on a sealed partition, which no put can feed: the
+        samples handed out (`_lease`) count only in what a request held back reports.
+
+        `others`: the batches the task's other requests parked on the partition wait for, when
+        the caller has summed them for several requests at once (else summed here).
+
+        Raises:
+            UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not adm.bounded or not part.granted[: part.n].any():
+        if not self._fed_under_grants(part) or not adm.holds_back(n_ready, req.batch_size):
             return
         key = (part.name, req.task)
-        others = sum(
-            w.req.batch_size
-            for w in self.waiters.get(part.name, ())
-            if w.req.task == req.task and w.req is not req and not w.future.done()
-        )
+        if others is None:
+            others = sum(
+                w.req.batch_size
+                for w in self.waiters.get(part.name, ())
+                if w.req.task == req.task and w.req is not req and not w.future.done()
+            )
         demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
         adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
-        if adm.starves(demand, n_ready, req.batch_size):
+        if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
             raise UnsatisfiableError(
                 f"get_meta(task={req.task!r}, partition={part.name!r}, batch_size={req.batch_size}) can never be "
                 f"served: this consumer takes {demand} samples per version, but the admission budget is pinned "
@@ -224,6 +308,11 @@ class Scheduler:
                 f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
                 "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
             )
+
+    def _fed_under_grants(self, part: Partition) -> bool:
+        """More samples may come to `part` through a bounded admission: a put under a grant
+        brought some, and it is not sealed."""
+        return self.admission.bounded and not part.sealed and bool(part.granted[: part.n].any())
 
     def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:
         """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
@@ -238,7 +327,7 @@ class Scheduler:
             )
         adm = self.admission
         held_by_admission = part is not None and adm.bounded and part.granted[: part.n].any()
-        if held_by_admission and n_ready + adm.running + adm.budget() < req.batch_size:
+        if held_by_admission and adm.holds_back(n_ready, req.batch_size):
             raise TimeoutError(
                 f"get_meta(task={req.task!r}, partition={req.partition!r}, batch_size={req.batch_size}) found "
                 f"{n_ready} ready samples within {req.timeout:g}s, and admission lets no more producers in "
@@ -258,11 +347,13 @@ class Scheduler:
             task.lease[rows] = lease_id
             timeout = req.lease_timeout if req.lease_timeout is not None else self.config.lease_timeout
             timer = asyncio.get_running_loop().call_later(timeout, self._expire_lease, lease_id)
-            self.leases[lease_id] = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer)
+            lease = _Lease(part.name, req.task, part.gidx[rows], len(rows), timer, self.clock.current)
+            self.leases[lease_id] = lease
+            if any(w.req.task == req.task and w.req is not req for w in self.waiters.get(part.name, ())):
+                self.ready_fell(part.name)  # the other requests of the task parked there
         granted = int(np.count_nonzero(part.granted[rows]))
         if granted:
-            taken = self.demand.at(self.clock.current)
-            taken[(part.name, req.task)] = taken.get((part.name, req.task), 0) + granted
+            self.demand.took(self.clock.current, (part.name, req.task), granted)
         staleness = self.clock.current - part.v_first[rows[part.versioned[rows]]]
         self.stale.served(staleness)  # versionless rows (prompts) are not in the histogram
         self.served += len(rows)
@@ -294,6 +385,7 @@ class Scheduler:
             self.stale.dropped += len(rows)
         self.admission.forget(int(np.count_nonzero(part.granted[rows])))  # only granted samples were counted
         self.free_rows(part, rows)
+        self.ready_fell(part.name)
 
     def _requeue_sources(self, part: Partition, rows: np.ndarray) -> None:
         """Offer the prompts that produced `rows` to their producers again."""
@@ -364,8 +456,10 @@ class Scheduler:
                     rows, held = rows[ours], held[ours]
                     known[known] = ours
                     whole = False
-            self._release_leases(held)
+            self._release_leases(part, held)
             before = task.consumed[rows]
+            if ((held == 0) & ~before).any():  # taken from the ready pool
+                self.ready_fell(part.name)
             self.acked += int(np.count_nonzero(~before))
             # a consumed sample keeps minus the lease it was consumed under, so that a late ack of
             # another lease can tell it went to someone else (0: under none, or unknown); one taken
@@ -389,13 +483,25 @@ class Scheduler:
             rows = rows[task.lease[rows] == lease_id]
         if not len(rows):
             return
-        self._release_leases(task.lease[rows])
+        self._release_leases(part, task.lease[rows], given_back=part.granted[rows])
         task.lease[rows] = 0
         self.wake(part.name)
 
-    def _release_leases(self, lease_ids: np.ndarray) -> None:
-        ids, counts = np.unique(lease_ids[lease_ids > 0], return_counts=True)
-        for lease_id, count in zip(ids.tolist(), counts.tolist()):
+    def _release_leases(self, part: Partition, lease_ids: np.ndarray, given_back: np.ndarray | None = None) -> None:
+        """One sample under each of `lease_ids` (0 or below: under none) was acked or went back
+        to the ready pool: close the leases left with none. With `given_back` (a nack: a mask
+        aligned with `lease_ids`, True for a granted sample), the granted samples given back no
+        longer count as demand under the version their lease was handed out in; one
+        `np.unique` serves both."""
+        held = lease_ids > 0
+        ids, inverse, counts = np.unique(lease_ids[held], return_inverse=True, return_counts=True)
+        granted = [0] * len(ids)
+        if given_back is not None:
+            granted = np.bincount(inverse, weights=given_back[held], minlength=len(ids)).astype(np.int64).tolist()
+        for lease_id, count, n_granted in zip(ids.tolist(), counts.tolist(), granted):
+            lease = self.leases.get(lease_id)
+            if lease is not None and n_granted:
+                self.demand.gave_back(lease.version, (part.name, lease.task), n_granted)
             self._release_lease(lease_id, count)
 
     def _release_lease(self, lease_id: int, count: int) -> None:
@@ -420,6 +526,7 @@ class Scheduler:
         rows = rows[known]
         back = rows[task.lease[rows] == lease_id]
         task.lease[back] = 0
+        self.demand.gave_back(lease.version, (part.name, lease.task), int(np.count_nonzero(part.granted[back])))
         self.wake(part.name)
 
     def forget_partition(self, name: str) -> None:

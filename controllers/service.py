@@ -139,6 +139,7 @@ class Controller(Service):
             self.intake,
             self.admission,
             self.scheduler.wake,
+            self.scheduler.granted_commit,
             self.record,
             config.storage_capacity,
         )
@@ -247,6 +248,8 @@ class Controller(Service):
         self.ledger.free_rows(part, part.rows_of(msg.indexes, alive=False))
         if part.sealed:  # fewer samples left may drain it; unsealed, no parked request gains from a clear
             self.scheduler.wake(part.name)
+        else:
+            self.scheduler.ready_fell(part.name)
         return Ok()
 
     def on_clear_partition(self, msg: ClearPartition, data) -> Ok:

@@ -10,7 +10,9 @@ returns what is left at once, as a stream's end.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -87,6 +89,221 @@ def test_the_budget_learns_several_batches_per_version_even_with_no_slack(make_c
         status = trainer.status()
     assert status["admission"]["consumer_batch_size"] == 16
     assert status["staleness"]["histogram"] == {"0": 48}
+
+
+def fill(client: tq.Client, n: int, partition: str = "train") -> None:
+    """Put `n` samples under one grant into `partition`."""
+    with client.acquire(n, timeout=5) as grant:
+        client.put(rows(n), partition=partition, grant=grant)
+
+
+@contextlib.contextmanager
+def asking(address: str, task: str, batch: int = 4) -> Iterator[tuple[threading.Thread, list[tq.BatchMeta]]]:
+    """A `get_meta` of `batch` samples in a thread, from a client of its own (a client belongs to
+    one thread): yields the thread and the list its answer lands in; the thread is joined on the
+    way out, a failing test's too (it then ends at the request's timeout)."""
+    out: list[tq.BatchMeta] = []
+
+    def ask() -> None:
+        with tq.connect(address) as client:
+            out.append(client.get_meta(["x"], batch, task=task, timeout=60))
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        yield thread, out
+    finally:
+        thread.join(60)
+
+
+def parked_or_ended(client: tq.Client, thread: threading.Thread) -> Callable[[], bool]:
+    """For `eventually`: one request is parked at the controller, or the thread asking ended."""
+    return lambda: client.status()["counters"]["parked_get_meta"] == 1 or not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    "staleness",
+    [tq.StalenessConfig(8, 2), tq.StalenessConfig(8, 0, follow_consumers=False)],
+    ids=["following", "pinned-and-spent"],
+)
+def test_a_request_a_sealed_drained_partition_answers_empty_counts_nothing(make_cluster, staleness):
+    """A stream's last, prefetched `get_meta` arrives while its previous batch is still leased:
+    it waits for that lease, then ends empty. It asked for 4 more, but no put can come to a
+    sealed partition, so it is no demand: the budget stays at the 8 samples handed out, and a
+    pinned budget with no slot left does not fail it as unsatisfiable."""
+    cluster = make_cluster(staleness=staleness)
+    with cluster.connect() as client:
+        fill(client, 8)
+        client.seal("train")
+        for task in ("a", "b", "c"):  # a few streams, each its own consumer of the 8 samples
+            first = client.get_meta(["x"], 4, task=task, timeout=5)
+            second = client.get_meta(["x"], 4, task=task, timeout=5)
+            with asking(cluster.address, task) as (waiter, last):
+                eventually(parked_or_ended(client, waiter))
+                client.ack(first)
+                client.ack(second)
+            assert len(last) == 1 and len(last[0]) == 0
+        adm = admission(client)
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def test_a_request_that_waits_within_the_budget_and_gives_up_counts_nothing(make_cluster):
+    """The budget still lets producers in for this batch: the request waits for them, not for
+    admission, so it is no demand until samples are handed out to it (here none are)."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=8)
+    with cluster.connect() as client:
+        fill(client, 8)
+        assert len(client.get_meta(["x"], 8, task="train", timeout=5)) == 8
+        with pytest.raises(tq.TimeoutError):
+            client.get_meta(["x"], 4, task="train", timeout=0.2)
+        adm = admission(client)
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def give_back_by_nack(client: tq.Client) -> None:
+    client.nack(client.get_meta(["x"], 8, task="train", timeout=5))
+
+
+def give_back_by_lease_expiry(client: tq.Client) -> None:
+    client.get_meta(["x"], 8, task="train", timeout=5, lease_timeout=0.1)
+    eventually(lambda: client.status()["counters"]["open_leases"] == 0, what="the lease's expiry")
+
+
+@pytest.mark.parametrize("give_back", [give_back_by_nack, give_back_by_lease_expiry], ids=["nack", "lease-expiry"])
+def test_samples_handed_out_again_count_once(make_cluster, give_back):
+    """Samples given back (nacked, or their lease expired) and handed out again in the same
+    version are the same samples: the 8 served three times are 8 per version, not 24, when a
+    request the spent budget holds back reports its consumer's demand (8 + the 4 it waits for)."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)  # admits 8 at version 0
+    with cluster.connect() as client:
+        fill(client, 8)
+        for _ in range(3):
+            give_back(client)
+        meta = client.get_meta(["x"], 8, task="train", timeout=5)
+        with asking(cluster.address, "train") as (waiter, more):
+            eventually(lambda: admission(client)["consumer_batch_size"] != 8 or not waiter.is_alive())
+            fill(client, 4)  # the 4 slots the budget grew by
+        adm = admission(client)
+    assert len(meta) == 8 and len(more) == 1 and len(more[0]) == 4
+    assert adm["consumer_batch_size"] == 12, adm  # 12 distinct samples taken in one version
+    assert adm["grown_by"] == "task 'train' on partition 'train' takes 12 samples per version"
+
+
+def test_a_batch_taken_ahead_within_the_budget_is_no_demand(make_cluster):
+    """A stream asks for its next batch before the trainer publishes; the budget's slack (η = 1)
+    let its samples in, so it is served under the same version. The trainer still consumes 8
+    per version: the budget stays at 8, not 16 (what a consumer was handed counts only with a
+    request the budget holds back)."""
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=8)  # admits 16 at version 0
+    with cluster.connect() as client:
+        fill(client, 16)
+        batch = client.get_meta(["x"], 8, task="train", timeout=5)
+        ahead = client.get_meta(["x"], 8, task="train", timeout=5)
+        adm = admission(client)
+    assert len(batch) == len(ahead) == 8
+    assert adm["consumer_batch_size"] == 8 and adm["grown_by"] == "", adm
+
+
+def test_a_stream_prefetch_with_less_than_a_batch_of_slack_counts(make_cluster):
+    """The behaviour docs/staleness.md describes: η = 0 leaves the budget no slack, so a
+    stream's prefetch, launched once its first batch is in hand, is held back under the same
+    version and asks for a second batch: the budget grows to two batches per version."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)  # admits 8 at version 0
+    with cluster.connect() as trainer:
+        fill(trainer, 8)
+        for _batch, meta in trainer.stream(["x"], 8, task="train", timeout=60):
+            assert meta.policy_versions == [0] * 8
+            eventually(lambda: admission(trainer)["consumer_batch_size"] != 8)
+            adm = admission(trainer)
+            fill(trainer, 8)  # the prefetch is served: leaving the stream gives it back at once
+            break
+    assert adm["consumer_batch_size"] == 16
+    assert adm["grown_by"] == "task 'train' on partition 'train' takes 16 samples per version"
+
+
+def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_request(make_cluster):
+    """A request parked while the budget could still let its batch in is no demand then; a put
+    under a grant into another partition spends that budget, and the request must report its
+    consumer's demand at once (4 taken + 4 waited for), or the budget never grows to it and it
+    waits for a version the trainer publishes only after it."""
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=4)  # admits 8 at version 0
+    with cluster.connect() as client:
+        fill(client, 4)
+        taken = client.get_meta(["x"], 4, task="train", timeout=5)
+        with asking(cluster.address, "train") as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            fill(client, 4, partition="eval")  # the budget's last 4 slots, spent elsewhere
+            adm = admission(client)
+            assert adm["consumer_batch_size"] == 8, adm
+            assert adm["grown_by"] == "task 'train' on partition 'train' takes 8 samples per version"
+            fill(client, 4)  # the slots the budget grew by
+    assert len(taken) == 4 and len(more) == 1 and len(more[0]) == 4
+
+
+@pytest.mark.parametrize("how", ["served", "cleared", "acked-late"])
+def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_is_left(make_cluster, how):
+    """A request for 8 parks with 4 ready and 8 more the budget can let in: not held back.
+    The 4 then stop being ready for it with nothing else on its partition changing: served to
+    another request of its task, cleared by another task, or acked after their lease expired.
+    A put under a grant into another partition spends 2 slots: the 0 ready + 6 fall short of
+    8, so the request must report its consumer's demand, though 4 + 6 would not have."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0
+    with cluster.connect() as client:
+        fill(client, 4)
+        if how == "acked-late":
+            late = client.get_meta(["x"], 4, task="train", timeout=5, lease_timeout=0.1)
+            eventually(lambda: client.status()["counters"]["open_leases"] == 0, what="the lease's expiry")
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            taken = 0  # granted samples handed to the task under this version and kept
+            if how == "served":
+                client.get_meta(["x"], 4, task="train", timeout=5)
+                taken = 4
+            elif how == "cleared":
+                client.clear(client.get_meta(["x"], 4, task="other", timeout=5))
+            else:
+                client.ack(late)  # under no lease since it expired: taken from the ready pool
+            fill(client, 2, partition="eval")
+            adm = admission(client)
+            assert adm["consumer_batch_size"] == taken + 8, adm
+            assert adm["grown_by"] == f"task 'train' on partition 'train' takes {taken + 8} samples per version"
+            fill(client, 8)  # the slots the budget grew by
+    assert len(more) == 1 and len(more[0]) == 8
+
+
+def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with_none(make_cluster):
+    """A request for 8 parks with 4 ready (version 0) under version 1 and 12 more the budget can
+    let in: not held back. Another task's tighter bound drops the 4 as stale, with nothing else
+    on the partition changing; a put under a grant into another partition then leaves room for
+    7: 0 ready + 7 fall short of 8, so the request reports its consumer's demand."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0, 16 at 1
+    with cluster.connect() as client:
+        fill(client, 4)
+        client.set_version(1)
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            assert len(client.get_meta(["x"], 4, task="other", max_staleness=0, timeout=0, allow_partial=True)) == 0
+            assert client.status()["staleness"]["dropped"] == 4
+            fill(client, 9, partition="eval")
+            assert admission(client)["consumer_batch_size"] == 8
+            fill(client, 8)
+    assert len(more) == 1 and len(more[0]) == 8
+
+
+@pytest.mark.parametrize("spent, grows", [(4, False), (5, True)])
+def test_a_parked_request_reports_only_when_its_ready_samples_and_the_room_fall_short(make_cluster, spent, grows):
+    """8 asked with 4 ready and room for 8 more (12 admitted at version 0): a put under a grant
+    into another partition spends `spent` of it. 4 + 4 reach the batch (no demand); 4 + 3 fall
+    short, and the request reports 8."""
+    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)
+    with cluster.connect() as client:
+        fill(client, 4)
+        with asking(cluster.address, "train", batch=8) as (waiter, more):
+            eventually(parked_or_ended(client, waiter))
+            fill(client, spent, partition="eval")
+            assert admission(client)["consumer_batch_size"] == (8 if grows else 4)
+            fill(client, 4)
+    assert len(more) == 1 and len(more[0]) == 8
 
 
 # -- a pinned budget fails at once what it can never let in ----------------------------------
