@@ -227,7 +227,12 @@ class ReadsReceiver(BackgroundReceiver):
         if offer.version <= after:
             return
         version = offer.version
-        grants = self.ranks.lease_all(version)
+        try:
+            grants = self.ranks.lease_all(version)
+        except SluiceError:
+            if self._superseded(coordinator, version):
+                return  # the publisher moved past it before its lease: the next turn takes the newest
+            raise
         slot = None
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
@@ -256,6 +261,16 @@ class ReadsReceiver(BackgroundReceiver):
         self.last_received = [received for _, received in pulled]
         self._ready(version, plan, slot, plan.nbytes, slot.mapped.tensor, checksums)
         self._bases[slot.index] = (version, plan, slot.generation)
+
+    def _superseded(self, coordinator: RpcClient, version: int) -> bool:
+        """Whether the publisher already offers a version above `version`: a lease refused
+        because its slot went to a newer version is no failure of the transfer (a trainer that
+        publishes faster than this subscriber pulls makes it happen), so it is not reported."""
+        try:
+            offer: Offer = coordinator.call(Latest(version, not self.settings.pipelined, 0.0), timeout=self.timeout)
+        except SluiceError:
+            return False
+        return offer.version > version
 
     def _delta_base(self, grant: Granted, base: int) -> int:
         """The version to pull `grant`'s reads against: `base` when the rank offers a delta

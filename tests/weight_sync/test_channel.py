@@ -106,3 +106,35 @@ def test_publisher_cleans_up_its_threads_and_memory():
         for fd in fds
         if os.path.exists(f"/proc/{os.getpid()}/fd/{fd}")
     )
+
+
+def test_a_version_the_trainer_moved_past_before_its_lease_is_no_error(monkeypatch):
+    """A tcp subscriber is offered version 1, and before it leases it the trainer publishes 2
+    and 3, whose staging takes 1's slot: the refused lease is no failure of the transfer (a
+    trainer that publishes faster than a subscriber pulls does this), so `wait` raises nothing
+    and the subscriber takes version 3, exact."""
+    import torch
+
+    from weight_sync import WeightSubscriber
+    from weight_sync.ranks import PublisherRanks
+
+    from .workers import zeros
+
+    real = PublisherRanks.lease_all
+    raced: list[int] = []
+
+    def leased_late(self, version, first=None):  # noqa: ANN001, ANN202
+        if not raced:
+            raced.append(version)
+            for newer in (version + 1, version + 2):
+                pub.publish(weights(newer), newer)
+        return real(self, version, first)
+
+    monkeypatch.setattr(PublisherRanks, "lease_all", leased_late)
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, delta=False) as pub:
+        pub.publish(weights(1), 1)
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="tcp", publisher=pub.endpoint) as sub:
+            assert sub.wait(3, timeout=30) == 3
+        assert raced == [1]
+        assert all(torch.equal(mine[n], t) for n, t in weights(3).items())
