@@ -361,12 +361,11 @@ def encode_span(changes: Changes | None, lo: int, hi: int, base: int) -> tuple[F
     if changes is None:
         return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
     bounds = torch.tensor([lo, hi], device=changes.positions.device)
-    with _on_its_stream(changes.positions.device, "delta-encode"):
+    with _on_its_stream(changes.positions.device, "delta-encode"):  # the cut too, not only `encode`
         first, last = torch.searchsorted(changes.positions, bounds).tolist()
-    if 2 * (last - first) >= hi - lo:
-        return Frame(WHOLE, hi - lo, 0, 0, base, 0, 0), None
-    positions = changes.positions[first:last]
-    return encode(hi - lo, positions - lo if lo else positions, changes.old[first:last], changes.new[first:last], base)
+        positions = changes.positions[first:last]
+        old, new = changes.old[first:last], changes.new[first:last]
+        return encode(hi - lo, positions - lo if lo else positions, old, new, base)
 
 
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:
