@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -165,7 +166,9 @@ class Slot:
 class SlotTable:
     """A fixed number of slots, reused oldest-first once their readers are done."""
 
-    def __init__(self, count: int, shared: bool, lease_timeout: float):
+    def __init__(self, count: int, shared: bool, lease_timeout: float, ids: Iterator[int] | None = None):
+        """`ids`: where lease ids come from; tables whose leases one `Release` may name share it
+        (a publisher's host and GPU staging), so an id names one lease in all of them."""
         self.device: torch.device | None = None
         """Where new segments are allocated: None for host memory, else a CUDA device."""
         self.cond = threading.Condition()
@@ -174,7 +177,7 @@ class SlotTable:
         self.lease_timeout = lease_timeout
         self.pin = False
         """Register every segment with CUDA (set once the owner copies GPU tensors through them)."""
-        self._lease_ids = itertools.count(1)
+        self._lease_ids = ids if ids is not None else itertools.count(1)
         self._lease_slot: dict[int, Slot] = {}
         self._lease_holder: dict[int, bytes] = {}
         """Lease id -> the client connection it was granted to (`lease(holder=)`)."""
