@@ -43,15 +43,27 @@ class DevicePacks:
         """Pack `tensors` as `version` on the caller's current stream, into the buffer that does
         not hold the newest version (it is the next compare's base); returns the packed bytes.
         The caller must have finished reading that buffer (its compare and its copy to the host)."""
-        reuse = self._packs.pop(0) if len(self._packs) == 2 else None
-        if reuse is not None and reuse[1].manifest is manifest:
-            destinations = reuse[1]
-        else:
-            del reuse  # a different layout: its buffer goes before the new one is allocated
-            destinations = Destinations(manifest, torch.empty(manifest.nbytes, dtype=torch.uint8, device=device))
+        destinations = self._take(manifest, device)
         pack(manifest, tensors, destinations.slot, lambda _: None, destinations)
         self._packs.append((version, destinations))
         return destinations.slot
+
+    def copy(self, version: int, manifest: Manifest, packed: torch.Tensor) -> torch.Tensor:
+        """`pack` for a version packed on the GPU already (`packed`, laid out by `manifest`:
+        a GPU staging slot), in one device-to-device copy."""
+        destinations = self._take(manifest, packed.device)
+        destinations.slot.copy_(packed)
+        self._packs.append((version, destinations))
+        return destinations.slot
+
+    def _take(self, manifest: Manifest, device: torch.device) -> Destinations:
+        """The buffer that does not hold the newest version, laid out by `manifest` (taken out
+        of the list: the caller appends it with its new version)."""
+        reuse = self._packs.pop(0) if len(self._packs) == 2 else None
+        if reuse is not None and reuse[1].manifest is manifest:
+            return reuse[1]
+        del reuse  # a different layout: its buffer goes before the new one is allocated
+        return Destinations(manifest, torch.empty(manifest.nbytes, dtype=torch.uint8, device=device))
 
     def clear(self) -> None:
         """Free the GPU buffers."""

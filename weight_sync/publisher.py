@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -51,6 +52,7 @@ from .checksum import Snapshot
 from .coordinator import RECENT, Coordinator
 from .delta import Changes, CompareScratch, compare, threads
 from .device_packs import DevicePacks
+from .gpu_mirror import GpuMirror
 from .layout import Layout
 from .manifest import Manifest
 from .mapping import FlatShard, TPShard
@@ -107,10 +109,12 @@ class WeightPublisher:
     Args:
         address: the controller's address (`cluster.address`), or None to run without one
             (subscribers are then given `publisher.endpoint` directly).
-        transport: "auto" (shm + ucx when installed + tcp), a name ("shm", "tcp", "ucx",
-            "nixl", "torch", or "cuda_ipc", which stages on the GPU and so serves alone), a
+        transport: "auto" (cuda_ipc where CUDA is + shm + ucx when installed + tcp), a name
+            ("shm", "tcp", "ucx", "nixl", "torch", or "cuda_ipc", which stages on the GPU), a
             `Transport` instance (e.g. `TcpTransport(fanout=1)`; `NixlTransport(memory="cuda")`
-            stages on the GPU too), or a list.
+            stages on the GPU too), or a list. GPU-staging transports served beside host ones
+            read GPU slots staged from the first lease over them on (`gpu_mirror`); `torch`
+            under NCCL, which broadcasts as it stages, serves only beside GPU-staging ones.
         name: the channel; one coordinator (rank 0) per name and controller.
         rank, world_size: this trainer rank among those that publish shards of the model.
         coordinator: rank 0's `endpoint`, for ranks > 0 without a controller.
@@ -120,7 +124,9 @@ class WeightPublisher:
         bucket_bytes: staging bucket size: the unit of pipelining.
         slots: staging slots (2 = double buffering; 1 halves memory but `publish` then waits
             for readers of the previous version). Over GPU-staging transports they are GPU memory:
-            `slots` × the model's bytes on the weights' device.
+            `slots` × the model's bytes on the weights' device; served beside host transports
+            (`auto` with CUDA), that GPU memory is taken only at the first lease a subscriber
+            takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead.
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
@@ -157,7 +163,8 @@ class WeightPublisher:
     Raises:
         SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on or able to turn on), or
             `host` is beyond loopback without credentials.
-        ValueError: `rank` is not below `world_size`.
+        ValueError: `rank` is not below `world_size`; `torch` under NCCL with host transports;
+            `validate=True` with GPU-staging transports only.
     """
 
     def __init__(
@@ -191,15 +198,24 @@ class WeightPublisher:
         self.timeout = timeout
         self.last_publish_seconds = 0.0
         """How long the last `publish` blocked the trainer."""
-        self._table = SlotTable(slots, shared=True, lease_timeout=lease_timeout)
-        self._transports = {t.name: t for t in resolve(transport, publisher=True)}
-        staging = {t.staging for t in self._transports.values()}
-        if len(staging) > 1:
+        self._transports = {t.name: t for t in resolve(transport)}
+        on_gpu = {t.name for t in self._transports.values() if t.staging == "cuda"}
+        self._gpu_staging = on_gpu == set(self._transports)
+        """Whether every transport reads GPU staging: the slot table is then GPU memory."""
+        pushed = sorted(n for n in on_gpu if self._transports[n].mode == "image")
+        if pushed and not self._gpu_staging:
             raise ValueError(
-                f"transports {sorted(self._transports)} stage in different memories (host and GPU); "
-                "serve the GPU-staging ones (cuda_ipc, nixl with memory='cuda', torch with NCCL) from their own publisher"
+                f"{pushed} broadcast from GPU staging as it is staged, and {sorted(set(self._transports) - on_gpu)} "
+                "read host staging; serve them from a publisher of their own"
             )
-        self._gpu_staging = staging == {"cuda"}
+        ids = itertools.count(1)
+        self._table = SlotTable(slots, shared=True, lease_timeout=lease_timeout, ids=ids)
+        self._mirror = GpuMirror(slots, lease_timeout, ids, timeout) if on_gpu and not self._gpu_staging else None
+        """GPU staging beside host staging, for the GPU-staging transports served with host ones
+        (`gpu_mirror`): empty until a subscriber leases over one of them."""
+        self._on_mirror = on_gpu if self._mirror is not None else set()
+        self._weights_device: torch.device | None = None
+        """The CUDA device of the weights last published (None: on the host, or none yet)."""
         self._announce_early = any(t.mode != "map" for t in self._transports.values())
         """Whether the server thread hears of a version as it starts staging (readers that
         pull or are pushed a version while it stages start then); a publisher serving only
@@ -266,7 +282,7 @@ class WeightPublisher:
             self._handle,
             f"tcp://{host}:*",
             self.credentials,
-            self._table.release_holder,
+            self._release_holder,
             # a "map" transport's readers are on this host; with credentials every client proves
             # it holds the cluster's keys, which the lane (same user only) could not ask
             local=self.credentials is None and any(t.mode == "map" for t in self._transports.values()),
@@ -352,6 +368,7 @@ class WeightPublisher:
         manifest = self._manifest(items)
         cuda = _cuda_device(items)
         self._place_staging(cuda)
+        self._weights_device = cuda
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
         # the slot about to be claimed may be the base they read; a compare may hand on more
@@ -361,14 +378,20 @@ class WeightPublisher:
         self._comparing = []
         base = self._table.find(self._last)
         slot = self._table.claim(version, manifest.nbytes, self.timeout)
+        mirror = None
         try:
-            drain = self._stage(version, manifest, items, slot, base, cuda)
+            # CUDA weights are staged on the GPU too once a subscriber reads GPU staging; a
+            # version of CPU weights reaches it at its first lease there (`_grant`)
+            mirror = (
+                self._mirror.claim(version, manifest, cuda) if self._mirror is not None and cuda is not None else None
+            )
+            drain = self._stage(version, manifest, items, slot, base, cuda, mirror)
             synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
         except BaseException as exc:
             # whatever fails once the slot is claimed fails the version, so the slot is free
             # again (a slot left neither complete nor failed is never claimed)
-            self._fail(slot, version)
-            self._finished.put((slot, version, False, None))
+            self._fail(slot, version, mirror)
+            self._finished.put((slot, version, False, None, None))
             if isinstance(exc, Exception):
                 raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
             raise
@@ -383,7 +406,7 @@ class WeightPublisher:
             # on every version's way to its subscribers)
             self._finish(slot, version, True, None)
         else:
-            self._finished.put((slot, version, True, drain))
+            self._finished.put((slot, version, True, drain, mirror))
         self.last_publish_seconds = time.perf_counter() - start
 
     def _stage(
@@ -394,10 +417,12 @@ class WeightPublisher:
         slot: Slot,
         base: Slot | None,
         cuda: torch.device | None,
+        mirror: Slot | None,
     ) -> Callable[[], None] | None:
         """Stage `version` into the claimed `slot` (deltas against `base` when on) and offer it
         to the transports as it stages; returns the drain of background GPU copies, if any.
-        `cuda`: the device of the CUDA tensors among `items` (None: all on the host)."""
+        `cuda`: the device of the CUDA tensors among `items` (None: all on the host); `mirror`:
+        the GPU slot claimed for it beside host staging, if any."""
         if not self._prepared:  # not given the model: ready the other slots for the next versions
             self._prepared = True
             self._preparing = self._table.prepare_in_background(manifest.nbytes)
@@ -428,14 +453,21 @@ class WeightPublisher:
         if self._announce_early:
             self._server.submit(lambda: self._on_started(version))
         for transport in self._transports.values():
+            if transport.name in self._on_mirror:
+                continue  # no push transport reads the mirror: nothing to send
             got = self._table.lease(version)
             assert got is not None  # the slot was claimed for `version` just above
             transport.send(slot, functools.partial(self._table.release, got[0]))
         self._record_stats(version, manifest.nbytes, staged)
-        if device is not None and packs is not None:
+        progress = functools.partial(self._table.advance, slot)
+        if staged is not None and base is not None:
+            progress = functools.partial(self._staged_with_delta, slot, base, staged)
+        if device is not None and (packs is not None or mirror is not None):
             try:
-                return self._pack_on_device(packs, version, manifest, items, slot, device, staged)
+                return self._pack_on_device(packs, mirror, version, manifest, items, slot, device, staged, progress)
             except torch.cuda.OutOfMemoryError:
+                if packs is None:
+                    raise
                 log.warning(
                     "no GPU memory for the two packed copies (%d bytes each) deltas compare on the device; "
                     "comparing on the host from now on",
@@ -443,9 +475,8 @@ class WeightPublisher:
                 )
                 packs.clear()
                 self._device_packs = None
-        progress = functools.partial(self._table.advance, slot)
-        if staged is not None and base is not None:
-            progress = functools.partial(self._staged_with_delta, slot, base, staged)
+                if mirror is not None:
+                    return self._pack_on_device(None, mirror, version, manifest, items, slot, device, staged, progress)
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             return None
@@ -496,26 +527,38 @@ class WeightPublisher:
 
     def _pack_on_device(
         self,
-        packs: DevicePacks,
+        packs: DevicePacks | None,
+        mirror: Slot | None,
         version: int,
         manifest: Manifest,
         items: list[tuple[str, torch.Tensor]],
         slot: Slot,
         device: torch.device,
         staged: _StagedDelta | None,
+        progress: Callable[[int], None],
     ) -> Callable[[], None]:
-        """`_pack_in_background` for CUDA weights with deltas on: pack the version on the GPU
-        (`packs`; the trainer's stream waits for this device-to-device pack only), copy it to
-        the host slot bucket by bucket from there on a stream of its own, and have the compare
-        thread compare it with the base's packed bytes on the device (`_stage` compares only
-        against a base packed there). Returns the drain of the copies to the host.
+        """`_pack_in_background` for CUDA weights packed on the GPU first: into the `mirror`
+        slot (GPU staging beside host staging) and, with deltas on, into `packs`; the trainer's
+        stream waits for these device-to-device packs only. Then copy the packed bytes to the
+        host slot bucket by bucket on a stream of their own and, with `packs`, have the compare
+        thread compare them with the base's packed bytes on the device (`_stage` compares only
+        against a base packed there); without, host staging reports its bytes to `progress`.
+        Returns the drain of the copies to the host (the mirror slot is complete with it).
 
         Raises:
             torch.cuda.OutOfMemoryError: no GPU memory for the pack (nothing is left half done).
         """
         bucket = manifest.bucket_bytes
+        tensors = [t for _, t in items]
         with background_copies(device) as mark:
-            packed = packs.pack(version, manifest, [t for _, t in items], device)
+            if mirror is not None:
+                packed = mirror.mapped.tensor[: manifest.nbytes]
+                pack(manifest, tensors, packed, lambda _: None, _destinations(mirror))
+                if packs is not None:
+                    packs.copy(version, manifest, packed)
+            else:
+                assert packs is not None  # `_stage` packs on the device for one or the other
+                packed = packs.pack(version, manifest, tensors, device)
             ready = mark()
         marks: list[tuple[Callable[[], None], int]] = []
         with trailing_copies(device) as mark:  # they read the pack only: the trainer need not wait
@@ -524,14 +567,15 @@ class WeightPublisher:
                 lo, hi = k * bucket, min((k + 1) * bucket, manifest.nbytes)
                 host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
                 marks.append((mark(), hi))
-        if staged is not None:
+        if staged is not None and packs is not None:
             old = packs.base(staged.base, manifest)
             assert old is not None  # `_stage` compares only against a packed base; packing kept the newest
             # one job: the device runs its compares one after another anyway
             self._comparing.append(
                 self._comparer.submit(self._compare, packed, old, manifest, staged, 0, manifest.num_buckets, ready)
             )
-        return self._drain(marks, functools.partial(self._table.advance, slot))
+            progress = functools.partial(self._table.advance, slot)
+        return self._drain(marks, progress)
 
     def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
         """Build the manifest of `model`'s tensors and allocate every slot for it now."""
@@ -690,13 +734,15 @@ class WeightPublisher:
             return self.shard[name] if name in self.shard else Layout.full(tensor.shape)
         return self.shard.layout(name, tensor)
 
-    def _fail(self, slot: Slot, version: int) -> None:
-        """Staging `version` into `slot` failed: its readers, of whole bytes or of the delta, get
-        `WeightSyncError`, and the slot may be claimed again."""
+    def _fail(self, slot: Slot, version: int, mirror: Slot | None = None) -> None:
+        """Staging `version` into `slot` (and its GPU `mirror` slot) failed: its readers, of
+        whole bytes or of the delta, get `WeightSyncError`, and the slots may be claimed again."""
         staged = _staged_in(self._deltas, slot, version)
         if staged is not None:
             staged.fail()
         self._table.fail(slot)
+        if mirror is not None and self._mirror is not None:
+            self._mirror.table.fail(mirror)
 
     def _finish_loop(self) -> None:
         """Background: finish each version `publish` queued, in order."""
@@ -706,25 +752,30 @@ class WeightPublisher:
             finally:
                 self._finished.task_done()
 
-    def _finish(self, slot: Slot, version: int, ok: bool, drain: Callable[[], None] | None) -> None:
+    def _finish(
+        self, slot: Slot, version: int, ok: bool, drain: Callable[[], None] | None, mirror: Slot | None = None
+    ) -> None:
         """Wait for the version's background copies (`drain`), checksum it (validation mode),
-        mark it complete and report it to the coordinator (or fail it)."""
+        mark it complete, in its GPU `mirror` slot too, and report it to the coordinator (or
+        fail it)."""
         if drain is not None:
             try:
                 drain()
             except Exception:  # noqa: BLE001 - a failed copy: readers get WeightSyncError
                 log.exception("copying version %d to host staging failed", version)
-                self._fail(slot, version)
+                self._fail(slot, version, mirror)
                 ok = False
         try:
             if ok and self.validate:
                 self._snapshots[slot.index] = Snapshot.take(slot.manifest, slot.mapped.tensor)
         except Exception:  # noqa: BLE001 - the version fails, the loop goes on
             log.exception("checksumming version %d failed", version)
-            self._table.fail(slot)
+            self._fail(slot, version, mirror)
             ok = False
         if ok:
             self._table.advance(slot, slot.manifest.nbytes, complete=True)
+            if mirror is not None and self._mirror is not None:
+                self._mirror.table.advance(mirror, slot.manifest.nbytes, complete=True)
         coordinator, upstream = self._coordinator, self._upstream
         started = None if self._announce_early else functools.partial(self._on_started, version)
         if coordinator is not None:
@@ -753,7 +804,7 @@ class WeightPublisher:
             case Lease():
                 self._lease(msg, pending)
             case Release(lease=lease):
-                self._table.release(lease)
+                self._release(lease)
                 pending.reply(Ok())
             case Describe(manifest=mid):
                 manifest = self._manifests.get(mid)
@@ -771,25 +822,42 @@ class WeightPublisher:
 
     def _on_started(self, version: int) -> None:
         self._started = version
+        self._retry_leases()
+        if self._coordinator is not None:
+            self._coordinator.on_started(version)
+
+    def _retry_leases(self) -> None:
+        """Ask again for the leases waiting on a version to start staging or to reach GPU staging."""
         waiting, self._lease_waiters = self._lease_waiters, []
         for msg, pending in waiting:
             if not pending.done:
                 self._lease(msg, pending)
-        if self._coordinator is not None:
-            self._coordinator.on_started(version)
+
+    def _release(self, lease: int) -> None:
+        self._table.release(lease)
+        if self._mirror is not None:  # lease ids are unique across both tables
+            self._mirror.table.release(lease)
+
+    def _release_holder(self, holder: bytes) -> None:
+        """A reader's connection closed: release its leases, in host and GPU staging."""
+        self._table.release_holder(holder)
+        if self._mirror is not None:
+            self._mirror.table.release_holder(holder)
 
     def _lease(self, msg: Lease, pending: Pending) -> None:
         granted = self._grant(msg, pending.peer)
+        mirror = self._mirror if msg.transport in self._on_mirror else None
         if granted is not None:
             pending.reply(granted)
-        elif msg.version > self._started and not self._closed:
+        elif (msg.version > self._started or (mirror is not None and mirror.copying(msg.version))) and not self._closed:
             self._lease_waiters.append((msg, pending))
             self._server.park(
                 pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
             )
         else:
+            why = f": {mirror.error}" if mirror is not None and mirror.error else ""
             raise WeightSyncError(
-                f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
+                f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last}){why}"
             )
 
     def _grant_offered(self, version: int, transport: str, holder: bytes) -> Granted | None:
@@ -815,20 +883,43 @@ class WeightPublisher:
         transport = self._transports.get(msg.transport)
         if self._delta_on_lease and transport is not None and transport.deltas:
             self._turn_deltas_on()
+        table = self._table
+        if self._mirror is not None and msg.transport in self._on_mirror:
+            table = self._mirror.table
+            latest = self._manifests.get(self._latest_manifest)
+            self._mirror.turn_on(latest.nbytes if latest is not None else 0)
         local = transport is not None and transport.mode == "map"
-        got = self._table.lease(msg.version, holder if local else b"")
+        got = table.lease(msg.version, holder if local else b"")
         if got is None:
+            if table is not self._table and msg.version == self._last:
+                # staged before GPU staging turned on, or CPU weights: copy it there first
+                assert self._mirror is not None
+                self._mirror.catch_up(
+                    self._table, msg.version, self._weights_device, functools.partial(self._caught_up, msg.version)
+                )
             return None
         lease, slot = got
         try:
             handle = transport.describe(slot) if transport is not None else b""
         except BaseException:
-            self._table.release(lease)
+            table.release(lease)
             raise
-        staged = _staged_in(self._deltas, slot, msg.version)
+        staged = _staged_in(self._deltas, slot, msg.version) if table is self._table else None
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
+
+    def _caught_up(self, version: int) -> None:
+        """`version`'s copy to GPU staging ended (mirror thread): retry its leases (server thread)."""
+        assert self._mirror is not None
+
+        def retry() -> None:
+            assert self._mirror is not None
+            self._mirror.finished(version)
+            self._retry_leases()
+
+        with contextlib.suppress(OSError):  # the server has stopped: the publisher is closing
+            self._server.submit(retry)
 
     def _turn_deltas_on(self) -> None:
         """Deltas are "auto" and a subscriber leased a version over a transport that takes
@@ -846,10 +937,11 @@ class WeightPublisher:
         transport = self._transports.get(name)
         if transport is None:
             return []
-        with self._table.cond:  # a slot being replaced is seen before or after, not half-way
+        table = self._mirror.table if self._mirror is not None and name in self._on_mirror else self._table
+        with table.cond:  # a slot being replaced is seen before or after, not half-way
             return [
                 SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))
-                for slot in self._table.slots
+                for slot in table.slots
                 if slot.segment is not None
             ]
 
@@ -875,6 +967,8 @@ class WeightPublisher:
         snapshot taken when they were staged."""
         slot = self._table.leased(msg.lease)
         if slot is None:
+            if self._mirror is not None and self._mirror.table.leased(msg.lease) is not None:
+                raise WeightSyncError("checksums cover host staging; a version read from GPU staging is not verified")
             raise WeightSyncError("verify needs a lease that is still held")
         snapshot = self._snapshots.get(slot.index)
         if snapshot is None:
@@ -896,6 +990,8 @@ class WeightPublisher:
                 staged.fail()
         for transport in self._transports.values():
             transport.close()
+        if self._mirror is not None:  # after cuda_ipc, which keeps its slots' handles
+            self._mirror.close()
         if self._encoder is not None:  # after the streams it encodes for
             self._encoder.shutdown(wait=True, cancel_futures=True)
         self._server.close()

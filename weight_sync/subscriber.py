@@ -49,8 +49,9 @@ class WeightSubscriber:
     Args:
         address: the controller's address, or None to use `publisher` directly.
         model_or_tensors: an `nn.Module` (its state dict) or a dict of tensors, updated in place.
-        transport: "auto" (cuda_ipc or shm when co-located, else ucx when installed, else tcp), a name, a
-            `Transport` instance, or a list; the first one every publisher rank can serve wins.
+        transport: "auto" (when co-located: cuda_ipc for tensors on a GPU, else shm; across
+            hosts ucx when installed, else tcp), a name, a `Transport` instance, or a list; the
+            first one every publisher rank can serve wins.
         name: the channel.
         publisher: rank 0's `WeightPublisher.endpoint`, when there is no controller.
         shard: the tensor-parallel slice this worker holds (default: everything).
@@ -229,12 +230,19 @@ class WeightSubscriber:
         return True
 
     def _choose(self, ranks: list[RankInfo]) -> Transport:
-        """The first offered transport that every rank serves (shm only on this host); the
-        others are closed."""
+        """The first offered transport that every rank serves ("map" ones only on this host),
+        in `AUTO_ORDER`, except that tensors on the host take `cuda_ipc` last: it would have the
+        publisher take GPU memory for staging that host staging serves as fast. The others are
+        closed."""
         here = host_id()
-        order = sorted(
-            self._offered, key=lambda t: AUTO_ORDER.index(t.name) if t.name in AUTO_ORDER else len(AUTO_ORDER)
-        )
+        on_gpu = any(t.is_cuda for t in self.targets.values())
+
+        def rank(t: Transport) -> int:
+            if t.staging == "cuda" and not on_gpu:
+                return len(AUTO_ORDER) + 1
+            return AUTO_ORDER.index(t.name) if t.name in AUTO_ORDER else len(AUTO_ORDER)
+
+        order = sorted(self._offered, key=rank)
         for transport in order:
             if all(transport.name in r.data and (transport.mode != "map" or r.host == here) for r in ranks):
                 for other in self._offered:

@@ -1,9 +1,11 @@
 """The cuda_ipc transport. On CPU: its slot handles are msgspec structs that round trip field by
-field and refuse anything else, a publisher refuses to mix GPU and host staging (or to validate
-GPU staging), and "auto" offers it only where CUDA exists and never on a publisher's side. Marked
-`cuda`: versions staged on the GPU reach subscriber processes whole and exact (GPU and CPU
-targets, with resharding reads), auto picks it, slots are reused only after their readers
-release them, and a dead publisher leaves the subscriber's version in place."""
+field and refuse anything else, a publisher refuses to validate GPU staging, serves it beside
+host staging with no GPU memory taken before a lease over it (and a typed refusal without
+CUDA), "auto" offers it only where CUDA exists, and host tensors take it last. Marked `cuda`:
+versions staged on the GPU reach subscriber processes whole and exact (GPU and CPU targets,
+with resharding reads), auto picks it (also beside host staging, from one publisher), slots
+are reused only after their readers release them, and a dead publisher leaves the
+subscriber's version in place."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import WeightSyncError
+from transfer_queue.host import host_id
 from weight_sync import CudaIpcTransport, WeightPublisher, WeightSubscriber
-from weight_sync.protocol import Granted, SlotInfo
+from weight_sync.protocol import Granted, Lease, RankInfo, RpcClient, SlotInfo
 from weight_sync.transports import resolve
 from weight_sync.transports.cuda_ipc import IpcSlot, decode_slot, encode_slot
 
@@ -36,16 +39,48 @@ def test_slot_handles_round_trip_in_a_grant():
         decode_slot(msgspec.msgpack.encode(["not", "a", "slot"]))
 
 
-def test_a_publisher_stages_in_one_memory():
-    with pytest.raises(ValueError, match="different memories"):
-        WeightPublisher(None, transport=[CudaIpcTransport(), "shm"])
+def test_validate_needs_host_staging():
     with pytest.raises(ValueError, match="validate"):
         WeightPublisher(None, transport=CudaIpcTransport(), validate=True)
 
 
-def test_auto_offers_cuda_ipc_only_with_cuda_and_never_on_a_publisher():
-    assert "cuda_ipc" not in [t.name for t in resolve("auto", publisher=True)]
-    assert ("cuda_ipc" in [t.name for t in resolve("auto")]) == torch.cuda.is_available()
+def test_cuda_ipc_beside_shm_takes_no_gpu_memory_until_leased_over():
+    """What "auto" serves where CUDA is: host staging for shm readers, and GPU slots only once
+    a subscriber leases over cuda_ipc; a process without CUDA refuses that lease, typed."""
+    with WeightPublisher(None, transport=[CudaIpcTransport(), "shm"], bucket_bytes=BUCKET, timeout=30) as pub:
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="auto", publisher=pub.endpoint) as sub:
+            pub.publish(weights(1), 1)
+            assert sub.wait(1, timeout=30) == 1
+            assert sub._ranks is not None and sub._ranks.transport.name == "shm"
+            assert all(torch.equal(mine[n], t) for n, t in weights(1).items())
+        assert pub._mirror is not None and all(s.segment is None for s in pub._mirror.table.slots)
+        if not torch.cuda.is_available():
+            client = RpcClient(pub.endpoint, timeout=10.0)
+            try:
+                with pytest.raises(WeightSyncError, match="no CUDA"):
+                    client.call(Lease(1, "cuda_ipc"))
+                assert isinstance(client.call(Lease(1, "shm")), Granted)  # host staging goes on
+            finally:
+                client.close()
+
+
+def test_host_tensors_take_cuda_ipc_only_when_nothing_else_is_served():
+    """A subscriber's tensors on the host read host staging where it is offered, so that the
+    publisher takes no GPU memory for them; GPU tensors prefer cuda_ipc."""
+    ranks = [RankInfo(0, 1, host_id(), "tcp://127.0.0.1:1", {"cuda_ipc": "cuda", "shm": "", "tcp": "tcp://x"})]
+    with WeightSubscriber(
+        None, zeros(), transport=[CudaIpcTransport(), "tcp", "shm"], publisher="tcp://127.0.0.1:1"
+    ) as sub:
+        assert sub._choose(ranks).name == "shm"
+    gpu_only = [msgspec.structs.replace(ranks[0], data={"cuda_ipc": "cuda"})]
+    with WeightSubscriber(None, zeros(), transport=[CudaIpcTransport(), "shm"], publisher="tcp://127.0.0.1:1") as sub:
+        assert sub._choose(gpu_only).name == "cuda_ipc"
+
+
+def test_auto_offers_cuda_ipc_where_cuda_is():
+    names = [t.name for t in resolve("auto")]
+    assert ("cuda_ipc" in names) == torch.cuda.is_available()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="not available"):
             resolve("cuda_ipc")
@@ -108,3 +143,33 @@ def test_a_dead_publisher_leaves_the_version_in_place():
             sub.wait(2, timeout=10)
         assert sub.version == 1
         assert all(torch.equal(mine[n].cpu(), t) for n, t in weights(1).items())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("weights_on", ["cuda", "cpu"])
+def test_auto_serves_gpu_and_host_tensors_from_one_publisher(weights_on):
+    """A publisher on "auto": a subscriber with GPU tensors reads GPU staging over cuda_ipc (the
+    version staged before its first lease copied there then; with CUDA weights the next ones
+    packed there by `publish`, with CPU weights each copied at its first lease), one with host
+    tensors reads host staging over shm; both hold every version whole."""
+    place = _gpu if weights_on == "cuda" else dict
+    with WeightPublisher(None, transport="auto", bucket_bytes=BUCKET, timeout=30) as pub:
+        pub.publish(place(weights(1)), 1)
+        on_gpu = {n: t.cuda() for n, t in zeros().items()}
+        on_host = zeros()
+        with (
+            WeightSubscriber(None, on_gpu, publisher=pub.endpoint) as gpu_sub,
+            WeightSubscriber(None, on_host, publisher=pub.endpoint) as host_sub,
+        ):
+            for version in range(1, 5):
+                if version > 1:
+                    pub.publish(place(weights(version)), version)
+                assert gpu_sub.wait(version, timeout=30) == version
+                assert host_sub.wait(version, timeout=30) == version
+                assert all(torch.equal(on_gpu[n].cpu(), t) for n, t in weights(version).items())
+                assert all(torch.equal(on_host[n], t) for n, t in weights(version).items())
+            assert gpu_sub._ranks is not None and gpu_sub._ranks.transport.name == "cuda_ipc"
+            assert host_sub._ranks is not None and host_sub._ranks.transport.name == "shm"
+        assert pub._mirror is not None and pub._mirror.on and not pub._mirror.error
+        assert all(s.segment is None or s.segment.tensor.is_cuda for s in pub._mirror.table.slots)
+        assert all(not s.segment.tensor.is_cuda for s in pub._table.slots if s.segment is not None)

@@ -15,24 +15,20 @@ __all__ = ["Transport", "MapTransport", "Job", "Source", "register", "get", "nam
 
 AUTO_ORDER = ("cuda_ipc", "shm", "ucx", "tcp")
 """What "auto" offers (publisher) and prefers, in order (subscriber): cuda_ipc when co-located
-and the publisher stages on the GPU, shm when co-located, else ucx when installed, else tcp."""
+with CUDA tensors on both sides, shm when co-located, else ucx when installed, else tcp. A
+publisher stages for cuda_ipc only once a subscriber leases over it (`gpu_mirror`)."""
 
 
-def resolve(transport: str | Transport | list, publisher: bool = False) -> list[Transport]:
+def resolve(transport: str | Transport | list) -> list[Transport]:
     """Instances for `transport`: a name, an instance, a list of either, or "auto" (every
-    available transport of `AUTO_ORDER`; on a `publisher`, which stages in host memory unless
-    told otherwise, those that serve host staging). Raises `ValueError` for unknown or
+    available transport of `AUTO_ORDER`), for either side. Raises `ValueError` for unknown or
     unavailable ones."""
     if isinstance(transport, (list, tuple)):
-        return [t for item in transport for t in resolve(item, publisher)]
+        return [t for item in transport for t in resolve(item)]
     if isinstance(transport, Transport):
         return [transport]
     if transport == "auto":
-        return [
-            get(name)()
-            for name in AUTO_ORDER
-            if get(name).is_available() and not (publisher and get(name).staging != "host")
-        ]
+        return [get(name)() for name in AUTO_ORDER if get(name).is_available()]
     cls = get(transport)
     if not cls.is_available():
         raise ValueError(

@@ -1,0 +1,145 @@
+"""GPU staging beside a publisher's host staging, for the GPU-staging transports it serves with
+host ones (`cuda_ipc`, `NixlTransport(memory="cuda")`).
+
+A publisher on "auto" in a process with CUDA offers `cuda_ipc` beside `shm`, `ucx` and `tcp`.
+The GPU memory that costs (`slots` × the rank's model bytes on the weights' device) is taken
+only once a subscriber leases a version over a GPU-staging transport (`turn_on`, from the
+server thread): from then on each version of CUDA weights is packed into a GPU slot first
+(device to device; the trainer waits for that pack only) and copied to its host slot from there,
+so a co-located subscriber with CUDA tensors applies device to device and others read host
+staging as before. A version that reached only host staging (staged before the first such
+lease, or CPU weights) is copied host to device into a GPU slot at its first GPU lease
+(`catch_up`, on a thread of its own); only the newest version is caught up, the one subscribers
+ask for. GPU slots follow the slot table's rules: a slot is reused only once its readers released it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from transfer_queue import WeightSyncError
+from transfer_queue.cuda import side_stream
+
+from .manifest import Manifest
+from .staging import Slot, SlotTable
+
+__all__ = ["GpuMirror"]
+
+log = logging.getLogger("sluice.weight_sync")
+
+
+class GpuMirror:
+    """The GPU slots of one publisher rank that serves host and GPU-staging transports."""
+
+    def __init__(self, slots: int, lease_timeout: float, ids: Iterator[int], timeout: float):
+        self.table = SlotTable(slots, shared=True, lease_timeout=lease_timeout, ids=ids)
+        """The GPU slots; its lease ids come from the host table's counter (`ids`), so a
+        `Release` names one lease in either."""
+        self.timeout = timeout
+        self.on = False
+        """Whether versions are staged here too (set by `turn_on`, read by `publish`)."""
+        self.error = ""
+        """Why GPU staging stopped or never started (no CUDA, no GPU memory); "" while it works."""
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-mirror")
+        self._copying: set[int] = set()
+        """Versions being caught up (server thread only)."""
+
+    def turn_on(self, nbytes: int) -> None:
+        """A subscriber leased a version over a GPU-staging transport: stage the next versions
+        on the GPU too (`nbytes`: the rank's model bytes, for the log). Server thread.
+
+        Raises:
+            WeightSyncError: this process has no CUDA, or GPU staging failed for lack of memory.
+        """
+        if self.error:
+            raise WeightSyncError(self.error)
+        if self.on:
+            return
+        if not torch.cuda.is_available():
+            self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
+            raise WeightSyncError(self.error)
+        self.on = True
+        log.info(
+            "a subscriber reads GPU staging: staging versions on the GPU too (%d slots of %d bytes)",
+            len(self.table.slots),
+            nbytes,
+        )
+
+    def claim(self, version: int, manifest: Manifest, device: torch.device) -> Slot | None:
+        """The GPU slot to stage `version` into, once on (None while off, or once the GPU had
+        no memory for it: GPU leases then fail with `error`, host staging goes on); the slots
+        live on `device`, the weights' (the first device given). Raises `TimeoutError` if
+        readers pin every GPU slot for `timeout` seconds."""
+        if not self.on or self.error:
+            return None
+        if self.table.device is None:
+            self.table.device = device
+        try:
+            slot = self.table.claim(version, manifest.nbytes, self.timeout)
+        except torch.cuda.OutOfMemoryError as exc:
+            self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+            log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
+            return None
+        slot.manifest = manifest
+        return slot
+
+    def copying(self, version: int) -> bool:
+        """Whether `version` is being caught up (its leases wait for it). Server thread."""
+        return version in self._copying
+
+    def catch_up(self, host: SlotTable, version: int, device: torch.device | None, done: Callable[[], None]) -> None:
+        """Copy `version` from its `host` slot into a GPU slot on the copier thread, unless it
+        is being copied already or the host holds it no longer; `done` is called (from that
+        thread) once it is there or failed. The slots live on `device` (the CUDA weights';
+        None: the current device) unless placed before. Server thread."""
+        if version in self._copying or not self.on or self.error:
+            return
+        if self.table.device is None:
+            self.table.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        got = host.lease(version)
+        if got is None:
+            return
+        self._copying.add(version)
+
+        def copy() -> None:
+            lease, source = got
+            slot = None
+            try:
+                manifest = source.manifest
+                source.wait_filled(manifest.nbytes, version, self.timeout)
+                if not host.pin:
+                    host.pin_all()  # host-to-device copies at pinned speed, for this and the next
+                slot = self.table.claim(version, manifest.nbytes, self.timeout)
+                slot.manifest = manifest
+                device = self.table.device
+                assert device is not None  # set by `turn_on` before any catch-up
+                with torch.cuda.device(device), side_stream(device, "mirror"):
+                    slot.mapped.tensor[: manifest.nbytes].copy_(
+                        source.mapped.tensor[: manifest.nbytes], non_blocking=True
+                    )
+                    torch.cuda.current_stream(device).synchronize()
+                self.table.advance(slot, manifest.nbytes, complete=True)
+            except Exception as exc:  # noqa: BLE001 - its leases fail with the reason
+                log.warning("copying version %d to GPU staging failed: %s", version, exc)
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+                if slot is not None:
+                    self.table.fail(slot)
+            finally:
+                host.release(lease)
+                done()
+
+        self._copier.submit(copy)
+
+    def finished(self, version: int) -> None:
+        """The catch-up of `version` ended (server thread, after `done`)."""
+        self._copying.discard(version)
+
+    def close(self) -> None:
+        """Wait for a copy under way, then free the GPU slots."""
+        self._copier.shutdown(wait=True, cancel_futures=True)
+        self.table.close()
