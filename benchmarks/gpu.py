@@ -11,14 +11,16 @@ It measures, on the first CUDA device (subscribers spread over the others when t
   mapped arena (co-located) and TCP frames, against the raw pinned round trip (D2H + H2D of the
   same bytes);
 - weight sync of Llama-shaped bf16 CUDA weights into CUDA tensors of 1 and 2 subscriber
-  processes, over cuda_ipc, shm, tcp, ucx and nixl (when installed; `nixl_cuda` is nixl with
-  `memory="cuda"` on both sides: GPU staging read into GPU receive buffers) and torch (NCCL
+  processes, over cuda_ipc, auto (a publisher on "auto" serving host staging and, from the
+  first cuda_ipc lease, GPU staging beside it), shm, tcp, ucx and nixl (when installed;
+  `nixl_cuda` is nixl with `memory="cuda"` on both sides: GPU staging read into GPU receive
+  buffers) and torch (NCCL
   when there is a GPU per member, else gloo): end to end (publish to the last subscriber's
   apply), how long `publish` blocks, the first version's end to end over the steady state's, and
   whether every version arrived exact (an exact integer checksum of all bytes, per version).
 
 Each figure is printed with its limit and the ratio (a row's limit: one D2D copy of the weights
-for the GPU-staged rows, cuda_ipc, nixl_cuda and NCCL; the pinned D2H + H2D of the same bytes
+for the GPU-staged rows, cuda_ipc, auto, nixl_cuda and NCCL; the pinned D2H + H2D of the same bytes
 for the host-staged transports; blocking against a D2D snapshot or a pinned D2H). Without CUDA
 it says so and exits 0. Needs nothing beyond the project's dependencies. Writes
 results/gpu-<time>.json. Run:
@@ -51,10 +53,11 @@ from benchmarks.weight_sync import llama_shapes  # noqa: E402
 
 WARMUP = 2
 """Versions published before measuring (one per staging slot); the first one is reported apart."""
-TRANSPORTS = ("cuda_ipc", "shm", "tcp", "ucx", "nixl", "nixl_cuda", "torch")
-GPU_STAGED = ("cuda_ipc", "nixl_cuda")
-"""Rows whose publisher stages on the GPU, so they need CUDA (torch under NCCL stages there too:
-its limit is chosen by backend)."""
+TRANSPORTS = ("cuda_ipc", "auto", "shm", "tcp", "ucx", "nixl", "nixl_cuda", "torch")
+GPU_STAGED = ("cuda_ipc", "auto", "nixl_cuda")
+"""Rows whose subscribers read GPU staging, so they need CUDA (torch under NCCL stages there too:
+its limit is chosen by backend). `auto`: both sides on "auto", so the publisher stages on the
+host and, from the first cuda_ipc lease, on the GPU beside it (`weight_sync.gpu_mirror`)."""
 BATCH = (256, 8192)
 """The data plane's batch: samples x tokens."""
 FIXED = (256, 8)
@@ -329,6 +332,8 @@ def _available(name: str, device: torch.device) -> bool:
 
     if name in GPU_STAGED and device.type != "cuda":
         return False
+    if name == "auto":
+        return True
     return get("nixl" if name == "nixl_cuda" else name).is_available()
 
 
@@ -446,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print_table(
                 f"weight sync {size}, CUDA weights into CUDA tensors: medians of {args.reps} versions; limit = one D2D copy "
-                "(cuda_ipc, nixl_cuda, nccl; goal <= 3, blocks <= 2) or pinned D2H + H2D (host-staged; shm goal <= 2, blocks <= 1.5); "
+                "(cuda_ipc, auto, nixl_cuda, nccl; goal <= 3, blocks <= 2) or pinned D2H + H2D (host-staged; shm goal <= 2, blocks <= 1.5); "
                 "first/s goal <= 1.5",
                 ["what", "s", "GB/s each", "s/limit", "blocks s", "blocks/limit", "first/s", "exact"],
                 rows,

@@ -27,7 +27,7 @@ nvidia-smi -L 2>&1 | tee -a "$LOG"
 step 210 $PY -m pytest -q -s -p no:cacheprovider -m cuda -rs --timeout 120 tests/transfer_queue/test_device.py \
     tests/weight_sync/test_cuda_ipc.py tests/weight_sync/test_torch_nccl.py tests/weight_sync/test_cuda_host.py \
     tests/weight_sync/test_delta_default.py tests/weight_sync/test_nixl.py tests/recipes/test_runs.py
-step 120 $PY benchmarks/gpu.py --sizes 4GiB --reps 3 --transports cuda_ipc,shm
+step 150 $PY benchmarks/gpu.py --sizes 4GiB --reps 3 --transports cuda_ipc,auto,shm
 step 180 $PY benchmarks/gpu.py --sizes 4GiB --reps 2 --subscribers 1 --transports tcp,ucx,nixl,nixl_cuda,torch
 step 150 $PY benchmarks/gpu.py --sizes 16GiB --reps 2 --subscribers 1 --transports cuda_ipc,shm
 step 150 $PY benchmarks/weight_sync_delta.py --sizes 4GiB --lrs 1e-6,1e-5 --subscribers 1 --steps 4 --device cuda \
