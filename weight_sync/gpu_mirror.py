@@ -1,16 +1,18 @@
 """GPU staging beside a publisher's host staging, for the GPU-staging transports it serves with
 host ones (`cuda_ipc`, `NixlTransport(memory="cuda")`).
 
-A publisher on "auto" in a process with CUDA offers `cuda_ipc` beside `shm`, `ucx` and `tcp`.
-The GPU memory that costs (`slots` × the rank's model bytes on the weights' device) is taken
-only once a subscriber leases a version over a GPU-staging transport (`turn_on`, from the
-server thread): from then on each version of CUDA weights is packed into a GPU slot first
-(device to device; the trainer waits for that pack only) and copied to its host slot from there,
-so a co-located subscriber with CUDA tensors applies device to device and others read host
-staging as before. A version that reached only host staging (staged before the first such
-lease, or CPU weights) is copied host to device into a GPU slot at its first GPU lease
-(`catch_up`, on a thread of its own); only the newest version is caught up, the one subscribers
-ask for. GPU slots follow the slot table's rules: a slot is reused only once its readers released it.
+A publisher on "auto" given `model=` of CUDA tensors, in a process with CUDA, offers `cuda_ipc`
+beside `shm`, `ucx` and `tcp` (named transports may mix `cuda_ipc` with host ones for any
+weights). The GPU memory that costs (`slots` × the rank's model bytes on the weights' device) is
+taken only once a subscriber leases a version over `cuda_ipc` (`turn_on`, from the server
+thread; with `model=` the slots are then allocated in the background): from then on each
+version of CUDA weights is packed into a GPU slot first (device to device; the trainer waits
+for that pack only) and copied to its host slot from there, so a co-located subscriber with
+CUDA tensors applies device to device and others read host staging as before. A version that
+reached only host staging (staged before the first such lease, or CPU weights) is copied host
+to device into a GPU slot at its first GPU lease (`catch_up`, on a thread of its own), unless
+GPU staging holds a newer one already. A GPU slot is leased only once complete (a lease waits
+for its copy or its pack), and reused only once its readers released it.
 """
 
 from __future__ import annotations
@@ -47,10 +49,22 @@ class GpuMirror:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-mirror")
         self._copying: set[int] = set()
         """Versions being caught up (server thread only)."""
+        self._failed: tuple[int, str] = (-1, "")
+        """The last version whose catch-up failed, and why: its leases fail with that rather
+        than copy it again."""
+        self._nbytes = 0
+        """The model's bytes, when the publisher was given `model=` (slots are then allocated at `turn_on`)."""
 
-    def turn_on(self, nbytes: int) -> None:
+    def place(self, device: torch.device, nbytes: int) -> None:
+        """`model=`: the GPU slots go on `device` (the CUDA weights') and are allocated, `nbytes`
+        each, in the background as GPU staging turns on, not in the next `publish`."""
+        self.table.device = device
+        self._nbytes = nbytes
+
+    def turn_on(self) -> None:
         """A subscriber leased a version over a GPU-staging transport: stage the next versions
-        on the GPU too (`nbytes`: the rank's model bytes, for the log). Server thread.
+        on the GPU too, its slots allocated now in the background when the model's size is
+        known. Server thread.
 
         Raises:
             WeightSyncError: this process has no CUDA, or GPU staging failed for lack of memory.
@@ -63,11 +77,9 @@ class GpuMirror:
             self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
             raise WeightSyncError(self.error)
         self.on = True
-        log.info(
-            "a subscriber reads GPU staging: staging versions on the GPU too (%d slots of %d bytes)",
-            len(self.table.slots),
-            nbytes,
-        )
+        log.info("a subscriber reads GPU staging: staging versions on the GPU too (%d slots)", len(self.table.slots))
+        if self._nbytes and self.table.device is not None:
+            self.table.prepare_in_background(self._nbytes)
 
     def claim(self, version: int, manifest: Manifest, device: torch.device) -> Slot | None:
         """The GPU slot to stage `version` into, once on (None while off, or once the GPU had
@@ -81,59 +93,78 @@ class GpuMirror:
         try:
             slot = self.table.claim(version, manifest.nbytes, self.timeout)
         except torch.cuda.OutOfMemoryError as exc:
-            self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
-            log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
+            self._out_of_memory(exc)
             return None
         slot.manifest = manifest
         return slot
 
-    def copying(self, version: int) -> bool:
-        """Whether `version` is being caught up (its leases wait for it). Server thread."""
-        return version in self._copying
+    def _out_of_memory(self, exc: BaseException) -> None:
+        self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+        log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
+
+    def on_its_way(self, version: int) -> bool:
+        """Whether `version` is being copied or staged here (its leases wait for it). Server thread."""
+        if version in self._copying:
+            return True
+        slot = self.table.find(version)
+        return slot is not None and not slot.complete
+
+    def why(self, version: int) -> str:
+        """Why `version` cannot be read from GPU staging ("": no known reason)."""
+        return self.error or (self._failed[1] if self._failed[0] == version else "")
 
     def catch_up(self, host: SlotTable, version: int, device: torch.device | None, done: Callable[[], None]) -> None:
         """Copy `version` from its `host` slot into a GPU slot on the copier thread, unless it
-        is being copied already or the host holds it no longer; `done` is called (from that
-        thread) once it is there or failed. The slots live on `device` (the CUDA weights';
-        None: the current device) unless placed before. Server thread."""
-        if version in self._copying or not self.on or self.error:
+        is being copied already, its last copy failed, or the host holds it no longer;
+        `done` is called (from that thread) once it is there or failed. The slots live on
+        `device` (the CUDA weights'; None: the current device) unless placed before. Server thread."""
+        if version in self._copying or self._failed[0] == version or not self.on or self.error:
             return
         if self.table.device is None:
             self.table.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         got = host.lease(version)
         if got is None:
             return
+        try:
+            self._copier.submit(self._copy, host, version, got, done)
+        except RuntimeError:  # the publisher is closing
+            host.release(got[0])
+            return
         self._copying.add(version)
 
-        def copy() -> None:
-            lease, source = got
-            slot = None
-            try:
-                manifest = source.manifest
-                source.wait_filled(manifest.nbytes, version, self.timeout)
-                if not host.pin:
-                    host.pin_all()  # host-to-device copies at pinned speed, for this and the next
-                slot = self.table.claim(version, manifest.nbytes, self.timeout)
-                slot.manifest = manifest
-                device = self.table.device
-                assert device is not None  # set by `turn_on` before any catch-up
-                with torch.cuda.device(device), side_stream(device, "mirror"):
-                    slot.mapped.tensor[: manifest.nbytes].copy_(
-                        source.mapped.tensor[: manifest.nbytes], non_blocking=True
-                    )
-                    torch.cuda.current_stream(device).synchronize()
-                self.table.advance(slot, manifest.nbytes, complete=True)
-            except Exception as exc:  # noqa: BLE001 - its leases fail with the reason
-                log.warning("copying version %d to GPU staging failed: %s", version, exc)
-                if isinstance(exc, torch.cuda.OutOfMemoryError):
-                    self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
-                if slot is not None:
-                    self.table.fail(slot)
-            finally:
-                host.release(lease)
-                done()
-
-        self._copier.submit(copy)
+    def _copy(self, host: SlotTable, version: int, got: tuple[int, Slot], done: Callable[[], None]) -> None:
+        """The catch-up of `version` (copier thread): its host slot, leased as `got`, into a GPU slot."""
+        lease, source = got
+        slot = None
+        try:
+            manifest = source.manifest
+            source.wait_filled(manifest.nbytes, version, self.timeout)
+            with self.table.cond:
+                if any(s.complete and s.version > version for s in self.table.slots):
+                    return  # a newer version is there already: do not evict it for this one
+            if not host.pin:
+                host.pin_all()  # host-to-device copies at pinned speed, for this and the next
+            slot = self.table.claim(version, manifest.nbytes, self.timeout)
+            slot.manifest = manifest
+            device = self.table.device
+            assert device is not None  # placed by `catch_up`
+            with torch.cuda.device(device), side_stream(device, "mirror"):
+                slot.mapped.tensor[: manifest.nbytes].copy_(source.mapped.tensor[: manifest.nbytes], non_blocking=True)
+                torch.cuda.current_stream(device).synchronize()
+            with host.cond:
+                if host.leased(lease) is not source or source.version != version:
+                    raise WeightSyncError(f"version {version}'s host slot was reused while it was copied to the GPU")
+            self.table.advance(slot, manifest.nbytes, complete=True)
+        except Exception as exc:  # noqa: BLE001 - its leases fail with the reason
+            log.warning("copying version %d to GPU staging failed: %s", version, exc)
+            self._failed = (version, f"copying it to GPU staging failed: {exc}")
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                self._out_of_memory(exc)
+            if slot is not None:
+                self.table.fail(slot)
+        finally:
+            host.release(lease)
+            done()
 
     def finished(self, version: int) -> None:
         """The catch-up of `version` ended (server thread, after `done`)."""

@@ -198,15 +198,23 @@ class WeightPublisher:
         self.timeout = timeout
         self.last_publish_seconds = 0.0
         """How long the last `publish` blocked the trainer."""
-        self._transports = {t.name: t for t in resolve(transport)}
+        model_items = (
+            _items(model.state_dict() if isinstance(model, torch.nn.Module) else model) if model is not None else []
+        )
+        model_device = _cuda_device(model_items)
+        transports = resolve(transport)
+        if transport == "auto" and model_device is None:
+            # GPU staging pays only for CUDA weights, known up front from `model=`
+            transports = [t for t in transports if t.staging == "host"]
+        self._transports = {t.name: t for t in transports}
         on_gpu = {t.name for t in self._transports.values() if t.staging == "cuda"}
         self._gpu_staging = on_gpu == set(self._transports)
         """Whether every transport reads GPU staging: the slot table is then GPU memory."""
-        pushed = sorted(n for n in on_gpu if self._transports[n].mode == "image")
-        if pushed and not self._gpu_staging:
+        apart = sorted(n for n in on_gpu if self._transports[n].mode != "map")
+        if apart and not self._gpu_staging:
             raise ValueError(
-                f"{pushed} broadcast from GPU staging as it is staged, and {sorted(set(self._transports) - on_gpu)} "
-                "read host staging; serve them from a publisher of their own"
+                f"{apart} read GPU staging as a whole version's image, and {sorted(set(self._transports) - on_gpu)} "
+                "read host staging; serve them from a publisher of their own (only cuda_ipc serves beside host transports)"
             )
         ids = itertools.count(1)
         self._table = SlotTable(slots, shared=True, lease_timeout=lease_timeout, ids=ids)
@@ -271,7 +279,7 @@ class WeightPublisher:
         self._preparing: threading.Thread | None = None
         """The thread the first `publish` starts to allocate the other slots, without `model=`."""
         if model is not None:
-            self._prepare(model)
+            self._prepare(model_items)
         self._client = tq.ControlClient(address, credentials) if address is not None else None
         self._client_lock = threading.Lock()
         source = _SlotSource(self._table, timeout, self._deltas, self._count, self._encoder, 2 * workers)
@@ -392,6 +400,8 @@ class WeightPublisher:
             # again (a slot left neither complete nor failed is never claimed)
             self._fail(slot, version, mirror)
             self._finished.put((slot, version, False, None, None))
+            if isinstance(exc, TimeoutError):  # readers pin every GPU slot: as for host slots
+                raise
             if isinstance(exc, Exception):
                 raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
             raise
@@ -577,12 +587,15 @@ class WeightPublisher:
             progress = functools.partial(self._table.advance, slot)
         return self._drain(marks, progress)
 
-    def _prepare(self, model) -> None:  # noqa: ANN001 - what `model=` accepts
-        """Build the manifest of `model`'s tensors and allocate every slot for it now."""
-        items = _items(model.state_dict() if isinstance(model, torch.nn.Module) else model)
+    def _prepare(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Build the manifest of the model's tensors (`model=`) and allocate every slot for it
+        now (GPU staging beside host staging: once a subscriber reads it)."""
         manifest = self._manifest(items)
-        self._place_staging(_cuda_device(items))
+        cuda = _cuda_device(items)
+        self._place_staging(cuda)
         self._table.prepare(manifest.nbytes)
+        if self._mirror is not None and cuda is not None:
+            self._mirror.place(cuda, manifest.nbytes)
 
     def _place_staging(self, cuda: torch.device | None) -> None:
         """Settle where staging lives, before the first slot is allocated: GPU slots on the
@@ -776,6 +789,8 @@ class WeightPublisher:
             self._table.advance(slot, slot.manifest.nbytes, complete=True)
             if mirror is not None and self._mirror is not None:
                 self._mirror.table.advance(mirror, slot.manifest.nbytes, complete=True)
+                with contextlib.suppress(OSError):  # leases waiting for the GPU slot go on
+                    self._server.submit(self._retry_leases)
         coordinator, upstream = self._coordinator, self._upstream
         started = None if self._announce_early else functools.partial(self._on_started, version)
         if coordinator is not None:
@@ -827,11 +842,16 @@ class WeightPublisher:
             self._coordinator.on_started(version)
 
     def _retry_leases(self) -> None:
-        """Ask again for the leases waiting on a version to start staging or to reach GPU staging."""
+        """Ask again for the leases waiting on a version to start staging or to reach GPU
+        staging; one that cannot be granted any more gets its error (server thread, outside a
+        request's dispatch: nothing may escape)."""
         waiting, self._lease_waiters = self._lease_waiters, []
         for msg, pending in waiting:
             if not pending.done:
-                self._lease(msg, pending)
+                try:
+                    self._lease(msg, pending)
+                except Exception as exc:  # noqa: BLE001 - the requester gets it, typed
+                    pending.fail(exc)
 
     def _release(self, lease: int) -> None:
         self._table.release(lease)
@@ -849,13 +869,18 @@ class WeightPublisher:
         mirror = self._mirror if msg.transport in self._on_mirror else None
         if granted is not None:
             pending.reply(granted)
-        elif (msg.version > self._started or (mirror is not None and mirror.copying(msg.version))) and not self._closed:
+        elif msg.version > self._started and not self._closed:
             self._lease_waiters.append((msg, pending))
             self._server.park(
                 pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
             )
+        elif mirror is not None and mirror.on_its_way(msg.version) and not self._closed:
+            self._lease_waiters.append((msg, pending))
+            self._server.park(
+                pending, msg.timeout, f"version {msg.version} did not reach rank {self.rank}'s GPU staging in time"
+            )
         else:
-            why = f": {mirror.error}" if mirror is not None and mirror.error else ""
+            why = f": {mirror.why(msg.version)}" if mirror is not None and mirror.why(msg.version) else ""
             raise WeightSyncError(
                 f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last}){why}"
             )
@@ -883,18 +908,19 @@ class WeightPublisher:
         transport = self._transports.get(msg.transport)
         if self._delta_on_lease and transport is not None and transport.deltas:
             self._turn_deltas_on()
-        table = self._table
-        if self._mirror is not None and msg.transport in self._on_mirror:
-            table = self._mirror.table
-            latest = self._manifests.get(self._latest_manifest)
-            self._mirror.turn_on(latest.nbytes if latest is not None else 0)
+        table = self._table_for(msg.transport)
+        mirror = self._mirror if table is not self._table else None
+        if mirror is not None:
+            mirror.turn_on()
         local = transport is not None and transport.mode == "map"
         got = table.lease(msg.version, holder if local else b"")
+        if mirror is not None and got is not None and not got[1].complete:
+            table.release(got[0])  # GPU staging is read whole: `_finish` or the catch-up retries it
+            got = None
         if got is None:
-            if table is not self._table and msg.version == self._last:
+            if mirror is not None and mirror.table.find(msg.version) is None and self._table.find(msg.version):
                 # staged before GPU staging turned on, or CPU weights: copy it there first
-                assert self._mirror is not None
-                self._mirror.catch_up(
+                mirror.catch_up(
                     self._table, msg.version, self._weights_device, functools.partial(self._caught_up, msg.version)
                 )
             return None
@@ -908,6 +934,11 @@ class WeightPublisher:
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
+
+    def _table_for(self, transport: str) -> SlotTable:
+        """The slots a subscriber of `transport` reads: GPU staging beside host staging for a
+        GPU-staging transport served with host ones, else this rank's one table."""
+        return self._mirror.table if self._mirror is not None and transport in self._on_mirror else self._table
 
     def _caught_up(self, version: int) -> None:
         """`version`'s copy to GPU staging ended (mirror thread): retry its leases (server thread)."""
@@ -937,7 +968,7 @@ class WeightPublisher:
         transport = self._transports.get(name)
         if transport is None:
             return []
-        table = self._mirror.table if self._mirror is not None and name in self._on_mirror else self._table
+        table = self._table_for(name)
         with table.cond:  # a slot being replaced is seen before or after, not half-way
             return [
                 SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))

@@ -231,11 +231,11 @@ class WeightSubscriber:
 
     def _choose(self, ranks: list[RankInfo]) -> Transport:
         """The first offered transport that every rank serves ("map" ones only on this host),
-        in `AUTO_ORDER`, except that tensors on the host take `cuda_ipc` last: it would have the
-        publisher take GPU memory for staging that host staging serves as fast. The others are
-        closed."""
+        in `AUTO_ORDER`, except that GPU-staging ones come last for tensors on the host (the
+        publisher would take GPU memory for staging that host staging serves as fast) and with
+        `validate` (checksums cover host staging). The others are closed."""
         here = host_id()
-        on_gpu = any(t.is_cuda for t in self.targets.values())
+        on_gpu = any(t.is_cuda for t in self.targets.values()) and not self.validate
 
         def rank(t: Transport) -> int:
             if t.staging == "cuda" and not on_gpu:

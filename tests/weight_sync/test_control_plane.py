@@ -244,3 +244,37 @@ def test_a_co_located_subscriber_talks_to_rank_0_over_its_local_lane():
         assert holders and all(h.startswith(b"local/") for h in holders)
     with WeightPublisher(None, "tcp") as pub:
         assert pub.info.local == ""  # its readers may be anywhere
+
+
+def test_a_lease_waiting_for_a_version_the_trainer_skips_is_refused_and_the_server_goes_on():
+    """A lease parked for version 2 is retried when version 3 starts staging; 2 will never be
+    staged, so it gets `WeightSyncError`, from the retry on the server thread, which serves on."""
+    weights = {"a": torch.arange(1 << 12, dtype=torch.float32)}
+    with WeightPublisher(None, transport="tcp", bucket_bytes=1 << 14, timeout=10, delta=False) as pub:
+        pub.publish(weights, 1)
+        waiting = RpcClient(pub.endpoint, timeout=30.0)
+        answer: list = []
+
+        def lease() -> None:
+            try:
+                answer.append(waiting.call(Lease(2, "tcp", timeout=20.0)))
+            except tq.SluiceError as exc:
+                answer.append(exc)
+
+        thread = threading.Thread(target=lease)
+        thread.start()
+        try:
+            eventually(lambda: pub._lease_waiters, what="the lease of version 2 parked")
+            pub.publish(weights, 3)
+            thread.join(30)
+            assert answer and isinstance(answer[0], tq.WeightSyncError), answer
+            assert "no longer staged" in str(answer[0])
+            other = RpcClient(pub.endpoint, timeout=10.0)
+            try:
+                granted = other.call(Lease(3, "tcp"))
+                assert isinstance(granted, Granted) and granted.version == 3
+            finally:
+                other.close()
+        finally:
+            thread.join(30)
+            waiting.close()

@@ -147,29 +147,32 @@ def test_a_dead_publisher_leaves_the_version_in_place():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("weights_on", ["cuda", "cpu"])
-def test_auto_serves_gpu_and_host_tensors_from_one_publisher(weights_on):
-    """A publisher on "auto": a subscriber with GPU tensors reads GPU staging over cuda_ipc (the
-    version staged before its first lease copied there then; with CUDA weights the next ones
-    packed there by `publish`, with CPU weights each copied at its first lease), one with host
-    tensors reads host staging over shm; both hold every version whole."""
-    place = _gpu if weights_on == "cuda" else dict
-    with WeightPublisher(None, transport="auto", bucket_bytes=BUCKET, timeout=30) as pub:
+def test_gpu_staging_beside_host_staging_serves_gpu_and_host_tensors(weights_on):
+    """One publisher serving cuda_ipc beside shm: "auto" with `model=` of CUDA weights (the
+    version staged before the first cuda_ipc lease copied to the GPU then, the next ones packed
+    there by `publish`), or both named with CPU weights (each version copied to the GPU at its
+    first lease). Two subscriber processes with GPU tensors read GPU staging, one with host
+    tensors reads host staging, and all hold every version whole."""
+    if weights_on == "cuda":
+        place, transport = _gpu, "auto"
+    else:
+        place, transport = dict, [CudaIpcTransport(), "shm"]
+    pub = WeightPublisher(None, transport=transport, bucket_bytes=BUCKET, timeout=30, model=place(weights(0)))
+    try:
         pub.publish(place(weights(1)), 1)
-        on_gpu = {n: t.cuda() for n, t in zeros().items()}
-        on_host = zeros()
-        with (
-            WeightSubscriber(None, on_gpu, publisher=pub.endpoint) as gpu_sub,
-            WeightSubscriber(None, on_host, publisher=pub.endpoint) as host_sub,
-        ):
-            for version in range(1, 5):
-                if version > 1:
-                    pub.publish(place(weights(version)), version)
-                assert gpu_sub.wait(version, timeout=30) == version
-                assert host_sub.wait(version, timeout=30) == version
-                assert all(torch.equal(on_gpu[n].cpu(), t) for n, t in weights(version).items())
-                assert all(torch.equal(on_host[n], t) for n, t in weights(version).items())
-            assert gpu_sub._ranks is not None and gpu_sub._ranks.transport.name == "cuda_ipc"
-            assert host_sub._ranks is not None and host_sub._ranks.transport.name == "shm"
+        on_gpu = Subscribers(2, pub.endpoint, "auto", device="cuda")
+        on_host = Subscribers(1, pub.endpoint, "auto", first_id=2)
+        for version in range(1, 6):
+            if version > 1:
+                pub.publish(place(weights(version)), version)
+            on_gpu.wait_applied(version)
+            on_host.wait_applied(version)
+        for subs, picked in ((on_gpu, "cuda_ipc"), (on_host, "shm")):
+            for summary in subs.finish().values():
+                check(summary, 5)
+                assert summary["transport"] == picked
         assert pub._mirror is not None and pub._mirror.on and not pub._mirror.error
         assert all(s.segment is None or s.segment.tensor.is_cuda for s in pub._mirror.table.slots)
         assert all(not s.segment.tensor.is_cuda for s in pub._table.slots if s.segment is not None)
+    finally:
+        pub.close()

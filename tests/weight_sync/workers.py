@@ -107,6 +107,7 @@ def subscriber(out, stop, sub_id: int, address, endpoint, transport, kwargs: dic
                 summary["moved"] = True
             summary["applied"].append(version)
             out.put(("applied", sub_id, version))
+        summary["transport"] = sub._ranks.transport.name if sub._ranks is not None else ""
         summary["sources"] = list(sub.last_sources)
         summary["received"] = list(sub.last_received)
         sub.close()

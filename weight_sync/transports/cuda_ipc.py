@@ -2,8 +2,8 @@
 publisher's GPU staging slots.
 
 A publisher serving `cuda_ipc` stages every version into GPU slots (`staging = "cuda"`: a
-device-to-device snapshot of its tensors, synchronised before the version is offered), so it
-serves no host-memory transport beside it. Each slot's CUDA IPC handle (`transfer_queue.cuda.
+device-to-device snapshot of its tensors, synchronised before the version is offered); served
+beside host transports, those GPU slots sit beside host staging (`weight_sync.gpu_mirror`). Each slot's CUDA IPC handle (`transfer_queue.cuda.
 ipc_share`: the device, the memory handle, offsets, the producer's reference counter and event)
 travels as plain fields of an `IpcSlot` msgspec struct in the subscriber's grant
 (`SlotInfo.handle`), never pickled. A subscriber opens each slot once per slot generation, keeps

@@ -151,7 +151,7 @@ class NixlTransport(Transport):
         memory: "host" (the default): host staging slots and host receive buffers. "cuda" or
             "cuda:N": a publisher stages in GPU slots on its weights' device (the current one
             for CPU weights), `slots` × the model's bytes of GPU memory as for `cuda_ipc`, and
-            then serves no host-staging transport beside it; a subscriber receives into a GPU
+            then serves no host-staging transport beside it (only `cuda_ipc` does); a subscriber receives into a GPU
             buffer on the named device (the current one for "cuda"), so READs go GPU to GPU.
 
     Raises:
