@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from transfer_queue import WeightSyncError
-from transfer_queue.cuda import side_stream
+from transfer_queue.cuda import side_stream, synchronize
 
 from .manifest import Manifest
 from .staging import Slot, SlotTable
@@ -148,9 +148,7 @@ class GpuMirror:
             slot.manifest = manifest
             device = self.table.device
             assert device is not None  # placed by `catch_up`
-            with torch.cuda.device(device), side_stream(device, "mirror"):
-                slot.mapped.tensor[: manifest.nbytes].copy_(source.mapped.tensor[: manifest.nbytes], non_blocking=True)
-                torch.cuda.current_stream(device).synchronize()
+            _copy_whole(slot.mapped.tensor[: manifest.nbytes], source.mapped.tensor[: manifest.nbytes], device)
             with host.cond:
                 if host.leased(lease) is not source or source.version != version:
                     raise WeightSyncError(f"version {version}'s host slot was reused while it was copied to the GPU")
@@ -174,3 +172,14 @@ class GpuMirror:
         """Wait for a copy under way, then free the GPU slots."""
         self._copier.shutdown(wait=True, cancel_futures=True)
         self.table.close()
+
+
+def _copy_whole(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+    """Copy host `src` into `dst` on `device` and wait for it: on a CUDA device on a side stream
+    of its own (not the trainer's stream: nothing of the trainer's need wait for it)."""
+    if device.type != "cuda":
+        dst.copy_(src)
+        return
+    with torch.cuda.device(device), side_stream(device, "mirror"):
+        dst.copy_(src, non_blocking=True)
+        synchronize(device)  # the current stream here: the side stream

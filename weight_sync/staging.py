@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from transfer_queue import TimeoutError, WeightSyncError
-from transfer_queue.cuda import HostRegistry, tensor_ptr
+from transfer_queue.cuda import HostRegistry, synchronize, tensor_ptr
 from transfer_queue.host import map_file, unmap
 
 __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
@@ -37,7 +37,7 @@ __all__ = ["Segment", "Slot", "SlotTable", "map_segment"]
 
 class Segment:
     """`size` bytes of memory, mapped once and touched up front; `tensor` is a uint8 view. On a
-    CUDA `device` it is GPU memory instead (shared through CUDA IPC, not a file)."""
+    `device` it is that device's memory instead (CUDA: shared through CUDA IPC, not a file)."""
 
     def __init__(
         self, size: int, shared: bool = True, name: str = "sluice-weights", device: torch.device | None = None
@@ -53,7 +53,7 @@ class Segment:
             self.tensor = torch.zeros(max(size, 1), dtype=torch.uint8, device=device)[:size]
             # the fill is done before anyone gets the memory: libraries that copy into it (UCX,
             # through NIXL) or processes that open it do not order themselves after this stream
-            torch.cuda.current_stream(device).synchronize()
+            synchronize(device)
             return
         length = max(size, 1)
         if shared:

@@ -1,0 +1,99 @@
+"""GPU staging beside host staging (`gpu_mirror.GpuMirror`): its catch-up rules, run here with
+the mirror's slots on the CPU (the same code; only the copy's stream is CUDA's on a GPU). A
+catch-up waits for its host bytes and leaves a complete copy, never evicts a newer version, and
+one that fails leaves its reason for the version's leases instead of copying again; a version
+host staging does not hold starts nothing. The GPU run is `test_cuda_ipc.py`'s."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from weight_sync.buckets import layout_buckets
+from weight_sync.gpu_mirror import GpuMirror
+from weight_sync.layout import Layout
+from weight_sync.staging import SlotTable
+
+NBYTES = 1 << 16
+MANIFEST = layout_buckets([("w", torch.uint8, Layout.full((NBYTES,)))], 1 << 14)
+
+
+@pytest.fixture
+def tables():
+    ids = itertools.count(1)
+    host = SlotTable(2, shared=False, lease_timeout=30, ids=ids)
+    mirror = GpuMirror(2, lease_timeout=30, ids=ids, timeout=5)
+    mirror.table.device = torch.device("cpu")  # where a GPU's slots would be
+    mirror.on = True  # as `turn_on` sets it where CUDA is
+    yield host, mirror
+    mirror.close()
+    host.close()
+
+
+def _stage(host: SlotTable, version: int, fill: int, complete: bool = True):  # noqa: ANN202 - a Slot
+    slot = host.claim(version, NBYTES, 5)
+    slot.manifest = MANIFEST
+    slot.mapped.tensor.fill_(fill)
+    if complete:
+        host.advance(slot, NBYTES, complete=True)
+    return slot
+
+
+def _catch_up(mirror: GpuMirror, host: SlotTable, version: int) -> threading.Event:
+    done = threading.Event()
+    mirror.catch_up(host, version, None, done.set)
+    return done
+
+
+def test_a_catch_up_waits_for_the_host_bytes_and_leaves_a_complete_copy(tables):
+    host, mirror = tables
+    slot = _stage(host, 1, 7, complete=False)
+    done = _catch_up(mirror, host, 1)
+    assert mirror.on_its_way(1) and not done.is_set()  # its host bytes are still being staged
+    host.advance(slot, NBYTES, complete=True)
+    assert done.wait(10)
+    mirror.finished(1)
+    assert not mirror.on_its_way(1) and mirror.why(1) == ""
+    got = mirror.table.lease(1)
+    assert got is not None and got[1].complete and got[1].manifest is MANIFEST
+    assert torch.equal(got[1].mapped.tensor[:NBYTES], torch.full((NBYTES,), 7, dtype=torch.uint8))
+    assert not slot.leases  # the host slot's lease was released
+
+
+def test_a_catch_up_never_evicts_a_newer_version(tables):
+    host, mirror = tables
+    _stage(host, 1, 1)
+    _stage(host, 2, 2)
+    assert _catch_up(mirror, host, 2).wait(10)
+    mirror.finished(2)
+    newer = mirror.table.lease(2)
+    assert newer is not None  # a reader holds version 2: the other slot is free
+    assert _catch_up(mirror, host, 1).wait(10)
+    mirror.finished(1)
+    assert mirror.table.find(1) is None and mirror.table.find(2) is not None
+
+
+def test_a_failed_catch_up_leaves_its_reason_and_is_not_retried(tables):
+    host, mirror = tables
+    _stage(host, 1, 1)
+    mirror.timeout = 0.2
+    for version in (5, 6):  # readers pin both GPU slots (versions still staging: not newer ones held)
+        slot = mirror.table.claim(version, NBYTES, 1)
+        mirror.table.advance(slot, NBYTES, complete=False)
+        assert mirror.table.lease(version) is not None
+    assert _catch_up(mirror, host, 1).wait(10)
+    mirror.finished(1)
+    assert "copying it to GPU staging failed" in mirror.why(1)
+    again = _catch_up(mirror, host, 1)
+    assert not mirror.on_its_way(1) and not again.is_set()  # nothing started: its leases fail with `why`
+    assert mirror.error == ""  # not for lack of memory: later versions are copied
+
+
+def test_a_version_host_staging_does_not_hold_starts_nothing(tables):
+    host, mirror = tables
+    _stage(host, 1, 1)
+    done = _catch_up(mirror, host, 9)
+    assert not mirror.on_its_way(9) and not done.is_set()  # a copy started would be on its way
