@@ -56,15 +56,16 @@ class GpuMirror:
         """The model's bytes, when the publisher was given `model=` (slots are then allocated at `turn_on`)."""
 
     def place(self, device: torch.device, nbytes: int) -> None:
-        """`model=`: the GPU slots go on `device` (the CUDA weights') and are allocated, `nbytes`
-        each, in the background as GPU staging turns on, not in the next `publish`."""
-        self.table.device = device
-        self._nbytes = nbytes
+        """The GPU slots go on `device` (the CUDA weights', first given by `model=` or a
+        `publish`) and are allocated, `nbytes` each, in the background as GPU staging turns on,
+        not in the next `publish`."""
+        if self.table.device is None:
+            self.table.device = device
+            self._nbytes = nbytes
 
     def turn_on(self) -> None:
         """A subscriber leased a version over a GPU-staging transport: stage the next versions
-        on the GPU too, its slots allocated now in the background when the model's size is
-        known. Server thread.
+        on the GPU too, its slots allocated now in the background once `place`d. Server thread.
 
         Raises:
             WeightSyncError: this process has no CUDA, or GPU staging failed for lack of memory.
@@ -81,15 +82,12 @@ class GpuMirror:
         if self._nbytes and self.table.device is not None:
             self.table.prepare_in_background(self._nbytes)
 
-    def claim(self, version: int, manifest: Manifest, device: torch.device) -> Slot | None:
+    def claim(self, version: int, manifest: Manifest) -> Slot | None:
         """The GPU slot to stage `version` into, once on (None while off, or once the GPU had
-        no memory for it: GPU leases then fail with `error`, host staging goes on); the slots
-        live on `device`, the weights' (the first device given). Raises `TimeoutError` if
-        readers pin every GPU slot for `timeout` seconds."""
+        no memory for it: GPU leases then fail with `error`, host staging goes on); `place`d
+        before. Raises `TimeoutError` if readers pin every GPU slot for `timeout` seconds."""
         if not self.on or self.error:
             return None
-        if self.table.device is None:
-            self.table.device = device
         try:
             slot = self.table.claim(version, manifest.nbytes, self.timeout)
         except torch.cuda.OutOfMemoryError as exc:

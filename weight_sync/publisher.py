@@ -377,6 +377,8 @@ class WeightPublisher:
         cuda = _cuda_device(items)
         self._place_staging(cuda)
         self._weights_device = cuda
+        if self._mirror is not None and cuda is not None:
+            self._mirror.place(cuda, manifest.nbytes)
         if not self._drained.wait(self.timeout):
             raise TimeoutError(f"the previous version's copies to host staging did not end within {self.timeout} s")
         # the slot about to be claimed may be the base they read; a compare may hand on more
@@ -390,9 +392,7 @@ class WeightPublisher:
         try:
             # CUDA weights are staged on the GPU too once a subscriber reads GPU staging; a
             # version of CPU weights reaches it at its first lease there (`_grant`)
-            mirror = (
-                self._mirror.claim(version, manifest, cuda) if self._mirror is not None and cuda is not None else None
-            )
+            mirror = self._mirror.claim(version, manifest) if self._mirror is not None and cuda is not None else None
             drain = self._stage(version, manifest, items, slot, base, cuda, mirror)
             synchronize(self._table.device)  # a GPU snapshot is whole before the version is offered
         except BaseException as exc:
