@@ -860,3 +860,23 @@ async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_
         assert ids == sorted(ids) and len(ids) == n
     finally:
         lane.close()
+
+
+def test_a_call_submitted_to_a_thread_service_that_raises_leaves_it_serving():
+    """A service's own bookkeeping queued with `submit` fails: the failure is logged, and the
+    service thread goes on serving its clients."""
+    service = ThreadService(Codec(StorageRequest), lambda msg, pending: pending.reply(Ok()), local=True)
+    client = LocalChannel(service.local_endpoint, Codec(Reply), timeout=30)
+    ran = threading.Event()
+
+    def broken() -> None:
+        ran.set()
+        raise RuntimeError("a bookkeeping bug")
+
+    try:
+        service.submit(broken)
+        assert ran.wait(30)
+        assert isinstance(client.call(Ping(), 30), Ok)
+    finally:
+        client.close()
+        service.close()

@@ -139,7 +139,8 @@ class ThreadService:
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run `fn()` in the server thread soon (callable from any thread)."""
+        """Run `fn()` in the server thread soon (callable from any thread); an exception it
+        raises is logged, and the service goes on."""
         self._calls.append(fn)
         os.write(self._wake_w, b"x")
 
@@ -190,7 +191,11 @@ class ThreadService:
                 except BlockingIOError:
                     pass
                 while self._calls:
-                    self._calls.popleft()()
+                    call = self._calls.popleft()
+                    try:
+                        call()
+                    except Exception:  # noqa: BLE001 - one failed call must not end the service
+                        log.exception("a call submitted to the %s service failed", self._thread.name)
                 if self._monitor is not None and self._monitor in ready:
                     self._events()
                 while self._sock.poll(0, zmq.POLLIN):
