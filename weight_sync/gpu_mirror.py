@@ -91,12 +91,13 @@ class GpuMirror:
         try:
             slot = self.table.claim(version, manifest.nbytes, self.timeout)
         except torch.cuda.OutOfMemoryError as exc:
-            self._out_of_memory(exc)
+            self.out_of_memory(exc)
             return None
         slot.manifest = manifest
         return slot
 
-    def _out_of_memory(self, exc: BaseException) -> None:
+    def out_of_memory(self, exc: BaseException) -> None:
+        """The GPU had no memory for GPU staging: stop it; its leases fail with the reason."""
         self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
         log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
 
@@ -155,7 +156,7 @@ class GpuMirror:
             log.warning("copying version %d to GPU staging failed: %s", version, exc)
             self._failed = (version, f"copying it to GPU staging failed: {exc}")
             if isinstance(exc, torch.cuda.OutOfMemoryError):
-                self._out_of_memory(exc)
+                self.out_of_memory(exc)
             if slot is not None:
                 self.table.fail(slot)
         finally:

@@ -475,18 +475,19 @@ class WeightPublisher:
         if device is not None and (packs is not None or mirror is not None):
             try:
                 return self._pack_on_device(packs, mirror, version, manifest, items, slot, device, staged, progress)
-            except torch.cuda.OutOfMemoryError:
-                if packs is None:
-                    raise
-                log.warning(
-                    "no GPU memory for the two packed copies (%d bytes each) deltas compare on the device; "
-                    "comparing on the host from now on",
-                    manifest.nbytes,
-                )
-                packs.clear()
-                self._device_packs = None
-                if mirror is not None:
-                    return self._pack_on_device(None, mirror, version, manifest, items, slot, device, staged, progress)
+            except torch.cuda.OutOfMemoryError as exc:
+                # the version goes on through host staging alone (its compare on the host)
+                if packs is not None:
+                    log.warning(
+                        "no GPU memory for the two packed copies (%d bytes each) deltas compare on the device; "
+                        "comparing on the host from now on",
+                        manifest.nbytes,
+                    )
+                    packs.clear()
+                    self._device_packs = None
+                if mirror is not None and self._mirror is not None:
+                    self._mirror.out_of_memory(exc)
+                    self._mirror.table.fail(mirror)
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             return None

@@ -176,3 +176,38 @@ def test_gpu_staging_beside_host_staging_serves_gpu_and_host_tensors(weights_on)
         assert all(not s.segment.tensor.is_cuda for s in pub._table.slots if s.segment is not None)
     finally:
         pub.close()
+
+
+@pytest.mark.cuda
+def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypatch):
+    """Packing a version into GPU staging finds no memory (here: the pack raises as an
+    allocation would): the version still reaches host staging's readers, and a cuda_ipc reader
+    is told why it gets no more versions."""
+    from weight_sync import publisher as publisher_module
+
+    pub = WeightPublisher(None, transport="auto", bucket_bytes=BUCKET, timeout=30, model=_gpu(weights(0)))
+    on_gpu = {n: t.cuda() for n, t in zeros().items()}
+    on_host = zeros()
+    try:
+        with (
+            WeightSubscriber(None, on_gpu, publisher=pub.endpoint, timeout=10) as gpu_sub,
+            WeightSubscriber(None, on_host, publisher=pub.endpoint, timeout=10) as host_sub,
+        ):
+            pub.publish(_gpu(weights(1)), 1)
+            assert gpu_sub.wait(1, timeout=30) == 1 and host_sub.wait(1, timeout=30) == 1
+            pack = publisher_module.pack
+
+            def no_memory(manifest, tensors, slot, *args):  # noqa: ANN001, ANN002
+                if slot.is_cuda:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+                return pack(manifest, tensors, slot, *args)
+
+            monkeypatch.setattr(publisher_module, "pack", no_memory)
+            pub.publish(_gpu(weights(2)), 2)
+            assert host_sub.wait(2, timeout=30) == 2
+            assert all(torch.equal(on_host[n], t) for n, t in weights(2).items())
+            with pytest.raises(WeightSyncError, match="no GPU memory"):
+                gpu_sub.wait(2, timeout=30)
+            assert all(torch.equal(on_gpu[n].cpu(), t) for n, t in weights(1).items())
+    finally:
+        pub.close()
