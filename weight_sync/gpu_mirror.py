@@ -174,11 +174,12 @@ class GpuMirror:
 
 
 def _copy_whole(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
-    """Copy host `src` into `dst` on `device` and wait for it: on a CUDA device on a side stream
-    of its own (not the trainer's stream: nothing of the trainer's need wait for it)."""
+    """Copy host `src` into `dst` on `device` and wait for it: on a CUDA device on the side
+    stream `publish` packs GPU staging on (`transfer_queue.cuda.background_copies`), not the
+    trainer's, so that it lands after any pack still queued into the same slot (a failed one)."""
     if device.type != "cuda":
         dst.copy_(src)
         return
-    with torch.cuda.device(device), side_stream(device, "mirror"):
+    with torch.cuda.device(device), side_stream(device, "background"):
         dst.copy_(src, non_blocking=True)
         synchronize(device)  # the current stream here: the side stream
