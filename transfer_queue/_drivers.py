@@ -4,14 +4,19 @@ withdrawn at every service it reached (`Cancel`; what a reply granted meanwhile 
 with `ControlCore.undo`), then thrown into the flow so that its own clean-up runs before the
 error propagates. A flow may be launched and left in flight (a stream's next batch): an asyncio
 task in one driver, advanced whenever the blocking driver waits for anything in the other.
-A closed driver raises `ClosedError`; ZeroMQ failures and builtin `ValueError`/`TypeError`
-become `tq.*` errors (`foreign_error`).
+A closed driver raises `ClosedError`, and so does a call it was running when it was closed
+(whatever failed in it then: the error is chained); ZeroMQ failures and builtin
+`ValueError`/`TypeError` become `tq.*` errors (`foreign_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import enum
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,15 @@ def foreign_error(exc: BaseException) -> BaseException:
 
 
 _ZMQ = (Channel, AsyncChannel)
+
+CLOSE_WAIT = 5.0
+"""Seconds `SyncDriver.close` called from another thread waits for the calls in flight to stop
+(each is woken at once; one may still be sending into a full socket, for at most its channel's
+timeout): the last to stop closes the sockets then."""
+
+
+def _closed_error() -> ClosedError:
+    return ClosedError("this client was closed; connect a new one")
 
 
 class _State(enum.Enum):
@@ -103,15 +117,56 @@ class SyncDriver(_Driver):
 
     A flow may also be left in flight (`_launch`: a stream's next batch, its acks). There is no
     thread: such a flow advances whenever this driver takes a reply for anything else, without
-    waiting for its own, until `_finish` completes it or `_cancel` withdraws it."""
+    waiting for its own, until `_finish` completes it or `_cancel` withdraws it.
+
+    Calls are made by one thread at a time (the channels are not shared between threads), but
+    `close` may come from any thread: it marks the driver closed, wakes the calls in flight
+    (each channel's wait also watches a pipe, `interrupt_on`) and leaves the sockets to the last
+    of them to stop (`_release`), so no socket is closed under a thread using it; those calls
+    raise `ClosedError`."""
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
         self._channels: dict[str, Channel | LocalChannel] = {}
         self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
         self._progressing = False
+        self._guard = threading.Condition()
+        self._users: collections.Counter[int] = collections.Counter()  # thread id -> its calls in flight
+        self._wake = socket.socketpair()  # written once by `close`: wakes every wait, never drained
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """Run a call (nested ones count too) as one of this driver's users: refused once it is
+        closed; an error it raises once the driver was closed meanwhile is `ClosedError`; the
+        last user to stop after a `close` releases the sockets.
+
+        Raises:
+            ClosedError: the driver is closed, or was closed while the call ran.
+        """
+        me = threading.get_ident()
+        with self._guard:
+            if self._state is _State.CLOSED:
+                raise _closed_error()
+            self._users[me] += 1
+        try:
+            yield
+        except Exception as exc:
+            if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
+                raise _closed_error() from exc
+            raise
+        finally:
+            with self._guard:
+                self._users[me] -= 1
+                if not self._users[me]:
+                    del self._users[me]
+                last = not self._users and self._state is _State.CLOSED
+                self._guard.notify_all()
+            if last:
+                self._release()
 
     def _channel(self, target: int) -> Channel | LocalChannel:
+        if self._state is _State.CLOSED:  # a flow cleaning up after a close opens nothing new
+            raise _closed_error()
         address = self._core.target_address(target)
         channel = self._channels.get(address)
         if channel is not None and self._replaced(address, channel):
@@ -119,16 +174,18 @@ class SyncDriver(_Driver):
             channel = None
         if channel is None:
             channel = self._channels[address] = self._core.channel(target)
+            channel.interrupt_on(self._wake[0].fileno())
         return channel
 
     def _run(self, flow: Flow) -> Any:
-        try:
-            return self._finish(self._start(flow))
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            mapped = foreign_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
+        with self._using():
+            try:
+                return self._finish(self._start(flow))
+            except (zmq.ZMQError, ValueError, TypeError) as exc:
+                mapped = foreign_error(exc)
+                if mapped is exc:
+                    raise
+                raise mapped from exc
 
     def _start(self, flow: Flow) -> _InFlight:
         inflight = _InFlight(flow)
@@ -148,7 +205,7 @@ class SyncDriver(_Driver):
         flow = inflight.flow
         if self._state is _State.CLOSED:
             flow.close()
-            raise ClosedError("this client was closed; connect a new one")
+            raise _closed_error()
         while True:
             try:
                 if error is not None:
@@ -208,17 +265,18 @@ class SyncDriver(_Driver):
             return
         self._progressing = True
         try:
-            for inflight in list(self._ahead):
-                while inflight.calls is not None and all(
-                    rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
-                ):
-                    replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
-                    try:
-                        self._step(inflight, replies)
-                    except Exception as exc:  # noqa: BLE001 - raised by `_finish`
-                        inflight.calls, inflight.error = None, exc
-                if inflight.calls is None:
-                    self._ahead.remove(inflight)
+            with self._using():
+                for inflight in list(self._ahead):
+                    while inflight.calls is not None and all(
+                        rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
+                    ):
+                        replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
+                        try:
+                            self._step(inflight, replies)
+                        except Exception as exc:  # noqa: BLE001 - raised by `_finish`
+                            inflight.calls, inflight.error = None, exc
+                    if inflight.calls is None:
+                        self._ahead.remove(inflight)
         finally:
             self._progressing = False
 
@@ -250,15 +308,17 @@ class SyncDriver(_Driver):
             try:
                 if isinstance(step, Give):
                     self._progress()  # what came while the item was made
-                    yield step.item
-                elif isinstance(step, Run):
-                    value = self._run(step.flow)
-                elif isinstance(step, Launch):
-                    value = self._launch(step.flow)
-                elif isinstance(step, Finish):
-                    value = self._finish(step.task)
-                else:
-                    value = self._cancel(step.task)
+                    yield step.item  # not as a user: the caller may close the driver meanwhile
+                    continue
+                with self._using():
+                    if isinstance(step, Run):
+                        value = self._run(step.flow)
+                    elif isinstance(step, Launch):
+                        value = self._launch(step.flow)
+                    elif isinstance(step, Finish):
+                        value = self._finish(step.task)
+                    else:
+                        value = self._cancel(step.task)
             except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
                 error = exc
 
@@ -297,16 +357,34 @@ class SyncDriver(_Driver):
             pass
 
     def close(self) -> None:
-        """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
-        if self._state is _State.CLOSED:
+        """Close the sockets; the client cannot be used afterwards (`ClosedError`). Called from
+        another thread while a call runs, it wakes that call (which raises `ClosedError`) and
+        waits up to `CLOSE_WAIT` s for it to stop; the sockets are closed once it has."""
+        me = threading.get_ident()
+        with self._guard:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+            busy, mine = bool(self._users), me in self._users
+        if not busy:
+            self._release()
             return
-        self._state = _State.CLOSED
+        self._wake[1].send(b"x")
+        if not mine:  # a call of this very thread (a signal handler closing) stops after this returns
+            with self._guard:
+                self._guard.wait_for(lambda: not self._users, CLOSE_WAIT)
+
+    def _release(self) -> None:
+        """Close the sockets and end the launched flows, once closed and no call is in flight
+        (so by exactly one thread)."""
         for inflight in self._ahead:
             inflight.flow.close()
         self._ahead.clear()
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+        for end in self._wake:
+            end.close()
 
 
 class AsyncDriver(_Driver):
@@ -368,7 +446,11 @@ class AsyncDriver(_Driver):
     async def _run(self, flow: Flow) -> Any:
         try:
             return await self._drive(flow)
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
+        except Exception as exc:
+            if self._state is _State.CLOSED and not isinstance(exc, ClosedError):  # closed while it ran
+                raise _closed_error() from exc
+            if not isinstance(exc, (zmq.ZMQError, ValueError, TypeError)):
+                raise
             mapped = foreign_error(exc)
             if mapped is exc:
                 raise
@@ -377,7 +459,7 @@ class AsyncDriver(_Driver):
     async def _drive(self, flow: Flow) -> Any:
         if self._state is _State.CLOSED:
             flow.close()
-            raise ClosedError("this client was closed; connect a new one")
+            raise _closed_error()
         replies: list | None = None
         error: BaseException | None = None
         while True:

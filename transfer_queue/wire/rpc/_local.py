@@ -669,6 +669,12 @@ class LocalChannel(_LocalLink, SyncCalls):
         self._expected: set[int] = set()
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
+        self._interrupt: int | None = None
+
+    def interrupt_on(self, fd: int) -> None:
+        """End a wait for a reply (raising `lost`) as soon as `fd` is readable (`Channel.interrupt_on`)."""
+        self._interrupt = fd
+        self._poller.register(fd, select.POLLIN)
 
     def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
         if rid in self._expected:
@@ -711,8 +717,11 @@ class LocalChannel(_LocalLink, SyncCalls):
         if self._end_error is not None:
             return False
         # rounded up, so that a wait never ends early, except a wait of 0 (`ready`'s look)
-        if not self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0):
+        ready = self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0)
+        if not ready:
             return False
+        if any(fd == self._interrupt for fd, _ in ready):
+            raise self.lost(f"the wait for {self.name} was interrupted: the client is closing")
         self._read()
         return True
 
