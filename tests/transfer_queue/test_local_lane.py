@@ -4,6 +4,7 @@ served like the ROUTER, ended like it, refused to other users, and left for Zero
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import resource
 import secrets
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -880,3 +882,73 @@ def test_a_call_submitted_to_a_thread_service_that_raises_leaves_it_serving():
     finally:
         client.close()
         service.close()
+
+
+def _lingered(lane: _local.Lane) -> tuple[int, bool]:
+    """Read the lane's one peer until its connection ends or nothing comes for 10 s: (the pings
+    it sent, whether its connection ended)."""
+    peer = lane.accept()
+    assert peer is not None
+    requests, pings = Codec(StorageRequest), 0
+    while select.select([peer.sock], [], [], 10)[0]:
+        messages, ended = lane.receive(peer)
+        pings += sum(isinstance(msg, Ping) for _, msg, _ in map(requests.decode, messages))
+        if ended:
+            return pings, True
+    return pings, False
+
+
+def _lingering_channel(lane: _local.Lane, n: int) -> None:
+    """Post `n` notices of 256 KiB to `lane` (which reads nothing yet), then close the channel:
+    most are still queued in it, and go on going out after the close (`_linger`)."""
+    channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+    for _ in range(n):
+        channel.post(Ping(), [bytes(256 << 10)])
+    assert channel._out, "the socket took everything: nothing to linger"
+    channel.close()
+    assert _local._LINGERING, "the closed channel's connection lingers"
+
+
+async def test_a_child_forked_while_a_closed_channel_lingers_leaves_the_service_its_end():
+    """The child closes its copy of the lingering connection (as of every lane connection): the
+    service sees the peer gone once the parent's linger has sent everything, though the child lives."""
+    lane = _local.Lane()
+    hold, release = os.pipe()
+    try:
+        _lingering_channel(lane, 64)
+        pid = os.fork()
+        if pid == 0:  # the child holds whatever it inherited until the parent is done
+            os.read(hold, 1)
+            os._exit(0)
+        try:
+            pings, ended = await asyncio.to_thread(_lingered, lane)
+        finally:
+            os.write(release, b"x")
+            os.waitpid(pid, 0)
+        assert ended, "the connection stayed open after the linger: the child kept it"
+        assert pings == 64
+    finally:
+        os.close(hold)
+        os.close(release)
+        lane.close()
+
+
+def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection():
+    """`asyncio.run` ends the linger (a last send of what the socket takes), closing the
+    connection itself: nothing is left to the garbage collector (no ResourceWarning)."""
+    lane = _local.Lane()
+
+    async def close_lingering() -> None:
+        _lingering_channel(lane, 64)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            asyncio.run(close_lingering())
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        assert not _local._LINGERING
+        pings, ended = _lingered(lane)
+        assert ended and 0 < pings < 64
+    finally:
+        lane.close()

@@ -618,10 +618,19 @@ _LINKS: weakref.WeakSet[_LocalLink] = weakref.WeakSet()
 """The open lane connections of this process, ended in a child it forks (`_forked`)."""
 
 
+_LINGERING: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+"""The connections of closed channels still sending what they had queued (`_linger`, whose task
+holds each while its loop lives), closed in a child this process forks: the child would keep
+the connection open past the linger, and its service would wait for the child to go."""
+
+
 def _after_fork_in_child() -> None:
     for link in list(_LINKS):
         link._forked()
     _LINKS.clear()
+    for sock in _LINGERING:
+        sock.close()  # nothing else: the task and the loop's registrations are the parent's
+    _LINGERING.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -860,30 +869,50 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         """Close the connection; requests still awaiting replies fail with `lost` at once. What
         was sent and the socket has not taken yet (it was full: posted notices, say) still goes
         as the socket takes it, for up to `timeout` s, as a ZeroMQ channel's socket lingers
-        (`_linger`); the connection then closes."""
+        (`_linger`, a task of the loop); the connection then closes. A loop that stops first
+        closes it then (`asyncio.run` cancels the task); a child forked meanwhile closes its copy
+        at once, so the service sees the peer gone when the linger ends."""
         if self._out and self._end_error is None:
-            _linger(self._loop, self.sock.dup(), self._out, self.timeout)
+            sock = self.sock.dup()
+            _LINGERING.add(sock)
+            self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
             self._out = deque()
         self._end(self.lost, f"the channel to {self.name} was closed")
 
 
-def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
-    """Send the buffers in `out` on `sock` (a closed channel's connection) as `loop` finds it
-    writable, then close it: once all are sent, the peer is gone, or `seconds` have passed."""
+async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
+    """Send the buffers in `out` on `sock` (a closed channel's connection) as it takes them, then
+    close it: once all are sent, the peer is gone, or `seconds` have passed. A loop that stops
+    first (`asyncio.run` cancels the tasks left) closes it as well, after a last send of what the
+    socket takes at once."""
     fd = sock.fileno()
-
-    def done() -> None:
-        timer.cancel()
-        loop.remove_writer(fd)
-        sock.close()
-
-    def drain() -> None:
+    deadline = loop.time() + seconds
+    try:
+        while True:
+            _send(sock, out)
+            left = deadline - loop.time()
+            if not out or left <= 0:
+                return
+            writable = loop.create_future()
+            loop.add_writer(fd, _resolve, writable)
+            try:
+                await asyncio.wait([writable], timeout=left)
+            finally:
+                loop.remove_writer(fd)
+    except OSError:
+        pass  # the peer is gone
+    except asyncio.CancelledError:  # the loop stops: what the socket takes now still goes
         try:
             _send(sock, out)
         except OSError:
-            out.clear()  # the peer is gone
-        if not out:
-            done()
+            pass
+        raise
+    finally:
+        _LINGERING.discard(sock)
+        sock.close()
 
-    timer = loop.call_later(seconds, done)
-    loop.add_writer(fd, drain)
+
+def _resolve(fut: asyncio.Future) -> None:
+    """Resolve `fut` (to None) unless it is already: a readiness callback may fire again before its waiter runs."""
+    if not fut.done():
+        fut.set_result(None)
