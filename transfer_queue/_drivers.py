@@ -12,7 +12,6 @@ A closed driver raises `ClosedError`, and so does a call it was running when it 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import socket
@@ -130,39 +129,54 @@ class SyncDriver(_Driver):
         self._channels: dict[str, Channel | LocalChannel] = {}
         self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
         self._progressing = False
-        self._guard = threading.Condition()
-        self._users: collections.Counter[int] = collections.Counter()  # thread id -> its calls in flight
+        self._guard = threading.Condition(threading.Lock())
+        self._users = 0  # calls in flight, nested ones included
+        self._owner = 0  # the thread that made the outermost of them (calls come from one at a time)
         self._wake = socket.socketpair()  # written once by `close`: wakes every wait, never drained
 
-    @contextlib.contextmanager
-    def _using(self) -> Iterator[None]:
-        """Run a call (nested ones count too) as one of this driver's users: refused once it is
-        closed; an error it raises once the driver was closed meanwhile is `ClosedError`; the
-        last user to stop after a `close` releases the sockets.
+    def _enter(self) -> None:
+        """Count a call (a nested one too) in flight.
 
         Raises:
-            ClosedError: the driver is closed, or was closed while the call ran.
+            ClosedError: the driver is closed.
         """
-        me = threading.get_ident()
         with self._guard:
             if self._state is _State.CLOSED:
                 raise _closed_error()
-            self._users[me] += 1
+            if not self._users:
+                self._owner = threading.get_ident()
+            self._users += 1
+
+    def _leave(self) -> None:
+        """A call ended; the last to end after a `close` releases the sockets."""
+        with self._guard:
+            self._users -= 1
+            last = not self._users and self._state is _State.CLOSED
+            if last:
+                self._guard.notify_all()
+        if last:
+            self._release()
+
+    def _raised(self, exc: Exception) -> BaseException:
+        """What a call that failed with `exc` raises: `ClosedError` once the driver was closed
+        meanwhile, else the `tq.*` error for it (`foreign_error`)."""
+        if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
+            return _closed_error()
+        return foreign_error(exc)
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """Run a flow or a step of a plan as a call in flight (`_enter`, `_leave`); it raises as `_raised`."""
+        self._enter()
         try:
             yield
         except Exception as exc:
-            if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
-                raise _closed_error() from exc
-            raise
+            raised = self._raised(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
         finally:
-            with self._guard:
-                self._users[me] -= 1
-                if not self._users[me]:
-                    del self._users[me]
-                last = not self._users and self._state is _State.CLOSED
-                self._guard.notify_all()
-            if last:
-                self._release()
+            self._leave()
 
     def _channel(self, target: int) -> Channel | LocalChannel:
         if self._state is _State.CLOSED:  # a flow cleaning up after a close opens nothing new
@@ -179,13 +193,7 @@ class SyncDriver(_Driver):
 
     def _run(self, flow: Flow) -> Any:
         with self._using():
-            try:
-                return self._finish(self._start(flow))
-            except (zmq.ZMQError, ValueError, TypeError) as exc:
-                mapped = foreign_error(exc)
-                if mapped is exc:
-                    raise
-                raise mapped from exc
+            return self._finish(self._start(flow))
 
     def _start(self, flow: Flow) -> _InFlight:
         inflight = _InFlight(flow)
@@ -261,7 +269,7 @@ class SyncDriver(_Driver):
     def _progress(self) -> None:
         """Advance the launched flows whose replies have all come, without waiting; a flow that
         fails keeps its error for `_finish`."""
-        if self._progressing or self._state is _State.CLOSED:
+        if self._progressing or not self._ahead or self._state is _State.CLOSED:
             return
         self._progressing = True
         try:
@@ -360,12 +368,11 @@ class SyncDriver(_Driver):
         """Close the sockets; the client cannot be used afterwards (`ClosedError`). Called from
         another thread while a call runs, it wakes that call (which raises `ClosedError`) and
         waits up to `CLOSE_WAIT` s for it to stop; the sockets are closed once it has."""
-        me = threading.get_ident()
         with self._guard:
             if self._state is _State.CLOSED:
                 return
             self._state = _State.CLOSED
-            busy, mine = bool(self._users), me in self._users
+            busy, mine = bool(self._users), self._owner == threading.get_ident()
         if not busy:
             self._release()
             return
