@@ -952,3 +952,26 @@ def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection(
         assert ended and 0 < pings < 64
     finally:
         lane.close()
+
+
+def test_a_blocking_lane_channels_waits_end_at_once_once_its_interrupt_is_readable():
+    """What a driver closed from another thread relies on (`interrupt_on`): a wait for a reply
+    and a wait for room in a full socket both end with `lost` (the half-sent message ending the
+    connection), however long they were to last."""
+    lane = _local.Lane()
+    wake, woken = socket.socketpair()
+    try:
+        channel = LocalChannel(lane.endpoint, Codec(Reply), timeout=3600)
+        channel.interrupt_on(wake.fileno())
+        rid = channel.send(Ping())
+        woken.send(b"x")
+        with pytest.raises(ServiceError, match="interrupted"):
+            channel.reply(rid, 3600)
+        assert not channel.ended, "an interrupted wait for a reply leaves the connection framed"
+        with pytest.raises(ServiceError, match="half sent"):
+            channel.send(Ping(), [bytes(BIG)])  # more than the socket holds: nobody reads it
+        assert channel.ended
+    finally:
+        wake.close()
+        woken.close()
+        lane.close()

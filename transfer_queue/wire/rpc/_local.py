@@ -681,7 +681,8 @@ class LocalChannel(_LocalLink, SyncCalls):
         self._interrupt: int | None = None
 
     def interrupt_on(self, fd: int) -> None:
-        """End a wait for a reply (raising `lost`) as soon as `fd` is readable (`Channel.interrupt_on`)."""
+        """End a wait for a reply (raising `lost`) as soon as `fd` is readable (`Channel.interrupt_on`),
+        and a wait for room in the socket (the message half sent ends the connection)."""
         self._interrupt = fd
         self._poller.register(fd, select.POLLIN)
 
@@ -694,13 +695,17 @@ class LocalChannel(_LocalLink, SyncCalls):
         if self._out:  # the socket is full: wait for it to take the rest
             writable = select.poll()
             writable.register(self.sock, select.POLLOUT)
+            if self._interrupt is not None:
+                writable.register(self._interrupt, select.POLLIN)
             deadline = time.monotonic() + self.timeout
             while self._flush():
                 left = deadline - time.monotonic()
                 if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
                     self._end(self.lost, f"a message to {self.name} was cut off half sent")
                     raise self.late(f"{self.name} took no message for {self.timeout:g} s")
-                writable.poll(int(left * 1000) + 1)
+                if any(fd == self._interrupt for fd, _ in writable.poll(int(left * 1000) + 1)):
+                    self._end(self.lost, f"a message to {self.name} was cut off half sent: the client is closing")
+                    raise self._gone()
         if self._end_error is not None:
             raise self._gone()
         return rid
