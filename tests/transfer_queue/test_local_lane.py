@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import resource
 import secrets
@@ -947,6 +948,35 @@ def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection(
             asyncio.run(close_lingering())
             gc.collect()
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        assert not _local._LINGERING
+        pings, ended = _lingered(lane)
+        assert ended and 0 < pings < 64
+    finally:
+        lane.close()
+
+
+def test_a_channel_closed_while_its_loop_is_not_running_leaves_no_task_pending(caplog):
+    """Closed between two runs of its loop (or after the last), the channel sends what the
+    socket takes at once and closes the connection: a task would wait for a loop that may never
+    run again, and be destroyed pending (logged) with the loop."""
+    lane = _local.Lane()
+    loop = asyncio.new_event_loop()
+
+    async def open_full() -> AsyncLocalChannel:
+        channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+        for _ in range(64):
+            channel.post(Ping(), [bytes(256 << 10)])
+        return channel
+
+    try:
+        channel = loop.run_until_complete(open_full())
+        assert channel._out, "the socket took everything: nothing to linger"
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            channel.close()
+            loop.close()
+            del loop
+            gc.collect()
+        assert "Task was destroyed" not in caplog.text
         assert not _local._LINGERING
         pings, ended = _lingered(lane)
         assert ended and 0 < pings < 64

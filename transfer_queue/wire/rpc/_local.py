@@ -23,6 +23,8 @@ may read the other's memory anyway, so CurveZMQ would protect nothing more on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -618,10 +620,11 @@ _LINKS: weakref.WeakSet[_LocalLink] = weakref.WeakSet()
 """The open lane connections of this process, ended in a child it forks (`_forked`)."""
 
 
-_LINGERING: weakref.WeakSet[socket.socket] = weakref.WeakSet()
-"""The connections of closed channels still sending what they had queued (`_linger`, whose task
-holds each while its loop lives), closed in a child this process forks: the child would keep
-the connection open past the linger, and its service would wait for the child to go."""
+_LINGERING: dict[socket.socket, asyncio.Task[None]] = {}
+"""The connections of closed channels still sending what they had queued, each with the task of
+its loop sending it (`_linger`), held here until it ends (a loop holds its tasks only weakly).
+A child this process forks closes them: it would keep the connection open past the linger, and
+its service would wait for the child to go."""
 
 
 def _after_fork_in_child() -> None:
@@ -629,7 +632,7 @@ def _after_fork_in_child() -> None:
         link._forked()
     _LINKS.clear()
     for sock in _LINGERING:
-        sock.close()  # nothing else: the task and the loop's registrations are the parent's
+        sock.close()  # nothing else: the tasks and the loop's registrations are the parent's
     _LINGERING.clear()
 
 
@@ -876,20 +879,26 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         as the socket takes it, for up to `timeout` s, as a ZeroMQ channel's socket lingers
         (`_linger`, a task of the loop); the connection then closes. A loop that stops first
         closes it then (`asyncio.run` cancels the task); a child forked meanwhile closes its copy
-        at once, so the service sees the peer gone when the linger ends."""
+        at once, so the service sees the peer gone when the linger ends. Closed while its loop
+        is not running, it sends only what the socket takes at once: a task would wait for the
+        loop to run again, perhaps never (and be destroyed pending)."""
         if self._out and self._end_error is None:
-            sock = self.sock.dup()
-            _LINGERING.add(sock)
-            self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
+            if self._loop.is_running():
+                sock = self.sock.dup()
+                _LINGERING[sock] = task = self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
+                task.add_done_callback(functools.partial(_lingered, sock))
+            else:
+                with contextlib.suppress(OSError):  # the peer is gone
+                    _send(self.sock, self._out)
             self._out = deque()
         self._end(self.lost, f"the channel to {self.name} was closed")
 
 
 async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
-    """Send the buffers in `out` on `sock` (a closed channel's connection) as it takes them, then
-    close it: once all are sent, the peer is gone, or `seconds` have passed. A loop that stops
-    first (`asyncio.run` cancels the tasks left) closes it as well, after a last send of what the
-    socket takes at once."""
+    """Send the buffers in `out` on `sock` (a closed channel's connection) as it takes them, until
+    all are sent, the peer is gone, or `seconds` have passed; `_lingered` then closes it. A loop
+    that stops first (`asyncio.run` cancels the tasks left) ends it as well, after a last send of
+    what the socket takes at once."""
     fd = sock.fileno()
     deadline = loop.time() + seconds
     try:
@@ -912,9 +921,12 @@ async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deq
         except OSError:
             pass
         raise
-    finally:
-        _LINGERING.discard(sock)
-        sock.close()
+
+
+def _lingered(sock: socket.socket, task: asyncio.Task[None]) -> None:
+    """`task`, the linger of `sock`, ended (however: even cancelled before it began): close `sock`."""
+    _LINGERING.pop(sock, None)
+    sock.close()
 
 
 def _resolve(fut: asyncio.Future) -> None:
