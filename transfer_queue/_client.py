@@ -279,8 +279,8 @@ class Client(ControlClient):
         (see the class docstring)."""
         super().close()
 
-    def _release(self) -> None:
-        super()._release()
+    def _free(self) -> None:
+        super()._free()
         self._core.close_arenas()  # once no call copies through them
 
     def __enter__(self) -> Client:

@@ -12,24 +12,26 @@ A closed driver raises `ClosedError`, and so does a call it was running when it 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import socket
+import errno
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
-from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run
+from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from .wire.errors import ClosedError, SchemaError, ServiceError, SluiceError
-from .wire.rpc import AsyncChannel, AsyncLocalChannel, Channel, LocalChannel, Ok
+from .wire.rpc import AsyncChannel, AsyncLocalChannel, Channel, LocalChannel, Ok, out_of_files
 
 if TYPE_CHECKING:
     from ._control import ControlCore
 
 __all__ = ["SyncDriver", "AsyncDriver", "foreign_error"]
+
+T = TypeVar("T")
 
 
 def foreign_error(exc: BaseException) -> BaseException:
@@ -49,7 +51,7 @@ _ZMQ = (Channel, AsyncChannel)
 CLOSE_WAIT = 5.0
 """Seconds `SyncDriver.close` called from another thread waits for the calls in flight to stop
 (each is woken at once; one may still be sending into a full socket, for at most its channel's
-timeout): the last to stop closes the sockets then."""
+timeout): the last to stop closes the sockets, and `close` returns once it has."""
 
 
 def _closed_error() -> ClosedError:
@@ -120,42 +122,61 @@ class SyncDriver(_Driver):
 
     Calls are made by one thread at a time (the channels are not shared between threads), but
     `close` may come from any thread: it marks the driver closed, wakes the calls in flight
-    (each channel's wait also watches a pipe, `interrupt_on`) and leaves the sockets to the last
-    of them to stop (`_release`), so no socket is closed under a thread using it; those calls
-    raise `ClosedError`."""
+    (each channel's wait also watches an eventfd, `interrupt_on`) and leaves the sockets to the
+    last of them to stop (`_release`), so no socket is closed under a thread using it; those
+    calls raise `ClosedError`.
+
+    Raises:
+        CapacityError: (constructing) the process can open no more files.
+    """
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
         self._channels: dict[str, Channel | LocalChannel] = {}
         self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
         self._progressing = False
-        self._guard = threading.Condition(threading.Lock())
-        self._users = 0  # calls in flight, nested ones included
-        self._owner = 0  # the thread that made the outermost of them (calls come from one at a time)
-        self._wake = socket.socketpair()  # written once by `close`: wakes every wait, never drained
+        # re-entrant: a signal handler may close the driver while its thread holds the guard
+        self._guard = threading.RLock()
+        self._stopped = threading.Condition(self._guard)  # notified by `_release`
+        self._users = 0  # calls in flight, nested ones included: changed only by the thread making them
+        self._owner = 0  # the thread that made the outermost of them
+        self._released = False
+        self._pid = os.getpid()  # a child forked from here shares `_wake` with this process: it never writes it
+        try:
+            self._wake = os.eventfd(0)  # written once by `close`: wakes every wait, never drained
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            raise out_of_files("files") from None
 
-    def _enter(self) -> None:
-        """Count a call (a nested one too) in flight.
+    def _call(self, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)` (a flow, a step of a plan) as a call in flight: refused once the driver is
+        closed; what it raises as `_raised`; the last call to stop after a `close` releases the
+        sockets. The count takes no lock (only this thread changes it; `close` writes the state
+        before it reads the count, a call counts itself before it reads the state, so one of the
+        two sees the other), and there is no call between a change of it and the `try` that
+        undoes it, nor a loop: where CPython (3.11 on) runs signal handlers, so no Ctrl-C can leave
+        it counted. One that skips the release after it leaves that to `close`.
 
         Raises:
-            ClosedError: the driver is closed.
+            ClosedError: the driver is closed, or was closed while `step` ran.
         """
-        with self._guard:
+        if not self._users:
+            self._owner = threading.get_ident()
+        self._users += 1
+        try:
             if self._state is _State.CLOSED:
                 raise _closed_error()
-            if not self._users:
-                self._owner = threading.get_ident()
-            self._users += 1
-
-    def _leave(self) -> None:
-        """A call ended; the last to end after a `close` releases the sockets."""
-        with self._guard:
+            return step(*args)
+        except Exception as exc:
+            raised = self._raised(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
+        finally:
             self._users -= 1
-            last = not self._users and self._state is _State.CLOSED
-            if last:
-                self._guard.notify_all()
-        if last:
-            self._release()
+            if not self._users and self._state is _State.CLOSED:
+                self._release()
 
     def _raised(self, exc: Exception) -> BaseException:
         """What a call that failed with `exc` raises: `ClosedError` once the driver was closed
@@ -163,20 +184,6 @@ class SyncDriver(_Driver):
         if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
             return _closed_error()
         return foreign_error(exc)
-
-    @contextlib.contextmanager
-    def _using(self) -> Iterator[None]:
-        """Run a flow or a step of a plan as a call in flight (`_enter`, `_leave`); it raises as `_raised`."""
-        self._enter()
-        try:
-            yield
-        except Exception as exc:
-            raised = self._raised(exc)
-            if raised is exc:
-                raise
-            raise raised from exc
-        finally:
-            self._leave()
 
     def _channel(self, target: int) -> Channel | LocalChannel:
         if self._state is _State.CLOSED:  # a flow cleaning up after a close opens nothing new
@@ -188,12 +195,14 @@ class SyncDriver(_Driver):
             channel = None
         if channel is None:
             channel = self._channels[address] = self._core.channel(target)
-            channel.interrupt_on(self._wake[0].fileno())
+            channel.interrupt_on(self._wake)
         return channel
 
     def _run(self, flow: Flow) -> Any:
-        with self._using():
-            return self._finish(self._start(flow))
+        return self._call(self._drive, flow)
+
+    def _drive(self, flow: Flow) -> Any:
+        return self._finish(self._start(flow))
 
     def _start(self, flow: Flow) -> _InFlight:
         inflight = _InFlight(flow)
@@ -273,20 +282,22 @@ class SyncDriver(_Driver):
             return
         self._progressing = True
         try:
-            with self._using():
-                for inflight in list(self._ahead):
-                    while inflight.calls is not None and all(
-                        rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
-                    ):
-                        replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
-                        try:
-                            self._step(inflight, replies)
-                        except Exception as exc:  # noqa: BLE001 - raised by `_finish`
-                            inflight.calls, inflight.error = None, exc
-                    if inflight.calls is None:
-                        self._ahead.remove(inflight)
+            self._call(self._advance)
         finally:
             self._progressing = False
+
+    def _advance(self) -> None:
+        for inflight in list(self._ahead):
+            while inflight.calls is not None and all(
+                rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
+            ):
+                replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
+                try:
+                    self._step(inflight, replies)
+                except Exception as exc:  # noqa: BLE001 - raised by `_finish`
+                    inflight.calls, inflight.error = None, exc
+            if inflight.calls is None:
+                self._ahead.remove(inflight)
 
     def _cancel(self, inflight: _InFlight) -> Any:
         """Withdraw a launched flow nobody waits for any more, letting its own clean-up run (a
@@ -316,19 +327,21 @@ class SyncDriver(_Driver):
             try:
                 if isinstance(step, Give):
                     self._progress()  # what came while the item was made
-                    yield step.item  # not as a user: the caller may close the driver meanwhile
-                    continue
-                with self._using():
-                    if isinstance(step, Run):
-                        value = self._run(step.flow)
-                    elif isinstance(step, Launch):
-                        value = self._launch(step.flow)
-                    elif isinstance(step, Finish):
-                        value = self._finish(step.task)
-                    else:
-                        value = self._cancel(step.task)
+                    yield step.item  # not as a call: the caller may close the driver meanwhile
+                else:
+                    value = self._call(self._take, step)
             except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
                 error = exc
+
+    def _take(self, step: Run | Launch | Finish | Withdraw) -> Any:
+        """Take one step of a plan (`_iterate`) other than `Give`."""
+        if isinstance(step, Run):
+            return self._run(step.flow)
+        if isinstance(step, Launch):
+            return self._launch(step.flow)
+        if isinstance(step, Finish):
+            return self._finish(step.task)
+        return self._cancel(step.task)
 
     def _abandon(self, inflight: _InFlight, taken: Sequence[Any] = ()) -> None:
         """Withdraw the flow's calls still in flight (skipping services reported dead) and give
@@ -367,31 +380,43 @@ class SyncDriver(_Driver):
     def close(self) -> None:
         """Close the sockets; the client cannot be used afterwards (`ClosedError`). Called from
         another thread while a call runs, it wakes that call (which raises `ClosedError`) and
-        waits up to `CLOSE_WAIT` s for it to stop; the sockets are closed once it has."""
+        returns once the sockets are closed: when the call has stopped, or after `CLOSE_WAIT` s
+        (the call then closes them as it stops). Called by a signal handler interrupting a call
+        of its thread, it only wakes that call. In a child forked while calls ran, those calls
+        were the parent's: the child closes its copies at once and wakes nothing."""
         with self._guard:
-            if self._state is _State.CLOSED:
-                return
-            self._state = _State.CLOSED
-            busy, mine = bool(self._users), self._owner == threading.get_ident()
-        if not busy:
-            self._release()
-            return
-        self._wake[1].send(b"x")
-        if not mine:  # a call of this very thread (a signal handler closing) stops after this returns
-            with self._guard:
-                self._guard.wait_for(lambda: not self._users, CLOSE_WAIT)
+            child = os.getpid() != self._pid
+            if self._state is not _State.CLOSED:
+                self._state = _State.CLOSED
+                if self._users and not child:  # under the guard: `_release` cannot close `_wake` meanwhile
+                    os.eventfd_write(self._wake, 1)
+            if self._users and not child:
+                if self._owner == threading.get_ident():  # a handler: the call goes on once it returns
+                    return
+                self._stopped.wait_for(lambda: self._released or not self._users, CLOSE_WAIT)
+            if not self._users or child:
+                self._release()
 
     def _release(self) -> None:
-        """Close the sockets and end the launched flows, once closed and no call is in flight
-        (so by exactly one thread)."""
+        """Close the sockets and end the launched flows, once closed and no call is in flight; once."""
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+            try:
+                self._free()
+            finally:
+                self._stopped.notify_all()
+
+    def _free(self) -> None:
+        """What `_release` closes."""
         for inflight in self._ahead:
             inflight.flow.close()
         self._ahead.clear()
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
-        for end in self._wake:
-            end.close()
+        os.close(self._wake)
 
 
 class AsyncDriver(_Driver):

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import select
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 import transfer_queue as tq
 from tests.helpers import eventually
 from transfer_queue._client_core import ClientCore
+from transfer_queue._drivers import SyncDriver
 from transfer_queue.compat.client import TransferQueueClient
 from transfer_queue.wire.rpc import AsyncLocalChannel, Channel, LocalChannel, _peer
 
@@ -30,27 +35,35 @@ def no_pings(monkeypatch):
     monkeypatch.setattr(_peer, "PROBE_AFTER", _PARK)
 
 
-def _close_while_parked(cluster: tq.Cluster, call: Callable[[], Any], close: Callable[[], None]) -> BaseException:
-    """Start `call` (a get_meta nothing will satisfy) on a thread, wait until the controller
-    holds it parked, `close` from this thread; what the call raised."""
-    raised: list[BaseException] = []
+def _park(other: tq.Client, call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Start `call` (a get_meta of "x", which nothing satisfies until a put) on a thread and wait
+    until the controller holds it parked (`other` looks); the thread, and what the call returned
+    or raised once it has."""
+    outcome: list[Any] = []
 
     def run() -> None:
         try:
-            call()
+            outcome.append(call())
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            raised.append(exc)
+            outcome.append(exc)
 
+    thread = threading.Thread(target=run, daemon=True)  # a failed test leaves it parked
+    thread.start()
+    eventually(lambda: outcome or other.status()["counters"]["parked_get_meta"] == 1, 30, "get_meta parked")
+    assert not outcome, f"the call ended before it parked: {outcome[0]!r}"
+    return thread, outcome
+
+
+def _close_while_parked(cluster: tq.Cluster, call: Callable[[], Any], close: Callable[[], None]) -> BaseException:
+    """Start `call` (a get_meta nothing will satisfy) on a thread, wait until the controller
+    holds it parked, `close` from this thread; what the call raised."""
     with tq.connect(cluster.address) as other:
-        thread = threading.Thread(target=run, daemon=True)  # a failed test leaves it parked
-        thread.start()
-        eventually(lambda: raised or other.status()["counters"]["parked_get_meta"] == 1, 30, "get_meta parked")
-        assert not raised, f"the call failed before it parked: {raised[0]!r}"
+        thread, outcome = _park(other, call)
         close()
         thread.join(60)
         assert not thread.is_alive(), "the parked call went on waiting after its client was closed"
-    assert raised, "the parked call returned"
-    return raised[0]
+    assert isinstance(outcome[0], BaseException), f"the parked call returned {outcome[0]!r}"
+    return outcome[0]
 
 
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "zeromq"])
@@ -94,3 +107,138 @@ async def test_an_async_call_in_flight_raises_closed_error_when_its_client_close
     finally:
         await other.close()
         await client.close()
+
+
+def test_a_signal_handler_closing_the_client_while_its_thread_holds_the_guard_returns(cluster):
+    """A handler runs on a thread that may be inside the guard (counting a call, releasing):
+    `close` re-enters it rather than wait for itself."""
+    client = tq.connect(cluster.address)
+    client.status()
+
+    def handler() -> None:
+        with client._guard:  # where the interrupted thread was
+            client.close()
+
+    thread = threading.Thread(target=handler, daemon=True)  # a deadlocked one is left behind
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "close() waited for the guard its own thread held"
+    assert not client._channels, "the sockets were closed"
+    with pytest.raises(tq.ClosedError):
+        client.status()
+
+
+def test_a_close_that_a_call_ending_at_that_moment_releases_under_raises_nothing(cluster, no_pings):
+    """The call in flight gets its reply (and stops, releasing the sockets) just as `close`
+    wakes it: the wake is written while the call cannot release, never to a closed descriptor."""
+    client = tq.connect(cluster.address)
+    with tq.connect(cluster.address) as other:
+        thread, outcome = _park(other, lambda: client.get_meta(["x"], 1, "t", "p", timeout=_PARK))
+
+        def at_the_wake(frame: Any, event: str, arg: Any) -> None:
+            if event == "c_call" and getattr(arg, "__name__", "") in ("eventfd_write", "send"):
+                sys.setprofile(None)
+                other.put({"x": torch.arange(1)}, "p")  # the parked call is answered
+                thread.join(2)  # it stops now, unless it must wait for the wake to be written
+
+        sys.setprofile(at_the_wake)
+        try:
+            client.close()
+        finally:
+            sys.setprofile(None)
+        thread.join(60)
+        assert not thread.is_alive()
+    assert isinstance(outcome[0], (tq.BatchMeta, tq.ClosedError)), repr(outcome[0])
+    assert not client._channels
+
+
+def test_a_child_closing_a_client_it_inherited_with_a_call_in_flight_leaves_the_parents_alone(cluster, no_pings):
+    """The child shares the wake descriptor with its parent: its `close` (an atexit, a `with`
+    block) closes its copies and writes nothing, so the parent's call waits on for its reply."""
+    client = tq.connect(cluster.address)
+    with tq.connect(cluster.address) as other:
+        thread, outcome = _park(other, lambda: client.get_meta(["x"], 1, "t", "p", timeout=_PARK))
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                client.close()
+                code = 0 if client.closed and not client._channels else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child's close failed: {status}"
+        assert not select.select([client._wake], [], [], 0)[0], "the child woke the parent's calls"
+        assert not client.closed and thread.is_alive()
+        other.put({"x": torch.arange(1)}, "p")
+        thread.join(60)
+    assert isinstance(outcome[0], tq.BatchMeta), f"the parent's call failed: {outcome[0]!r}"
+    client.close()
+    assert not client._channels
+
+
+def test_close_from_another_thread_returns_once_the_sockets_are_closed(cluster, no_pings):
+    """`close` returns after the call it woke has released the sockets (and, for a `Client`,
+    unmapped its arenas, the last of it), not merely once that call stopped."""
+    client = tq.connect(cluster.address)
+    returned = threading.Event()
+    early: list[bool] = []
+    unmap = client._core.close_arenas
+
+    def last_of_release() -> None:
+        early.append(returned.wait(1))  # holds the release until `close` returned, or 1 s
+        unmap()
+
+    client._core.close_arenas = last_of_release  # type: ignore[method-assign]
+    with tq.connect(cluster.address) as other:
+        thread, outcome = _park(other, lambda: client.get_meta(["x"], 1, "t", "p", timeout=_PARK))
+        client.close()
+        returned.set()
+        thread.join(60)
+    assert early == [False], "close() returned while the call was still releasing"
+    assert isinstance(outcome[0], tq.ClosedError), repr(outcome[0])
+
+
+def test_a_ctrl_c_anywhere_in_a_call_leaves_no_call_counted():
+    """Ctrl-C (raised here at every function call, return and builtin call of a call in turn,
+    the points where Python runs signal handlers) never leaves the count of calls in flight
+    behind, which would keep `close` waiting and the sockets open."""
+
+    def flow() -> Any:
+        return 1
+        yield
+
+    here = sys._getframe().f_code  # its own calls (setting the profile) are not the call's
+
+    def interrupt_at(at: int) -> tuple[Callable[[Any, str, Any], None], list[int]]:
+        """A profile function raising KeyboardInterrupt at the call's `at`-th event; the events seen."""
+        seen = [0]
+
+        def interrupt(frame: Any, event: str, arg: Any) -> None:
+            if frame.f_code is here:
+                return
+            seen[0] += 1
+            if seen[0] == at:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+        return interrupt, seen
+
+    at = 0
+    while True:
+        at += 1
+        driver = SyncDriver(None)  # type: ignore[arg-type]
+        interrupt, seen = interrupt_at(at)
+        try:
+            sys.setprofile(interrupt)
+            assert driver._run(flow()) == 1
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert driver._users == 0, f"a Ctrl-C at event {at} left a call counted"
+        driver.close()
+        assert driver._released
+        if seen[0] < at:  # the call ran to its end: every point was tried
+            break
+    assert at > 5
