@@ -838,7 +838,8 @@ def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_o
 async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_taken():
     """Notices posted to a lane whose service reads nothing yet (more than the socket holds, so
     most wait in the channel), then the channel is closed: every one still arrives, in order,
-    once the service reads, as over a ZeroMQ channel (test_rpc_channel)."""
+    once the service reads, as over a ZeroMQ channel (test_rpc_channel); the connection then
+    ends, as the linger does (not when its task is freed: the test holds it)."""
     lane = _local.Lane()
     channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
     n, frame = 64, bytes(256 << 10)  # 16 MiB: far beyond the socket's buffer
@@ -847,8 +848,9 @@ async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_
             channel.post(Ping(), [frame])
         assert channel._out, "the socket took everything: nothing to linger"
         channel.close()
+        tasks = asyncio.all_tasks()  # the linger's among them
 
-        def pings() -> list[int]:
+        def pings() -> tuple[list[int], bool]:
             peer = lane.accept()
             assert peer is not None
             requests, ids = Codec(StorageRequest), []
@@ -856,11 +858,12 @@ async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_
                 messages, ended = lane.receive(peer)
                 ids += [rid for rid, msg, _ in map(requests.decode, messages) if isinstance(msg, Ping)]
                 if ended:
-                    break
-            return ids
+                    return ids, True
+            return ids, False
 
-        ids = await asyncio.to_thread(pings)
+        ids, ended = await asyncio.to_thread(pings)
         assert ids == sorted(ids) and len(ids) == n
+        assert ended and tasks, "the connection stayed open after the linger"
     finally:
         lane.close()
 
@@ -991,12 +994,12 @@ def test_a_blocking_lane_channels_waits_end_at_once_once_its_interrupt_is_readab
     lane = _local.Lane()
     wake, woken = socket.socketpair()
     try:
-        channel = LocalChannel(lane.endpoint, Codec(Reply), timeout=3600)
+        channel = LocalChannel(lane.endpoint, Codec(Reply), timeout=60)
         channel.interrupt_on(wake.fileno())
         rid = channel.send(Ping())
         woken.send(b"x")
         with pytest.raises(ServiceError, match="interrupted"):
-            channel.reply(rid, 3600)
+            channel.reply(rid, 60)
         assert not channel.ended, "an interrupted wait for a reply leaves the connection framed"
         with pytest.raises(ServiceError, match="half sent"):
             channel.send(Ping(), [bytes(BIG)])  # more than the socket holds: nobody reads it
@@ -1004,4 +1007,36 @@ def test_a_blocking_lane_channels_waits_end_at_once_once_its_interrupt_is_readab
     finally:
         wake.close()
         woken.close()
+        lane.close()
+
+
+@pytest.mark.parametrize("began", [True, False], ids=["linger_began", "linger_never_began"])
+def test_a_loop_closed_while_a_closed_channel_lingers_closes_its_connection(began):
+    """A loop closed without cancelling its tasks (a loop run by hand) drops the linger's task,
+    whether it had begun or not: once collected, it closes the connection itself (no
+    ResourceWarning), and the service sees the peer gone."""
+    lane = _local.Lane()
+    loop = asyncio.new_event_loop()
+
+    async def close_lingering() -> None:
+        _lingering_channel(lane, 64)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            if began:  # the loop runs once more after the coroutine: the linger takes its first step
+                loop.run_until_complete(close_lingering())
+            else:  # the loop stops in the step that closes the channel
+                loop.call_soon(_lingering_channel, lane, 64)
+                loop.call_soon(loop.stop)
+                loop.run_forever()
+            loop.close()
+            del loop
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        assert not _local._LINGERING, "the closed loop's linger still holds its connection"
+        pings, ended = _lingered(lane)
+        assert ended, "the connection stayed open after its loop was closed"
+        assert pings < 64
+    finally:
         lane.close()

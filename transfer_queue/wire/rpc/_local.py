@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import mmap
 import os
@@ -620,18 +619,20 @@ _LINKS: weakref.WeakSet[_LocalLink] = weakref.WeakSet()
 """The open lane connections of this process, ended in a child it forks (`_forked`)."""
 
 
-_LINGERING: dict[socket.socket, asyncio.Task[None]] = {}
-"""The connections of closed channels still sending what they had queued, each with the task of
-its loop sending it (`_linger`), held here until it ends (a loop holds its tasks only weakly).
-A child this process forks closes them: it would keep the connection open past the linger, and
-its service would wait for the child to go."""
+_LINGERING: set[socket.socket] = set()
+"""The connections of closed channels still sending what they had queued (`_linger`), until
+they are closed. A child this process forks closes them: it would keep the connection open past
+the linger, and its service would wait for the child to go. Not the tasks sending them: a task is
+its loop's (its ready queue, the timer and writer it waits on), so one left pending by a loop
+closed without cancelling it is collected, and that closes its connection (`_linger`'s own
+clean-up, or `_lingered` for a task that never began)."""
 
 
 def _after_fork_in_child() -> None:
     for link in list(_LINKS):
         link._forked()
     _LINKS.clear()
-    for sock in _LINGERING:
+    for sock in list(_LINGERING):
         sock.close()  # nothing else: the tasks and the loop's registrations are the parent's
     _LINGERING.clear()
 
@@ -885,8 +886,9 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         if self._out and self._end_error is None:
             if self._loop.is_running():
                 sock = self.sock.dup()
-                _LINGERING[sock] = task = self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
-                task.add_done_callback(functools.partial(_lingered, sock))
+                _LINGERING.add(sock)
+                task = self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
+                weakref.finalize(task, _lingered, sock)  # one that never began runs no clean-up
             else:
                 with contextlib.suppress(OSError):  # the peer is gone
                     _send(self.sock, self._out)
@@ -896,9 +898,10 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
 
 async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
     """Send the buffers in `out` on `sock` (a closed channel's connection) as it takes them, until
-    all are sent, the peer is gone, or `seconds` have passed; `_lingered` then closes it. A loop
-    that stops first (`asyncio.run` cancels the tasks left) ends it as well, after a last send of
-    what the socket takes at once."""
+    all are sent, the peer is gone, or `seconds` have passed, then close it. A loop that stops
+    first (`asyncio.run` cancels the tasks left) ends it as well, after a last send of what the
+    socket takes at once; so does a loop closed with the task still pending, once the task is
+    collected (its coroutine is closed)."""
     fd = sock.fileno()
     deadline = loop.time() + seconds
     try:
@@ -921,11 +924,13 @@ async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deq
         except OSError:
             pass
         raise
+    finally:
+        _lingered(sock)
 
 
-def _lingered(sock: socket.socket, task: asyncio.Task[None]) -> None:
-    """`task`, the linger of `sock`, ended (however: even cancelled before it began): close `sock`."""
-    _LINGERING.pop(sock, None)
+def _lingered(sock: socket.socket) -> None:
+    """The linger of `sock` ended, or its task is gone (even one that never began): close `sock`."""
+    _LINGERING.discard(sock)
     sock.close()
 
 
