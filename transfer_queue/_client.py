@@ -280,8 +280,10 @@ class Client(ControlClient):
         super().close()
 
     def _free(self) -> None:
-        super()._free()
-        self._core.close_arenas()  # once no call copies through them
+        try:
+            super()._free()
+        finally:
+            self._core.close_arenas()  # once no call copies through them
 
     def __enter__(self) -> Client:
         return self

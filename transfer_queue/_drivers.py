@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -109,6 +110,13 @@ class _Driver:
             return True
         return isinstance(channel, _ZMQ) and address in self._core.lanes and channel.idle
 
+    def _raised(self, exc: Exception) -> BaseException:
+        """What a call that failed with `exc` raises: `ClosedError` once the driver was closed
+        meanwhile, else the `tq.*` error for it (`foreign_error`)."""
+        if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
+            return _closed_error()
+        return foreign_error(exc)
+
 
 class SyncDriver(_Driver):
     """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
@@ -148,6 +156,8 @@ class SyncDriver(_Driver):
             if exc.errno != errno.EMFILE:
                 raise
             raise out_of_files("files") from None
+        # a client dropped unclosed: its sockets close with them, the eventfd (a bare int) here
+        self._close_wake = weakref.finalize(self, os.close, self._wake)
 
     def _call(self, step: Callable[..., T], *args: Any) -> T:
         """`step(*args)` (a flow, a step of a plan) as a call in flight: refused once the driver is
@@ -177,13 +187,6 @@ class SyncDriver(_Driver):
             self._users -= 1
             if not self._users and self._state is _State.CLOSED:
                 self._release()
-
-    def _raised(self, exc: Exception) -> BaseException:
-        """What a call that failed with `exc` raises: `ClosedError` once the driver was closed
-        meanwhile, else the `tq.*` error for it (`foreign_error`)."""
-        if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
-            return _closed_error()
-        return foreign_error(exc)
 
     def _channel(self, target: int) -> Channel | LocalChannel:
         if self._state is _State.CLOSED:  # a flow cleaning up after a close opens nothing new
@@ -384,17 +387,22 @@ class SyncDriver(_Driver):
         (the call then closes them as it stops). Called by a signal handler interrupting a call
         of its thread, it only wakes that call. In a child forked while calls ran, those calls
         were the parent's: the child closes its copies at once and wakes nothing."""
+        if os.getpid() != self._pid:  # not under the guard: a parent's thread may have held it at the fork
+            self._state = _State.CLOSED
+            if not self._released:
+                self._released = True
+                self._free()
+            return
         with self._guard:
-            child = os.getpid() != self._pid
             if self._state is not _State.CLOSED:
                 self._state = _State.CLOSED
-                if self._users and not child:  # under the guard: `_release` cannot close `_wake` meanwhile
+                if self._users:  # under the guard: `_release` cannot close `_wake` meanwhile
                     os.eventfd_write(self._wake, 1)
-            if self._users and not child:
+            if self._users:
                 if self._owner == threading.get_ident():  # a handler: the call goes on once it returns
                     return
                 self._stopped.wait_for(lambda: self._released or not self._users, CLOSE_WAIT)
-            if not self._users or child:
+            if not self._users:
                 self._release()
 
     def _release(self) -> None:
@@ -409,14 +417,16 @@ class SyncDriver(_Driver):
                 self._stopped.notify_all()
 
     def _free(self) -> None:
-        """What `_release` closes."""
-        for inflight in self._ahead:
-            inflight.flow.close()
-        self._ahead.clear()
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-        os.close(self._wake)
+        """What `_release` closes; the eventfd even if closing a flow or a channel raised."""
+        try:
+            for inflight in self._ahead:
+                inflight.flow.close()
+            self._ahead.clear()
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+        finally:
+            self._close_wake()
 
 
 class AsyncDriver(_Driver):
@@ -479,14 +489,10 @@ class AsyncDriver(_Driver):
         try:
             return await self._drive(flow)
         except Exception as exc:
-            if self._state is _State.CLOSED and not isinstance(exc, ClosedError):  # closed while it ran
-                raise _closed_error() from exc
-            if not isinstance(exc, (zmq.ZMQError, ValueError, TypeError)):
+            raised = self._raised(exc)
+            if raised is exc:
                 raise
-            mapped = foreign_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
+            raise raised from exc
 
     async def _drive(self, flow: Flow) -> Any:
         if self._state is _State.CLOSED:

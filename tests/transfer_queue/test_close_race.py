@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 import select
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -20,9 +22,12 @@ import torch
 import transfer_queue as tq
 from tests.helpers import eventually
 from transfer_queue._client_core import ClientCore
+from transfer_queue._control_client import ControlClient
 from transfer_queue._drivers import SyncDriver
+from transfer_queue._flows import Call
 from transfer_queue.compat.client import TransferQueueClient
-from transfer_queue.wire.rpc import AsyncLocalChannel, Channel, LocalChannel, _peer
+from transfer_queue.wire.rpc import AsyncLocalChannel, Channel, LocalChannel, _local, _peer
+from transfer_queue.wire.rpc._codec import Ping
 
 _PARK = 3600.0
 """A get_meta's timeout no test reaches: only the close can end its wait."""
@@ -109,9 +114,9 @@ async def test_an_async_call_in_flight_raises_closed_error_when_its_client_close
         await client.close()
 
 
-def test_a_signal_handler_closing_the_client_while_its_thread_holds_the_guard_returns(cluster):
-    """A handler runs on a thread that may be inside the guard (counting a call, releasing):
-    `close` re-enters it rather than wait for itself."""
+def test_a_close_by_the_thread_holding_the_guard_reenters_it(cluster):
+    """What a signal handler closing the client relies on: it runs on a thread that may be
+    inside the guard (releasing, say), and `close` re-enters the guard rather than wait for itself."""
     client = tq.connect(cluster.address)
     client.status()
 
@@ -136,10 +141,12 @@ def test_a_close_that_a_call_ending_at_that_moment_releases_under_raises_nothing
         thread, outcome = _park(other, lambda: client.get_meta(["x"], 1, "t", "p", timeout=_PARK))
 
         def at_the_wake(frame: Any, event: str, arg: Any) -> None:
-            if event == "c_call" and getattr(arg, "__name__", "") in ("eventfd_write", "send"):
+            if event == "c_call" and getattr(arg, "__name__", "") == "eventfd_write":
                 sys.setprofile(None)
                 other.put({"x": torch.arange(1)}, "p")  # the parked call is answered
-                thread.join(2)  # it stops now, unless it must wait for the wake to be written
+                # it stops now, unless it must wait for the wake to be written: a wait for what
+                # must not happen, so it lasts its full 2 s whenever the test passes
+                thread.join(2)
 
         sys.setprofile(at_the_wake)
         try:
@@ -186,7 +193,9 @@ def test_close_from_another_thread_returns_once_the_sockets_are_closed(cluster, 
     unmap = client._core.close_arenas
 
     def last_of_release() -> None:
-        early.append(returned.wait(1))  # holds the release until `close` returned, or 1 s
+        # holds the release until `close` returned, or 1 s: a wait for what must not happen,
+        # so it lasts its full 1 s whenever the test passes
+        early.append(returned.wait(1))
         unmap()
 
     client._core.close_arenas = last_of_release  # type: ignore[method-assign]
@@ -242,3 +251,162 @@ def test_a_ctrl_c_anywhere_in_a_call_leaves_no_call_counted():
         if seen[0] < at:  # the call ran to its end: every point was tried
             break
     assert at > 5
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "zeromq"])
+def test_a_signal_handler_closing_the_client_during_a_call_of_its_thread_returns_at_once(cluster, no_pings, lane):
+    """A real signal interrupts a parked call; its handler (run on the calling thread) closes
+    the client: that close only wakes the call (it cannot wait for a call that goes on only once
+    the handler returns), and the call then raises `ClosedError` and closes the sockets."""
+    client = tq.connect(cluster.address)
+    if not lane:
+        client._core.lanes.clear()
+    client.status()
+    waited: list[Any] = []
+    client._stopped.wait_for = lambda *args: waited.append(args)  # type: ignore[method-assign]
+    in_handler: list[tuple[bool, bool]] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        client.close()
+        in_handler.append((client.closed, bool(client._channels)))
+
+    with tq.connect(cluster.address) as other:
+
+        def interrupt_once_parked() -> None:
+            eventually(lambda: other.status()["counters"]["parked_get_meta"] == 1, 30, "get_meta parked")
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+        assert threading.current_thread() is threading.main_thread(), "Python runs handlers on the main thread"
+        previous = signal.signal(signal.SIGUSR1, handler)
+        try:
+            threading.Thread(target=interrupt_once_parked, daemon=True).start()
+            with pytest.raises(tq.ClosedError):
+                client.get_meta(["x"], 1, "t", "p", timeout=60)  # only the close ends it before 60 s
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+    assert in_handler == [(True, True)], "the handler's close returned before the call let go of the sockets"
+    assert not waited, "the handler's close waited for the call it interrupted"
+    assert not client._channels and client._released
+
+
+def test_a_call_waiting_for_room_in_a_full_lane_socket_raises_closed_error_when_closed():
+    """A notice larger than the socket holds, to a lane nobody reads: the call waits for room,
+    another thread closes the client, and the call raises `ClosedError` (the cut-off send's
+    `ServiceError` chained), not the bare `ServiceError`."""
+    lane = _local.Lane()
+    client = ControlClient("tcp://127.0.0.1:9")  # never dialled: its one service is the lane
+    client._core.lanes[client.address] = lane.endpoint
+
+    def flow() -> Any:
+        yield [Call(-1, Ping(), [bytes(64 << 20)], _PARK, notice=True)]
+        return "sent"
+
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(client._run(flow()))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        assert select.select([lane.listener], [], [], 30)[0], "the call never connected"
+        peer = lane.accept()
+        assert peer is not None
+        assert select.select([peer.sock], [], [], 30)[0], "the call sent nothing"
+        assert not outcome, f"the socket took 64 MiB at once: {outcome!r}"
+        client.close()
+        thread.join(60)
+        assert not thread.is_alive(), "the send went on waiting after its client was closed"
+    finally:
+        lane.close()
+    assert isinstance(outcome[0], tq.ClosedError), repr(outcome[0])
+    assert isinstance(outcome[0].__cause__, tq.ServiceError), repr(outcome[0].__cause__)
+
+
+def test_clients_dropped_without_close_leave_no_descriptor_behind(cluster):
+    """A client that goes out of scope unclosed closes what it holds once collected: its
+    sockets close with them, and its wake-up eventfd (a bare descriptor) with a finalizer."""
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def use_and_drop() -> None:
+        client = tq.connect(cluster.address)
+        client.status()
+
+    use_and_drop()  # what the first client opens for good (ZeroMQ's threads, say)
+    gc.collect()
+    before = descriptors()
+    for _ in range(20):
+        use_and_drop()
+    gc.collect()
+    assert descriptors() <= before, "unclosed clients left descriptors open"
+
+
+def test_a_close_whose_channel_fails_to_close_still_closes_the_rest(cluster):
+    """A channel's `close` raising leaves neither the wake-up eventfd nor the arenas open: the
+    error reaches the caller of `close` once they are closed too."""
+    client = tq.connect(cluster.address)
+    client.put({"x": torch.arange(4)}, "p")
+    meta = client.get_meta(["x"], 4, "t", "p", timeout=30)
+    assert torch.equal(client.get_data(meta)["x"], torch.arange(4))
+    assert client._core._arenas, "nothing was mapped: the test shows nothing"
+    channel = next(iter(client._channels.values()))
+    close_channel = channel.close
+
+    def failing_close() -> None:
+        close_channel()
+        raise RuntimeError("a channel failed to close")
+
+    channel.close = failing_close  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="failed to close"):
+        client.close()
+    assert not client._close_wake.alive, "the eventfd stayed open"
+    assert not client._core._arenas, "the arenas stayed mapped"
+    client.close()  # closed once: nothing more to do, nothing raised
+
+
+def test_a_child_forked_while_a_thread_holds_the_guard_closes_its_copies(cluster):
+    """In the child the guard may be held by a thread of the parent that the child does not
+    have: the child's `close` does not take it (it would wait forever)."""
+    client = tq.connect(cluster.address)
+    client.status()
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with client._guard:
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                client.close()
+                code = 0 if client.closed and not client._channels else 2
+            finally:
+                os._exit(code)
+
+        def reaped() -> tuple[int] | None:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            return (status,) if got == pid else None
+
+        try:
+            (status,) = eventually(reaped, 30, "the child's close")
+        except AssertionError:  # it waits for the guard
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+    finally:
+        done.set()
+        holder.join(60)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child's close failed: {status}"
+    client.close()
+    assert not client._channels
