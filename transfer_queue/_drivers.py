@@ -51,8 +51,9 @@ _ZMQ = (Channel, AsyncChannel)
 
 CLOSE_WAIT = 5.0
 """Seconds `SyncDriver.close` called from another thread waits for the calls in flight to stop
-(each is woken at once; one may still be sending into a full socket, for at most its channel's
-timeout): the last to stop closes the sockets, and `close` returns once it has."""
+(one waiting for a reply or for room in a lane's socket is woken at once; one in a ZeroMQ send,
+a lane's connect or copying data stops once that step ends): the last to stop closes the
+sockets, and `close` returns once it has."""
 
 
 def _closed_error() -> ClosedError:
@@ -386,7 +387,11 @@ class SyncDriver(_Driver):
         returns once the sockets are closed: when the call has stopped, or after `CLOSE_WAIT` s
         (the call then closes them as it stops). Called by a signal handler interrupting a call
         of its thread, it only wakes that call. In a child forked while calls ran, those calls
-        were the parent's: the child closes its copies at once and wakes nothing."""
+        were the parent's: the child closes its copies at once, wakes nothing, and takes no guard.
+
+        Raises:
+            Exception: what closing a channel or a launched flow raised (the wake-up eventfd and a
+                `Client`'s arenas are closed all the same)."""
         if os.getpid() != self._pid:  # not under the guard: a parent's thread may have held it at the fork
             self._state = _State.CLOSED
             if not self._released:
