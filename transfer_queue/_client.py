@@ -27,6 +27,12 @@ class Client(ControlClient):
     Every call raises `ServiceError` when a service it needs died or stays silent (the message
     names it), `ClosedError` after `close()`, and `SchemaError` for arguments that cannot be
     sent; the calls below list what else they raise.
+
+    Threads: a client is not thread-safe for concurrent calls (its sockets and its streams'
+    prefetch serve one call at a time): give each thread a client of its own, or serialize
+    the calls. `close()` alone may come from any thread at any
+    time: a call in flight then (even one waiting at the controller for samples) is woken and
+    raises `ClosedError` promptly, and the sockets are closed once it has stopped.
     """
 
     _core: ClientCore
@@ -268,9 +274,16 @@ class Client(ControlClient):
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close sockets and unmap arenas; the client cannot be used afterwards (`ClosedError`)."""
+        """Close sockets and unmap arenas; the client cannot be used afterwards (`ClosedError`).
+        It may be called from another thread while a call runs: that call raises `ClosedError`
+        (see the class docstring)."""
         super().close()
-        self._core.close_arenas()
+
+    def _free(self) -> None:
+        try:
+            super()._free()
+        finally:
+            self._core.close_arenas()  # once no call copies through them
 
     def __enter__(self) -> Client:
         return self

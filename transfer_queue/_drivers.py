@@ -4,28 +4,35 @@ withdrawn at every service it reached (`Cancel`; what a reply granted meanwhile 
 with `ControlCore.undo`), then thrown into the flow so that its own clean-up runs before the
 error propagates. A flow may be launched and left in flight (a stream's next batch): an asyncio
 task in one driver, advanced whenever the blocking driver waits for anything in the other.
-A closed driver raises `ClosedError`; ZeroMQ failures and builtin `ValueError`/`TypeError`
-become `tq.*` errors (`foreign_error`).
+A closed driver raises `ClosedError`, and so does a call it was running when it was closed
+(whatever failed in it then: the error is chained); ZeroMQ failures and builtin
+`ValueError`/`TypeError` become `tq.*` errors (`foreign_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import errno
+import os
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
-from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run
+from ._flows import NOTICED, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from .wire.errors import ClosedError, SchemaError, ServiceError, SluiceError
-from .wire.rpc import AsyncChannel, AsyncLocalChannel, Channel, LocalChannel, Ok
+from .wire.rpc import AsyncChannel, AsyncLocalChannel, Channel, LocalChannel, Ok, out_of_files
 
 if TYPE_CHECKING:
     from ._control import ControlCore
 
 __all__ = ["SyncDriver", "AsyncDriver", "foreign_error"]
+
+T = TypeVar("T")
 
 
 def foreign_error(exc: BaseException) -> BaseException:
@@ -41,6 +48,16 @@ def foreign_error(exc: BaseException) -> BaseException:
 
 
 _ZMQ = (Channel, AsyncChannel)
+
+CLOSE_WAIT = 5.0
+"""Seconds `SyncDriver.close` called from another thread waits for the calls in flight to stop
+(one waiting for a reply or for room in a lane's socket is woken at once; one in a ZeroMQ send,
+a lane's connect or copying data stops once that step ends): the last to stop closes the
+sockets, and `close` returns once it has."""
+
+
+def _closed_error() -> ClosedError:
+    return ClosedError("this client was closed; connect a new one")
 
 
 class _State(enum.Enum):
@@ -94,6 +111,13 @@ class _Driver:
             return True
         return isinstance(channel, _ZMQ) and address in self._core.lanes and channel.idle
 
+    def _raised(self, exc: Exception) -> BaseException:
+        """What a call that failed with `exc` raises: `ClosedError` once the driver was closed
+        meanwhile, else the `tq.*` error for it (`foreign_error`)."""
+        if self._state is _State.CLOSED and not isinstance(exc, ClosedError):
+            return _closed_error()
+        return foreign_error(exc)
+
 
 class SyncDriver(_Driver):
     """Drives flows over one blocking `rpc.Channel` per service; the base of `Client` and
@@ -103,15 +127,71 @@ class SyncDriver(_Driver):
 
     A flow may also be left in flight (`_launch`: a stream's next batch, its acks). There is no
     thread: such a flow advances whenever this driver takes a reply for anything else, without
-    waiting for its own, until `_finish` completes it or `_cancel` withdraws it."""
+    waiting for its own, until `_finish` completes it or `_cancel` withdraws it.
+
+    Calls are made by one thread at a time (the channels are not shared between threads), but
+    `close` may come from any thread: it marks the driver closed, wakes the calls in flight
+    (each channel's wait also watches an eventfd, `interrupt_on`) and leaves the sockets to the
+    last of them to stop (`_release`), so no socket is closed under a thread using it; those
+    calls raise `ClosedError`.
+
+    Raises:
+        CapacityError: (constructing) the process can open no more files.
+    """
 
     def __init__(self, core: ControlCore):
         super().__init__(core)
         self._channels: dict[str, Channel | LocalChannel] = {}
         self._ahead: list[_InFlight] = []  # launched flows, advanced by `_progress`
         self._progressing = False
+        # re-entrant: a signal handler may close the driver while its thread holds the guard
+        self._guard = threading.RLock()
+        self._stopped = threading.Condition(self._guard)  # notified by `_release`
+        self._users = 0  # calls in flight, nested ones included: changed only by the thread making them
+        self._owner = 0  # the thread that made the outermost of them
+        self._released = False
+        self._pid = os.getpid()  # a child forked from here shares `_wake` with this process: it never writes it
+        try:
+            self._wake = os.eventfd(0)  # written once by `close`: wakes every wait, never drained
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            raise out_of_files("files") from None
+        # a client dropped unclosed: its sockets close with them, the eventfd (a bare int) here
+        self._close_wake = weakref.finalize(self, os.close, self._wake)
+
+    def _call(self, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)` (a flow, a step of a plan) as a call in flight: refused once the driver is
+        closed; what it raises as `_raised`; the last call to stop after a `close` releases the
+        sockets. The count takes no lock (only this thread changes it; `close` writes the state
+        before it reads the count, a call counts itself before it reads the state, so one of the
+        two sees the other), and there is no call between a change of it and the `try` that
+        undoes it, nor a loop: where CPython (3.11 on) runs signal handlers, so no Ctrl-C can leave
+        it counted. One that skips the release after it leaves that to `close`.
+
+        Raises:
+            ClosedError: the driver is closed, or was closed while `step` ran.
+        """
+        if not self._users:
+            self._owner = threading.get_ident()
+        self._users += 1
+        try:
+            if self._state is _State.CLOSED:
+                raise _closed_error()
+            return step(*args)
+        except Exception as exc:
+            raised = self._raised(exc)
+            if raised is exc:
+                raise
+            raise raised from exc
+        finally:
+            self._users -= 1
+            if not self._users and self._state is _State.CLOSED:
+                self._release()
 
     def _channel(self, target: int) -> Channel | LocalChannel:
+        if self._state is _State.CLOSED:  # a flow cleaning up after a close opens nothing new
+            raise _closed_error()
         address = self._core.target_address(target)
         channel = self._channels.get(address)
         if channel is not None and self._replaced(address, channel):
@@ -119,16 +199,14 @@ class SyncDriver(_Driver):
             channel = None
         if channel is None:
             channel = self._channels[address] = self._core.channel(target)
+            channel.interrupt_on(self._wake)
         return channel
 
     def _run(self, flow: Flow) -> Any:
-        try:
-            return self._finish(self._start(flow))
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            mapped = foreign_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
+        return self._call(self._drive, flow)
+
+    def _drive(self, flow: Flow) -> Any:
+        return self._finish(self._start(flow))
 
     def _start(self, flow: Flow) -> _InFlight:
         inflight = _InFlight(flow)
@@ -148,7 +226,7 @@ class SyncDriver(_Driver):
         flow = inflight.flow
         if self._state is _State.CLOSED:
             flow.close()
-            raise ClosedError("this client was closed; connect a new one")
+            raise _closed_error()
         while True:
             try:
                 if error is not None:
@@ -204,23 +282,26 @@ class SyncDriver(_Driver):
     def _progress(self) -> None:
         """Advance the launched flows whose replies have all come, without waiting; a flow that
         fails keeps its error for `_finish`."""
-        if self._progressing or self._state is _State.CLOSED:
+        if self._progressing or not self._ahead or self._state is _State.CLOSED:
             return
         self._progressing = True
         try:
-            for inflight in list(self._ahead):
-                while inflight.calls is not None and all(
-                    rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
-                ):
-                    replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
-                    try:
-                        self._step(inflight, replies)
-                    except Exception as exc:  # noqa: BLE001 - raised by `_finish`
-                        inflight.calls, inflight.error = None, exc
-                if inflight.calls is None:
-                    self._ahead.remove(inflight)
+            self._call(self._advance)
         finally:
             self._progressing = False
+
+    def _advance(self) -> None:
+        for inflight in list(self._ahead):
+            while inflight.calls is not None and all(
+                rid is None or ch.ready(rid) is not None for ch, rid in inflight.sent
+            ):
+                replies = [NOTICED if rid is None else channel.reply(rid) for channel, rid in inflight.sent]
+                try:
+                    self._step(inflight, replies)
+                except Exception as exc:  # noqa: BLE001 - raised by `_finish`
+                    inflight.calls, inflight.error = None, exc
+            if inflight.calls is None:
+                self._ahead.remove(inflight)
 
     def _cancel(self, inflight: _InFlight) -> Any:
         """Withdraw a launched flow nobody waits for any more, letting its own clean-up run (a
@@ -250,17 +331,21 @@ class SyncDriver(_Driver):
             try:
                 if isinstance(step, Give):
                     self._progress()  # what came while the item was made
-                    yield step.item
-                elif isinstance(step, Run):
-                    value = self._run(step.flow)
-                elif isinstance(step, Launch):
-                    value = self._launch(step.flow)
-                elif isinstance(step, Finish):
-                    value = self._finish(step.task)
+                    yield step.item  # not as a call: the caller may close the driver meanwhile
                 else:
-                    value = self._cancel(step.task)
+                    value = self._call(self._take, step)
             except BaseException as exc:  # GeneratorExit included: the plan cleans up, then ends
                 error = exc
+
+    def _take(self, step: Run | Launch | Finish | Withdraw) -> Any:
+        """Take one step of a plan (`_iterate`) other than `Give`."""
+        if isinstance(step, Run):
+            return self._run(step.flow)
+        if isinstance(step, Launch):
+            return self._launch(step.flow)
+        if isinstance(step, Finish):
+            return self._finish(step.task)
+        return self._cancel(step.task)
 
     def _abandon(self, inflight: _InFlight, taken: Sequence[Any] = ()) -> None:
         """Withdraw the flow's calls still in flight (skipping services reported dead) and give
@@ -297,16 +382,56 @@ class SyncDriver(_Driver):
             pass
 
     def close(self) -> None:
-        """Close the sockets; the client cannot be used afterwards (`ClosedError`)."""
-        if self._state is _State.CLOSED:
+        """Close the sockets; the client cannot be used afterwards (`ClosedError`). Called from
+        another thread while a call runs, it wakes that call (which raises `ClosedError`) and
+        returns once the sockets are closed: when the call has stopped, or after `CLOSE_WAIT` s
+        (the call then closes them as it stops). Called by a signal handler interrupting a call
+        of its thread, it only wakes that call. In a child forked while calls ran, those calls
+        were the parent's: the child closes its copies at once, wakes nothing, and takes no guard.
+
+        Raises:
+            Exception: what closing a channel or a launched flow raised (the wake-up eventfd and a
+                `Client`'s arenas are closed all the same)."""
+        if os.getpid() != self._pid:  # not under the guard: a parent's thread may have held it at the fork
+            self._state = _State.CLOSED
+            if not self._released:
+                self._released = True
+                self._free()
             return
-        self._state = _State.CLOSED
-        for inflight in self._ahead:
-            inflight.flow.close()
-        self._ahead.clear()
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        with self._guard:
+            if self._state is not _State.CLOSED:
+                self._state = _State.CLOSED
+                if self._users:  # under the guard: `_release` cannot close `_wake` meanwhile
+                    os.eventfd_write(self._wake, 1)
+            if self._users:
+                if self._owner == threading.get_ident():  # a handler: the call goes on once it returns
+                    return
+                self._stopped.wait_for(lambda: self._released or not self._users, CLOSE_WAIT)
+            if not self._users:
+                self._release()
+
+    def _release(self) -> None:
+        """Close the sockets and end the launched flows, once closed and no call is in flight; once."""
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+            try:
+                self._free()
+            finally:
+                self._stopped.notify_all()
+
+    def _free(self) -> None:
+        """What `_release` closes; the eventfd even if closing a flow or a channel raised."""
+        try:
+            for inflight in self._ahead:
+                inflight.flow.close()
+            self._ahead.clear()
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+        finally:
+            self._close_wake()
 
 
 class AsyncDriver(_Driver):
@@ -368,16 +493,16 @@ class AsyncDriver(_Driver):
     async def _run(self, flow: Flow) -> Any:
         try:
             return await self._drive(flow)
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            mapped = foreign_error(exc)
-            if mapped is exc:
+        except Exception as exc:
+            raised = self._raised(exc)
+            if raised is exc:
                 raise
-            raise mapped from exc
+            raise raised from exc
 
     async def _drive(self, flow: Flow) -> Any:
         if self._state is _State.CLOSED:
             flow.close()
-            raise ClosedError("this client was closed; connect a new one")
+            raise _closed_error()
         replies: list | None = None
         error: BaseException | None = None
         while True:

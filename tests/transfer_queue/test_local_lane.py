@@ -4,6 +4,8 @@ served like the ROUTER, ended like it, refused to other users, and left for Zero
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import os
 import resource
 import secrets
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -835,7 +838,8 @@ def test_a_lane_out_of_descriptors_stops_accepting_without_spinning_and_serves_o
 async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_taken():
     """Notices posted to a lane whose service reads nothing yet (more than the socket holds, so
     most wait in the channel), then the channel is closed: every one still arrives, in order,
-    once the service reads, as over a ZeroMQ channel (test_rpc_channel)."""
+    once the service reads, as over a ZeroMQ channel (test_rpc_channel); the connection then
+    ends, as the linger does (not when its task is freed: the test holds it)."""
     lane = _local.Lane()
     channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
     n, frame = 64, bytes(256 << 10)  # 16 MiB: far beyond the socket's buffer
@@ -844,8 +848,9 @@ async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_
             channel.post(Ping(), [frame])
         assert channel._out, "the socket took everything: nothing to linger"
         channel.close()
+        tasks = asyncio.all_tasks()  # the linger's among them
 
-        def pings() -> list[int]:
+        def pings() -> tuple[list[int], bool]:
             peer = lane.accept()
             assert peer is not None
             requests, ids = Codec(StorageRequest), []
@@ -853,11 +858,12 @@ async def test_closing_an_async_lane_channel_drops_no_notice_its_socket_had_not_
                 messages, ended = lane.receive(peer)
                 ids += [rid for rid, msg, _ in map(requests.decode, messages) if isinstance(msg, Ping)]
                 if ended:
-                    break
-            return ids
+                    return ids, True
+            return ids, False
 
-        ids = await asyncio.to_thread(pings)
+        ids, ended = await asyncio.to_thread(pings)
         assert ids == sorted(ids) and len(ids) == n
+        assert ended and tasks, "the connection stayed open after the linger"
     finally:
         lane.close()
 
@@ -880,3 +886,157 @@ def test_a_call_submitted_to_a_thread_service_that_raises_leaves_it_serving():
     finally:
         client.close()
         service.close()
+
+
+def _lingered(lane: _local.Lane) -> tuple[int, bool]:
+    """Read the lane's one peer until its connection ends or nothing comes for 10 s: (the pings
+    it sent, whether its connection ended)."""
+    peer = lane.accept()
+    assert peer is not None
+    requests, pings = Codec(StorageRequest), 0
+    while select.select([peer.sock], [], [], 10)[0]:
+        messages, ended = lane.receive(peer)
+        pings += sum(isinstance(msg, Ping) for _, msg, _ in map(requests.decode, messages))
+        if ended:
+            return pings, True
+    return pings, False
+
+
+def _lingering_channel(lane: _local.Lane, n: int) -> None:
+    """Post `n` notices of 256 KiB to `lane` (which reads nothing yet), then close the channel:
+    most are still queued in it, and go on going out after the close (`_linger`)."""
+    channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+    for _ in range(n):
+        channel.post(Ping(), [bytes(256 << 10)])
+    assert channel._out, "the socket took everything: nothing to linger"
+    channel.close()
+    assert _local._LINGERING, "the closed channel's connection lingers"
+
+
+async def test_a_child_forked_while_a_closed_channel_lingers_leaves_the_service_its_end():
+    """The child closes its copy of the lingering connection (as of every lane connection): the
+    service sees the peer gone once the parent's linger has sent everything, though the child lives."""
+    lane = _local.Lane()
+    hold, release = os.pipe()
+    try:
+        _lingering_channel(lane, 64)
+        pid = os.fork()
+        if pid == 0:  # the child holds whatever it inherited until the parent is done
+            os.read(hold, 1)
+            os._exit(0)
+        try:
+            pings, ended = await asyncio.to_thread(_lingered, lane)
+        finally:
+            os.write(release, b"x")
+            os.waitpid(pid, 0)
+        assert ended, "the connection stayed open after the linger: the child kept it"
+        assert pings == 64
+    finally:
+        os.close(hold)
+        os.close(release)
+        lane.close()
+
+
+def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection():
+    """`asyncio.run` ends the linger (a last send of what the socket takes), closing the
+    connection itself: nothing is left to the garbage collector (no ResourceWarning)."""
+    lane = _local.Lane()
+
+    async def close_lingering() -> None:
+        _lingering_channel(lane, 64)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            asyncio.run(close_lingering())
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        assert not _local._LINGERING
+        pings, ended = _lingered(lane)
+        assert ended and 0 < pings < 64
+    finally:
+        lane.close()
+
+
+def test_a_channel_closed_while_its_loop_is_not_running_leaves_no_task_pending(caplog):
+    """Closed between two runs of its loop (or after the last), the channel sends what the
+    socket takes at once and closes the connection: a task would wait for a loop that may never
+    run again, and be destroyed pending (logged) with the loop."""
+    lane = _local.Lane()
+    loop = asyncio.new_event_loop()
+
+    async def open_full() -> AsyncLocalChannel:
+        channel = AsyncLocalChannel(lane.endpoint, Codec(Reply))
+        for _ in range(64):
+            channel.post(Ping(), [bytes(256 << 10)])
+        return channel
+
+    try:
+        channel = loop.run_until_complete(open_full())
+        assert channel._out, "the socket took everything: nothing to linger"
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            channel.close()
+            loop.close()
+            del loop
+            gc.collect()
+        assert "Task was destroyed" not in caplog.text
+        assert not _local._LINGERING
+        pings, ended = _lingered(lane)
+        assert ended and 0 < pings < 64
+    finally:
+        lane.close()
+
+
+def test_a_blocking_lane_channels_waits_end_at_once_once_its_interrupt_is_readable():
+    """What a driver closed from another thread relies on (`interrupt_on`): a wait for a reply
+    and a wait for room in a full socket both end with `lost` (the half-sent message ending the
+    connection), however long they were to last."""
+    lane = _local.Lane()
+    wake, woken = socket.socketpair()
+    try:
+        channel = LocalChannel(lane.endpoint, Codec(Reply), timeout=60)
+        channel.interrupt_on(wake.fileno())
+        rid = channel.send(Ping())
+        woken.send(b"x")
+        with pytest.raises(ServiceError, match="interrupted"):
+            channel.reply(rid, 60)
+        assert not channel.ended, "an interrupted wait for a reply leaves the connection framed"
+        with pytest.raises(ServiceError, match="half sent"):
+            channel.send(Ping(), [bytes(BIG)])  # more than the socket holds: nobody reads it
+        assert channel.ended
+    finally:
+        wake.close()
+        woken.close()
+        lane.close()
+
+
+@pytest.mark.parametrize("began", [True, False], ids=["linger_began", "linger_never_began"])
+def test_a_loop_closed_while_a_closed_channel_lingers_closes_its_connection(began):
+    """A loop closed without cancelling its tasks (a loop run by hand) drops the linger's task,
+    whether it had begun or not: once collected, it closes the connection itself (no
+    ResourceWarning), and the service sees the peer gone."""
+    lane = _local.Lane()
+    loop = asyncio.new_event_loop()
+
+    async def close_lingering() -> None:
+        _lingering_channel(lane, 64)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            if began:  # the loop runs once more after the coroutine: the linger takes its first step
+                loop.run_until_complete(close_lingering())
+            else:  # the loop stops in the step that closes the channel
+                loop.call_soon(_lingering_channel, lane, 64)
+                loop.call_soon(loop.stop)
+                loop.run_forever()
+            loop.close()
+            del loop
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        assert not _local._LINGERING, "the closed loop's linger still holds its connection"
+        pings, ended = _lingered(lane)
+        assert ended, "the connection stayed open after its loop was closed"
+        assert pings < 64
+    finally:
+        lane.close()

@@ -62,6 +62,39 @@ def test_a_process_out_of_files_is_told_which_limit(cluster):
     assert "open-file limit (RLIMIT_NOFILE soft 256, hard 256" in done.stdout
 
 
+FIRST_FILE_REFUSED = textwrap.dedent(
+    """
+    import os
+    import resource
+    import sys
+    import transfer_queue as tq
+    import transfer_queue._client  # imported now: an import opens its file
+    connect = tq.connect
+    files = len(os.listdir("/proc/self/fd")) - 1  # the listing's own is closed again
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        connect(sys.argv[1])
+    except tq.CapacityError as exc:
+        print(f"REFUSED: {exc}")
+        sys.exit(3)
+    """
+)
+
+
+def test_a_client_refused_its_first_file_is_told_which_limit(cluster):
+    """A blocking client's first descriptor (its wake-up, before any socket) refused: the same
+    `CapacityError` as a refused socket, not the OS's error."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_FILE_REFUSED, cluster.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "can open no more files: it hit its open-file limit (RLIMIT_NOFILE soft" in done.stdout
+
+
 @pytest.mark.slow
 def test_a_thousand_clients_in_one_process(cluster):
     """1,200 clients, each with a socket to the controller and one to a unit: 2,400 sockets."""

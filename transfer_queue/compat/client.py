@@ -90,6 +90,11 @@ class TransferQueueClient:
     Methods come in pairs, `name` (blocking) and `async_name`: `get_data`, `put`,
     `kv_retrieve_meta`, `kv_retrieve_keys`, `kv_list`, `clear_samples`. Errors are Sluice's
     typed errors (`SchemaError` is a `ValueError`, as TransferQueue raises for bad keys).
+
+    One instance may be shared by threads and event loops: each thread calls through a blocking
+    `Client` of its own, each loop through an `AsyncClient` of its own. `close()` may come from
+    any thread: a blocking call in flight on another thread then raises `ClosedError` promptly
+    (`Client`'s contract).
     """
 
     def __init__(self, address: str, client_id: str = "", credentials: Credentials | None = None):

@@ -35,6 +35,8 @@ What lives here (`_codec`, `_service`, `_thread`, `_channel` behind this face):
 - For links that are not ZeroMQ (the weight transports' raw sockets): `error_code` /
   `error_from_code`, the same error mapping as text, and `is_loopback` / `CREDENTIALS_ENV`, the
   rule and the variable that decide when credentials are required.
+- `out_of_files`: the `CapacityError` for a descriptor the process could not open (`EMFILE`),
+  naming the limit it hit, as a refused ZeroMQ socket raises.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from ._codec import (
     pack_prefix,
     unpack_prefix,
 )
+from ._context import out_of_files
 from ._local import AsyncLocalChannel, LocalChannel
 from ._service import Handled, Service, current_peer, run_service
 from ._thread import Pending, ThreadService
@@ -103,4 +106,5 @@ __all__ = [
     "AsyncChannel",
     "LocalChannel",
     "AsyncLocalChannel",
+    "out_of_files",
 ]

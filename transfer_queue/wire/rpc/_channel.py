@@ -62,6 +62,14 @@ class Channel(_Peer, SyncCalls):
         if watch_disconnect:
             self._monitor = monitor(self.sock, zmq.EVENT_DISCONNECTED)
             self._poller.register(self._monitor, zmq.POLLIN)
+        self._interrupt: int | None = None
+
+    def interrupt_on(self, fd: int) -> None:
+        """End a wait for a reply (raising `lost`) as soon as `fd` is readable: how a driver
+        closed from another thread stops the call waiting here (the channel itself is used by
+        one thread at a time; closing its socket under a wait would be undefined in ZeroMQ)."""
+        self._interrupt = fd
+        self._poller.register(fd, zmq.POLLIN)
 
     def send(self, msg: Message, data: Sequence[Any] = ()) -> int:
         """Send a request; returns its id.
@@ -121,6 +129,8 @@ class Channel(_Peer, SyncCalls):
             if self._monitor is not None and self._monitor in ready:
                 self.dead = True
                 raise self.lost(f"{self.name} dropped the connection (gone?)")
+            if self._interrupt in ready:
+                raise self.lost(f"the wait for {self.name} was interrupted: the client is closing")
             while self.sock.poll(0):
                 self._take(self.sock.recv_multipart(copy=False))
         self._expected.discard(rid)

@@ -5,7 +5,7 @@ client holds up to one socket per service (the controller and every storage unit
 many clients (a rollout server's workers) would stop at a few hundred. So before its first
 socket each shared context is allowed as many sockets as the process may open files, after the
 soft `RLIMIT_NOFILE` is raised to the hard one where the OS allows. `socket` names the limit a
-refused socket hit.
+refused socket hit (`out_of_files`, which names it for any other descriptor too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zmq
 
 from ..errors import CapacityError
 
-__all__ = ["shared_context", "socket", "open_file_limit", "monitor"]
+__all__ = ["shared_context", "socket", "open_file_limit", "out_of_files", "monitor"]
 
 MAX_SOCKETS_CAP = 1 << 17
 """At most this many sockets per context: ZeroMQ allocates a mailbox slot per allowed socket."""
@@ -65,20 +65,27 @@ def socket(ctx: zmq.Context, kind: int) -> Any:
     except zmq.ZMQError as exc:
         if exc.errno != errno.EMFILE:
             raise
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        try:
-            files = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            files = -1
-        allowed = ctx.get(zmq.MAX_SOCKETS)
-        if 0 <= files < soft - 16:
-            which = f"its ZeroMQ context's socket limit (MAX_SOCKETS {allowed}; {files} files open of {soft})"
-        else:
-            which = f"its open-file limit (RLIMIT_NOFILE soft {soft}, hard {hard}; {files} open)"
-        raise CapacityError(
-            f"this process can open no more ZeroMQ sockets: it hit {which}; close clients it no longer "
-            "uses, or raise the limit (ulimit -n)"
-        ) from None
+        raise out_of_files("ZeroMQ sockets", ctx) from None
+
+
+def out_of_files(what: str, ctx: zmq.Context | None = None) -> CapacityError:
+    """The error for a process that could open no more `what` (`EMFILE`), naming the limit it
+    hit: the open-file limit, or `ctx`'s socket limit where files were left."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        files = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        files = -1
+    if ctx is not None and 0 <= files < soft - 16:
+        which = (
+            f"its ZeroMQ context's socket limit (MAX_SOCKETS {ctx.get(zmq.MAX_SOCKETS)}; {files} files open of {soft})"
+        )
+    else:
+        which = f"its open-file limit (RLIMIT_NOFILE soft {soft}, hard {hard}; {files} open)"
+    return CapacityError(
+        f"this process can open no more {what}: it hit {which}; close clients it no longer uses, or raise "
+        "the limit (ulimit -n)"
+    )
 
 
 _monitors = itertools.count()

@@ -23,6 +23,7 @@ may read the other's memory anyway, so CurveZMQ would protect nothing more on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import mmap
 import os
@@ -618,10 +619,22 @@ _LINKS: weakref.WeakSet[_LocalLink] = weakref.WeakSet()
 """The open lane connections of this process, ended in a child it forks (`_forked`)."""
 
 
+_LINGERING: set[socket.socket] = set()
+"""The connections of closed channels still sending what they had queued (`_linger`), until
+they are closed. A child this process forks closes them: it would keep the connection open past
+the linger, and its service would wait for the child to go. Not the tasks sending them: a task is
+its loop's (its ready queue, the timer and writer it waits on), so one left pending by a loop
+closed without cancelling it is collected, and that closes its connection (`_linger`'s own
+clean-up, or `_lingered` for a task that never began)."""
+
+
 def _after_fork_in_child() -> None:
     for link in list(_LINKS):
         link._forked()
     _LINKS.clear()
+    for sock in list(_LINGERING):
+        sock.close()  # nothing else: the tasks and the loop's registrations are the parent's
+    _LINGERING.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -669,6 +682,13 @@ class LocalChannel(_LocalLink, SyncCalls):
         self._expected: set[int] = set()
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
+        self._interrupt: int | None = None
+
+    def interrupt_on(self, fd: int) -> None:
+        """End a wait for a reply (raising `lost`) as soon as `fd` is readable (`Channel.interrupt_on`),
+        and a wait for room in the socket (the message half sent ends the connection)."""
+        self._interrupt = fd
+        self._poller.register(fd, select.POLLIN)
 
     def _arrived(self, rid: int, msg: Any, data: list[Any]) -> None:
         if rid in self._expected:
@@ -679,13 +699,17 @@ class LocalChannel(_LocalLink, SyncCalls):
         if self._out:  # the socket is full: wait for it to take the rest
             writable = select.poll()
             writable.register(self.sock, select.POLLOUT)
+            if self._interrupt is not None:
+                writable.register(self._interrupt, select.POLLIN)
             deadline = time.monotonic() + self.timeout
             while self._flush():
                 left = deadline - time.monotonic()
                 if left <= 0:  # a message half sent: the stream is no longer framed, so it ends here
                     self._end(self.lost, f"a message to {self.name} was cut off half sent")
                     raise self.late(f"{self.name} took no message for {self.timeout:g} s")
-                writable.poll(int(left * 1000) + 1)
+                if any(fd == self._interrupt for fd, _ in writable.poll(int(left * 1000) + 1)):
+                    self._end(self.lost, f"a message to {self.name} was cut off half sent: the client is closing")
+                    raise self._gone()
         if self._end_error is not None:
             raise self._gone()
         return rid
@@ -711,8 +735,11 @@ class LocalChannel(_LocalLink, SyncCalls):
         if self._end_error is not None:
             return False
         # rounded up, so that a wait never ends early, except a wait of 0 (`ready`'s look)
-        if not self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0):
+        ready = self._poller.poll(None if wait is None else int(wait * 1000) + 1 if wait > 0 else 0)
+        if not ready:
             return False
+        if any(fd == self._interrupt for fd, _ in ready):
+            raise self.lost(f"the wait for {self.name} was interrupted: the client is closing")
         self._read()
         return True
 
@@ -851,30 +878,63 @@ class AsyncLocalChannel(_LocalLink, AsyncCalls):
         """Close the connection; requests still awaiting replies fail with `lost` at once. What
         was sent and the socket has not taken yet (it was full: posted notices, say) still goes
         as the socket takes it, for up to `timeout` s, as a ZeroMQ channel's socket lingers
-        (`_linger`); the connection then closes."""
+        (`_linger`, a task of the loop); the connection then closes. A loop that stops first
+        closes it then (`asyncio.run` cancels the task); a child forked meanwhile closes its copy
+        at once, so the service sees the peer gone when the linger ends. Closed while its loop
+        is not running, it sends only what the socket takes at once: a task would wait for the
+        loop to run again, perhaps never (and be destroyed pending)."""
         if self._out and self._end_error is None:
-            _linger(self._loop, self.sock.dup(), self._out, self.timeout)
+            if self._loop.is_running():
+                sock = self.sock.dup()
+                _LINGERING.add(sock)
+                task = self._loop.create_task(_linger(self._loop, sock, self._out, self.timeout))
+                weakref.finalize(task, _lingered, sock)  # one that never began runs no clean-up
+            else:
+                with contextlib.suppress(OSError):  # the peer is gone
+                    _send(self.sock, self._out)
             self._out = deque()
         self._end(self.lost, f"the channel to {self.name} was closed")
 
 
-def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
-    """Send the buffers in `out` on `sock` (a closed channel's connection) as `loop` finds it
-    writable, then close it: once all are sent, the peer is gone, or `seconds` have passed."""
+async def _linger(loop: asyncio.AbstractEventLoop, sock: socket.socket, out: deque[memoryview], seconds: float) -> None:
+    """Send the buffers in `out` on `sock` (a closed channel's connection) as it takes them, until
+    all are sent, the peer is gone, or `seconds` have passed, then close it. A loop that stops
+    first (`asyncio.run` cancels the tasks left) ends it as well, after a last send of what the
+    socket takes at once; so does a loop closed with the task still pending, once the task is
+    collected (its coroutine is closed)."""
     fd = sock.fileno()
-
-    def done() -> None:
-        timer.cancel()
-        loop.remove_writer(fd)
-        sock.close()
-
-    def drain() -> None:
+    deadline = loop.time() + seconds
+    try:
+        while True:
+            _send(sock, out)
+            left = deadline - loop.time()
+            if not out or left <= 0:
+                return
+            writable = loop.create_future()
+            loop.add_writer(fd, _resolve, writable)
+            try:
+                await asyncio.wait([writable], timeout=left)
+            finally:
+                loop.remove_writer(fd)
+    except OSError:
+        pass  # the peer is gone
+    except asyncio.CancelledError:  # the loop stops: what the socket takes now still goes
         try:
             _send(sock, out)
         except OSError:
-            out.clear()  # the peer is gone
-        if not out:
-            done()
+            pass
+        raise
+    finally:
+        _lingered(sock)
 
-    timer = loop.call_later(seconds, done)
-    loop.add_writer(fd, drain)
+
+def _lingered(sock: socket.socket) -> None:
+    """The linger of `sock` ended, or its task is gone (even one that never began): close `sock`."""
+    _LINGERING.discard(sock)
+    sock.close()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    """Resolve `fut` (to None) unless it is already: a readiness callback may fire again before its waiter runs."""
+    if not fut.done():
+        fut.set_result(None)
