@@ -288,11 +288,15 @@ def _mark(stream: Any) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def side_stream(device: torch.device, purpose: str) -> Iterator[None]:
+def side_stream(device: torch.device, purpose: str, after: str | None = None) -> Iterator[None]:
     """Run the block's GPU work on `device`'s side stream for `purpose`, apart from the
     caller's stream and from every other purpose's; nothing is waited for: the block orders its
-    work itself (events, or a host synchronisation such as `.item()`)."""
-    with torch.cuda.stream(_side_stream(device, purpose)):
+    work itself (events, or a host synchronisation such as `.item()`). `after`: another
+    purpose whose work queued so far the block's runs after (`"background"`: `background_copies`')."""
+    stream = _side_stream(device, purpose)
+    if after is not None:
+        stream.wait_stream(_side_stream(device, after))
+    with torch.cuda.stream(stream):
         yield
 
 

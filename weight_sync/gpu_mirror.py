@@ -18,6 +18,7 @@ for its copy or its pack), and reused only once its readers released it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,9 +79,21 @@ class GpuMirror:
             self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
             raise WeightSyncError(self.error)
         self.on = True
-        log.info("a subscriber reads GPU staging: staging versions on the GPU too (%d slots)", len(self.table.slots))
+        log.info(
+            "a subscriber reads GPU staging: staging versions on %s too (%d slots of %s bytes)",
+            self.table.device or "the weights' GPU",
+            len(self.table.slots),
+            self._nbytes or "the model's",
+        )
         if self._nbytes and self.table.device is not None:
-            self.table.prepare_in_background(self._nbytes)
+            threading.Thread(target=self._prepare, name="sluice-ws-mirror-prepare", daemon=True).start()
+
+    def _prepare(self) -> None:
+        """Allocate the GPU slots (a thread of `turn_on`'s); no memory for them stops GPU staging."""
+        try:
+            self.table.prepare(self._nbytes)
+        except torch.cuda.OutOfMemoryError as exc:
+            self.out_of_memory(exc)
 
     def claim(self, version: int, manifest: Manifest) -> Slot | None:
         """The GPU slot to stage `version` into, once on (None while off, or once the GPU had
@@ -138,12 +151,9 @@ class GpuMirror:
         try:
             manifest = source.manifest
             source.wait_filled(manifest.nbytes, version, self.timeout)
-            with self.table.cond:
-                if any(s.complete and s.version > version for s in self.table.slots):
-                    return  # a newer version is there already: do not evict it for this one
             if not host.pin:
                 host.pin_all()  # host-to-device copies at pinned speed, for this and the next
-            slot = self.table.claim(version, manifest.nbytes, self.timeout)
+            slot = self.table.claim(version, manifest.nbytes, self.timeout, keep_newer=True)
             slot.manifest = manifest
             device = self.table.device
             assert device is not None  # placed by `catch_up`
@@ -174,12 +184,13 @@ class GpuMirror:
 
 
 def _copy_whole(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
-    """Copy host `src` into `dst` on `device` and wait for it: on a CUDA device on the side
-    stream `publish` packs GPU staging on (`transfer_queue.cuda.background_copies`), not the
-    trainer's, so that it lands after any pack still queued into the same slot (a failed one)."""
+    """Copy host `src` into `dst` on `device` and wait for it: on a CUDA device on a side stream
+    of its own, after the packs `publish` queued so far (`transfer_queue.cuda.background_copies`:
+    one failed into the same slot may still run), and neither the trainer's stream nor later
+    packs wait for it."""
     if device.type != "cuda":
         dst.copy_(src)
         return
-    with torch.cuda.device(device), side_stream(device, "background"):
+    with torch.cuda.device(device), side_stream(device, "catch-up", after="background"):
         dst.copy_(src, non_blocking=True)
         synchronize(device)  # the current stream here: the side stream

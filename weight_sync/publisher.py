@@ -109,7 +109,8 @@ class WeightPublisher:
     Args:
         address: the controller's address (`cluster.address`), or None to run without one
             (subscribers are then given `publisher.endpoint` directly).
-        transport: "auto" (cuda_ipc where CUDA is + shm + ucx when installed + tcp), a name
+        transport: "auto" (shm + ucx when installed + tcp, and cuda_ipc given `model=` of
+            CUDA tensors in a process with CUDA), a name
             ("shm", "tcp", "ucx", "nixl", "torch", or "cuda_ipc", which stages on the GPU), a
             `Transport` instance (e.g. `TcpTransport(fanout=1)`; `NixlTransport(memory="cuda")`
             stages on the GPU too), or a list. GPU-staging transports served beside host ones
@@ -125,7 +126,7 @@ class WeightPublisher:
         slots: staging slots (2 = double buffering; 1 halves memory but `publish` then waits
             for readers of the previous version). Over GPU-staging transports they are GPU memory:
             `slots` × the model's bytes on the weights' device; served beside host transports
-            (`auto` with CUDA), that GPU memory is taken only at the first lease a subscriber
+            (`auto` with `model=` of CUDA tensors), that GPU memory is taken only at the first lease a subscriber
             takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead.
@@ -399,7 +400,7 @@ class WeightPublisher:
             # whatever fails once the slot is claimed fails the version, so the slot is free
             # again (a slot left neither complete nor failed is never claimed)
             self._fail(slot, version, mirror)
-            self._finished.put((slot, version, False, None, None))
+            self._finished.put((slot, version, False, None, mirror))
             if isinstance(exc, TimeoutError):  # readers pin every GPU slot: as for host slots
                 raise
             if isinstance(exc, Exception):
@@ -566,7 +567,12 @@ class WeightPublisher:
                 packed = mirror.mapped.tensor[: manifest.nbytes]
                 pack(manifest, tensors, packed, lambda _: None, _destinations(mirror))
                 if packs is not None:
-                    packs.copy(version, manifest, packed)
+                    try:
+                        packs.copy(version, manifest, packed)
+                    except torch.cuda.OutOfMemoryError:  # the packs' own memory: GPU staging goes on
+                        log.warning("no GPU memory for the packed copies deltas compare on; comparing on the host")
+                        packs.clear()
+                        self._device_packs = packs = None
             else:
                 assert packs is not None  # `_stage` packs on the device for one or the other
                 packed = packs.pack(version, manifest, tensors, device)
@@ -788,10 +794,11 @@ class WeightPublisher:
             ok = False
         if ok:
             self._table.advance(slot, slot.manifest.nbytes, complete=True)
-            if mirror is not None and self._mirror is not None:
+        if mirror is not None and self._mirror is not None:
+            if ok and not mirror.failed:
                 self._mirror.table.advance(mirror, slot.manifest.nbytes, complete=True)
-                with contextlib.suppress(OSError):  # leases waiting for the GPU slot go on
-                    self._server.submit(self._retry_leases)
+            with contextlib.suppress(OSError):  # leases waiting for the GPU slot: granted or told
+                self._server.submit(self._retry_leases)
         coordinator, upstream = self._coordinator, self._upstream
         started = None if self._announce_early else functools.partial(self._on_started, version)
         if coordinator is not None:
@@ -850,7 +857,7 @@ class WeightPublisher:
         for msg, pending in waiting:
             if not pending.done:
                 try:
-                    self._lease(msg, pending)
+                    self._lease(msg, pending, parked=True)
                 except Exception as exc:  # noqa: BLE001 - the requester gets it, typed
                     pending.fail(exc)
 
@@ -865,25 +872,31 @@ class WeightPublisher:
         if self._mirror is not None:
             self._mirror.table.release_holder(holder)
 
-    def _lease(self, msg: Lease, pending: Pending) -> None:
+    def _lease(self, msg: Lease, pending: Pending, parked: bool = False) -> None:
+        """Grant `msg`, or keep it waiting (`parked`: it waits already, with its deadline) for its
+        version to start staging or to reach GPU staging, or refuse it."""
         granted = self._grant(msg, pending.peer)
         mirror = self._mirror if msg.transport in self._on_mirror else None
         if granted is not None:
             pending.reply(granted)
-        elif msg.version > self._started and not self._closed:
+        elif not self._closed and (
+            msg.version > self._started or (mirror is not None and mirror.on_its_way(msg.version))
+        ):
             self._lease_waiters.append((msg, pending))
-            self._server.park(
-                pending, msg.timeout, f"rank {self.rank} did not start staging version {msg.version} in time"
-            )
-        elif mirror is not None and mirror.on_its_way(msg.version) and not self._closed:
-            self._lease_waiters.append((msg, pending))
-            self._server.park(
-                pending, msg.timeout, f"version {msg.version} did not reach rank {self.rank}'s GPU staging in time"
-            )
+            if not parked:
+                self._server.park(
+                    pending, msg.timeout, f"version {msg.version} was not staged on rank {self.rank} in time"
+                )
         else:
-            why = f": {mirror.why(msg.version)}" if mirror is not None and mirror.why(msg.version) else ""
+            why = mirror.why(msg.version) if mirror is not None else ""
+            if why:
+                raise WeightSyncError(
+                    f"version {msg.version} cannot be read from rank {self.rank}'s GPU staging: {why}"
+                )
+            if msg.version == self._last:
+                raise WeightSyncError(f"staging version {msg.version} failed on rank {self.rank}")
             raise WeightSyncError(
-                f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last}){why}"
+                f"version {msg.version} is no longer staged on rank {self.rank} (newest: {self._last})"
             )
 
     def _grant_offered(self, version: int, transport: str, holder: bytes) -> Granted | None:

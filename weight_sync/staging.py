@@ -185,22 +185,30 @@ class SlotTable:
         """Indexes of slots whose segment `prepare` is allocating outside the lock."""
         self._closed = False
 
-    def claim(self, version: int, size: int, timeout: float) -> Slot:
+    def claim(self, version: int, size: int, timeout: float, keep_newer: bool = False) -> Slot:
         """A slot to stage `version` into (`size` bytes), waiting for its readers to finish.
 
         The slot holding the newest complete version is taken only when it is the only one; a
         slot whose version is still being finished is never taken (the finisher would mark the
-        new version complete half-staged). Raises `TimeoutError` if readers still hold every
-        candidate after `timeout` seconds.
+        new version complete half-staged); with `keep_newer`, nor is one holding a complete
+        version newer than `version` (a copy of an older version must not evict it).
+
+        Raises:
+            TimeoutError: readers still hold every candidate after `timeout` seconds.
+            WeightSyncError: `keep_newer`, and every slot holds a newer complete version.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
                 now = time.monotonic()
                 newest = max((s.version for s in self.slots if s.complete), default=-1)
+                if keep_newer and all(s.complete and not s.failed and s.version > version for s in self.slots):
+                    raise WeightSyncError(f"staging holds only newer versions than {version} (up to {newest})")
                 candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
                 for slot in candidates:
                     if slot.busy(now) or slot.finishing:
+                        continue
+                    if keep_newer and slot.complete and not slot.failed and slot.version > version:
                         continue
                     if slot.index in self._growing:
                         break  # the best free slot is being prepared: wait for it, not the next best

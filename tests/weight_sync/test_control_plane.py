@@ -203,7 +203,7 @@ def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
     ranks = PublisherRanks([p0.info, p1.info], ShmTransport(), {}, TPShard(), NameMapping(), 0, timeout=0.5)
     try:
         p0.publish({"w": torch.ones(8)}, version=1)  # rank 1 never stages it: its Lease waits, then fails
-        with pytest.raises(tq.TimeoutError, match="did not start staging version 1"):
+        with pytest.raises(tq.TimeoutError, match="version 1 was not staged"):
             ranks.lease_all(1)
         ranks.call(0, Slots("shm"))  # served after the release posted to rank 0
         assert _leases(p0) == 0, "rank 0's lease was left pinned when rank 1 refused"

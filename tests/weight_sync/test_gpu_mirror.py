@@ -64,16 +64,29 @@ def test_a_catch_up_waits_for_the_host_bytes_and_leaves_a_complete_copy(tables):
 
 
 def test_a_catch_up_never_evicts_a_newer_version(tables):
+    """An older version is copied into a slot holding nothing newer; with only newer versions
+    there, its copy fails at once with that reason (not retried: its leases are told)."""
     host, mirror = tables
     _stage(host, 1, 1)
     _stage(host, 2, 2)
     assert _catch_up(mirror, host, 2).wait(10)
     mirror.finished(2)
-    newer = mirror.table.lease(2)
-    assert newer is not None  # a reader holds version 2: the other slot is free
-    assert _catch_up(mirror, host, 1).wait(10)
+    assert _catch_up(mirror, host, 1).wait(10)  # the other slot is free: nothing newer evicted
     mirror.finished(1)
-    assert mirror.table.find(1) is None and mirror.table.find(2) is not None
+    assert mirror.table.find(1) is not None and mirror.table.find(2) is not None
+    _stage(host, 3, 3)  # host staging's slot of version 1 is reused for 3
+    assert _catch_up(mirror, host, 3).wait(10)  # evicts 1, the older
+    mirror.finished(3)
+    assert mirror.table.find(1) is None and {2, 3} == {s.version for s in mirror.table.slots}
+    older = SlotTable(2, shared=False, lease_timeout=30)
+    slot = older.claim(0, NBYTES, 5)
+    slot.manifest = MANIFEST
+    older.advance(slot, NBYTES, complete=True)
+    assert _catch_up(mirror, older, 0).wait(10)
+    mirror.finished(0)
+    assert "only newer versions" in mirror.why(0)
+    assert {2, 3} == {s.version for s in mirror.table.slots}
+    older.close()
 
 
 def test_a_failed_catch_up_leaves_its_reason_and_is_not_retried(tables):

@@ -161,3 +161,19 @@ def test_a_publish_interrupted_after_its_claim_frees_the_slot(monkeypatch):
         with WeightSubscriber(None, mine, publisher=pub.endpoint) as sub:
             assert sub.wait(2, timeout=30) == 2
             assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+
+
+def test_a_claim_that_keeps_newer_versions_takes_only_an_older_slot():
+    """`claim(keep_newer=True)` (a copy of an older version into GPU staging) takes a slot holding
+    nothing newer, and refuses at once when every slot holds a newer complete version."""
+    table = SlotTable(2, shared=False, lease_timeout=5)
+    try:
+        for version in (3, 5):
+            slot = table.claim(version, 64, 1)
+            table.advance(slot, 64, complete=True)
+        with pytest.raises(tq.WeightSyncError, match="only newer versions than 2"):
+            table.claim(2, 64, 5, keep_newer=True)
+        slot = table.claim(4, 64, 1, keep_newer=True)  # 3 is older: its slot is taken, 5 kept
+        assert slot.version == 4 and table.find(5) is not None and table.find(3) is None
+    finally:
+        table.close()
