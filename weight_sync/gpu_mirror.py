@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from transfer_queue import WeightSyncError
+from transfer_queue import TimeoutError, WeightSyncError
 from transfer_queue.cuda import side_stream, synchronize
 
 from .manifest import Manifest
@@ -96,13 +96,16 @@ class GpuMirror:
             self.out_of_memory(exc)
 
     def claim(self, version: int, manifest: Manifest) -> Slot | None:
-        """The GPU slot to stage `version` into, once on (None while off, or once the GPU had
-        no memory for it: GPU leases then fail with `error`, host staging goes on); `place`d
-        before. Raises `TimeoutError` if readers pin every GPU slot for `timeout` seconds."""
+        """The GPU slot to stage `version` into, once on; `place`d before. None while off, once
+        the GPU had no memory for it (GPU leases then fail with `error`), or when no slot is
+        free now: `publish` never waits for GPU readers (host staging's readers would wait with
+        it), and a version staged on the host alone reaches GPU staging by a catch-up."""
         if not self.on or self.error:
             return None
         try:
-            slot = self.table.claim(version, manifest.nbytes, self.timeout)
+            slot = self.table.claim(version, manifest.nbytes, 0.0)
+        except TimeoutError:
+            return None
         except torch.cuda.OutOfMemoryError as exc:
             self.out_of_memory(exc)
             return None

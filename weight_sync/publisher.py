@@ -401,8 +401,6 @@ class WeightPublisher:
             # again (a slot left neither complete nor failed is never claimed)
             self._fail(slot, version, mirror)
             self._finished.put((slot, version, False, None, mirror))
-            if isinstance(exc, TimeoutError):  # readers pin every GPU slot: as for host slots
-                raise
             if isinstance(exc, Exception):
                 raise WeightSyncError(f"staging version {version} failed: {exc}") from exc
             raise

@@ -2,7 +2,8 @@
 the mirror's slots on the CPU (the same code; only the copy's stream is CUDA's on a GPU). A
 catch-up waits for its host bytes and leaves a complete copy, never evicts a newer version, and
 one that fails leaves its reason for the version's leases instead of copying again; a version
-host staging does not hold starts nothing. The GPU run is `test_cuda_ipc.py`'s."""
+host staging does not hold starts nothing; `publish` never waits for GPU readers. The GPU run
+is `test_cuda_ipc.py`'s."""
 
 from __future__ import annotations
 
@@ -110,3 +111,16 @@ def test_a_version_host_staging_does_not_hold_starts_nothing(tables):
     _stage(host, 1, 1)
     done = _catch_up(mirror, host, 9)
     assert not mirror.on_its_way(9) and not done.is_set()  # a copy started would be on its way
+
+
+def test_publish_never_waits_for_gpu_readers(tables):
+    """With readers on every GPU slot, `publish`'s claim gets none at once (the version is staged
+    on the host alone; a catch-up brings it over later) rather than holding host staging's
+    readers up behind them."""
+    _, mirror = tables
+    for version in (1, 2):
+        slot = mirror.claim(version, MANIFEST)
+        assert slot is not None
+        mirror.table.advance(slot, NBYTES, complete=True)
+        assert mirror.table.lease(version) is not None
+    assert mirror.claim(3, MANIFEST) is None
