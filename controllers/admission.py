@@ -1,6 +1,7 @@
 """Admission control for producers: AReaL's generation-slot budget.
 
-A producer asks for generation slots before it generates. Slots are granted only while
+A producer asks for generation slots before it generates. Slots are granted only while (but
+for `lend`, below)
 
     accepted + running + n <= (max_staleness + version + 1) * consumer_batch_size
 
@@ -19,9 +20,12 @@ is what holds a consumer's request back (`holds_back`), the scheduler reports th
 demand under the current version, that is the granted samples one task was handed from one
 partition since the version began and did not give back plus the batches it is waiting for; and
 `consumer_batch_size` grows to the largest demand seen (never below the configured value, never
-shrinking). Samples served from the budget's slack (a batch taken ahead of its version), a
-request that waits only for producers the budget lets in, or one that ends empty, count nothing
-by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
+shrinking). A grant names no partition, so every partition fed under grants draws on this one
+budget: the demand a held-back request reports includes what the other partitions hold for
+their consumers (`Scheduler._held_for`), lest a producer that fed one partition leave another
+partition's consumer waiting for a version. Samples served from the budget's slack (a batch
+taken ahead of its version), a request that waits only for producers the budget lets in, or one
+that ends empty, count nothing by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
 `consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
 `status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
 the staleness bound (checked on every consumed sample) holds whatever the budget.
@@ -31,6 +35,16 @@ fails at once with `UnsatisfiableError` naming the budget and the fix, instead o
 its timeout: an acquire larger than `(η + 1) * consumer_batch_size`, or a consumer whose demand
 exceeds `consumer_batch_size` while what admission can still let in under the current version
 does not cover its batch (`holds_back`).
+
+Producers acquire in units of their own (a batch of prompts times the group size), and the
+budget's leftover need not be a whole one: a producer waiting for more than the leftover lets
+no one in (FIFO), so while one waits the leftover is no room for a consumer (`room`). When a
+consumer is held back and its demand fits the budget, the producer at the head of the queue is
+granted anyway (`lend`), overdrawing the budget by less than its acquire: `accepted` counts what
+was put, so the next version's budget pays the overdraft back, as verl's rollouter, which starts
+a sample while any budget is left, overshoots by less than one. Pinned or following, a leftover
+smaller than a producer's unit never deadlocks a consumer waiting for that producer, and the
+overdraft is bounded: nothing more is granted until the budget is back above zero.
 """
 
 from __future__ import annotations
@@ -73,9 +87,14 @@ class Admission:
         batch_size: int,
         grant_timeout: float,
         version_of: Callable[[], int],
-        follow: bool = True,
+        follow: bool,
+        stalled: Callable[[], None],
     ):
+        """`stalled` is called when a producer starts to wait with none waiting before: the
+        budget's leftover stops being room for the consumers (`room`), so a parked consumer may
+        be held back now (the controller has each one check, `Scheduler.producers_stalled`)."""
         self.version_of = version_of
+        self.stalled = stalled
         self.max_staleness = max_staleness
         self.configured_batch_size = batch_size
         self.batch_size = batch_size
@@ -88,6 +107,7 @@ class Admission:
         self.waits = 0
         self.wait_seconds = 0.0
         self.expired = 0
+        self.overdrafts = 0
         self._grants: dict[int, _Grant] = {}
         # Grants are not journaled: a restarted controller knows none of its predecessor's, so its
         # ids start at a random base lest a put under an old grant use up a new one with its id.
@@ -117,16 +137,37 @@ class Admission:
             f"now accepted {self.accepted}, running {self.running}"
         )
 
-    def follow_demand(self, demand: int, who: str) -> None:
-        """A consumer takes `demand` granted samples under the current version: grow
-        `consumer_batch_size` to it when following the consumers."""
+    def follow_demand(self, demand: int, why: str) -> None:
+        """The consumers take `demand` granted samples under the current version (`why` says
+        whose): grow `consumer_batch_size` to it when following the consumers."""
         if self.bounded and self.follow and demand > self.batch_size:
-            self._grow(demand, f"{who} takes {demand} samples per version")
+            self._grow(demand, why)
 
     def room(self) -> float:
-        """All that admission can still let in under this version: running grants and the
-        budget (infinite when unbounded)."""
-        return self.running + self.budget()
+        """All that admission can still let in under this version without a consumer's help
+        (`lend`): the running grants, and the budget's leftover while no producer waits (one that
+        waits asked for more than the leftover, and the producers behind it wait their turn);
+        infinite when unbounded."""
+        return self.running + (0 if self._stalled() else max(0.0, self.budget()))
+
+    def _stalled(self) -> bool:
+        """A producer waits for budget."""
+        return any(not fut.done() for _, fut in self._queue)
+
+    def lend(self) -> None:
+        """A consumer is held back and its demand fits the budget: when the producer at the head
+        of the queue waits for more than a leftover above zero, grant it now, overdrawing the
+        budget by less than its acquire (the next version's budget pays it back)."""
+        while self._queue and self._queue[0][1].done():
+            self._queue.popleft()
+        if not self._queue or self.budget() <= 0:
+            return
+        n, fut = self._queue.popleft()
+        self.overdrafts += 1
+        log.info(
+            "admission lends %d slots to a producer over a leftover of %d: a consumer waits for it", n, self.budget()
+        )
+        fut.set_result((self._grant(n), self.version_of()))
 
     def holds_back(self, ready: int, batch: int) -> bool:
         """The `ready` samples plus the `room` fall short of a consumer's `batch`: it waits for
@@ -168,9 +209,12 @@ class Admission:
         if not self._queue and n <= self.budget():
             return self._grant(n), self.version_of()
         fut = asyncio.get_running_loop().create_future()
+        stalls = not self._stalled()
         self._queue.append((n, fut))
         self.waits += 1
         start = time.monotonic()
+        if stalls:
+            self.stalled()  # may `lend` to this very request
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -270,4 +314,5 @@ class Admission:
             waits=self.waits,
             wait_seconds=round(self.wait_seconds, 6),
             expired_grants=self.expired,
+            overdrafts=self.overdrafts,
         )

@@ -17,6 +17,9 @@ back reports), nor does a request on a sealed partition (a stream's last, answer
 the partition drains), nor one that waits only for producers the budget already lets in. A
 stream's prefetch thus counts nothing while the budget has a batch of slack for it, and counts
 when it does not: with η = 0 it is held back and asks for a second batch under one version.
+Partitions share the budget, so the demand a held-back request reports includes what the other
+partitions hold for their consumers (`_held_for`), and while a producer waits for more than the
+budget's leftover, a held-back request lets it in (`Admission.lend`); docs/staleness.md says why.
 Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop
 timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
 delivery).
@@ -167,9 +170,10 @@ class Scheduler:
     def wake(self, partition: str) -> None:
         """Re-evaluate the partition's parked requests in arrival order."""
         self._recount.discard(partition)
+        held: dict[str, int] = {}  # of the other partitions, which these requests do not change
         for waiter in list(self.waiters.get(partition, ())):
             if not waiter.future.done():
-                self._settle(waiter, final=False)
+                self._settle(waiter, final=False, held=held)
 
     def wake_all(self) -> None:
         """Re-evaluate every partition's parked requests: the version moved."""
@@ -184,24 +188,37 @@ class Scheduler:
         was last evaluated (a partition where they may have dropped is in `_recount`), so it
         reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
         demand check per request parked elsewhere, not a full evaluation."""
+        self._room_fell(partition)
+
+    def producers_stalled(self) -> None:
+        """A producer waits for more than the budget's leftover, which then stops being room for
+        the consumers (`Admission.room`): a request parked anywhere may be held back now, and
+        must report its consumer's demand (and so let that producer in, `Admission.lend`)."""
+        self._room_fell(None)
+
+    def _room_fell(self, woken: str | None) -> None:
+        """What admission can still let in fell: re-evaluate the requests parked on `woken` (if
+        any) in full, and have each one parked elsewhere check its demand (`granted_commit`)."""
         room = self.admission.room()  # a report only grows it: `_report_demand` checks again
+        held: dict[str, int] = {}  # `_held_for` each partition, computed once for the pass
         for name in list(self.waiters):
-            if name == partition or name in self._recount:
+            if name == woken or name in self._recount:
                 self.wake(name)
                 continue
+            parked = [w for w in self.waiters[name] if not w.future.done()]
+            short = [w for w in parked if w.ready + room < w.req.batch_size]
             part = self.partitions.get(name)
-            if part is None or not self._fed_under_grants(part):
+            if not short or not self._fed_under_grants(part):
                 continue  # admission holds back no request parked there
             waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
-            for waiter in self.waiters[name]:
-                if not waiter.future.done():
-                    waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
-            for waiter in list(self.waiters[name]):
-                if waiter.future.done() or waiter.ready + room >= waiter.req.batch_size:
+            for waiter in parked:
+                waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+            for waiter in short:
+                if waiter.future.done():  # failed by a report above (same task, pinned budget)
                     continue
                 req = waiter.req
                 try:
-                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size)
+                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size, held)
                 except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
                     waiter.future.set_exception(exc)
                     waiting[req.task] -= req.batch_size
@@ -217,24 +234,26 @@ class Scheduler:
         if not waiter.future.done():
             self._settle(waiter, final=True)
 
-    def _settle(self, waiter: _Waiter, final: bool) -> None:
+    def _settle(self, waiter: _Waiter, final: bool, held: dict[str, int] | None = None) -> None:
         try:
-            meta = self._evaluate(waiter, final)
+            meta = self._evaluate(waiter, final, held)
         except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
             waiter.future.set_exception(exc)
             return
         if meta is not None:
             waiter.future.set_result(meta)
 
-    def _evaluate(self, waiter: _Waiter, final: bool) -> BatchMeta | None:
+    def _evaluate(self, waiter: _Waiter, final: bool, held: dict[str, int] | None = None) -> BatchMeta | None:
         """A leased batch, or None to keep waiting (`waiter.ready` then says how many samples
-        are ready for it); at the deadline a short batch or an error."""
+        are ready for it); at the deadline a short batch or an error. `held`: see
+        `_report_demand`."""
         req = waiter.req
         part = self.partitions.get(req.partition)
         sampler = self.samplers.get(req.sampler)
         if part is None:
             if not final:
                 waiter.ready = 0
+                self._report_demand(None, req, 0, held=held)
                 return None
             if not req.allow_partial:
                 return self._give_up(req, None, 0)
@@ -255,7 +274,7 @@ class Scheduler:
         if rows is None:
             if not final:
                 waiter.ready = len(ready)
-                self._report_demand(part, req, len(ready))
+                self._report_demand(part, req, len(ready), held=held)
                 return None
             if not req.allow_partial:
                 return self._give_up(req, part, len(ready))
@@ -274,45 +293,112 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int, others: int | None = None) -> None:
+    def _report_demand(
+        self,
+        part: Partition | None,
+        req: GetMeta,
+        n_ready: int,
+        others: int | None = None,
+        held: dict[str, int] | None = None,
+    ) -> None:
         """A request waits: when admission is what holds it back (the partition is fed under
-        grants, unsealed, and the `n_ready` samples plus what admission can still let in under
-        this version fall short of its batch), tell admission what its consumer takes under this
-        version, the batches it waits for included. A request that waits only for producers the
-        budget lets in is no demand, nor is one on a sealed partition, which no put can feed: the
-        samples handed out (`_lease`) count only in what a request held back reports.
+        grants, `_fed_under_grants`, and the `n_ready` samples plus what admission can still let in under
+        this version fall short of its batch), tell admission what the consumers take under this
+        version: what its consumer takes, the batches it waits for included, plus what the other
+        partitions hold for theirs (`_held_for`). Those samples spend the same budget, and their
+        consumers may take them only after this one (a trainer that takes a batch from each
+        partition before it publishes): counted apart, a producer that fed another partition
+        would leave this consumer waiting for a version. Then, if admission still holds it back
+        while a producer waits for more than the budget's leftover, that producer is let in
+        (`Admission.lend`). A request that waits only for producers the budget lets in is no
+        demand, nor is one on a sealed partition, which no put can feed: the samples handed out
+        (`_lease`) count only in what a request held back reports.
 
         `others`: the batches the task's other requests parked on the partition wait for, when
-        the caller has summed them for several requests at once (else summed here).
+        the caller has summed them for several requests at once (else summed here). `held`: the
+        caller's cache of `_held_for` per partition, for a pass over many requests.
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not self._fed_under_grants(part) or not adm.holds_back(n_ready, req.batch_size):
+        if not adm.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part):
             return
-        key = (part.name, req.task)
+        name = req.partition
+        key = (name, req.task)
         if others is None:
             others = sum(
                 w.req.batch_size
-                for w in self.waiters.get(part.name, ())
+                for w in self.waiters.get(name, ())
                 if w.req.task == req.task and w.req is not req and not w.future.done()
             )
-        demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
-        adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
+        own = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
+        elsewhere = self._held_elsewhere(name, {} if held is None else held)
+        demand = own + elsewhere
+        takes = f"takes {own} samples per version"
+        if elsewhere:
+            takes += f" and other partitions hold {elsewhere} for theirs"
+        adm.follow_demand(demand, f"task {req.task!r} on partition {name!r} {takes}")
         if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
             raise UnsatisfiableError(
-                f"get_meta(task={req.task!r}, partition={part.name!r}, batch_size={req.batch_size}) can never be "
-                f"served: this consumer takes {demand} samples per version, but the admission budget is pinned "
-                f"at consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of "
-                f"this batch ({n_ready} ready) until a new version is published. Start the cluster with "
-                f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
-                "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
+                f"get_meta(task={req.task!r}, partition={name!r}, batch_size={req.batch_size}) can never be "
+                f"served: this consumer {takes}, but the admission budget is pinned at consumer_batch_size={adm.batch_size} "
+                f"and {adm.describe()}, so producers stop short of this batch ({n_ready} ready) until a new "
+                f"version is published. Start the cluster with consumer_batch_size >= {demand} (sluice serve "
+                f"--consumer-batch-size {demand}), or let the budget follow the consumers (the default; drop "
+                "follow_consumers=False / --no-follow-consumers)"
             )
+        if adm.holds_back(n_ready, req.batch_size):
+            adm.lend()
 
-    def _fed_under_grants(self, part: Partition) -> bool:
+    def _held_elsewhere(self, own: str, held: dict[str, int]) -> int:
+        """What the partitions other than `own` hold for their consumers (`_held_for`), each
+        computed once per `held` cache."""
+        total = 0
+        for name, part in self.partitions.items():
+            if name != own:
+                if name not in held:
+                    held[name] = self._held_for(part)
+                total += held[name]
+        return total
+
+    def _held_for(self, part: Partition) -> int:
+        """The granted samples `part` holds for its consumers under this version: for the task
+        that needs most, those it was handed under this version and kept, plus the larger of
+        those ready for it and the batches it waits for; with no task yet, every one it holds.
+        Only committed, live samples its consumers may still get count (not too stale). A
+        partition that holds no granted sample and handed none out under this version (prompts
+        put without grants, say) holds nothing, whatever its consumers wait for."""
+        n = part.n
+        mask = part.granted[:n] & part.alive[:n] & part.committed[:n]
+        # what was handed out counts, cleared since or not (only granted samples are counted there)
+        taken = {name: self.demand.at(self.clock.current).get((part.name, name), 0) for name in part.tasks}
+        if not mask.any():
+            if not any(taken.values()):
+                return 0  # not fed under grants in this version: its consumers wait for no grant
+        elif (bound := self.config.max_staleness) is not None:
+            mask &= ~part.versioned[:n] | ((self.clock.current - part.v_first[:n]) <= bound)
+        if not part.tasks:
+            return int(np.count_nonzero(mask))
+        waiting: dict[str, int] = {}
+        for waiter in self.waiters.get(part.name, ()):
+            if not waiter.future.done():
+                waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+        most = 0
+        for name, task in part.tasks.items():
+            ready = int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0)))
+            most = max(most, taken[name] + max(ready, waiting.get(name, 0)))
+        return most
+
+    def _fed_under_grants(self, part: Partition | None) -> bool:
         """More samples may come to `part` through a bounded admission: a put under a grant
-        brought some, and it is not sealed."""
-        return self.admission.bounded and not part.sealed and bool(part.granted[: part.n].any())
+        brought some, and it is not sealed. A partition no put has made yet (None) counts when
+        some partition is fed under grants: its first samples may need a grant as well, and a
+        producer of another partition may have spent the budget before it put any."""
+        if not self.admission.bounded:
+            return False
+        if part is None:
+            return any(p.granted[: p.n].any() for p in self.partitions.values())
+        return not part.sealed and bool(part.granted[: part.n].any())
 
     def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:
         """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
