@@ -154,13 +154,14 @@ class Admission:
         """A producer waits for budget."""
         return any(not fut.done() for _, fut in self._queue)
 
-    def lend(self) -> None:
-        """A consumer is held back and its demand fits the budget: when the producer at the head
-        of the queue waits for more than a leftover above zero, grant it now, overdrawing the
-        budget by less than its acquire (the next version's budget pays it back)."""
+    def lend(self, ready: int, batch: int) -> None:
+        """A consumer whose demand fits the budget waits for `batch` with `ready` samples: when
+        it is held back while the producer at the head of the queue waits for more than a
+        leftover above zero, grant that producer now, overdrawing the budget by less than its
+        acquire (the next version's budget pays it back)."""
         while self._queue and self._queue[0][1].done():
             self._queue.popleft()
-        if not self._queue or self.budget() <= 0:
+        if not self._queue or self.budget() <= 0 or not self.holds_back(ready, batch):
             return
         n, fut = self._queue.popleft()
         self.overdrafts += 1

@@ -96,6 +96,15 @@ class _Demand:
 
 
 @dataclass
+class _Held:
+    """`Scheduler._held_for` of every partition, computed once for a pass over many parked
+    requests (a commit's, or one partition's wake: neither changes what the others hold)."""
+
+    each: dict[str, int] | None = None
+    total: int = 0
+
+
+@dataclass
 class _Waiter:
     req: GetMeta
     future: asyncio.Future
@@ -170,7 +179,7 @@ class Scheduler:
     def wake(self, partition: str) -> None:
         """Re-evaluate the partition's parked requests in arrival order."""
         self._recount.discard(partition)
-        held: dict[str, int] = {}  # of the other partitions, which these requests do not change
+        held = _Held()
         for waiter in list(self.waiters.get(partition, ())):
             if not waiter.future.done():
                 self._settle(waiter, final=False, held=held)
@@ -199,8 +208,8 @@ class Scheduler:
     def _room_fell(self, woken: str | None) -> None:
         """What admission can still let in fell: re-evaluate the requests parked on `woken` (if
         any) in full, and have each one parked elsewhere check its demand (`granted_commit`)."""
-        room = self.admission.room()  # a report only grows it: `_report_demand` checks again
-        held: dict[str, int] = {}  # `_held_for` each partition, computed once for the pass
+        room = self.admission.room()  # a report only grows it: each request is checked again
+        held = _Held()
         for name in list(self.waiters):
             if name == woken or name in self._recount:
                 self.wake(name)
@@ -214,11 +223,11 @@ class Scheduler:
             for waiter in parked:
                 waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
             for waiter in short:
-                if waiter.future.done():  # failed by a report above (same task, pinned budget)
-                    continue
                 req = waiter.req
+                if waiter.future.done() or not self.admission.holds_back(waiter.ready, req.batch_size):
+                    continue  # failed by a report above (same task, pinned budget), or let in since
                 try:
-                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size, held)
+                    self._report_held(req, waiter.ready, waiting[req.task] - req.batch_size, held)
                 except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
                     waiter.future.set_exception(exc)
                     waiting[req.task] -= req.batch_size
@@ -234,7 +243,7 @@ class Scheduler:
         if not waiter.future.done():
             self._settle(waiter, final=True)
 
-    def _settle(self, waiter: _Waiter, final: bool, held: dict[str, int] | None = None) -> None:
+    def _settle(self, waiter: _Waiter, final: bool, held: _Held | None = None) -> None:
         try:
             meta = self._evaluate(waiter, final, held)
         except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
@@ -243,7 +252,7 @@ class Scheduler:
         if meta is not None:
             waiter.future.set_result(meta)
 
-    def _evaluate(self, waiter: _Waiter, final: bool, held: dict[str, int] | None = None) -> BatchMeta | None:
+    def _evaluate(self, waiter: _Waiter, final: bool, held: _Held | None = None) -> BatchMeta | None:
         """A leased batch, or None to keep waiting (`waiter.ready` then says how many samples
         are ready for it); at the deadline a short batch or an error. `held`: see
         `_report_demand`."""
@@ -293,73 +302,68 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _report_demand(
-        self,
-        part: Partition | None,
-        req: GetMeta,
-        n_ready: int,
-        others: int | None = None,
-        held: dict[str, int] | None = None,
-    ) -> None:
+    def _report_demand(self, part: Partition | None, req: GetMeta, n_ready: int, held: _Held | None = None) -> None:
         """A request waits: when admission is what holds it back (the partition is fed under
-        grants, `_fed_under_grants`, and the `n_ready` samples plus what admission can still let in under
-        this version fall short of its batch), tell admission what the consumers take under this
-        version: what its consumer takes, the batches it waits for included, plus what the other
-        partitions hold for theirs (`_held_for`). Those samples spend the same budget, and their
+        grants, `_fed_under_grants`, and the `n_ready` samples plus what admission can still let
+        in under this version fall short of its batch), report the demand (`_report_held`). A
+        request that waits only for producers the budget lets in is no demand, nor is one on a
+        sealed partition, which no put can feed: the samples handed out (`_lease`) count only in
+        what a request held back reports. `held`: the caller's `_Held`, for a pass over many
+        requests.
+
+        Raises:
+            UnsatisfiableError: a pinned budget can never let its batch in."""
+        if not self.admission.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part):
+            return
+        others = sum(
+            w.req.batch_size
+            for w in self.waiters.get(req.partition, ())
+            if w.req.task == req.task and w.req is not req and not w.future.done()
+        )
+        self._report_held(req, n_ready, others, _Held() if held is None else held)
+
+    def _report_held(self, req: GetMeta, n_ready: int, others: int, held: _Held) -> None:
+        """A request admission holds back: tell admission what the consumers take under this
+        version: what its consumer takes, the batches it waits for included (`others`: those of
+        its task's other requests parked on the partition), plus what the other partitions hold
+        for theirs (`_held_for`, from `held`). Those samples spend the same budget, and their
         consumers may take them only after this one (a trainer that takes a batch from each
         partition before it publishes): counted apart, a producer that fed another partition
         would leave this consumer waiting for a version. Then, if admission still holds it back
         while a producer waits for more than the budget's leftover, that producer is let in
-        (`Admission.lend`). A request that waits only for producers the budget lets in is no
-        demand, nor is one on a sealed partition, which no put can feed: the samples handed out
-        (`_lease`) count only in what a request held back reports.
-
-        `others`: the batches the task's other requests parked on the partition wait for, when
-        the caller has summed them for several requests at once (else summed here). `held`: the
-        caller's cache of `_held_for` per partition, for a pass over many requests.
+        (`Admission.lend`).
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not adm.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part):
-            return
         name = req.partition
         key = (name, req.task)
-        if others is None:
-            others = sum(
-                w.req.batch_size
-                for w in self.waiters.get(name, ())
-                if w.req.task == req.task and w.req is not req and not w.future.done()
-            )
         own = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
-        elsewhere = self._held_elsewhere(name, {} if held is None else held)
+        elsewhere = self._held_elsewhere(name, held)
         demand = own + elsewhere
-        takes = f"takes {own} samples per version"
-        if elsewhere:
-            takes += f" and other partitions hold {elsewhere} for theirs"
-        adm.follow_demand(demand, f"task {req.task!r} on partition {name!r} {takes}")
+        if demand > adm.batch_size:
+            takes = f"takes {own} samples per version"
+            if elsewhere:
+                takes += f" and other partitions hold {elsewhere} for theirs"
+            adm.follow_demand(demand, f"task {req.task!r} on partition {name!r} {takes}")
         if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
             raise UnsatisfiableError(
                 f"get_meta(task={req.task!r}, partition={name!r}, batch_size={req.batch_size}) can never be "
-                f"served: this consumer {takes}, but the admission budget is pinned at consumer_batch_size={adm.batch_size} "
-                f"and {adm.describe()}, so producers stop short of this batch ({n_ready} ready) until a new "
-                f"version is published. Start the cluster with consumer_batch_size >= {demand} (sluice serve "
-                f"--consumer-batch-size {demand}), or let the budget follow the consumers (the default; drop "
-                "follow_consumers=False / --no-follow-consumers)"
+                f"served: this consumer {takes}, but the admission budget is pinned at "
+                f"consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of this "
+                f"batch ({n_ready} ready) until a new version is published. Start the cluster with "
+                f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
+                "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
             )
-        if adm.holds_back(n_ready, req.batch_size):
-            adm.lend()
+        adm.lend(n_ready, req.batch_size)
 
-    def _held_elsewhere(self, own: str, held: dict[str, int]) -> int:
-        """What the partitions other than `own` hold for their consumers (`_held_for`), each
-        computed once per `held` cache."""
-        total = 0
-        for name, part in self.partitions.items():
-            if name != own:
-                if name not in held:
-                    held[name] = self._held_for(part)
-                total += held[name]
-        return total
+    def _held_elsewhere(self, own: str, held: _Held) -> int:
+        """What the partitions other than `own` hold for their consumers (`_held_for`), computed
+        for every partition once per `held`."""
+        if held.each is None:
+            held.each = {name: self._held_for(part) for name, part in self.partitions.items()}
+            held.total = sum(held.each.values())
+        return held.total - held.each.get(own, 0)
 
     def _held_for(self, part: Partition) -> int:
         """The granted samples `part` holds for its consumers under this version: for the task
@@ -379,14 +383,17 @@ class Scheduler:
             mask &= ~part.versioned[:n] | ((self.clock.current - part.v_first[:n]) <= bound)
         if not part.tasks:
             return int(np.count_nonzero(mask))
-        waiting: dict[str, int] = {}
+        waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
         for waiter in self.waiters.get(part.name, ()):
             if not waiter.future.done():
                 waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+        every = int(np.count_nonzero(mask))
         most = 0
         for name, task in part.tasks.items():
-            ready = int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0)))
-            most = max(most, taken[name] + max(ready, waiting.get(name, 0)))
+            wants = waiting.get(name, 0)
+            if wants < every:  # else what is ready for it, at most `every`, changes nothing
+                wants = max(wants, int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0))))
+            most = max(most, taken[name] + wants)
         return most
 
     def _fed_under_grants(self, part: Partition | None) -> bool:
