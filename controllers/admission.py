@@ -90,9 +90,10 @@ class Admission:
         follow: bool,
         stalled: Callable[[], None],
     ):
-        """`stalled` is called when a producer starts to wait with none waiting before: the
-        budget's leftover stops being room for the consumers (`room`), so a parked consumer may
-        be held back now (the controller has each one check, `Scheduler.producers_stalled`)."""
+        """`stalled` is called when a producer starts to wait with none waiting before, or
+        granted slots come back while one waits: what was room for the consumers (`room`) is
+        gone, so a parked consumer may be held back now (the controller has each one check,
+        `Scheduler.producers_stalled`)."""
         self.version_of = version_of
         self.stalled = stalled
         self.max_staleness = max_staleness
@@ -279,7 +280,15 @@ class Admission:
         self.running -= k
         if grant.remaining == 0:
             self._close(grant_id)
+        self._returned()
+
+    def _returned(self) -> None:
+        """Granted slots came back unused: grant the waiting producers that fit now. While one
+        still waits, the leftover is no room for consumers (`room`), so those slots, room while
+        they ran, are gone: a parked consumer may be held back now (`stalled`)."""
         self.pump()
+        if self._stalled():
+            self.stalled()
 
     def forget(self, n: int) -> None:
         """`n` accepted samples were dropped or requeued as stale: they will be generated again."""
@@ -299,7 +308,7 @@ class Admission:
         self.running -= grant.remaining
         grant.remaining = 0
         self._close(grant_id)
-        self.pump()
+        self._returned()
 
     def status(self) -> AdmissionStatus:
         return AdmissionStatus(

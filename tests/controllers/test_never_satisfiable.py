@@ -411,6 +411,38 @@ def test_a_leftover_a_producer_s_acquire_exceeds_is_lent_to_it_when_a_consumer_w
     assert adm["accepted"] == 8 and adm["budget"] == -2 and adm["overdrafts"] == 1, adm
 
 
+def test_slots_given_back_while_a_producer_waits_have_a_parked_consumer_check_again(make_cluster):
+    """8 admitted at version 0; the consumer took 4. A grant of 2 runs (leftover 2) and a
+    producer waits for 5; the consumer asks for 2, which the running grant covers: not held back.
+    That grant is given back unused: the leftover (4) still falls short of the waiting 5, so
+    nothing is room any more, and the parked consumer must check again, which lends the waiting
+    producer its 5."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)
+    with cluster.connect() as client:
+        fill(client, 4)
+        assert len(client.get_meta(["x"], 4, task="train", timeout=5)) == 4
+        grant = client.acquire(2, timeout=5)
+        got: list[tq.Grant] = []
+
+        def produce() -> None:  # one long acquire: a retry would make the check happen anyway
+            with tq.connect(cluster.address) as producer:
+                got.append(producer.acquire(5, timeout=60))
+                producer.put(rows(5), partition="train", grant=got[0])
+
+        producing = threading.Thread(target=produce)
+        producing.start()
+        try:
+            eventually(lambda: admission(client)["waiting"] == 1)
+            with asking(cluster.address, "train", batch=2) as (waiter, more):
+                eventually(parked_or_ended(client, waiter))
+                grant.release()
+        finally:
+            producing.join(60)
+        adm = admission(client)
+    assert len(got) == 1 and len(more) == 1 and len(more[0]) == 2
+    assert adm["overdrafts"] == 1 and adm["accepted"] == 9, adm
+
+
 # -- a pinned budget fails at once what it can never let in ----------------------------------
 
 
