@@ -210,7 +210,9 @@ def in_process(partitions: int, per_partition: int, held: int, calls: int) -> di
         )
         ctl = Controller(config, "tcp://127.0.0.1:*", secret="bench")
         ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30, "", ""), "bench"), [])
-        ctl.links.pinger.cancel()  # no unit process answers liveness pings in this in-process run
+        pinger = ctl.links.pinger
+        assert pinger is not None  # a registered unit starts it
+        pinger.cancel()  # no unit process answers liveness pings in this in-process run
         specs = {FIELD: FieldSpec("int64", ())}
         for name, n in [(f"p{p}", held) for p in range(partitions)] + [("hot", 1)]:
             grant = await ctl.on_acquire(Acquire(n), [])

@@ -208,12 +208,21 @@ class Scheduler:
     def _room_fell(self, woken: str | None) -> None:
         """What admission can still let in fell: re-evaluate the requests parked on `woken` (if
         any) in full, and have each one parked elsewhere check its demand (`granted_commit`)."""
-        room = self.admission.room()  # a report only grows it: each request is checked again
+        adm = self.admission
         held = _Held()
+
+        # the room only grows in this pass (a report grows the budget or lends it, a stale drop
+        # returns budget): looked up again only when what it counts changes
+        def counts() -> tuple[int, int, int]:
+            return adm.batch_size, adm.running, adm.accepted
+
+        seen, room = counts(), adm.room()
         for name in list(self.waiters):
             if name == woken or name in self._recount:
                 self.wake(name)
                 continue
+            if seen != counts():
+                seen, room = counts(), adm.room()
             parked = [w for w in self.waiters[name] if not w.future.done()]
             short = [w for w in parked if w.ready + room < w.req.batch_size]
             part = self.partitions.get(name)
@@ -224,7 +233,9 @@ class Scheduler:
                 waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
             for waiter in short:
                 req = waiter.req
-                if waiter.future.done() or not self.admission.holds_back(waiter.ready, req.batch_size):
+                if seen != counts():
+                    seen, room = counts(), adm.room()
+                if waiter.future.done() or waiter.ready + room >= req.batch_size:
                     continue  # failed by a report above (same task, pinned budget), or let in since
                 try:
                     self._report_held(req, waiter.ready, waiting[req.task] - req.batch_size, held)
