@@ -23,12 +23,15 @@ partition since the version began and did not give back plus the batches it is w
 shrinking). A grant names no partition, so every partition fed under grants draws on this one
 budget: the demand a held-back request reports includes what the other partitions hold for
 their consumers (`Scheduler._held_for`), lest a producer that fed one partition leave another
-partition's consumer waiting for a version. Samples served from the budget's slack (a batch
-taken ahead of its version), a request that waits only for producers the budget lets in, or one
-that ends empty, count nothing by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
-`consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
-`status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
-the staleness bound (checked on every consumed sample) holds whatever the budget.
+partition's consumer waiting for a version; a partition counts at most what its consumers were
+seen to take in one version (at least the configured `consumer_batch_size`), so one overfed
+partition does not grow the budget without bound. Samples served from the budget's slack (a
+batch taken ahead of its version), a request that waits only for producers the budget lets in,
+or one that ends empty, count nothing by themselves. A producer's batch is the smallest unit a
+grant has, so one acquire always fits: `consumer_batch_size` grows to cover it as well. Both
+growths are logged and shown by `status()`. The rule itself is unchanged, so the budget still
+follows the trainer's versions and the staleness bound (checked on every consumed sample) holds
+whatever the budget.
 
 With `follow_consumers=False` the configured value is pinned, and a request it can never admit
 fails at once with `UnsatisfiableError` naming the budget and the fix, instead of waiting out
@@ -149,9 +152,9 @@ class Admission:
         (`lend`): the running grants, and the budget's leftover while no producer waits (one that
         waits asked for more than the leftover, and the producers behind it wait their turn);
         infinite when unbounded."""
-        return self.running + (0 if self._stalled() else max(0.0, self.budget()))
+        return self.running + (0 if self.producer_waits() else max(0.0, self.budget()))
 
-    def _stalled(self) -> bool:
+    def producer_waits(self) -> bool:
         """A producer waits for budget."""
         return any(not fut.done() for _, fut in self._queue)
 
@@ -211,7 +214,7 @@ class Admission:
         if not self._queue and n <= self.budget():
             return self._grant(n), self.version_of()
         fut = asyncio.get_running_loop().create_future()
-        stalls = not self._stalled()
+        stalls = not self.producer_waits()
         self._queue.append((n, fut))
         self.waits += 1
         start = time.monotonic()
@@ -287,7 +290,7 @@ class Admission:
         still waits, the leftover is no room for consumers (`room`), so those slots, room while
         they ran, are gone: a parked consumer may be held back now (`stalled`)."""
         self.pump()
-        if self._stalled():
+        if self.producer_waits():
             self.stalled()
 
     def forget(self, n: int) -> None:

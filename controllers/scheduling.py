@@ -150,6 +150,12 @@ class Scheduler:
     """Partitions where samples stopped being ready for parked requests after those were last
     evaluated (served to another request, acked from the pool, cleared, dropped as stale): their
     `_Waiter.ready` may be too high, so `granted_commit` evaluates them in full."""
+    _peak: dict[str, int] = field(default_factory=dict)
+    """Per partition, the most its consumers were seen to take in one version (one task's
+    granted samples taken plus the batches it waited for): what `_held_for` counts at most."""
+    _fed: set[str] = field(default_factory=set)
+    """Names of the partitions a put under a grant has fed, cleared since or not: a consumer of
+    one that does not exist (yet, or again) waits for a grant (`_fed_under_grants`)."""
     # lease ids start at the controller's start time in microseconds: a journaled controller
     # started again never hands out the id of a lease a client still holds from before
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
@@ -197,6 +203,7 @@ class Scheduler:
         was last evaluated (a partition where they may have dropped is in `_recount`), so it
         reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
         demand check per request parked elsewhere, not a full evaluation."""
+        self._fed.add(partition)
         self._room_fell(partition)
 
     def producers_stalled(self) -> None:
@@ -226,7 +233,7 @@ class Scheduler:
             parked = [w for w in self.waiters[name] if not w.future.done()]
             short = [w for w in parked if w.ready + room < w.req.batch_size]
             part = self.partitions.get(name)
-            if not short or not self._fed_under_grants(part):
+            if not short or not self._fed_under_grants(part, name):
                 continue  # admission holds back no request parked there
             waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
             for waiter in parked:
@@ -238,7 +245,7 @@ class Scheduler:
                 if waiter.future.done() or waiter.ready + room >= req.batch_size:
                     continue  # failed by a report above (same task, pinned budget), or let in since
                 try:
-                    self._report_held(req, waiter.ready, waiting[req.task] - req.batch_size, held)
+                    self._report_held(req, waiter.ready, waiting[req.task] - req.batch_size, held, part is not None)
                 except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
                     waiter.future.set_exception(exc)
                     waiting[req.task] -= req.batch_size
@@ -324,16 +331,16 @@ class Scheduler:
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
-        if not self.admission.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part):
+        if not self.admission.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part, req.partition):
             return
         others = sum(
             w.req.batch_size
             for w in self.waiters.get(req.partition, ())
             if w.req.task == req.task and w.req is not req and not w.future.done()
         )
-        self._report_held(req, n_ready, others, _Held() if held is None else held)
+        self._report_held(req, n_ready, others, _Held() if held is None else held, part is not None)
 
-    def _report_held(self, req: GetMeta, n_ready: int, others: int, held: _Held) -> None:
+    def _report_held(self, req: GetMeta, n_ready: int, others: int, held: _Held, created: bool) -> None:
         """A request admission holds back: tell admission what the consumers take under this
         version: what its consumer takes, the batches it waits for included (`others`: those of
         its task's other requests parked on the partition), plus what the other partitions hold
@@ -342,7 +349,8 @@ class Scheduler:
         partition before it publishes): counted apart, a producer that fed another partition
         would leave this consumer waiting for a version. Then, if admission still holds it back
         while a producer waits for more than the budget's leftover, that producer is let in
-        (`Admission.lend`).
+        (`Admission.lend`). `created`: the partition exists; a consumer of one that does not
+        may be waiting for puts that need no grant (prompts), so it never fails.
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
@@ -350,6 +358,7 @@ class Scheduler:
         name = req.partition
         key = (name, req.task)
         own = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
+        self._peak[name] = max(self._peak.get(name, 0), own)
         elsewhere = self._held_elsewhere(name, held)
         demand = own + elsewhere
         if demand > adm.batch_size:
@@ -357,14 +366,20 @@ class Scheduler:
             if elsewhere:
                 takes += f" and other partitions hold {elsewhere} for theirs"
             adm.follow_demand(demand, f"task {req.task!r} on partition {name!r} {takes}")
-        if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
+        if demand > adm.batch_size and created:  # a budget that follows has just grown to it: this one is pinned
+            shared = (
+                " A pinned budget shared by several partitions needs headroom of about one producer acquire per "
+                "partition (their leftovers need not add up to a whole acquire)."
+                if elsewhere
+                else ""
+            )
             raise UnsatisfiableError(
                 f"get_meta(task={req.task!r}, partition={name!r}, batch_size={req.batch_size}) can never be "
                 f"served: this consumer {takes}, but the admission budget is pinned at "
                 f"consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of this "
                 f"batch ({n_ready} ready) until a new version is published. Start the cluster with "
                 f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
-                "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
+                f"budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers).{shared}"
             )
         adm.lend(n_ready, req.batch_size)
 
@@ -379,10 +394,13 @@ class Scheduler:
     def _held_for(self, part: Partition) -> int:
         """The granted samples `part` holds for its consumers under this version: for the task
         that needs most, those it was handed under this version and kept, plus the larger of
-        those ready for it and the batches it waits for; with no task yet, every one it holds.
-        Only committed, live samples its consumers may still get count (not too stale). A
-        partition that holds no granted sample and handed none out under this version (prompts
-        put without grants, say) holds nothing, whatever its consumers wait for."""
+        those ready for it and the batches it waits for. Only committed, live samples its
+        consumers may still get count (not too stale). A partition that holds no granted sample
+        and handed none out under this version (prompts put without grants, say) holds nothing,
+        whatever its consumers wait for. What a partition holds beyond what its consumers take
+        per version (`_peak`, at least the configured `consumer_batch_size`; with no task yet,
+        just that) does not count: a producer that overfeeds it would otherwise have every one
+        of its puts grow the budget, without bound, for a consumer elsewhere that no one feeds."""
         n = part.n
         mask = part.granted[:n] & part.alive[:n] & part.committed[:n]
         # what was handed out counts, cleared since or not (only granted samples are counted there)
@@ -392,30 +410,34 @@ class Scheduler:
                 return 0  # not fed under grants in this version: its consumers wait for no grant
         elif (bound := self.config.max_staleness) is not None:
             mask &= ~part.versioned[:n] | ((self.clock.current - part.v_first[:n]) <= bound)
+        every = int(np.count_nonzero(mask))
+        configured = self.admission.configured_batch_size
         if not part.tasks:
-            return int(np.count_nonzero(mask))
+            return min(every, configured)
         waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
         for waiter in self.waiters.get(part.name, ()):
             if not waiter.future.done():
                 waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
-        every = int(np.count_nonzero(mask))
+        peak = max(self._peak.get(part.name, 0), *(taken[name] + waiting.get(name, 0) for name in part.tasks))
+        self._peak[part.name] = peak
         most = 0
         for name, task in part.tasks.items():
             wants = waiting.get(name, 0)
             if wants < every:  # else what is ready for it, at most `every`, changes nothing
                 wants = max(wants, int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0))))
             most = max(most, taken[name] + wants)
-        return most
+        return min(most, max(peak, configured))
 
-    def _fed_under_grants(self, part: Partition | None) -> bool:
-        """More samples may come to `part` through a bounded admission: a put under a grant
-        brought some, and it is not sealed. A partition no put has made yet (None) counts when
-        some partition is fed under grants: its first samples may need a grant as well, and a
-        producer of another partition may have spent the budget before it put any."""
+    def _fed_under_grants(self, part: Partition | None, name: str) -> bool:
+        """More samples may come to `part` (named `name`) through a bounded admission: a put
+        under a grant brought some, and it is not sealed. A partition no put has made (None,
+        not yet or cleared) counts when a put under a grant fed that name before, or a producer
+        waits for budget (maybe to put its first samples there); not merely because another
+        partition is fed under grants, as its first samples may need no grant (prompts)."""
         if not self.admission.bounded:
             return False
         if part is None:
-            return any(p.granted[: p.n].any() for p in self.partitions.values())
+            return name in self._fed or self.admission.producer_waits()
         return not part.sealed and bool(part.granted[: part.n].any())
 
     def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:

@@ -284,8 +284,9 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
     """A request for 8 parks with 4 ready (version 0) under version 1 and 12 more the budget can
     let in: not held back. Another task's tighter bound drops the 4 as stale, with nothing else
     on the partition changing; a put under a grant into another partition then leaves room for
-    7: 0 ready + 7 fall short of 8, so the request reports the demand: its consumer's 8 and the
-    9 the other partition holds."""
+    7: 0 ready + 7 fall short of 8, so the request reports the demand: its consumer's 8 and 4 of
+    the 9 the other partition holds (no consumer of it has asked: it counts at most the
+    configured consumer_batch_size)."""
     cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0, 16 at 1
     with cluster.connect() as client:
         fill(client, 4)
@@ -295,7 +296,7 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
             assert len(client.get_meta(["x"], 4, task="other", max_staleness=0, timeout=0, allow_partial=True)) == 0
             assert client.status()["staleness"]["dropped"] == 4
             fill(client, 9, partition="eval")
-            assert admission(client)["consumer_batch_size"] == 8 + 9
+            assert admission(client)["consumer_batch_size"] == 8 + 4
             fill(client, 8)
     assert len(more) == 1 and len(more[0]) == 8
 
@@ -304,14 +305,15 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
 def test_a_parked_request_reports_only_when_its_ready_samples_and_the_room_fall_short(make_cluster, spent, grows):
     """8 asked with 4 ready and room for 8 more (12 admitted at version 0): a put under a grant
     into another partition spends `spent` of it. 4 + 4 reach the batch (no demand); 4 + 3 fall
-    short, and the request reports 8, plus the 5 the other partition holds."""
+    short, and the request reports 8, plus 4 of the 5 the other partition holds (no consumer of
+    it has asked: it counts at most the configured consumer_batch_size)."""
     cluster = make_cluster(max_staleness=2, consumer_batch_size=4)
     with cluster.connect() as client:
         fill(client, 4)
         with asking(cluster.address, "train", batch=8) as (waiter, more):
             eventually(parked_or_ended(client, waiter))
             fill(client, spent, partition="eval")
-            assert admission(client)["consumer_batch_size"] == (8 + 5 if grows else 4)
+            assert admission(client)["consumer_batch_size"] == (8 + 4 if grows else 4)
             fill(client, 4)
     assert len(more) == 1 and len(more[0]) == 8
 
@@ -325,7 +327,9 @@ def test_samples_another_partition_holds_for_its_consumer_count_in_a_held_back_c
     that takes its "code" batch first, then its "math" batch, then publishes): the consumer of
     "code" is held back. Its own demand (4) fits the budget; what "math" holds for its consumer
     counts too, or "code" waits for a version the trainer publishes only after it. The request
-    parks before or after the put that spends the budget."""
+    parks before or after the put that spends the budget; parked before, on a partition no put
+    has made, it waits for the producer that will feed "code" (its first samples may need no
+    grant), whose acquire the budget then grows for."""
     cluster = make_cluster(max_staleness=0, consumer_batch_size=4)  # admits 4 at version 0
     with cluster.connect() as client:
         if first == "put":
@@ -334,12 +338,13 @@ def test_samples_another_partition_holds_for_its_consumer_count_in_a_held_back_c
             eventually(parked_or_ended(client, waiter))
             if first == "request":
                 fill(client, 4, partition="math")
-            adm = admission(client)
-            assert adm["consumer_batch_size"] == 8, adm
-            assert adm["grown_by"] == (
-                "task 'code' on partition 'code' takes 4 samples per version and other partitions hold 4 for theirs"
-            )
+                assert admission(client)["consumer_batch_size"] == 4
             fill(client, 4, partition="code")  # the slots the budget grew by
+        adm = admission(client)
+        assert adm["consumer_batch_size"] == 8, adm
+        assert adm["grown_by"] == (
+            "task 'code' on partition 'code' takes 4 samples per version and other partitions hold 4 for theirs"
+        )
         assert len(got) == 1 and len(got[0]) == 4
         assert len(client.get_meta(["x"], 4, task="math", partition="math", timeout=5)) == 4
 
@@ -348,7 +353,8 @@ def test_a_trainer_taking_a_batch_from_each_of_two_partitions_per_version_is_nev
     """Two producers, one per partition, draw on one budget of 4 per version; the trainer takes
     4 from "code", then 4 from "math", then publishes. Whichever producer gets the slots first,
     the other partition's consumer is held back by samples it will never take: the budget grows
-    to what both partitions take per version."""
+    to what both partitions take per version, and no further (a partition counts at most what
+    its consumers take per version)."""
     cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
     with (
         Producer(cluster.address, partition="math"),
@@ -363,18 +369,46 @@ def test_a_trainer_taking_a_batch_from_each_of_two_partitions_per_version_is_nev
                 trainer.clear(meta)
             trainer.set_version(version + 1)
         adm = admission(trainer)
-    assert adm["consumer_batch_size"] >= 8, adm
+    assert adm["consumer_batch_size"] == 8, adm
 
 
-def test_a_pinned_budget_that_another_partition_s_samples_spend_fails_at_once(make_cluster):
-    cluster = make_cluster(staleness=tq.StalenessConfig(4, 0, follow_consumers=False))
+def test_a_partition_overfed_while_another_s_consumer_waits_grows_the_budget_a_bounded_amount(make_cluster):
+    """A producer loops into "math", whose consumers never ask; a consumer waits on "code",
+    which no put under a grant fed yet (its producer is slow, or not started). The producer
+    waiting for budget holds that consumer back (it may be the one to feed "code"); "math"
+    counts at most the configured consumer_batch_size (no consumer of it was seen), so the
+    budget grows once, to 4 + 4, and not again each time the producer waits or puts."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with cluster.connect() as client, asking(cluster.address, "code", partition="code") as (waiter, got):
+        eventually(parked_or_ended(client, waiter))
+        with Producer(cluster.address, partition="math"):
+            eventually(lambda: admission(client)["waits"] >= 4, what="the producer waiting again and again")
+            adm = admission(client)
+        client.put(rows(4), partition="code")  # the samples it waits for, at last
+    assert adm["consumer_batch_size"] == 8 and adm["accepted"] == 8, adm
+    assert len(got) == 1 and len(got[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "staleness",
+    [tq.StalenessConfig(4, 0), tq.StalenessConfig(4, 0, follow_consumers=False)],
+    ids=["following", "pinned"],
+)
+def test_a_consumer_of_a_partition_not_yet_made_waits_for_puts_that_need_no_grant(make_cluster, staleness):
+    """The budget is spent on "train"; a rollout worker asks 16 from "prompts", which a
+    dataloader fills a moment later with plain puts (no grant). No put under a grant fed
+    "prompts" and no producer waits: admission does not hold the request back, so a pinned
+    budget does not fail it and a following one does not grow; it is served when the prompts
+    come."""
+    cluster = make_cluster(staleness=staleness)
     with cluster.connect() as client:
-        fill(client, 4, partition="math")
-        with pytest.raises(tq.UnsatisfiableError) as caught:
-            client.get_meta(["x"], 4, task="code", partition="code", timeout=60)
-    message = str(caught.value)
-    assert "takes 4 samples per version and other partitions hold 4 for theirs" in message
-    assert "sluice serve --consumer-batch-size 8" in message
+        fill(client, 4)
+        with asking(cluster.address, "rollout", batch=16, partition="prompts") as (waiter, got):
+            eventually(parked_or_ended(client, waiter))
+            client.put(rows(16), partition="prompts")
+        adm = admission(client)
+    assert len(got) == 1 and len(got[0]) == 16
+    assert adm["consumer_batch_size"] == 4 and adm["grown_by"] == "", adm
 
 
 # -- a leftover smaller than a producer's acquire ----------------------------------------------
