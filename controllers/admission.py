@@ -24,10 +24,11 @@ shrinking). A grant names no partition, so every partition fed under grants draw
 budget: the demand a held-back request reports includes what the other partitions hold for
 their consumers (`Scheduler._held_for`), lest a producer that fed one partition leave another
 partition's consumer waiting for a version; a partition counts at most what its consumers were
-seen to take in one version (at least the configured `consumer_batch_size`), so one overfed
-partition does not grow the budget without bound. Samples served from the budget's slack (a
-batch taken ahead of its version), a request that waits only for producers the budget lets in,
-or one that ends empty, count nothing by themselves. A producer's batch is the smallest unit a
+seen to take in one version (at least the configured `consumer_batch_size`) plus one acquire per
+partition fed under grants, so one overfed partition does not grow the budget without bound.
+Samples served from the budget's slack (a batch taken ahead of its version), a request that
+waits only for producers the budget lets in, or one that ends empty, count nothing by
+themselves. A producer's batch is the smallest unit a
 grant has, so one acquire always fits: `consumer_batch_size` grows to cover it as well. Both
 growths are logged and shown by `status()`. The rule itself is unchanged, so the budget still
 follows the trainer's versions and the staleness bound (checked on every consumed sample) holds
@@ -43,11 +44,14 @@ Producers acquire in units of their own (a batch of prompts times the group size
 budget's leftover need not be a whole one: a producer waiting for more than the leftover lets
 no one in (FIFO), so while one waits the leftover is no room for a consumer (`room`). When a
 consumer is held back and its demand fits the budget, the producer at the head of the queue is
-granted anyway (`lend`), overdrawing the budget by less than its acquire: `accepted` counts what
+granted anyway (`lend`), overdrawing the budget by at most its acquire: `accepted` counts what
 was put, so the next version's budget pays the overdraft back, as verl's rollouter, which starts
-a sample while any budget is left, overshoots by less than one. Pinned or following, a leftover
-smaller than a producer's unit never deadlocks a consumer waiting for that producer, and the
-overdraft is bounded: nothing more is granted until the budget is back above zero.
+a sample while any budget is left, overshoots by less than one. A spent budget (leftover zero)
+lends too: a consumer whose demand fits it is held back by samples no consumer takes under this
+version (a filter task cleared them, another partition holds more than its consumers take), and
+only a producer can bring its batch. Pinned or following, a leftover smaller than a producer's
+unit never deadlocks a consumer waiting for that producer, and the overdraft is bounded:
+nothing more is lent until the budget is back at zero or above.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ class Admission:
         self.wait_seconds = 0.0
         self.expired = 0
         self.overdrafts = 0
+        self.largest_acquire = 0
+        """The most slots one acquire asked for: the unit by which producers overfeed."""
         self._grants: dict[int, _Grant] = {}
         # Grants are not journaled: a restarted controller knows none of its predecessor's, so its
         # ids start at a random base lest a put under an old grant use up a new one with its id.
@@ -161,11 +167,11 @@ class Admission:
     def lend(self, ready: int, batch: int) -> None:
         """A consumer whose demand fits the budget waits for `batch` with `ready` samples: when
         it is held back while the producer at the head of the queue waits for more than a
-        leftover above zero, grant that producer now, overdrawing the budget by less than its
+        leftover of zero or more, grant that producer now, overdrawing the budget by at most its
         acquire (the next version's budget pays it back)."""
         while self._queue and self._queue[0][1].done():
             self._queue.popleft()
-        if not self._queue or self.budget() <= 0 or not self.holds_back(ready, batch):
+        if not self._queue or self.budget() < 0 or not self.holds_back(ready, batch):
             return
         n, fut = self._queue.popleft()
         self.overdrafts += 1
@@ -197,6 +203,7 @@ class Admission:
         """(grant id, version) once `n` slots fit the budget; FIFO among waiting producers."""
         if n <= 0:
             raise SchemaError(f"acquire needs n > 0, got {n}")
+        self.largest_acquire = max(self.largest_acquire, n)
         eta = self.max_staleness
         if eta is not None and n > admission_limit(eta, 0, self.batch_size):
             if not self.follow:

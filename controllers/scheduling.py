@@ -413,7 +413,7 @@ class Scheduler:
         every = int(np.count_nonzero(mask))
         configured = self.admission.configured_batch_size
         if not part.tasks:
-            return min(every, configured)
+            return min(every, configured + self._overfeed())
         waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
         for waiter in self.waiters.get(part.name, ()):
             if not waiter.future.done():
@@ -426,7 +426,15 @@ class Scheduler:
             if wants < every:  # else what is ready for it, at most `every`, changes nothing
                 wants = max(wants, int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0))))
             most = max(most, taken[name] + wants)
-        return min(most, max(peak, configured))
+        return min(most, max(peak, configured) + self._overfeed())
+
+    def _overfeed(self) -> int:
+        """What `_held_for` lets a partition hold beyond what its consumers take per version:
+        one acquire (the largest seen) per partition fed under grants. Producers are granted in
+        arrival order, and while one waits for its turn the others may each be granted once more
+        for the partition they feed: a consumer held back by that surplus must count it, or it
+        waits for a version its own batch comes before."""
+        return self.admission.largest_acquire * len(self._fed)
 
     def _fed_under_grants(self, part: Partition | None, name: str) -> bool:
         """More samples may come to `part` (named `name`) through a bounded admission: a put
