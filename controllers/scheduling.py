@@ -154,8 +154,8 @@ class Scheduler:
     """Per partition, the most its consumers were seen to take in one version (one task's
     granted samples taken plus the batches it waited for): what `_held_for` counts at most."""
     _fed: set[str] = field(default_factory=set)
-    """Names of the partitions a put under a grant has fed, cleared since or not: a consumer of
-    one that does not exist (yet, or again) waits for a grant (`_fed_under_grants`)."""
+    """Names of the partitions a put under a grant has fed, until cleared: a consumer of one that
+    does not exist (yet, or again) waits for a grant (`_fed_under_grants`)."""
     # lease ids start at the controller's start time in microseconds: a journaled controller
     # started again never hands out the id of a lease a client still holds from before
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
@@ -664,6 +664,11 @@ class Scheduler:
         self.wake(part.name)
 
     def forget_partition(self, name: str) -> None:
-        """Drop the leases of a cleared partition (its parked waiters stay parked)."""
+        """Drop the leases of a cleared partition (its parked waiters stay parked), and what was
+        seen of it (`_peak`, `_fed`): the names of partitions made per step must not pile up,
+        nor widen `_overfeed`'s allowance (a consumer of it waits for a grant again only while
+        a producer waits)."""
+        self._peak.pop(name, None)
+        self._fed.discard(name)
         for lease_id in [k for k, v in self.leases.items() if v.partition == name]:
             self.leases.pop(lease_id).timer.cancel()
