@@ -387,11 +387,18 @@ class Scheduler:
         """What the partitions other than `own` hold for their consumers (`_held_for`), computed
         for every partition once per `held`."""
         if held.each is None:
-            held.each = {name: self._held_for(part) for name, part in self.partitions.items()}
+            # one acquire (the largest seen) per partition fed under grants now (live granted
+            # samples, not sealed): producers are granted in arrival order, and while one waits
+            # for its turn the others may each be granted once more for the partition they feed;
+            # a consumer held back by that surplus must count it, or it waits for a version its
+            # own batch comes before. Partitions fed before and consumed since add nothing.
+            fed = sum(1 for p in self.partitions.values() if not p.sealed and (p.granted[: p.n] & p.alive[: p.n]).any())
+            allowance = self.admission.largest_acquire * fed
+            held.each = {name: self._held_for(part, allowance) for name, part in self.partitions.items()}
             held.total = sum(held.each.values())
         return held.total - held.each.get(own, 0)
 
-    def _held_for(self, part: Partition) -> int:
+    def _held_for(self, part: Partition, allowance: int) -> int:
         """The granted samples `part` holds for its consumers under this version: for the task
         that needs most, those it was handed under this version and kept, plus the larger of
         those ready for it and the batches it waits for. Only committed, live samples its
@@ -399,8 +406,9 @@ class Scheduler:
         and handed none out under this version (prompts put without grants, say) holds nothing,
         whatever its consumers wait for. What a partition holds beyond what its consumers take
         per version (`_peak`, at least the configured `consumer_batch_size`; with no task yet,
-        just that) does not count: a producer that overfeeds it would otherwise have every one
-        of its puts grow the budget, without bound, for a consumer elsewhere that no one feeds."""
+        just that, plus `allowance`) does not count: a producer that overfeeds it would otherwise
+        have every one of its puts grow the budget, without bound, for a consumer elsewhere that
+        no one feeds."""
         n = part.n
         mask = part.granted[:n] & part.alive[:n] & part.committed[:n]
         # what was handed out counts, cleared since or not (only granted samples are counted there)
@@ -413,7 +421,7 @@ class Scheduler:
         every = int(np.count_nonzero(mask))
         configured = self.admission.configured_batch_size
         if not part.tasks:
-            return min(every, configured + self._overfeed())
+            return min(every, configured + allowance)
         waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
         for waiter in self.waiters.get(part.name, ()):
             if not waiter.future.done():
@@ -426,15 +434,7 @@ class Scheduler:
             if wants < every:  # else what is ready for it, at most `every`, changes nothing
                 wants = max(wants, int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0))))
             most = max(most, taken[name] + wants)
-        return min(most, max(peak, configured) + self._overfeed())
-
-    def _overfeed(self) -> int:
-        """What `_held_for` lets a partition hold beyond what its consumers take per version:
-        one acquire (the largest seen) per partition fed under grants. Producers are granted in
-        arrival order, and while one waits for its turn the others may each be granted once more
-        for the partition they feed: a consumer held back by that surplus must count it, or it
-        waits for a version its own batch comes before."""
-        return self.admission.largest_acquire * len(self._fed)
+        return min(most, max(peak, configured) + allowance)
 
     def _fed_under_grants(self, part: Partition | None, name: str) -> bool:
         """More samples may come to `part` (named `name`) through a bounded admission: a put
@@ -665,9 +665,8 @@ class Scheduler:
 
     def forget_partition(self, name: str) -> None:
         """Drop the leases of a cleared partition (its parked waiters stay parked), and what was
-        seen of it (`_peak`, `_fed`): the names of partitions made per step must not pile up,
-        nor widen `_overfeed`'s allowance (a consumer of it waits for a grant again only while
-        a producer waits)."""
+        seen of it (`_peak`, `_fed`): the names of partitions made per step must not pile up (a
+        consumer of it waits for a grant again only while a producer waits)."""
         self._peak.pop(name, None)
         self._fed.discard(name)
         for lease_id in [k for k, v in self.leases.items() if v.partition == name]:

@@ -372,22 +372,35 @@ def test_a_trainer_taking_a_batch_from_each_of_two_partitions_per_version_is_nev
     assert 8 <= adm["consumer_batch_size"] <= 4 + 4 + 2 * 4, adm
 
 
-def test_a_partition_overfed_while_another_s_consumer_waits_grows_the_budget_a_bounded_amount(make_cluster):
+@pytest.mark.parametrize("steps_before", [0, 5])
+def test_a_partition_overfed_while_another_s_consumer_waits_grows_the_budget_a_bounded_amount(
+    make_cluster, steps_before
+):
     """A producer loops into "math", whose consumers never ask; a consumer waits on "code",
     which no put under a grant fed yet (its producer is slow, or not started). The producer
     waiting for budget holds that consumer back (it may be the one to feed "code"); "math"
     counts at most the configured consumer_batch_size (no consumer of it was seen) plus one
     acquire (one partition is fed under grants): the budget grows to 4 + 8 and then, with the
     consumer's demand fitting it, lends the waiting producer one acquire, and stops there
-    however often the producer waits again."""
+    however often the producer waits again. Partitions made per step, fed under grants and
+    consumed before (`steps_before`) leave nothing behind that widens that bound."""
     cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with cluster.connect() as client:
+        for step in range(steps_before):
+            fill(client, 4, partition=f"step{step}")
+            meta = client.get_meta(["x"], 4, task="t", partition=f"step{step}", timeout=30)
+            client.ack(meta)
+            client.clear(meta)
+            client.set_version(step + 1)
     with cluster.connect() as client, asking(cluster.address, "code", partition="code") as (waiter, got):
         eventually(parked_or_ended(client, waiter))
         with Producer(cluster.address, partition="math"):
             eventually(lambda: admission(client)["waits"] >= 4, what="the producer waiting again and again")
             adm = admission(client)
         client.put(rows(4), partition="code")  # the samples it waits for, at last
-    assert adm["consumer_batch_size"] == 12 and adm["accepted"] == 16 and adm["overdrafts"] == 1, adm
+    # accepted: (versions so far) x 12, the budget's limit at version `steps_before`, plus the lent acquire
+    assert adm["consumer_batch_size"] == 12 and adm["overdrafts"] == 1, adm
+    assert adm["accepted"] == (steps_before + 1) * 12 + 4, adm
     assert len(got) == 1 and len(got[0]) == 4
 
 
