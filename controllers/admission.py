@@ -1,6 +1,7 @@
 """Admission control for producers: AReaL's generation-slot budget.
 
-A producer asks for generation slots before it generates. Slots are granted only while
+A producer asks for generation slots before it generates. Slots are granted only while (but
+for `lend`, below)
 
     accepted + running + n <= (max_staleness + version + 1) * consumer_batch_size
 
@@ -19,18 +20,38 @@ is what holds a consumer's request back (`holds_back`), the scheduler reports th
 demand under the current version, that is the granted samples one task was handed from one
 partition since the version began and did not give back plus the batches it is waiting for; and
 `consumer_batch_size` grows to the largest demand seen (never below the configured value, never
-shrinking). Samples served from the budget's slack (a batch taken ahead of its version), a
-request that waits only for producers the budget lets in, or one that ends empty, count nothing
-by themselves. A producer's batch is the smallest unit a grant has, so one acquire always fits:
-`consumer_batch_size` grows to cover it as well. Both growths are logged and shown by
-`status()`. The rule itself is unchanged, so the budget still follows the trainer's versions and
-the staleness bound (checked on every consumed sample) holds whatever the budget.
+shrinking). A grant names no partition, so every partition fed under grants draws on this one
+budget: the demand a held-back request reports includes what the other partitions hold for
+their consumers (`Scheduler._held_for`), lest a producer that fed one partition leave another
+partition's consumer waiting for a version; a partition counts at most what its consumers were
+seen to take in one version (at least the configured `consumer_batch_size`) plus one acquire per
+partition fed under grants, so one overfed partition does not grow the budget without bound.
+Samples served from the budget's slack (a batch taken ahead of its version), a request that
+waits only for producers the budget lets in, or one that ends empty, count nothing by
+themselves. A producer's batch is the smallest unit a
+grant has, so one acquire always fits: `consumer_batch_size` grows to cover it as well. Both
+growths are logged and shown by `status()`. The rule itself is unchanged, so the budget still
+follows the trainer's versions and the staleness bound (checked on every consumed sample) holds
+whatever the budget.
 
 With `follow_consumers=False` the configured value is pinned, and a request it can never admit
 fails at once with `UnsatisfiableError` naming the budget and the fix, instead of waiting out
 its timeout: an acquire larger than `(η + 1) * consumer_batch_size`, or a consumer whose demand
 exceeds `consumer_batch_size` while what admission can still let in under the current version
 does not cover its batch (`holds_back`).
+
+Producers acquire in units of their own (a batch of prompts times the group size), and the
+budget's leftover need not be a whole one: a producer waiting for more than the leftover lets
+no one in (FIFO), so while one waits the leftover is no room for a consumer (`room`). When a
+consumer is held back and its demand fits the budget, the producer at the head of the queue is
+granted anyway (`lend`), overdrawing the budget by at most its acquire: `accepted` counts what
+was put, so the next version's budget pays the overdraft back, as verl's rollouter, which starts
+a sample while any budget is left, overshoots by less than one. A spent budget (leftover zero)
+lends too: a consumer whose demand fits it is held back by samples no consumer takes under this
+version (a filter task cleared them, another partition holds more than its consumers take), and
+only a producer can bring its batch. Pinned or following, a leftover smaller than a producer's
+unit never deadlocks a consumer waiting for that producer, and the overdraft is bounded:
+nothing more is lent until the budget is back at zero or above.
 """
 
 from __future__ import annotations
@@ -73,9 +94,15 @@ class Admission:
         batch_size: int,
         grant_timeout: float,
         version_of: Callable[[], int],
-        follow: bool = True,
+        follow: bool,
+        stalled: Callable[[], None],
     ):
+        """`stalled` is called when a producer starts to wait with none waiting before, or
+        granted slots come back while one waits: what was room for the consumers (`room`) is
+        gone, so a parked consumer may be held back now (the controller has each one check,
+        `Scheduler.producers_stalled`)."""
         self.version_of = version_of
+        self.stalled = stalled
         self.max_staleness = max_staleness
         self.configured_batch_size = batch_size
         self.batch_size = batch_size
@@ -88,6 +115,9 @@ class Admission:
         self.waits = 0
         self.wait_seconds = 0.0
         self.expired = 0
+        self.overdrafts = 0
+        self.largest_acquire = 0
+        """The most slots one acquire asked for: the unit by which producers overfeed."""
         self._grants: dict[int, _Grant] = {}
         # Grants are not journaled: a restarted controller knows none of its predecessor's, so its
         # ids start at a random base lest a put under an old grant use up a new one with its id.
@@ -117,16 +147,38 @@ class Admission:
             f"now accepted {self.accepted}, running {self.running}"
         )
 
-    def follow_demand(self, demand: int, who: str) -> None:
-        """A consumer takes `demand` granted samples under the current version: grow
-        `consumer_batch_size` to it when following the consumers."""
+    def follow_demand(self, demand: int, why: str) -> None:
+        """The consumers take `demand` granted samples under the current version (`why` says
+        whose): grow `consumer_batch_size` to it when following the consumers."""
         if self.bounded and self.follow and demand > self.batch_size:
-            self._grow(demand, f"{who} takes {demand} samples per version")
+            self._grow(demand, why)
 
     def room(self) -> float:
-        """All that admission can still let in under this version: running grants and the
-        budget (infinite when unbounded)."""
-        return self.running + self.budget()
+        """All that admission can still let in under this version without a consumer's help
+        (`lend`): the running grants, and the budget's leftover while no producer waits (one that
+        waits asked for more than the leftover, and the producers behind it wait their turn);
+        infinite when unbounded."""
+        return self.running + (0 if self.producer_waits() else max(0.0, self.budget()))
+
+    def producer_waits(self) -> bool:
+        """A producer waits for budget."""
+        return any(not fut.done() for _, fut in self._queue)
+
+    def lend(self, ready: int, batch: int) -> None:
+        """A consumer whose demand fits the budget waits for `batch` with `ready` samples: when
+        it is held back while the producer at the head of the queue waits for more than a
+        leftover of zero or more, grant that producer now, overdrawing the budget by at most its
+        acquire (the next version's budget pays it back)."""
+        while self._queue and self._queue[0][1].done():
+            self._queue.popleft()
+        if not self._queue or self.budget() < 0 or not self.holds_back(ready, batch):
+            return
+        n, fut = self._queue.popleft()
+        self.overdrafts += 1
+        log.info(
+            "admission lends %d slots to a producer over a leftover of %d: a consumer waits for it", n, self.budget()
+        )
+        fut.set_result((self._grant(n), self.version_of()))
 
     def holds_back(self, ready: int, batch: int) -> bool:
         """The `ready` samples plus the `room` fall short of a consumer's `batch`: it waits for
@@ -151,6 +203,7 @@ class Admission:
         """(grant id, version) once `n` slots fit the budget; FIFO among waiting producers."""
         if n <= 0:
             raise SchemaError(f"acquire needs n > 0, got {n}")
+        self.largest_acquire = max(self.largest_acquire, n)
         eta = self.max_staleness
         if eta is not None and n > admission_limit(eta, 0, self.batch_size):
             if not self.follow:
@@ -168,9 +221,12 @@ class Admission:
         if not self._queue and n <= self.budget():
             return self._grant(n), self.version_of()
         fut = asyncio.get_running_loop().create_future()
+        stalls = not self.producer_waits()
         self._queue.append((n, fut))
         self.waits += 1
         start = time.monotonic()
+        if stalls:
+            self.stalled()  # may `lend` to this very request
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -234,7 +290,15 @@ class Admission:
         self.running -= k
         if grant.remaining == 0:
             self._close(grant_id)
+        self._returned()
+
+    def _returned(self) -> None:
+        """Granted slots came back unused: grant the waiting producers that fit now. While one
+        still waits, the leftover is no room for consumers (`room`), so those slots, room while
+        they ran, are gone: a parked consumer may be held back now (`stalled`)."""
         self.pump()
+        if self.producer_waits():
+            self.stalled()
 
     def forget(self, n: int) -> None:
         """`n` accepted samples were dropped or requeued as stale: they will be generated again."""
@@ -254,7 +318,7 @@ class Admission:
         self.running -= grant.remaining
         grant.remaining = 0
         self._close(grant_id)
-        self.pump()
+        self._returned()
 
     def status(self) -> AdmissionStatus:
         return AdmissionStatus(
@@ -270,4 +334,5 @@ class Admission:
             waits=self.waits,
             wait_seconds=round(self.wait_seconds, 6),
             expired_grants=self.expired,
+            overdrafts=self.overdrafts,
         )

@@ -17,6 +17,9 @@ back reports), nor does a request on a sealed partition (a stream's last, answer
 the partition drains), nor one that waits only for producers the budget already lets in. A
 stream's prefetch thus counts nothing while the budget has a batch of slack for it, and counts
 when it does not: with η = 0 it is held back and asks for a second batch under one version.
+Partitions share the budget, so the demand a held-back request reports includes what the other
+partitions hold for their consumers (`_held_for`), and while a producer waits for more than the
+budget's leftover, a held-back request lets it in (`Admission.lend`); docs/staleness.md says why.
 Nothing here sleeps or polls, so a waiting consumer never slows anyone else. Leases are loop
 timers too: an expired lease returns its unacked samples to the ready pool (at-least-once
 delivery).
@@ -93,6 +96,15 @@ class _Demand:
 
 
 @dataclass
+class _Held:
+    """`Scheduler._held_for` of every partition, computed once for a pass over many parked
+    requests (a commit's, or one partition's wake: neither changes what the others hold)."""
+
+    each: dict[str, int] | None = None
+    total: int = 0
+
+
+@dataclass
 class _Waiter:
     req: GetMeta
     future: asyncio.Future
@@ -138,6 +150,12 @@ class Scheduler:
     """Partitions where samples stopped being ready for parked requests after those were last
     evaluated (served to another request, acked from the pool, cleared, dropped as stale): their
     `_Waiter.ready` may be too high, so `granted_commit` evaluates them in full."""
+    _peak: dict[str, int] = field(default_factory=dict)
+    """Per partition, the most its consumers were seen to take in one version (one task's
+    granted samples taken plus the batches it waited for): what `_held_for` counts at most."""
+    _fed: set[str] = field(default_factory=set)
+    """Names of the partitions a put under a grant has fed, until cleared: a consumer of one that
+    does not exist (yet, or again) waits for a grant (`_fed_under_grants`)."""
     # lease ids start at the controller's start time in microseconds: a journaled controller
     # started again never hands out the id of a lease a client still holds from before
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(time.time_ns() // 1000))
@@ -167,9 +185,10 @@ class Scheduler:
     def wake(self, partition: str) -> None:
         """Re-evaluate the partition's parked requests in arrival order."""
         self._recount.discard(partition)
+        held = _Held()
         for waiter in list(self.waiters.get(partition, ())):
             if not waiter.future.done():
-                self._settle(waiter, final=False)
+                self._settle(waiter, final=False, held=held)
 
     def wake_all(self) -> None:
         """Re-evaluate every partition's parked requests: the version moved."""
@@ -184,24 +203,49 @@ class Scheduler:
         was last evaluated (a partition where they may have dropped is in `_recount`), so it
         reports with those (`_Waiter.ready`) instead of being sampled again: a commit costs one
         demand check per request parked elsewhere, not a full evaluation."""
-        room = self.admission.room()  # a report only grows it: `_report_demand` checks again
+        self._fed.add(partition)
+        self._room_fell(partition)
+
+    def producers_stalled(self) -> None:
+        """A producer waits for more than the budget's leftover, which then stops being room for
+        the consumers (`Admission.room`): a request parked anywhere may be held back now, and
+        must report its consumer's demand (and so let that producer in, `Admission.lend`)."""
+        self._room_fell(None)
+
+    def _room_fell(self, woken: str | None) -> None:
+        """What admission can still let in fell: re-evaluate the requests parked on `woken` (if
+        any) in full, and have each one parked elsewhere check its demand (`granted_commit`)."""
+        adm = self.admission
+        held = _Held()
+
+        # the room only grows in this pass (a report grows the budget or lends it, a stale drop
+        # returns budget): looked up again only when what it counts changes
+        def counts() -> tuple[int, int, int]:
+            return adm.batch_size, adm.running, adm.accepted
+
+        seen, room = counts(), adm.room()
         for name in list(self.waiters):
-            if name == partition or name in self._recount:
+            if name == woken or name in self._recount:
                 self.wake(name)
                 continue
+            if seen != counts():
+                seen, room = counts(), adm.room()
+            parked = [w for w in self.waiters[name] if not w.future.done()]
+            short = [w for w in parked if w.ready + room < w.req.batch_size]
             part = self.partitions.get(name)
-            if part is None or not self._fed_under_grants(part):
+            if not short or not self._fed_under_grants(part, name):
                 continue  # admission holds back no request parked there
             waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
-            for waiter in self.waiters[name]:
-                if not waiter.future.done():
-                    waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
-            for waiter in list(self.waiters[name]):
-                if waiter.future.done() or waiter.ready + room >= waiter.req.batch_size:
-                    continue
+            for waiter in parked:
+                waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+            for waiter in short:
                 req = waiter.req
+                if seen != counts():
+                    seen, room = counts(), adm.room()
+                if waiter.future.done() or waiter.ready + room >= req.batch_size:
+                    continue  # failed by a report above (same task, pinned budget), or let in since
                 try:
-                    self._report_demand(part, req, waiter.ready, waiting[req.task] - req.batch_size)
+                    self._report_held(req, waiter.ready, waiting[req.task] - req.batch_size, held, part is not None)
                 except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
                     waiter.future.set_exception(exc)
                     waiting[req.task] -= req.batch_size
@@ -217,24 +261,26 @@ class Scheduler:
         if not waiter.future.done():
             self._settle(waiter, final=True)
 
-    def _settle(self, waiter: _Waiter, final: bool) -> None:
+    def _settle(self, waiter: _Waiter, final: bool, held: _Held | None = None) -> None:
         try:
-            meta = self._evaluate(waiter, final)
+            meta = self._evaluate(waiter, final, held)
         except Exception as exc:  # noqa: BLE001 - the waiting client gets the typed error
             waiter.future.set_exception(exc)
             return
         if meta is not None:
             waiter.future.set_result(meta)
 
-    def _evaluate(self, waiter: _Waiter, final: bool) -> BatchMeta | None:
+    def _evaluate(self, waiter: _Waiter, final: bool, held: _Held | None = None) -> BatchMeta | None:
         """A leased batch, or None to keep waiting (`waiter.ready` then says how many samples
-        are ready for it); at the deadline a short batch or an error."""
+        are ready for it); at the deadline a short batch or an error. `held`: see
+        `_report_demand`."""
         req = waiter.req
         part = self.partitions.get(req.partition)
         sampler = self.samplers.get(req.sampler)
         if part is None:
             if not final:
                 waiter.ready = 0
+                self._report_demand(None, req, 0, held=held)
                 return None
             if not req.allow_partial:
                 return self._give_up(req, None, 0)
@@ -255,7 +301,7 @@ class Scheduler:
         if rows is None:
             if not final:
                 waiter.ready = len(ready)
-                self._report_demand(part, req, len(ready))
+                self._report_demand(part, req, len(ready), held=held)
                 return None
             if not req.allow_partial:
                 return self._give_up(req, part, len(ready))
@@ -274,45 +320,133 @@ class Scheduler:
             pending &= ~part.versioned[w] | ((self.clock.current - part.v_first[w]) <= bound)
         return int(np.count_nonzero(pending)) == n_ready
 
-    def _report_demand(self, part: Partition, req: GetMeta, n_ready: int, others: int | None = None) -> None:
+    def _report_demand(self, part: Partition | None, req: GetMeta, n_ready: int, held: _Held | None = None) -> None:
         """A request waits: when admission is what holds it back (the partition is fed under
-        grants, unsealed, and the `n_ready` samples plus what admission can still let in under
-        this version fall short of its batch), tell admission what its consumer takes under this
-        version, the batches it waits for included. A request that waits only for producers the
-        budget lets in is no demand, nor is one on a sealed partition, which no put can feed: the
-        samples handed out (`_lease`) count only in what a request held back reports.
+        grants, `_fed_under_grants`, and the `n_ready` samples plus what admission can still let
+        in under this version fall short of its batch), report the demand (`_report_held`). A
+        request that waits only for producers the budget lets in is no demand, nor is one on a
+        sealed partition, which no put can feed: the samples handed out (`_lease`) count only in
+        what a request held back reports. `held`: the caller's `_Held`, for a pass over many
+        requests.
 
-        `others`: the batches the task's other requests parked on the partition wait for, when
-        the caller has summed them for several requests at once (else summed here).
+        Raises:
+            UnsatisfiableError: a pinned budget can never let its batch in."""
+        if not self.admission.holds_back(n_ready, req.batch_size) or not self._fed_under_grants(part, req.partition):
+            return
+        others = sum(
+            w.req.batch_size
+            for w in self.waiters.get(req.partition, ())
+            if w.req.task == req.task and w.req is not req and not w.future.done()
+        )
+        self._report_held(req, n_ready, others, _Held() if held is None else held, part is not None)
+
+    def _report_held(self, req: GetMeta, n_ready: int, others: int, held: _Held, created: bool) -> None:
+        """A request admission holds back: tell admission what the consumers take under this
+        version: what its consumer takes, the batches it waits for included (`others`: those of
+        its task's other requests parked on the partition), plus what the other partitions hold
+        for theirs (`_held_for`, from `held`). Those samples spend the same budget, and their
+        consumers may take them only after this one (a trainer that takes a batch from each
+        partition before it publishes): counted apart, a producer that fed another partition
+        would leave this consumer waiting for a version. Then, if admission still holds it back
+        while a producer waits for more than the budget's leftover, that producer is let in
+        (`Admission.lend`). `created`: the partition exists; a consumer of one that does not
+        may be waiting for puts that need no grant (prompts), so it never fails.
 
         Raises:
             UnsatisfiableError: a pinned budget can never let its batch in."""
         adm = self.admission
-        if not self._fed_under_grants(part) or not adm.holds_back(n_ready, req.batch_size):
-            return
-        key = (part.name, req.task)
-        if others is None:
-            others = sum(
-                w.req.batch_size
-                for w in self.waiters.get(part.name, ())
-                if w.req.task == req.task and w.req is not req and not w.future.done()
+        name = req.partition
+        key = (name, req.task)
+        own = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
+        self._peak[name] = max(self._peak.get(name, 0), own)
+        elsewhere = self._held_elsewhere(name, held)
+        demand = own + elsewhere
+        if demand > adm.batch_size:
+            takes = f"takes {own} samples per version"
+            if elsewhere:
+                takes += f" and other partitions hold {elsewhere} for theirs"
+            adm.follow_demand(demand, f"task {req.task!r} on partition {name!r} {takes}")
+        if demand > adm.batch_size and created:  # a budget that follows has just grown to it: this one is pinned
+            shared = (
+                " A pinned budget shared by several partitions needs headroom of about one producer acquire per "
+                "partition (their leftovers need not add up to a whole acquire)."
+                if elsewhere
+                else ""
             )
-        demand = self.demand.at(self.clock.current).get(key, 0) + others + req.batch_size
-        adm.follow_demand(demand, f"task {req.task!r} on partition {part.name!r}")
-        if demand > adm.batch_size:  # a budget that follows has just grown to it: this one is pinned
             raise UnsatisfiableError(
-                f"get_meta(task={req.task!r}, partition={part.name!r}, batch_size={req.batch_size}) can never be "
-                f"served: this consumer takes {demand} samples per version, but the admission budget is pinned "
-                f"at consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of "
-                f"this batch ({n_ready} ready) until a new version is published. Start the cluster with "
+                f"get_meta(task={req.task!r}, partition={name!r}, batch_size={req.batch_size}) can never be "
+                f"served: this consumer {takes}, but the admission budget is pinned at "
+                f"consumer_batch_size={adm.batch_size} and {adm.describe()}, so producers stop short of this "
+                f"batch ({n_ready} ready) until a new version is published. Start the cluster with "
                 f"consumer_batch_size >= {demand} (sluice serve --consumer-batch-size {demand}), or let the "
-                "budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers)"
+                f"budget follow the consumers (the default; drop follow_consumers=False / --no-follow-consumers).{shared}"
             )
+        adm.lend(n_ready, req.batch_size)
 
-    def _fed_under_grants(self, part: Partition) -> bool:
-        """More samples may come to `part` through a bounded admission: a put under a grant
-        brought some, and it is not sealed."""
-        return self.admission.bounded and not part.sealed and bool(part.granted[: part.n].any())
+    def _held_elsewhere(self, own: str, held: _Held) -> int:
+        """What the partitions other than `own` hold for their consumers (`_held_for`), computed
+        for every partition once per `held`."""
+        if held.each is None:
+            # one acquire (the largest seen) per partition fed under grants now (live granted
+            # samples, not sealed): producers are granted in arrival order, and while one waits
+            # for its turn the others may each be granted once more for the partition they feed;
+            # a consumer held back by that surplus must count it, or it waits for a version its
+            # own batch comes before. Partitions fed before and consumed since add nothing.
+            fed = sum(1 for p in self.partitions.values() if not p.sealed and (p.granted[: p.n] & p.alive[: p.n]).any())
+            allowance = self.admission.largest_acquire * fed
+            held.each = {name: self._held_for(part, allowance) for name, part in self.partitions.items()}
+            held.total = sum(held.each.values())
+        return held.total - held.each.get(own, 0)
+
+    def _held_for(self, part: Partition, allowance: int) -> int:
+        """The granted samples `part` holds for its consumers under this version: for the task
+        that needs most, those it was handed under this version and kept, plus the larger of
+        those ready for it and the batches it waits for. Only committed, live samples its
+        consumers may still get count (not too stale). A partition that holds no granted sample
+        and handed none out under this version (prompts put without grants, say) holds nothing,
+        whatever its consumers wait for. What a partition holds beyond what its consumers take
+        per version (`_peak`, at least the configured `consumer_batch_size`; with no task yet,
+        just that, plus `allowance`) does not count: a producer that overfeeds it would otherwise
+        have every one of its puts grow the budget, without bound, for a consumer elsewhere that
+        no one feeds."""
+        n = part.n
+        mask = part.granted[:n] & part.alive[:n] & part.committed[:n]
+        # what was handed out counts, cleared since or not (only granted samples are counted there)
+        taken = {name: self.demand.at(self.clock.current).get((part.name, name), 0) for name in part.tasks}
+        if not mask.any():
+            if not any(taken.values()):
+                return 0  # not fed under grants in this version: its consumers wait for no grant
+        elif (bound := self.config.max_staleness) is not None:
+            mask &= ~part.versioned[:n] | ((self.clock.current - part.v_first[:n]) <= bound)
+        every = int(np.count_nonzero(mask))
+        configured = self.admission.configured_batch_size
+        if not part.tasks:
+            return min(every, configured + allowance)
+        waiting: dict[str, int] = {}  # per task, the batches its parked requests wait for
+        for waiter in self.waiters.get(part.name, ()):
+            if not waiter.future.done():
+                waiting[waiter.req.task] = waiting.get(waiter.req.task, 0) + waiter.req.batch_size
+        peak = max(self._peak.get(part.name, 0), *(taken[name] + waiting.get(name, 0) for name in part.tasks))
+        self._peak[part.name] = peak
+        most = 0
+        for name, task in part.tasks.items():
+            wants = waiting.get(name, 0)
+            if wants < every:  # else what is ready for it, at most `every`, changes nothing
+                wants = max(wants, int(np.count_nonzero(mask & ~task.consumed[:n] & (task.lease[:n] == 0))))
+            most = max(most, taken[name] + wants)
+        return min(most, max(peak, configured) + allowance)
+
+    def _fed_under_grants(self, part: Partition | None, name: str) -> bool:
+        """More samples may come to `part` (named `name`) through a bounded admission: a put
+        under a grant brought some, and it is not sealed. A partition no put has made (None,
+        not yet or cleared) counts when a put under a grant fed that name before, or a producer
+        waits for budget (maybe to put its first samples there); not merely because another
+        partition is fed under grants, as its first samples may need no grant (prompts)."""
+        if not self.admission.bounded:
+            return False
+        if part is None:
+            return name in self._fed or self.admission.producer_waits()
+        return not part.sealed and bool(part.granted[: part.n].any())
 
     def _give_up(self, req: GetMeta, part: Partition | None, n_ready: int) -> BatchMeta:
         """`TimeoutError`, naming fields no put has brought yet (a typo, or a column that another
@@ -530,6 +664,10 @@ class Scheduler:
         self.wake(part.name)
 
     def forget_partition(self, name: str) -> None:
-        """Drop the leases of a cleared partition (its parked waiters stay parked)."""
+        """Drop the leases of a cleared partition (its parked waiters stay parked), and what was
+        seen of it (`_peak`, `_fed`): the names of partitions made per step must not pile up (a
+        consumer of it waits for a grant again only while a producer waits)."""
+        self._peak.pop(name, None)
+        self._fed.discard(name)
         for lease_id in [k for k, v in self.leases.items() if v.partition == name]:
             self.leases.pop(lease_id).timer.cancel()

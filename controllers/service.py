@@ -115,6 +115,7 @@ class Controller(Service):
             config.grant_timeout,
             lambda: self.clock.current,
             config.follow_consumers,
+            lambda: self.scheduler.producers_stalled(),  # the scheduler needs admission: built next
         )
         samplers = SamplerRegistry()
         for path in config.samplers:

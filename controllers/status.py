@@ -95,7 +95,8 @@ class AdmissionStatus(msgspec.Struct):
     running: int
     """Slots granted and not yet put."""
     budget: int | None
-    """Slots that may be granted now; None when admission is unbounded."""
+    """Slots that may be granted now (below zero: overdrawn, see `overdrafts`); None when
+    admission is unbounded."""
     open_grants: int
     waiting: int
     """`acquire` calls parked for budget now."""
@@ -110,6 +111,9 @@ class AdmissionStatus(msgspec.Struct):
     """The budget grows to what the consumers really take per version (False: pinned)."""
     grown_by: str
     """Why `consumer_batch_size` last grew above the configured value ("" if it did not)."""
+    overdrafts: int = 0
+    """Acquires granted over a leftover smaller than them, because a consumer waited for them
+    (`budget` is below zero until the next version pays the overdraft back)."""
 
 
 class SchedulerStatus(msgspec.Struct):

@@ -28,8 +28,8 @@ class Producer:
     """A rollout worker's loop in a thread: acquire `per_grant` slots, put that many rows under
     the grant, until stopped; errors are kept for the test to raise."""
 
-    def __init__(self, address: str, per_grant: int = 4, groups: bool = False):
-        self.address, self.per_grant, self.groups = address, per_grant, groups
+    def __init__(self, address: str, per_grant: int = 4, groups: bool = False, partition: str = "train"):
+        self.address, self.per_grant, self.groups, self.partition = address, per_grant, groups, partition
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run)
@@ -54,7 +54,7 @@ class Producer:
                         continue
                     with grant:
                         groups = [put // self.per_grant] * self.per_grant if self.groups else None
-                        client.put(rows(self.per_grant, put), partition="train", grant=grant, groups=groups)
+                        client.put(rows(self.per_grant, put), partition=self.partition, grant=grant, groups=groups)
                     put += self.per_grant
         except BaseException as exc:  # noqa: BLE001 - raised by the test thread in __exit__
             self.errors.append(exc)
@@ -98,7 +98,9 @@ def fill(client: tq.Client, n: int, partition: str = "train") -> None:
 
 
 @contextlib.contextmanager
-def asking(address: str, task: str, batch: int = 4) -> Iterator[tuple[threading.Thread, list[tq.BatchMeta]]]:
+def asking(
+    address: str, task: str, batch: int = 4, partition: str = "train"
+) -> Iterator[tuple[threading.Thread, list[tq.BatchMeta]]]:
     """A `get_meta` of `batch` samples in a thread, from a client of its own (a client belongs to
     one thread): yields the thread and the list its answer lands in; the thread is joined on the
     way out, a failing test's too (it then ends at the request's timeout)."""
@@ -106,7 +108,7 @@ def asking(address: str, task: str, batch: int = 4) -> Iterator[tuple[threading.
 
     def ask() -> None:
         with tq.connect(address) as client:
-            out.append(client.get_meta(["x"], batch, task=task, timeout=60))
+            out.append(client.get_meta(["x"], batch, task=task, partition=partition, timeout=60))
 
     thread = threading.Thread(target=ask)
     thread.start()
@@ -223,9 +225,10 @@ def test_a_stream_prefetch_with_less_than_a_batch_of_slack_counts(make_cluster):
 
 def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_request(make_cluster):
     """A request parked while the budget could still let its batch in is no demand then; a put
-    under a grant into another partition spends that budget, and the request must report its
-    consumer's demand at once (4 taken + 4 waited for), or the budget never grows to it and it
-    waits for a version the trainer publishes only after it."""
+    under a grant into another partition spends that budget, and the request must report the
+    demand at once (4 taken + 4 waited for, and the 4 the other partition holds for its
+    consumers), or the budget never grows to it and it waits for a version the trainer
+    publishes only after it."""
     cluster = make_cluster(max_staleness=1, consumer_batch_size=4)  # admits 8 at version 0
     with cluster.connect() as client:
         fill(client, 4)
@@ -234,8 +237,10 @@ def test_a_put_into_another_partition_that_spends_the_budget_reports_a_parked_re
             eventually(parked_or_ended(client, waiter))
             fill(client, 4, partition="eval")  # the budget's last 4 slots, spent elsewhere
             adm = admission(client)
-            assert adm["consumer_batch_size"] == 8, adm
-            assert adm["grown_by"] == "task 'train' on partition 'train' takes 8 samples per version"
+            assert adm["consumer_batch_size"] == 12, adm
+            assert adm["grown_by"] == (
+                "task 'train' on partition 'train' takes 8 samples per version and other partitions hold 4 for theirs"
+            )
             fill(client, 4)  # the slots the budget grew by
     assert len(taken) == 4 and len(more) == 1 and len(more[0]) == 4
 
@@ -246,7 +251,8 @@ def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_i
     The 4 then stop being ready for it with nothing else on its partition changing: served to
     another request of its task, cleared by another task, or acked after their lease expired.
     A put under a grant into another partition spends 2 slots: the 0 ready + 6 fall short of
-    8, so the request must report its consumer's demand, though 4 + 6 would not have."""
+    8, so the request must report the demand (its consumer's, and the 2 the other partition
+    holds), though 4 + 6 would not have."""
     cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0
     with cluster.connect() as client:
         fill(client, 4)
@@ -265,8 +271,11 @@ def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_i
                 client.ack(late)  # under no lease since it expired: taken from the ready pool
             fill(client, 2, partition="eval")
             adm = admission(client)
-            assert adm["consumer_batch_size"] == taken + 8, adm
-            assert adm["grown_by"] == f"task 'train' on partition 'train' takes {taken + 8} samples per version"
+            assert adm["consumer_batch_size"] == taken + 8 + 2, adm
+            assert adm["grown_by"] == (
+                f"task 'train' on partition 'train' takes {taken + 8} samples per version"
+                " and other partitions hold 2 for theirs"
+            )
             fill(client, 8)  # the slots the budget grew by
     assert len(more) == 1 and len(more[0]) == 8
 
@@ -275,7 +284,9 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
     """A request for 8 parks with 4 ready (version 0) under version 1 and 12 more the budget can
     let in: not held back. Another task's tighter bound drops the 4 as stale, with nothing else
     on the partition changing; a put under a grant into another partition then leaves room for
-    7: 0 ready + 7 fall short of 8, so the request reports its consumer's demand."""
+    7: 0 ready + 7 fall short of 8, so the request reports the demand: its consumer's 8 and the
+    9 the other partition holds (no consumer of it has asked: it counts at most the configured
+    consumer_batch_size, 4, plus one acquire, 9, per partition fed under grants)."""
     cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0, 16 at 1
     with cluster.connect() as client:
         fill(client, 4)
@@ -285,7 +296,7 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
             assert len(client.get_meta(["x"], 4, task="other", max_staleness=0, timeout=0, allow_partial=True)) == 0
             assert client.status()["staleness"]["dropped"] == 4
             fill(client, 9, partition="eval")
-            assert admission(client)["consumer_batch_size"] == 8
+            assert admission(client)["consumer_batch_size"] == 8 + 9
             fill(client, 8)
     assert len(more) == 1 and len(more[0]) == 8
 
@@ -294,16 +305,191 @@ def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with
 def test_a_parked_request_reports_only_when_its_ready_samples_and_the_room_fall_short(make_cluster, spent, grows):
     """8 asked with 4 ready and room for 8 more (12 admitted at version 0): a put under a grant
     into another partition spends `spent` of it. 4 + 4 reach the batch (no demand); 4 + 3 fall
-    short, and the request reports 8."""
+    short, and the request reports 8, plus the 5 the other partition holds (within what it may
+    count: the configured consumer_batch_size plus one acquire per partition fed under grants)."""
     cluster = make_cluster(max_staleness=2, consumer_batch_size=4)
     with cluster.connect() as client:
         fill(client, 4)
         with asking(cluster.address, "train", batch=8) as (waiter, more):
             eventually(parked_or_ended(client, waiter))
             fill(client, spent, partition="eval")
-            assert admission(client)["consumer_batch_size"] == (8 if grows else 4)
+            assert admission(client)["consumer_batch_size"] == (8 + 5 if grows else 4)
             fill(client, 4)
     assert len(more) == 1 and len(more[0]) == 8
+
+
+# -- several partitions under one budget ---------------------------------------------------
+
+
+@pytest.mark.parametrize("first", ["put", "request"])
+def test_samples_another_partition_holds_for_its_consumer_count_in_a_held_back_consumer_s_demand(make_cluster, first):
+    """The budget's 4 slots went to partition "math", whose consumer has not asked yet (a trainer
+    that takes its "code" batch first, then its "math" batch, then publishes): the consumer of
+    "code" is held back. Its own demand (4) fits the budget; what "math" holds for its consumer
+    counts too, or "code" waits for a version the trainer publishes only after it. The request
+    parks before or after the put that spends the budget; parked before, on a partition no put
+    has made, it waits for the producer that will feed "code" (its first samples may need no
+    grant), whose acquire the budget then grows for."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)  # admits 4 at version 0
+    with cluster.connect() as client:
+        if first == "put":
+            fill(client, 4, partition="math")
+        with asking(cluster.address, "code", partition="code") as (waiter, got):
+            eventually(parked_or_ended(client, waiter))
+            if first == "request":
+                fill(client, 4, partition="math")
+                assert admission(client)["consumer_batch_size"] == 4
+            fill(client, 4, partition="code")  # the slots the budget grew by
+        adm = admission(client)
+        assert adm["consumer_batch_size"] == 8, adm
+        assert adm["grown_by"] == (
+            "task 'code' on partition 'code' takes 4 samples per version and other partitions hold 4 for theirs"
+        )
+        assert len(got) == 1 and len(got[0]) == 4
+        assert len(client.get_meta(["x"], 4, task="math", partition="math", timeout=5)) == 4
+
+
+def test_a_trainer_taking_a_batch_from_each_of_two_partitions_per_version_is_never_starved(make_cluster):
+    """Two producers, one per partition, draw on one budget of 4 per version; the trainer takes
+    4 from "code", then 4 from "math", then publishes. Whichever producer gets the slots first,
+    the other partition's consumer is held back by samples it will never take: the budget grows
+    to what both partitions take per version, and within a bound: a partition counts at most
+    what its consumers take per version plus one acquire per partition fed under grants."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with (
+        Producer(cluster.address, partition="math"),
+        Producer(cluster.address, partition="code"),
+        cluster.connect() as trainer,
+    ):
+        for version in range(3):
+            for name in ("code", "math"):
+                meta = trainer.get_meta(["x"], 4, task="train", partition=name, timeout=60)
+                assert len(meta) == 4 and meta.policy_versions == [version] * 4
+                trainer.ack(meta)
+                trainer.clear(meta)
+            trainer.set_version(version + 1)
+        adm = admission(trainer)
+    assert 8 <= adm["consumer_batch_size"] <= 4 + 4 + 2 * 4, adm
+
+
+@pytest.mark.parametrize("steps_before", [0, 5])
+def test_a_partition_overfed_while_another_s_consumer_waits_grows_the_budget_a_bounded_amount(
+    make_cluster, steps_before
+):
+    """A producer loops into "math", whose consumers never ask; a consumer waits on "code",
+    which no put under a grant fed yet (its producer is slow, or not started). The producer
+    waiting for budget holds that consumer back (it may be the one to feed "code"); "math"
+    counts at most the configured consumer_batch_size (no consumer of it was seen) plus one
+    acquire (one partition is fed under grants): the budget grows to 4 + 8 and then, with the
+    consumer's demand fitting it, lends the waiting producer one acquire, and stops there
+    however often the producer waits again. Partitions made per step, fed under grants and
+    consumed before (`steps_before`) leave nothing behind that widens that bound."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with cluster.connect() as client:
+        for step in range(steps_before):
+            fill(client, 4, partition=f"step{step}")
+            meta = client.get_meta(["x"], 4, task="t", partition=f"step{step}", timeout=30)
+            client.ack(meta)
+            client.clear(meta)
+            client.set_version(step + 1)
+    with cluster.connect() as client, asking(cluster.address, "code", partition="code") as (waiter, got):
+        eventually(parked_or_ended(client, waiter))
+        with Producer(cluster.address, partition="math"):
+            eventually(lambda: admission(client)["waits"] >= 4, what="the producer waiting again and again")
+            adm = admission(client)
+        client.put(rows(4), partition="code")  # the samples it waits for, at last
+    # accepted: (versions so far) x 12, the budget's limit at version `steps_before`, plus the lent acquire
+    assert adm["consumer_batch_size"] == 12 and adm["overdrafts"] == 1, adm
+    assert adm["accepted"] == (steps_before + 1) * 12 + 4, adm
+    assert len(got) == 1 and len(got[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "staleness",
+    [tq.StalenessConfig(4, 0), tq.StalenessConfig(4, 0, follow_consumers=False)],
+    ids=["following", "pinned"],
+)
+def test_a_consumer_of_a_partition_not_yet_made_waits_for_puts_that_need_no_grant(make_cluster, staleness):
+    """The budget is spent on "train"; a rollout worker asks 16 from "prompts", which a
+    dataloader fills a moment later with plain puts (no grant). No put under a grant fed
+    "prompts" and no producer waits: admission does not hold the request back, so a pinned
+    budget does not fail it and a following one does not grow; it is served when the prompts
+    come."""
+    cluster = make_cluster(staleness=staleness)
+    with cluster.connect() as client:
+        fill(client, 4)
+        with asking(cluster.address, "rollout", batch=16, partition="prompts") as (waiter, got):
+            eventually(parked_or_ended(client, waiter))
+            client.put(rows(16), partition="prompts")
+        adm = admission(client)
+    assert len(got) == 1 and len(got[0]) == 16
+    assert adm["consumer_batch_size"] == 4 and adm["grown_by"] == "", adm
+
+
+# -- a leftover smaller than a producer's acquire ----------------------------------------------
+
+
+@pytest.mark.parametrize("first", ["producer", "consumer"])
+@pytest.mark.parametrize(
+    "staleness",
+    [tq.StalenessConfig(6, 0), tq.StalenessConfig(6, 0, follow_consumers=False)],
+    ids=["following", "pinned"],
+)
+def test_a_leftover_a_producer_s_acquire_exceeds_is_lent_to_it_when_a_consumer_waits(make_cluster, staleness, first):
+    """6 admitted at version 0; the producer acquires in units of 4 (one GRPO group, say). After
+    one unit the leftover is 2, which its next acquire never fits, and the consumer (3 taken, 1
+    ready) waits for 3 more: neither can move until the trainer publishes, which it does only
+    after this batch. The consumer is held back, so the producer at the head of the queue gets
+    its 4, overdrawing the budget by 2 (the next version pays them back); the budget does not
+    grow. The producer starts waiting before or after the consumer."""
+    cluster = make_cluster(staleness=staleness)
+    with cluster.connect() as client, contextlib.ExitStack() as stack:
+        fill(client, 4)
+        assert len(client.get_meta(["x"], 3, task="train", timeout=5)) == 3
+        if first == "producer":
+            stack.enter_context(Producer(cluster.address, per_grant=4))
+            eventually(lambda: admission(client)["waiting"] == 1)
+        waiter, more = stack.enter_context(asking(cluster.address, "train", batch=3))
+        if first == "consumer":
+            eventually(parked_or_ended(client, waiter))
+            stack.enter_context(Producer(cluster.address, per_grant=4))
+        waiter.join(60)
+        adm = admission(client)
+    assert len(more) == 1 and len(more[0]) == 3
+    assert adm["consumer_batch_size"] == 6 and adm["grown_by"] == "", adm
+    assert adm["accepted"] == 8 and adm["budget"] == -2 and adm["overdrafts"] == 1, adm
+
+
+def test_slots_given_back_while_a_producer_waits_have_a_parked_consumer_check_again(make_cluster):
+    """8 admitted at version 0; the consumer took 4. A grant of 2 runs (leftover 2) and a
+    producer waits for 5; the consumer asks for 2, which the running grant covers: not held back.
+    That grant is given back unused: the leftover (4) still falls short of the waiting 5, so
+    nothing is room any more, and the parked consumer must check again, which lends the waiting
+    producer its 5."""
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)
+    with cluster.connect() as client:
+        fill(client, 4)
+        assert len(client.get_meta(["x"], 4, task="train", timeout=5)) == 4
+        grant = client.acquire(2, timeout=5)
+        got: list[tq.Grant] = []
+
+        def produce() -> None:  # one long acquire: a retry would make the check happen anyway
+            with tq.connect(cluster.address) as producer:
+                got.append(producer.acquire(5, timeout=60))
+                producer.put(rows(5), partition="train", grant=got[0])
+
+        producing = threading.Thread(target=produce)
+        producing.start()
+        try:
+            eventually(lambda: admission(client)["waiting"] == 1)
+            with asking(cluster.address, "train", batch=2) as (waiter, more):
+                eventually(parked_or_ended(client, waiter))
+                grant.release()
+        finally:
+            producing.join(60)
+        adm = admission(client)
+    assert len(got) == 1 and len(more) == 1 and len(more[0]) == 2
+    assert adm["overdrafts"] == 1 and adm["accepted"] == 9, adm
 
 
 # -- a pinned budget fails at once what it can never let in ----------------------------------
