@@ -159,20 +159,27 @@ def test_a_close_that_a_call_ending_at_that_moment_releases_under_raises_nothing
     assert not client._channels
 
 
+def _close_in_child(client: tq.Client) -> int:
+    """Fork; the child closes its copy of `client` and exits 0 if that left it closed with no
+    channel (2 if not, 1 if `close` raised). Returns the child's pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            client.close()
+            code = 0 if client.closed and not client._channels else 2
+        finally:
+            os._exit(code)
+    return pid
+
+
 def test_a_child_closing_a_client_it_inherited_with_a_call_in_flight_leaves_the_parents_alone(cluster, no_pings):
     """The child shares the wake descriptor with its parent: its `close` (an atexit, a `with`
     block) closes its copies and writes nothing, so the parent's call waits on for its reply."""
     client = tq.connect(cluster.address)
     with tq.connect(cluster.address) as other:
         thread, outcome = _park(other, lambda: client.get_meta(["x"], 1, "t", "p", timeout=_PARK))
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                client.close()
-                code = 0 if client.closed and not client._channels else 2
-            finally:
-                os._exit(code)
+        pid = _close_in_child(client)
         _, status = os.waitpid(pid, 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child's close failed: {status}"
         assert not select.select([client._wake], [], [], 0)[0], "the child woke the parent's calls"
@@ -385,14 +392,7 @@ def test_a_child_forked_while_a_thread_holds_the_guard_closes_its_copies(cluster
     holder.start()
     try:
         assert held.wait(30)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                client.close()
-                code = 0 if client.closed and not client._channels else 2
-            finally:
-                os._exit(code)
+        pid = _close_in_child(client)
 
         def reaped() -> tuple[int] | None:
             got, status = os.waitpid(pid, os.WNOHANG)
