@@ -4,6 +4,7 @@ served like the ROUTER, ended like it, refused to other users, and left for Zero
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -937,6 +939,16 @@ async def test_a_child_forked_while_a_closed_channel_lingers_leaves_the_service_
         lane.close()
 
 
+@contextlib.contextmanager
+def _no_resource_warning() -> Iterator[None]:
+    """Fail if the block leaves anything to the garbage collector that warns on collection
+    (an unclosed socket: `ResourceWarning`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+
+
 def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection():
     """`asyncio.run` ends the linger (a last send of what the socket takes), closing the
     connection itself: nothing is left to the garbage collector (no ResourceWarning)."""
@@ -946,11 +958,9 @@ def test_a_loop_that_stops_while_a_closed_channel_lingers_closes_its_connection(
         _lingering_channel(lane, 64)
 
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ResourceWarning)
+        with _no_resource_warning():
             asyncio.run(close_lingering())
             gc.collect()
-        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
         assert not _local._LINGERING
         pings, ended = _lingered(lane)
         assert ended and 0 < pings < 64
@@ -1022,8 +1032,7 @@ def test_a_loop_closed_while_a_closed_channel_lingers_closes_its_connection(bega
         _lingering_channel(lane, 64)
 
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ResourceWarning)
+        with _no_resource_warning():
             if began:  # the loop runs once more after the coroutine: the linger takes its first step
                 loop.run_until_complete(close_lingering())
             else:  # the loop stops in the step that closes the channel
@@ -1033,7 +1042,6 @@ def test_a_loop_closed_while_a_closed_channel_lingers_closes_its_connection(bega
             loop.close()
             del loop
             gc.collect()
-        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
         assert not _local._LINGERING, "the closed loop's linger still holds its connection"
         pings, ended = _lingered(lane)
         assert ended, "the connection stayed open after its loop was closed"
