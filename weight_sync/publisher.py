@@ -874,7 +874,7 @@ class WeightPublisher:
         """Grant `msg`, or keep it waiting (`parked`: it waits already, with its deadline) for its
         version to start staging or to reach GPU staging, or refuse it."""
         granted = self._grant(msg, pending.peer)
-        mirror = self._mirror if msg.transport in self._on_mirror else None
+        mirror = self._mirror_for(msg.transport)
         if granted is not None:
             pending.reply(granted)
         elif not self._closed and (
@@ -920,8 +920,8 @@ class WeightPublisher:
         transport = self._transports.get(msg.transport)
         if self._delta_on_lease and transport is not None and transport.deltas:
             self._turn_deltas_on()
-        table = self._table_for(msg.transport)
-        mirror = self._mirror if table is not self._table else None
+        mirror = self._mirror_for(msg.transport)
+        table = mirror.table if mirror is not None else self._table
         if mirror is not None:
             mirror.turn_on()
         local = transport is not None and transport.mode == "map"
@@ -942,15 +942,15 @@ class WeightPublisher:
         except BaseException:
             table.release(lease)
             raise
-        staged = _staged_in(self._deltas, slot, msg.version) if table is self._table else None
+        staged = _staged_in(self._deltas, slot, msg.version) if mirror is None else None
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
         return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
 
-    def _table_for(self, transport: str) -> SlotTable:
-        """The slots a subscriber of `transport` reads: GPU staging beside host staging for a
-        GPU-staging transport served with host ones, else this rank's one table."""
-        return self._mirror.table if self._mirror is not None and transport in self._on_mirror else self._table
+    def _mirror_for(self, transport: str) -> GpuMirror | None:
+        """The GPU staging beside host staging that a subscriber of `transport` reads (a
+        GPU-staging transport served with host ones), or None: it reads this rank's one table."""
+        return self._mirror if transport in self._on_mirror else None
 
     def _caught_up(self, version: int) -> None:
         """`version`'s copy to GPU staging ended (mirror thread): retry its leases (server thread)."""
@@ -980,7 +980,8 @@ class WeightPublisher:
         transport = self._transports.get(name)
         if transport is None:
             return []
-        table = self._table_for(name)
+        mirror = self._mirror_for(name)
+        table = mirror.table if mirror is not None else self._table
         with table.cond:  # a slot being replaced is seen before or after, not half-way
             return [
                 SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, transport.describe(slot))
