@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import gc
 import queue
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -354,3 +356,75 @@ def test_a_local_client_of_a_service_that_goes_raises_at_once():
     client.close()
     with pytest.raises(ServiceError, match="cannot be reached"):
         LocalChannel(service.local_endpoint, Codec(Reply))
+
+
+def test_a_peer_dropping_the_connection_is_reported_at_once_to_each_awaited_request():
+    """A blocking channel watching disconnects, two requests out: the peer answers the first
+    and drops the connection. Waiting for the second raises `lost` at once (not after
+    `dead_after` of silence), the monitor that told it kept while a request was awaited."""
+    peer = zmq.Context.instance().socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{peer.bind_to_random_port('tcp://127.0.0.1')}"
+    channel = Channel(endpoint, Codec(Reply), dead_after=60, watch_disconnect=True)
+    try:
+        first, second = channel.send(Ping()), channel.send(Ping())
+        requests, replies = Codec(StorageRequest), Codec(Reply)
+        frames = [peer.recv_multipart() for _ in range(2)]
+        rid, _, _ = requests.decode(frames[0][1:])
+        peer.send_multipart([frames[0][0], *replies.encode_now(rid, Ok())])
+        assert isinstance(channel.reply(first, 30)[0], Ok)
+        peer.close()
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            channel.reply(second, 30)  # 30 s < dead_after: only the monitor can end it sooner
+    finally:
+        channel.close()
+        peer.close()
+
+
+_STORM = """
+import socket, sys, threading
+import zmq
+from transfer_queue.wire.errors import ServiceError
+from transfer_queue.wire.messages import Reply
+from transfer_queue.wire.rpc import Channel, Codec, Ping
+from transfer_queue.wire.rpc._context import shared_context
+
+ctx = shared_context(zmq.Context)
+ctx.sockopts[zmq.RECONNECT_IVL] = 1  # the refused reconnects in seconds rather than minutes
+listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+dropped, more = 0, threading.Condition()
+
+def drop_every_connection():  # what a peer refusing this client's credentials does
+    global dropped
+    while True:
+        conn, _ = listener.accept()
+        conn.close()
+        with more:
+            dropped += 1
+            more.notify_all()
+
+threading.Thread(target=drop_every_connection, daemon=True).start()
+channel = Channel(f"tcp://127.0.0.1:{listener.getsockname()[1]}", Codec(Reply), connect_timeout=0.5,
+                  watch_disconnect=True)
+try:
+    channel.call(Ping())
+except ServiceError:
+    pass  # never connected: the channel is now idle, its peer dropping each reconnect
+with more:  # past the monitor queue's 2,000 events (its two sockets' high-water marks)
+    assert more.wait_for(lambda: dropped >= 3000, 60), f"only {dropped} reconnects"
+router = ctx.socket(zmq.ROUTER)
+dealer = ctx.socket(zmq.DEALER)
+dealer.connect(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+dealer.send(b"still moving")
+print("other sockets work" if router.poll(10_000) else "the process's sockets stalled", flush=True)
+"""
+
+
+def test_an_idle_channel_watching_disconnects_never_stalls_the_process():
+    """libzmq sends monitor events from the process's one I/O thread and blocks there once a
+    monitor's queue is full: an idle channel must hold no monitor, or a peer dropping each of
+    its reconnects (wrong credentials) stops every socket of the process. Run in a process of
+    its own, which stalls if it fails."""
+    done = subprocess.run([sys.executable, "-c", _STORM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "other sockets work"

@@ -37,7 +37,11 @@ class SyncCalls:
             SluiceError: the `tq.*` error the service answered with, or as `send` and `reply`.
         """
         rid = self.send(msg, data)
-        reply, _ = self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        try:
+            reply, _ = self.reply(rid, self.timeout if timeout is None else timeout, what=type(msg).__name__)
+        except BaseException:
+            self.forget(rid)  # nobody else knows `rid`: its late reply is dropped
+            raise
         if isinstance(reply, ErrorReply):
             raise error_from_code(reply.code, reply.message)
         return reply
@@ -50,13 +54,18 @@ class SyncCalls:
             SluiceError: as `send` and `reply` (the peer is gone: its own timers free what it held).
         """
         self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
-        self._expected.discard(rid)
-        return self._stash.pop(rid, None)
+        answer = self._stash.pop(rid, None)
+        self.forget(rid)
+        return answer
 
     def forget(self, rid: int) -> None:
         """Drop `rid`'s reply if it came (the request was abandoned without a cancel)."""
         self._expected.discard(rid)
         self._stash.pop(rid, None)
+        self._settled()
+
+    def _settled(self) -> None:
+        """What a channel does once fewer requests await replies (nothing, unless it says)."""
 
 
 class AsyncCalls:

@@ -23,7 +23,11 @@ class Channel(_Peer, SyncCalls):
     answer (others that arrive meanwhile are kept for their own `reply`); `call` does both and
     raises an `ErrorReply` as its `tq.*` error; `cancel` withdraws a request at the service.
     With `watch_disconnect`, a peer that drops the connection while a reply is awaited is
-    reported at once (`lost`) instead of after `dead_after` s of silence.
+    reported at once (`lost`) instead of after `dead_after` s of silence. The socket monitor that
+    tells it is attached only while requests await replies: libzmq sends monitor events from the
+    process's shared I/O thread and blocks there once a monitor's queue is full, so an idle
+    channel's monitor, unread, would stop every socket of the process after a few thousand
+    refused reconnects (a peer that drops each connection, e.g. refusing the credentials).
     """
 
     def __init__(
@@ -58,10 +62,8 @@ class Channel(_Peer, SyncCalls):
         self._expected: set[int] = set()  # ids of requests `send` made; other replies are dropped
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._monitor = None
-        if watch_disconnect:
-            self._monitor = monitor(self.sock, zmq.EVENT_DISCONNECTED)
-            self._poller.register(self._monitor, zmq.POLLIN)
+        self._watch = watch_disconnect
+        self._monitor: zmq.Socket | None = None
         self._interrupt: int | None = None
 
     def interrupt_on(self, fd: int) -> None:
@@ -80,15 +82,38 @@ class Channel(_Peer, SyncCalls):
         """
         rid = next(self._ids)
         frames = self.codec.encode_now(rid, msg, data)
-        if self._monitor is not None:
-            while self._monitor.poll(0):
-                self._monitor.recv_multipart()  # disconnects before this request are history
+        if self._watch:
+            self._watching()
         try:
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
+            self._settled()
             raise self._unreachable() from None
         self._expected.add(rid)
         return rid
+
+    def _watching(self) -> None:
+        """Attach the disconnect monitor before a request goes out (a drop from then on is
+        seen), or drop what an attached one saw before this request: that is history."""
+        if self._monitor is None:
+            self._monitor = monitor(self.sock, zmq.EVENT_DISCONNECTED)
+            self._poller.register(self._monitor, zmq.POLLIN)
+        else:
+            while self._monitor.poll(0):
+                self._monitor.recv_multipart()
+
+    def _settled(self) -> None:
+        """Detach the disconnect monitor once no request awaits its reply (or the peer was
+        found gone): an idle channel must hold no monitor (class docstring)."""
+        if not self._expected or self.dead:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._monitor is not None:
+            self._poller.unregister(self._monitor)
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
 
     @property
     def idle(self) -> bool:
@@ -121,20 +146,23 @@ class Channel(_Peer, SyncCalls):
         """
         since = time.monotonic() if since is None else since
         deadline = self._deadline(since, wait)
-        while rid not in self._stash:
-            ping, left = self._step(since, deadline, what)
-            if ping:
-                self._ping()
-            ready = dict(self._poller.poll(int(left * 1000) + 1))
-            if self._monitor is not None and self._monitor in ready:
-                self.dead = True
-                raise self.lost(f"{self.name} dropped the connection (gone?)")
-            if self._interrupt in ready:
-                raise self.lost(f"the wait for {self.name} was interrupted: the client is closing")
-            while self.sock.poll(0):
-                self._take(self.sock.recv_multipart(copy=False))
-        self._expected.discard(rid)
-        return self._stash.pop(rid)
+        try:
+            while rid not in self._stash:
+                ping, left = self._step(since, deadline, what)
+                if ping:
+                    self._ping()
+                ready = dict(self._poller.poll(int(left * 1000) + 1))
+                if self._monitor is not None and self._monitor in ready:
+                    self.dead = True
+                    raise self.lost(f"{self.name} dropped the connection (gone?)")
+                if self._interrupt in ready:
+                    raise self.lost(f"the wait for {self.name} was interrupted: the client is closing")
+                while self.sock.poll(0):
+                    self._take(self.sock.recv_multipart(copy=False))
+            self._expected.discard(rid)
+            return self._stash.pop(rid)
+        finally:
+            self._settled()
 
     def ready(self, rid: int | None = None, wait: float = 0.0) -> int | None:
         """The id of an arrived, untaken reply (to `rid` if given; else the oldest), waiting up
@@ -168,7 +196,5 @@ class Channel(_Peer, SyncCalls):
 
     def close(self) -> None:
         """Close the socket at once; what ZeroMQ holds of what was sent still goes out (`_Peer`)."""
-        if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
+        self._unwatch()
         self.sock.close()
