@@ -32,6 +32,7 @@ import msgspec
 
 from transfer_queue import WeightSyncError
 from transfer_queue.wire.rpc import (
+    DEAD_AFTER,
     Cancel,
     Channel,
     Codec,
@@ -293,10 +294,17 @@ class RpcClient(Channel):
     the reply and raises an `ErrorReply` as the Sluice error it names. A peer that is not
     reachable, drops the connection while a call waits (noticed at once) or does not answer in
     time raises `WeightSyncError`. `credentials` default to `SLUICE_CREDENTIALS` (as the
-    publisher's do)."""
+    publisher's do). A first request waits up to `connect_timeout` for its connection, as
+    long as a silent peer is given (`DEAD_AFTER`): under CurveZMQ the publisher's handshake
+    needs its Python credentials thread, which a trainer's GIL-holding threads can delay by
+    seconds (benchmarks/connect_under_load.py)."""
 
     def __init__(
-        self, endpoint: str, timeout: float = 10.0, connect_timeout: float = 2.0, credentials: Credentials | None = None
+        self,
+        endpoint: str,
+        timeout: float = 10.0,
+        connect_timeout: float = DEAD_AFTER,
+        credentials: Credentials | None = None,
     ):
         super().__init__(
             endpoint,
