@@ -46,7 +46,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from benchmarks._common import exit_on_sigterm, median, percentile, print_table, write_record
+from benchmarks._common import exit_on_sigterm, median, percentile, print_table, timed, write_record
 
 FIELD = "x"
 
@@ -62,12 +62,12 @@ def granted_put(client: tq.Client, partition: str, n: int) -> None:
 
 def put_latencies(client: tq.Client, puts: int) -> list[float]:
     """Seconds of each `acquire(1)` + `put(1 row)` into "hot"."""
-    out = []
-    for _ in range(puts):
-        t0 = time.perf_counter()
-        granted_put(client, "hot", 1)
-        out.append(time.perf_counter() - t0)
-    return out
+    return [timed(lambda: granted_put(client, "hot", 1))[0] for _ in range(puts)]
+
+
+def puts_under(client: tq.Client, grants: list[tq.Grant]) -> list[float]:
+    """Seconds of each `put(1 row)` into "hot" under one of `grants`, acquired beforehand."""
+    return [timed(lambda grant=grant: client.put(rows(1), partition="hot", grant=grant))[0] for grant in grants]
 
 
 class Parked:
@@ -143,16 +143,6 @@ def end_to_end(partitions: int, per_partition: int, held: int, puts: int) -> dic
     }
 
 
-def timed_puts(client: tq.Client, grants: list[tq.Grant]) -> list[float]:
-    """Seconds of each `put(1 row)` into "hot" under one of `grants`, acquired beforehand."""
-    out = []
-    for grant in grants:
-        t0 = time.perf_counter()
-        client.put(rows(1), partition="hot", grant=grant)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def held_back_end_to_end(partitions: int, per_partition: int, held: int, puts: int) -> dict[str, Any]:
     """Median put latency with P x K parked requests the budget does not hold back, then with
     the budget spent so that it holds back every one, on one cluster (see the module's doc)."""
@@ -170,12 +160,12 @@ def held_back_end_to_end(partitions: int, per_partition: int, held: int, puts: i
         parked = Parked(cluster.address, partitions, per_partition, ask)
         try:
             parked.wait_parked(client, partitions * per_partition)
-            free = timed_puts(client, [client.acquire(1, timeout=30) for _ in range(puts)])
+            free = puts_under(client, [client.acquire(1, timeout=30) for _ in range(puts)])
             grants = [client.acquire(1, timeout=30) for _ in range(puts)]
             while (left := client.status()["admission"]["budget"]) > 0:  # spend it on stale samples
                 with client.acquire(min(left, per_version), timeout=30) as grant:
                     client.put(rows(grant.n), partition="stale", grant=grant, policy_version=0)
-            held_back = timed_puts(client, grants)
+            held_back = puts_under(client, grants)
             adm = client.status()["admission"]
             assert adm["consumer_batch_size"] == per_version and adm["budget"] == 0, adm
         finally:
@@ -231,12 +221,7 @@ def in_process(partitions: int, per_partition: int, held: int, calls: int) -> di
         assert scheduler.status().parked == partitions * per_partition
 
         def per_call(fn: Callable[[], None]) -> float:
-            times = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return median(times) * 1e6
+            return median(timed(fn)[0] for _ in range(calls)) * 1e6
 
         out = {
             "granted_commit_us": per_call(lambda: scheduler.granted_commit("hot")),
