@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +68,11 @@ def put_latencies(client: tq.Client, puts: int) -> list[float]:
 
 def puts_under(client: tq.Client, grants: list[tq.Grant]) -> list[float]:
     """Seconds of each `put(1 row)` into "hot" under one of `grants`, acquired beforehand."""
-    return [timed(lambda grant=grant: client.put(rows(1), partition="hot", grant=grant))[0] for grant in grants]
+
+    def put(grant: tq.Grant) -> None:
+        client.put(rows(1), partition="hot", grant=grant)
+
+    return [timed(functools.partial(put, grant))[0] for grant in grants]
 
 
 class Parked:

@@ -153,6 +153,7 @@ class PublisherRanks:
                 reply, _ = self._client(rank).reply(rid, self.timeout + 5, what="Lease")
                 grants[rank] = check(reply, Granted)
             except SluiceError as exc:
+                self._client(rank).forget(rid)  # a late grant is dropped: the rank's lease timer frees it
                 error = error or exc
         if error is not None:
             for rank, grant in grants.items():

@@ -382,16 +382,37 @@ def test_a_peer_dropping_the_connection_is_reported_at_once_to_each_awaited_requ
 
 
 _STORM = """
-import socket, sys, threading
+import socket, sys, threading, time
 import zmq
-from transfer_queue.wire.errors import ServiceError
+from transfer_queue.wire.errors import ServiceError, TimeoutError
 from transfer_queue.wire.messages import Reply
 from transfer_queue.wire.rpc import Channel, Codec, Ping
 from transfer_queue.wire.rpc._context import shared_context
 
 ctx = shared_context(zmq.Context)
 ctx.sockopts[zmq.RECONNECT_IVL] = 1  # the refused reconnects in seconds rather than minutes
-listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+peer = ctx.socket(zmq.ROUTER)
+peer.setsockopt(zmq.LINGER, 0)
+port = peer.bind_to_random_port("tcp://127.0.0.1")
+channel = Channel(f"tcp://127.0.0.1:{port}", Codec(Reply), connect_timeout=0.5, watch_disconnect=True)
+if sys.argv[1] == "late":  # a request the peer takes and never answers, its id left awaited
+    rid = channel.send(Ping())
+    try:
+        channel.reply(rid, 0.3)
+    except TimeoutError:
+        pass
+peer.close()
+while True:  # the port, once ZeroMQ's I/O thread let it go
+    try:
+        listener = socket.create_server(("127.0.0.1", port), backlog=512)
+        break
+    except OSError:
+        time.sleep(0.01)
+if sys.argv[1] == "unreachable":
+    try:
+        channel.call(Ping())
+    except ServiceError:
+        pass  # never connected
 dropped, more = 0, threading.Condition()
 
 def drop_every_connection():  # what a peer refusing this client's credentials does
@@ -404,13 +425,7 @@ def drop_every_connection():  # what a peer refusing this client's credentials d
             more.notify_all()
 
 threading.Thread(target=drop_every_connection, daemon=True).start()
-channel = Channel(f"tcp://127.0.0.1:{listener.getsockname()[1]}", Codec(Reply), connect_timeout=0.5,
-                  watch_disconnect=True)
-try:
-    channel.call(Ping())
-except ServiceError:
-    pass  # never connected: the channel is now idle, its peer dropping each reconnect
-with more:  # past the monitor queue's 2,000 events (its two sockets' high-water marks)
+with more:  # the channel idles, its peer dropping each reconnect, past the monitor queue's 2,000 events
     assert more.wait_for(lambda: dropped >= 3000, 60), f"only {dropped} reconnects"
 router = ctx.socket(zmq.ROUTER)
 dealer = ctx.socket(zmq.DEALER)
@@ -420,11 +435,14 @@ print("other sockets work" if router.poll(10_000) else "the process's sockets st
 """
 
 
-def test_an_idle_channel_watching_disconnects_never_stalls_the_process():
+@pytest.mark.parametrize("after", ["unreachable", "late"])
+def test_an_idle_channel_watching_disconnects_never_stalls_the_process(after):
     """libzmq sends monitor events from the process's one I/O thread and blocks there once a
     monitor's queue is full: an idle channel must hold no monitor, or a peer dropping each of
-    its reconnects (wrong credentials) stops every socket of the process. Run in a process of
-    its own, which stalls if it fails."""
-    done = subprocess.run([sys.executable, "-c", _STORM], capture_output=True, text=True, timeout=120)
+    its reconnects (wrong credentials) stops every socket of the process. Idle after a call
+    that found no connection, and after a reply that timed out with its request still awaited
+    (as a caller of `send` and `reply` leaves it). Run in a process of its own, which stalls if
+    it fails."""
+    done = subprocess.run([sys.executable, "-c", _STORM, after], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "other sockets work"

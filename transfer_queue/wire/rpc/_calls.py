@@ -53,7 +53,7 @@ class SyncCalls:
         Raises:
             SluiceError: as `send` and `reply` (the peer is gone: its own timers free what it held).
         """
-        self.reply(self.send(Cancel(rid)), GRACE, what="Cancel")
+        self.call(Cancel(rid), GRACE)
         answer = self._stash.pop(rid, None)
         self.forget(rid)
         return answer

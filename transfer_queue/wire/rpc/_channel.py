@@ -64,6 +64,7 @@ class Channel(_Peer, SyncCalls):
         self._poller.register(self.sock, zmq.POLLIN)
         self._watch = watch_disconnect
         self._monitor: zmq.Socket | None = None
+        self._overdue: set[int] = set()  # expected ids whose `reply` raised: kept for `cancel`, not watched
         self._interrupt: int | None = None
 
     def interrupt_on(self, fd: int) -> None:
@@ -87,8 +88,12 @@ class Channel(_Peer, SyncCalls):
         try:
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
+            error = self._unreachable()
             self._settled()
-            raise self._unreachable() from None
+            raise error from None
+        except BaseException:
+            self._settled()
+            raise
         self._expected.add(rid)
         return rid
 
@@ -103,9 +108,11 @@ class Channel(_Peer, SyncCalls):
                 self._monitor.recv_multipart()
 
     def _settled(self) -> None:
-        """Detach the disconnect monitor once no request awaits its reply (or the peer was
-        found gone): an idle channel must hold no monitor (class docstring)."""
-        if not self._expected or self.dead:
+        """Detach the disconnect monitor once no request awaits a reply anyone waits for (one
+        whose `reply` raised is left for `cancel`), or the peer was found gone: an idle channel
+        must hold no monitor (class docstring)."""
+        self._overdue &= self._expected
+        if self.dead or self._expected <= self._overdue:
             self._unwatch()
 
     def _unwatch(self) -> None:
@@ -140,6 +147,8 @@ class Channel(_Peer, SyncCalls):
         """The (message, data frames) answering `rid`, awaited since `since` (default: now) for at
         most `wait` seconds (None: as long as the peer is alive).
 
+        When this raises, the request stays awaited for `cancel(rid)`; `forget(rid)` drops it.
+
         Raises:
             SluiceError: (`late`) no answer within `wait`; (`lost`) the peer is silent for
                 `dead_after` s or dropped the connection.
@@ -161,6 +170,9 @@ class Channel(_Peer, SyncCalls):
                     self._take(self.sock.recv_multipart(copy=False))
             self._expected.discard(rid)
             return self._stash.pop(rid)
+        except BaseException:
+            self._overdue.add(rid)
+            raise
         finally:
             self._settled()
 

@@ -96,4 +96,10 @@ def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     address is made from the socket's file descriptor, which a new socket reuses once the old one
     is closed, while the old monitor's address may still be bound: the new monitor would then
     fail with "Address already in use"."""
-    return sock.get_monitor_socket(events, f"inproc://sluice-monitor-{os.getpid()}-{next(_monitors)}")
+    try:
+        return sock.get_monitor_socket(events, f"inproc://sluice-monitor-{os.getpid()}-{next(_monitors)}")
+    except zmq.ZMQError as exc:
+        sock.disable_monitor()  # libzmq's half, bound before the reader was refused, would block its I/O thread
+        if exc.errno != errno.EMFILE:
+            raise
+        raise out_of_files("ZeroMQ sockets", sock.context) from None
