@@ -13,12 +13,18 @@ reached only host staging (staged before the first such lease, or CPU weights) i
 to device into a GPU slot at its first GPU lease (`catch_up`, on a thread of its own), unless
 GPU staging holds a newer one already. A GPU slot is leased only once complete (a lease waits
 for its copy or its pack), and reused only once its readers released it.
+
+Once the GPU has no memory for a slot (or allocating one fails otherwise), GPU staging stops
+for good (`error` says why): its memory goes back to the trainer, each slot as soon as no
+reader holds it and no pack or copy is writing it (`SlotTable.retire`), host staging goes on,
+GPU-staging leases fail with the reason, and the rank's description of its slots for a
+GPU-staging transport carries it, so that subscribers that offered host transports too read
+host staging from then on (`WeightSubscriber`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,14 +92,7 @@ class GpuMirror:
             self._nbytes or "the model's",
         )
         if self._nbytes and self.table.device is not None:
-            threading.Thread(target=self._prepare, name="sluice-ws-mirror-prepare", daemon=True).start()
-
-    def _prepare(self) -> None:
-        """Allocate the GPU slots (a thread of `turn_on`'s); no memory for them stops GPU staging."""
-        try:
-            self.table.prepare(self._nbytes)
-        except torch.cuda.OutOfMemoryError as exc:
-            self.out_of_memory(exc)
+            self.table.prepare_in_background(self._nbytes, self.no_memory)
 
     def claim(self, version: int, manifest: Manifest) -> Slot | None:
         """The GPU slot to stage `version` into, once on; `place`d before. None while off, once
@@ -103,19 +102,36 @@ class GpuMirror:
         if not self.on or self.error:
             return None
         try:
-            slot = self.table.claim(version, manifest.nbytes, 0.0)
+            slot = self._claim(version, manifest.nbytes, 0.0)
         except TimeoutError:
             return None
-        except torch.cuda.OutOfMemoryError as exc:
-            self.out_of_memory(exc)
+        except WeightSyncError:  # stopped: no memory for the slot
             return None
         slot.manifest = manifest
         return slot
 
-    def out_of_memory(self, exc: BaseException) -> None:
-        """The GPU had no memory for GPU staging: stop it; its leases fail with the reason."""
+    def _claim(self, version: int, nbytes: int, timeout: float, keep_newer: bool = False) -> Slot:
+        """`SlotTable.claim`, where allocating the slot's memory failing stops GPU staging.
+
+        Raises:
+            WeightSyncError: no memory for the slot (GPU staging stopped), or as `SlotTable.claim`.
+            TimeoutError: as `SlotTable.claim`.
+        """
+        try:
+            return self.table.claim(version, nbytes, timeout, keep_newer=keep_newer)
+        except RuntimeError as exc:  # the allocator's: torch.OutOfMemoryError on a GPU
+            self.no_memory(exc)
+            raise WeightSyncError(self.error) from exc
+
+    def no_memory(self, exc: BaseException) -> None:
+        """Allocating GPU staging failed (`exc`; on a GPU, `torch.OutOfMemoryError`): stop it
+        for good and give its memory back as its slots are let go (`SlotTable.retire`); its
+        leases fail with the reason, which the rank's slot description carries too."""
+        if self.error:
+            return
         self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
-        log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
+        log.warning("%s; freeing GPU staging, host staging goes on", self.error)
+        self.table.retire()
 
     def on_its_way(self, version: int) -> bool:
         """Whether `version` is being copied or staged here (its leases wait for it). Server thread."""
@@ -156,7 +172,7 @@ class GpuMirror:
             source.wait_filled(manifest.nbytes, version, self.timeout)
             if not host.pin:
                 host.pin_all()  # host-to-device copies at pinned speed, for this and the next
-            slot = self.table.claim(version, manifest.nbytes, self.timeout, keep_newer=True)
+            slot = self._claim(version, manifest.nbytes, self.timeout, keep_newer=True)
             slot.manifest = manifest
             device = self.table.device
             assert device is not None  # placed by `catch_up`
@@ -168,8 +184,8 @@ class GpuMirror:
         except Exception as exc:  # noqa: BLE001 - its leases fail with the reason
             log.warning("copying version %d to GPU staging failed: %s", version, exc)
             self._failed = (version, f"copying it to GPU staging failed: {exc}")
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                self.out_of_memory(exc)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):  # the copy's own memory
+                self.no_memory(exc)
             if slot is not None:
                 self.table.fail(slot)
         finally:

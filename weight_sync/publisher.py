@@ -434,7 +434,7 @@ class WeightPublisher:
         the GPU slot claimed for it beside host staging, if any."""
         if not self._prepared:  # not given the model: ready the other slots for the next versions
             self._prepared = True
-            self._preparing = self._table.prepare_in_background(manifest.nbytes)
+            self._preparing = self._table.prepare_in_background(manifest.nbytes, self._prepare_failed)
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
         on = self.delta
@@ -485,8 +485,8 @@ class WeightPublisher:
                     packs.clear()
                     self._device_packs = None
                 if mirror is not None and self._mirror is not None:
-                    self._mirror.out_of_memory(exc)
-                    self._mirror.table.fail(mirror)
+                    self._mirror.no_memory(exc)
+                    self._mirror.table.fail(mirror)  # freed there: GPU staging stopped
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             return None
@@ -563,6 +563,9 @@ class WeightPublisher:
         with background_copies(device) as mark:
             if mirror is not None:
                 packed = mirror.mapped.tensor[: manifest.nbytes]
+                # GPU staging may stop and free the slot while this pack (failed half way) or
+                # the copies to the host below are still queued: its memory is reused only after
+                packed.record_stream(torch.cuda.current_stream(device))
                 pack(manifest, tensors, packed, lambda _: None, _destinations(mirror))
                 if packs is not None:
                     try:
@@ -577,6 +580,8 @@ class WeightPublisher:
             ready = mark()
         marks: list[tuple[Callable[[], None], int]] = []
         with trailing_copies(device) as mark:  # they read the pack only: the trainer need not wait
+            if mirror is not None:
+                packed.record_stream(torch.cuda.current_stream(device))
             host = slot.mapped.tensor
             for k in range(manifest.num_buckets):
                 lo, hi = k * bucket, min((k + 1) * bucket, manifest.nbytes)
@@ -601,6 +606,11 @@ class WeightPublisher:
         self._table.prepare(manifest.nbytes)
         if self._mirror is not None and cuda is not None:
             self._mirror.place(cuda, manifest.nbytes)
+
+    def _prepare_failed(self, exc: Exception) -> None:
+        """Allocating the other slots in the background failed (`_stage`): each is allocated
+        by the `publish` that claims it instead, which raises if there is still no memory."""
+        log.warning("weight channel %r rank %d: allocating the staging slots failed: %s", self.name, self.rank, exc)
 
     def _place_staging(self, cuda: torch.device | None) -> None:
         """Settle where staging lives, before the first slot is allocated: GPU slots on the

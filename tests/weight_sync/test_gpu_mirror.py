@@ -2,8 +2,9 @@
 the mirror's slots on the CPU (the same code; only the copy's stream is CUDA's on a GPU). A
 catch-up waits for its host bytes and leaves a complete copy, never evicts a newer version, and
 one that fails leaves its reason for the version's leases instead of copying again; a version
-host staging does not hold starts nothing; `publish` never waits for GPU readers. The GPU run
-is `test_cuda_ipc.py`'s."""
+host staging does not hold starts nothing; `publish` never waits for GPU readers; no memory for a
+slot (a slot larger than the device can allocate) stops GPU staging and gives its memory back,
+each slot once nothing reads or writes it. The GPU run is `test_cuda_ipc.py`'s."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from weight_sync.staging import SlotTable
 
 NBYTES = 1 << 16
 MANIFEST = layout_buckets([("w", torch.uint8, Layout.full((NBYTES,)))], 1 << 14)
+TOO_LARGE = layout_buckets([("w", torch.uint8, Layout.full((1 << 50,)))], 1 << 30)
+"""A model no device can allocate a slot for (a petabyte: past any address space)."""
 
 
 @pytest.fixture
@@ -124,3 +127,58 @@ def test_publish_never_waits_for_gpu_readers(tables):
         mirror.table.advance(slot, NBYTES, complete=True)
         assert mirror.table.lease(version) is not None
     assert mirror.claim(3, MANIFEST) is None
+
+
+def test_no_memory_for_a_slot_stops_gpu_staging_and_frees_each_slot_once_let_go():
+    """The allocator refuses a GPU slot: GPU staging stops with the reason; the slot no one
+    holds is freed at once, the one a reader leased once it is released (its reader reads it
+    whole until then), and the one a pack is still writing once its publisher marks it; no
+    slot is allocated or claimed again, and no catch-up starts."""
+    host = SlotTable(1, shared=False, lease_timeout=30)
+    mirror = GpuMirror(4, lease_timeout=30, ids=itertools.count(1), timeout=5)
+    mirror.table.device = torch.device("cpu")  # where a GPU's slots would be
+    mirror.on = True  # as `turn_on` sets it where CUDA is
+    try:
+        read, idle, packing = (mirror.claim(version, MANIFEST) for version in (1, 2, 3))
+        assert read is not None and idle is not None and packing is not None
+        for slot, fill in ((read, 1), (idle, 2)):
+            slot.mapped.tensor.fill_(fill)
+            mirror.table.advance(slot, NBYTES, complete=True)
+        mirror.table.advance(packing, NBYTES // 2)  # a pack still writing its second half
+        lease = mirror.table.lease(1)
+        assert lease is not None
+        assert mirror.claim(4, TOO_LARGE) is None
+        assert "no GPU memory" in mirror.error
+        assert idle.segment is None and mirror.table.find(2) is None
+        assert read.segment is not None and packing.segment is not None
+        assert torch.equal(read.mapped.tensor, torch.full((NBYTES,), 1, dtype=torch.uint8))
+        mirror.table.release(lease[0])
+        assert read.segment is None
+        mirror.table.advance(packing, NBYTES, complete=True)
+        assert packing.segment is None
+        assert all(s.segment is None for s in mirror.table.slots)
+        assert mirror.claim(5, MANIFEST) is None
+        mirror.table.prepare(NBYTES)
+        assert all(s.segment is None for s in mirror.table.slots)
+        _stage(host, 5, 5)
+        done = _catch_up(mirror, host, 5)
+        assert not mirror.on_its_way(5) and not done.is_set()
+    finally:
+        mirror.close()
+        host.close()
+
+
+def test_a_catch_up_that_finds_no_memory_stops_gpu_staging_and_frees_its_slots(tables):
+    """The copier thread's claim is refused memory: the version's leases are told why, and
+    the slot holding an earlier copy is freed."""
+    host, mirror = tables
+    _stage(host, 1, 1)
+    assert _catch_up(mirror, host, 1).wait(10)
+    mirror.finished(1)
+    big = host.claim(2, NBYTES, 5)
+    big.manifest = TOO_LARGE  # a version no device has room for: the copy's claim is refused
+    host.advance(big, TOO_LARGE.nbytes, complete=True)
+    assert _catch_up(mirror, host, 2).wait(10)
+    mirror.finished(2)
+    assert "no GPU memory" in mirror.why(2) and "no GPU memory" in mirror.why(1)
+    assert all(s.segment is None for s in mirror.table.slots)
