@@ -843,7 +843,9 @@ class WeightPublisher:
                     raise WeightSyncError(f"manifest {mid:#x} is no longer kept by rank {self.rank}")
                 pending.reply(Described(manifest))
             case Slots(transport=name):
-                pending.reply(SlotList(self._describe_slots(name), self._latest_manifest))
+                mirror = self._mirror_for(name)
+                stopped = mirror.error if mirror is not None else ""
+                pending.reply(SlotList(self._describe_slots(name), self._latest_manifest, stopped))
             case Verify():
                 pending.reply(self._verify(msg))
             case Join() | Staged() | Latest() | Confirm() if self._coordinator is not None:

@@ -20,7 +20,19 @@ from transfer_queue.wire.rpc import Message, Ping, check
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
-from .protocol import Checksums, Describe, Granted, Lease, LocalClient, RankInfo, Release, RpcClient, Slots, Verify
+from .protocol import (
+    Checksums,
+    Describe,
+    Granted,
+    Lease,
+    LocalClient,
+    RankInfo,
+    Release,
+    RpcClient,
+    SlotList,
+    Slots,
+    Verify,
+)
 from .staging import Slot, SlotTable
 from .transports import Job, MapTransport, Transport
 
@@ -99,19 +111,19 @@ class PublisherRanks:
             plan = self._plans[ids] = build_plan(manifests, bindings, first=self._shard.rank)
         return plan
 
-    def open_slots(self) -> None:
+    def open_slots(self) -> str:
         """For "map" transports: open every rank's staging slots made so far, plan the reads of
         the manifest they were made for and start the copy stream, so the first version
         applies as fast as the next (a rank that does not answer is left for the first lease
-        to report)."""
+        to report). Returns why a rank stopped serving the transport ("": none did; nothing
+        is opened then)."""
         if not isinstance(self.transport, MapTransport):
-            return
+            return ""
+        replies, stopped = self._slot_lists()
+        if stopped or not replies:
+            return stopped
         manifests = []
-        for rank in range(len(self.info)):
-            try:
-                reply = self.call(rank, Slots(self.transport.name))
-            except SluiceError:
-                return
+        for rank, reply in enumerate(replies):
             for slot in reply.slots:
                 self.transport.open_ahead(rank, slot)
             manifests.append(reply.manifest)
@@ -120,6 +132,25 @@ class PublisherRanks:
                 self.plan(tuple(manifests))
         with copies(next((t.device for t in self._targets.values() if is_cuda(t)), None)):
             pass  # the copy stream exists before the first version needs it
+        return ""
+
+    def stopped(self) -> str:
+        """Why a rank stopped serving the transport ("": none said so, or one did not answer)."""
+        return self._slot_lists()[1]
+
+    def _slot_lists(self) -> tuple[list[SlotList], str]:
+        """Every rank's slots for the transport, up to the first rank that stopped serving it,
+        and why it stopped ("": none did); none at all if a rank does not answer."""
+        replies: list[SlotList] = []
+        for rank in range(len(self.info)):
+            try:
+                reply = self.call(rank, Slots(self.transport.name))
+            except SluiceError:
+                return [], ""
+            if reply.stopped:
+                return replies, reply.stopped
+            replies.append(reply)
+        return replies, ""
 
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`
