@@ -563,8 +563,9 @@ class WeightPublisher:
         with background_copies(device) as mark:
             if mirror is not None:
                 packed = mirror.mapped.tensor[: manifest.nbytes]
-                # GPU staging may stop and free the slot while this pack (failed half way) or
-                # the copies to the host below are still queued: its memory is reused only after
+                # GPU staging may stop and free the slot while this pack (one failed half way)
+                # or the copies to the host below are still queued: recorded on their streams,
+                # its memory is reused only once they are done
                 packed.record_stream(torch.cuda.current_stream(device))
                 pack(manifest, tensors, packed, lambda _: None, _destinations(mirror))
                 if packs is not None:
