@@ -17,9 +17,9 @@ for its copy or its pack), and reused only once its readers released it.
 Once the GPU has no memory for a slot (or allocating one fails otherwise), GPU staging stops
 for good (`error` says why): its memory goes back to the trainer, each slot as soon as no
 reader holds it and no pack or copy is writing it (`SlotTable.retire`), host staging goes on,
-GPU-staging leases fail with the reason, and the rank's description of its slots for a
-GPU-staging transport carries it, so that subscribers that offered host transports too read
-host staging from then on (`WeightSubscriber`).
+GPU-staging leases fail with `GpuStagingStoppedError` and the reason, and the rank's
+description of its slots for a GPU-staging transport carries it, so that subscribers that
+offered host transports too read host staging from then on (`WeightSubscriber`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.cuda import side_stream, synchronize
 
 from .manifest import Manifest
@@ -75,15 +75,14 @@ class GpuMirror:
         on the GPU too, its slots allocated now in the background once `place`d. Server thread.
 
         Raises:
-            WeightSyncError: this process has no CUDA, or GPU staging failed for lack of memory.
+            GpuStagingStoppedError: this process has no CUDA, or GPU staging stopped for lack
+                of memory.
         """
-        if self.error:
-            raise WeightSyncError(self.error)
+        if not self.error and not self.on and not torch.cuda.is_available():
+            self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
+        self.check()
         if self.on:
             return
-        if not torch.cuda.is_available():
-            self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
-            raise WeightSyncError(self.error)
         self.on = True
         log.info(
             "a subscriber reads GPU staging: staging versions on %s too (%d slots of %s bytes)",
@@ -93,6 +92,11 @@ class GpuMirror:
         )
         if self._nbytes and self.table.device is not None:
             self.table.prepare_in_background(self._nbytes, self.no_memory)
+
+    def check(self) -> None:
+        """Raises `GpuStagingStoppedError` with the reason if GPU staging stopped or cannot start."""
+        if self.error:
+            raise GpuStagingStoppedError(self.error)
 
     def claim(self, version: int, manifest: Manifest) -> Slot | None:
         """The GPU slot to stage `version` into, once on; `place`d before. None while off, once
@@ -114,14 +118,15 @@ class GpuMirror:
         """`SlotTable.claim`, where allocating the slot's memory failing stops GPU staging.
 
         Raises:
-            WeightSyncError: no memory for the slot (GPU staging stopped), or as `SlotTable.claim`.
+            GpuStagingStoppedError: no memory for the slot (GPU staging stopped).
+            WeightSyncError: as `SlotTable.claim`.
             TimeoutError: as `SlotTable.claim`.
         """
         try:
             return self.table.claim(version, nbytes, timeout, keep_newer=keep_newer)
         except RuntimeError as exc:  # the allocator's: torch.OutOfMemoryError on a GPU
             self.no_memory(exc)
-            raise WeightSyncError(self.error) from exc
+            raise GpuStagingStoppedError(self.error) from exc
 
     def no_memory(self, exc: BaseException) -> None:
         """Allocating GPU staging failed (`exc`; on a GPU, `torch.OutOfMemoryError`): stop it
@@ -141,8 +146,9 @@ class GpuMirror:
         return slot is not None and not slot.complete
 
     def why(self, version: int) -> str:
-        """Why `version` cannot be read from GPU staging ("": no known reason)."""
-        return self.error or (self._failed[1] if self._failed[0] == version else "")
+        """Why copying `version` to GPU staging failed ("": it did not fail; GPU staging that
+        stopped is `check`'s)."""
+        return self._failed[1] if self._failed[0] == version else ""
 
     def catch_up(self, host: SlotTable, version: int, device: torch.device | None, done: Callable[[], None]) -> None:
         """Copy `version` from its `host` slot into a GPU slot on the copier thread, unless it

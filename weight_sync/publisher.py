@@ -899,6 +899,8 @@ class WeightPublisher:
                     pending, msg.timeout, f"version {msg.version} was not staged on rank {self.rank} in time"
                 )
         else:
+            if mirror is not None:
+                mirror.check()  # stopped since `_grant` asked: the subscriber reads host staging
             why = mirror.why(msg.version) if mirror is not None else ""
             if why:
                 raise WeightSyncError(

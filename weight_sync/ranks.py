@@ -115,13 +115,19 @@ class PublisherRanks:
         """For "map" transports: open every rank's staging slots made so far, plan the reads of
         the manifest they were made for and start the copy stream, so the first version
         applies as fast as the next (a rank that does not answer is left for the first lease
-        to report). Returns why a rank stopped serving the transport ("": none did; nothing
-        is opened then)."""
+        to report). Returns "" once that is done; if a rank says it stopped serving the
+        transport, returns its reason instead and opens no slot."""
         if not isinstance(self.transport, MapTransport):
             return ""
-        replies, stopped = self._slot_lists()
-        if stopped or not replies:
-            return stopped
+        replies: list[SlotList] = []
+        for rank in range(len(self.info)):
+            try:
+                reply = self.call(rank, Slots(self.transport.name))
+            except SluiceError:
+                return ""
+            if reply.stopped:
+                return reply.stopped
+            replies.append(reply)
         manifests = []
         for rank, reply in enumerate(replies):
             for slot in reply.slots:
@@ -133,24 +139,6 @@ class PublisherRanks:
         with copies(next((t.device for t in self._targets.values() if is_cuda(t)), None)):
             pass  # the copy stream exists before the first version needs it
         return ""
-
-    def stopped(self) -> str:
-        """Why a rank stopped serving the transport ("": none said so, or one did not answer)."""
-        return self._slot_lists()[1]
-
-    def _slot_lists(self) -> tuple[list[SlotList], str]:
-        """Every rank's slots for the transport, up to the first rank that stopped serving it,
-        and why it stopped ("": none did); none at all if a rank does not answer."""
-        replies: list[SlotList] = []
-        for rank in range(len(self.info)):
-            try:
-                reply = self.call(rank, Slots(self.transport.name))
-            except SluiceError:
-                return [], ""
-            if reply.stopped:
-                return replies, reply.stopped
-            replies.append(reply)
-        return replies, ""
 
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`

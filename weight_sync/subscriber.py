@@ -11,12 +11,13 @@ per-rank calls (`ranks.PublisherRanks`) and the receiver strategy for the transp
 thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (raised by the next
 `poll`/`wait`); the tensors keep the version they had.
 
-A GPU-staging transport (cuda_ipc) chosen where host-staging ones were offered too ("auto", or a
-list naming both) is given up for the best of those if the publisher's GPU staging stops or cannot start (no CUDA
-in its process, no GPU memory: `gpu_mirror`): on connecting, if a rank's description says so,
-or when a lease is refused and a rank then says so. The version that failed is applied whole
-from host staging in the same call; a subscriber that offered only GPU-staging transports
-gets the `WeightSyncError` with the reason.
+A GPU-staging transport (cuda_ipc) chosen where host-staging ones were offered too ("auto", or
+a list naming both) is given up for the best of those if the publisher's GPU staging stops or
+cannot start (no CUDA in its process, no GPU memory: `gpu_mirror`): on connecting, if a rank's
+description of its slots says so, or when a rank refuses a lease with `GpuStagingStoppedError`
+(no other error: a dead publisher is reported at once). The refused version is applied whole
+from host staging in the same call; a subscriber that offered only GPU-staging transports gets
+the `GpuStagingStoppedError` with the reason.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import xxhash
 
 import transfer_queue as tq
-from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 
 from .background import ImageReceiver, ReadsReceiver
@@ -191,17 +192,19 @@ class WeightSubscriber:
         return self.version
 
     def _receive(self, deadline: float) -> int | None:
-        """The receiver's `poll`, waiting until `deadline` (monotonic) for a version; if it
-        fails because the publisher's GPU staging stopped, fall back to host staging
-        (`_fall_back`) and poll that, so the version is applied from there now."""
-        assert self._receiver is not None and self._ranks is not None  # _start made them
+        """The receiver's `poll`, waiting until `deadline` (monotonic) for a version; if a rank
+        refused its lease because its GPU staging stopped and a host-staging transport is
+        spare, fall back to that (`_fall_back`) and poll it, so the version is applied from
+        there now."""
+        assert self._receiver is not None  # _start made it
         try:
             return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
-        except WeightSyncError:
-            stopped = self._ranks.stopped() if self._spare else ""
-            if not stopped:
+        except GpuStagingStoppedError as exc:
+            if not self._spare:
                 raise
-        self._fall_back(stopped)
+            why = str(exc)
+        self._fall_back(why)
+        assert self._receiver is not None  # _fall_back made it
         return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:

@@ -13,14 +13,16 @@ subscriber's version in place, and GPU staging out of memory gives its memory ba
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import pytest
 import torch
 
 import transfer_queue as tq
-from transfer_queue import WeightSyncError
+from transfer_queue import GpuStagingStoppedError, WeightSyncError
 from transfer_queue.host import host_id
+from transfer_queue.wire.rpc import DEAD_AFTER
 from weight_sync import CudaIpcTransport, WeightPublisher, WeightSubscriber
 from weight_sync.protocol import Granted, Lease, RankInfo, RpcClient, SlotInfo
 from weight_sync.transports import resolve
@@ -95,7 +97,7 @@ def test_without_cuda_a_subscriber_that_offered_host_transports_reads_host_stagi
     with WeightPublisher(None, transport=[CudaIpcTransport(), "shm"], bucket_bytes=BUCKET, timeout=30) as pub:
         mine = zeros()
         with WeightSubscriber(None, mine, transport=offered, publisher=pub.endpoint, timeout=10) as sub:
-            sub._gpu_targets = True
+            sub._gpu_targets = True  # stands in for the CUDA tensors this box cannot make
             assert sub.poll() is None  # connected; nothing published yet
             assert sub._ranks is not None and sub._ranks.transport.name == "cuda_ipc"
             pub.publish(weights(1), 1)
@@ -108,15 +110,42 @@ def test_without_cuda_a_subscriber_that_offered_host_transports_reads_host_stagi
             said = [r.getMessage() for r in caplog.records if "GPU staging stopped" in r.getMessage()]
             assert len(said) == 1 and "no CUDA" in said[0], said
         with WeightSubscriber(None, zeros(), transport=offered, publisher=pub.endpoint, timeout=10) as new:
-            new._gpu_targets = True
-            assert new._start(timeout=10)
-            assert new._ranks is not None and new._ranks.transport.name == "shm"
+            new._gpu_targets = True  # as above
             assert new.wait(2, timeout=30) == 2
+            assert new._ranks is not None and new._ranks.transport.name == "shm"
         named = zeros()
         with WeightSubscriber(None, named, transport=CudaIpcTransport(), publisher=pub.endpoint, timeout=10) as sub:
-            with pytest.raises(WeightSyncError, match="no CUDA"):
+            with pytest.raises(GpuStagingStoppedError, match="no CUDA"):
                 sub.wait(2, timeout=30)
             assert sub.version == -1 and all(not t.any() for t in named.values())
+
+
+def test_a_dead_publisher_is_reported_as_fast_with_a_spare_host_transport_as_without():
+    """A subscriber on cuda_ipc that keeps shm spare falls back only when a rank refuses its
+    lease because GPU staging stopped: a killed publisher is a lost connection, reported at
+    once, not after asking the dead rank again (which would take the connect timeout,
+    `DEAD_AFTER`); so both subscribers report it well within that."""
+    commands, out = CTX.Queue(), CTX.Queue()
+    offered = [("cuda_ipc", {}), "shm"]
+    proc = CTX.Process(target=publisher, args=(out, commands, None, offered, {"bucket_bytes": BUCKET}), daemon=True)
+    proc.start()
+    endpoint = out.get(timeout=60)[1]
+    with (
+        WeightSubscriber(None, zeros(), transport=CudaIpcTransport(), publisher=endpoint, timeout=30) as alone,
+        WeightSubscriber(None, zeros(), transport=[CudaIpcTransport(), "shm"], publisher=endpoint, timeout=30) as spare,
+    ):
+        for sub in (alone, spare):
+            sub._gpu_targets = True  # stands in for the CUDA tensors this box cannot make
+            assert sub.poll() is None  # connected; nothing published yet
+            assert sub._ranks is not None and sub._ranks.transport.name == "cuda_ipc"
+        kill(proc)
+        for sub in (alone, spare):
+            started = time.monotonic()
+            with pytest.raises(WeightSyncError) as raised:
+                sub.wait(1, timeout=30)
+            took = time.monotonic() - started
+            assert not isinstance(raised.value, GpuStagingStoppedError)
+            assert took < DEAD_AFTER / 2, f"{took:.2f} s to report a dead publisher: {raised.value}"
 
 
 def test_auto_offers_cuda_ipc_where_cuda_is():

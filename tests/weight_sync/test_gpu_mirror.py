@@ -180,5 +180,5 @@ def test_a_catch_up_that_finds_no_memory_stops_gpu_staging_and_frees_its_slots(t
     host.advance(big, TOO_LARGE.nbytes, complete=True)
     assert _catch_up(mirror, host, 2).wait(10)
     mirror.finished(2)
-    assert "no GPU memory" in mirror.why(2) and "no GPU memory" in mirror.why(1)
+    assert "no GPU memory" in mirror.why(2) and "no GPU memory" in mirror.error
     assert all(s.segment is None for s in mirror.table.slots)
