@@ -486,7 +486,12 @@ class WeightPublisher:
                     self._device_packs = None
                 if mirror is not None and self._mirror is not None:
                     self._mirror.no_memory(exc)
-                    self._mirror.table.fail(mirror)  # freed there: GPU staging stopped
+                    # the pack that failed may have queued copies into the slot: done before
+                    # failing it frees it (GPU staging stopped), so its memory is not reused
+                    # under them
+                    with side_stream(device, "background"):
+                        synchronize(device)
+                    self._mirror.table.fail(mirror)
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
             return None
@@ -563,10 +568,6 @@ class WeightPublisher:
         with background_copies(device) as mark:
             if mirror is not None:
                 packed = mirror.mapped.tensor[: manifest.nbytes]
-                # GPU staging may stop and free the slot while this pack (one failed half way)
-                # or the copies to the host below are still queued: recorded on their streams,
-                # its memory is reused only once they are done
-                packed.record_stream(torch.cuda.current_stream(device))
                 pack(manifest, tensors, packed, lambda _: None, _destinations(mirror))
                 if packs is not None:
                     try:
@@ -581,8 +582,6 @@ class WeightPublisher:
             ready = mark()
         marks: list[tuple[Callable[[], None], int]] = []
         with trailing_copies(device) as mark:  # they read the pack only: the trainer need not wait
-            if mirror is not None:
-                packed.record_stream(torch.cuda.current_stream(device))
             host = slot.mapped.tensor
             for k in range(manifest.num_buckets):
                 lo, hi = k * bucket, min((k + 1) * bucket, manifest.nbytes)

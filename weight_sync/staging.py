@@ -351,9 +351,10 @@ class SlotTable:
         """Give this table's memory back: free every slot's segment no reader holds and no
         writer is finishing (`Slot.finishing`: its owner has still to mark it complete or
         failed) at once, and each other one as its last lease is released or its writer marks
-        it. No slot is claimed or allocated again. GPU memory freed here goes back to the
-        process's caching allocator; copies still queued on other streams must have been
-        recorded on it (`Tensor.record_stream`) by whoever queued them."""
+        it. No slot is claimed or allocated again. Freeing a GPU slot does not wait for the
+        GPU: whoever queued copies into or out of it has them done before marking or releasing
+        it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
+        stream of a pack that failed, a catch-up and a reader wait for their copies)."""
         with self.cond:
             self._retired = True
             for slot in self.slots:
