@@ -15,8 +15,9 @@ GPU staging holds a newer one already. A GPU slot is leased only once complete (
 for its copy or its pack), and reused only once its readers released it.
 
 Once the GPU has no memory for a slot (or allocating one fails otherwise), GPU staging stops
-for good (`error` says why): its memory goes back to the trainer, each slot as soon as no
-reader holds it and no pack or copy is writing it (`SlotTable.retire`), host staging goes on,
+for good (`error` says why): it lets go of each slot as soon as no reader holds it and no
+pack or copy is writing it (`SlotTable.retire`; PyTorch may hold back the memory of a slot
+shared over CUDA IPC until every handle to it is dropped: docs/gpu.md), host staging goes on,
 GPU-staging leases fail with `GpuStagingStoppedError` and the reason, and the rank's
 description of its slots for a GPU-staging transport carries it, so that subscribers that
 offered host transports too read host staging from then on (`WeightSubscriber`).
@@ -130,8 +131,8 @@ class GpuMirror:
 
     def no_memory(self, exc: BaseException) -> None:
         """Allocating GPU staging failed (`exc`; on a GPU, `torch.OutOfMemoryError`): stop it
-        for good and give its memory back as its slots are let go (`SlotTable.retire`); its
-        leases fail with the reason, which the rank's slot description carries too."""
+        for good and free each slot as it is let go (`SlotTable.retire`); its leases fail
+        with the reason, which the rank's slot description carries too."""
         if self.error:
             return
         self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
