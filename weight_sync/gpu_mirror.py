@@ -92,7 +92,7 @@ class GpuMirror:
             self._nbytes or "the model's",
         )
         if self._nbytes and self.table.device is not None:
-            self.table.prepare_in_background(self._nbytes, self.no_memory)
+            self.table.prepare_in_background(self._nbytes, self.stop)
 
     def check(self) -> None:
         """Raises `GpuStagingStoppedError` with the reason if GPU staging stopped or cannot start."""
@@ -126,16 +126,19 @@ class GpuMirror:
         try:
             return self.table.claim(version, nbytes, timeout, keep_newer=keep_newer)
         except RuntimeError as exc:  # the allocator's: torch.OutOfMemoryError on a GPU
-            self.no_memory(exc)
+            self.stop(exc)
             raise GpuStagingStoppedError(self.error) from exc
 
-    def no_memory(self, exc: BaseException) -> None:
-        """Allocating GPU staging failed (`exc`; on a GPU, `torch.OutOfMemoryError`): stop it
-        for good and free each slot as it is let go (`SlotTable.retire`); its leases fail
-        with the reason, which the rank's slot description carries too."""
+    def stop(self, exc: BaseException) -> None:
+        """Allocating GPU staging failed (`exc`: `torch.OutOfMemoryError` when the GPU had no
+        memory): stop it for good and free each slot as it is let go (`SlotTable.retire`);
+        its leases fail with the reason, which the rank's slot description carries too."""
         if self.error:
             return
-        self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+        if isinstance(exc, torch.OutOfMemoryError):
+            self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+        else:
+            self.error = f"allocating GPU staging on {self.table.device} failed: {exc}"
         log.warning("%s; freeing GPU staging, host staging goes on", self.error)
         self.table.retire()
 
@@ -192,7 +195,7 @@ class GpuMirror:
             log.warning("copying version %d to GPU staging failed: %s", version, exc)
             self._failed = (version, f"copying it to GPU staging failed: {exc}")
             if isinstance(exc, torch.cuda.OutOfMemoryError):  # the copy's own memory
-                self.no_memory(exc)
+                self.stop(exc)
             if slot is not None:
                 self.table.fail(slot)
         finally:

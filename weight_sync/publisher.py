@@ -485,7 +485,7 @@ class WeightPublisher:
                     packs.clear()
                     self._device_packs = None
                 if mirror is not None and self._mirror is not None:
-                    self._mirror.no_memory(exc)
+                    self._mirror.stop(exc)
                     # the pack that failed may have queued copies into the slot: done before
                     # failing it frees it (GPU staging stopped), so its memory is not reused
                     # under them
@@ -803,7 +803,8 @@ class WeightPublisher:
         if ok:
             self._table.advance(slot, slot.manifest.nbytes, complete=True)
         if mirror is not None and self._mirror is not None:
-            if ok and not mirror.failed:
+            # a GPU slot failed after GPU staging stopped was freed (and holds no version)
+            if ok and not mirror.failed and mirror.version == version:
                 self._mirror.table.advance(mirror, slot.manifest.nbytes, complete=True)
             with contextlib.suppress(OSError):  # leases waiting for the GPU slot: granted or told
                 self._server.submit(self._retry_leases)

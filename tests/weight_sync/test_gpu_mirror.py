@@ -3,8 +3,9 @@ the mirror's slots on the CPU (the same code; only the copy's stream is CUDA's o
 catch-up waits for its host bytes and leaves a complete copy, never evicts a newer version, and
 one that fails leaves its reason for the version's leases instead of copying again; a version
 host staging does not hold starts nothing; `publish` never waits for GPU readers; no memory for a
-slot (a slot larger than the device can allocate) stops GPU staging and gives its memory back,
-each slot once nothing reads or writes it. The GPU run is `test_cuda_ipc.py`'s."""
+slot (a slot larger than the device can allocate) stops GPU staging, which frees each slot once
+nothing reads or writes it, says why (out of memory or not) and is never marked complete again.
+The GPU run is `test_cuda_ipc.py`'s."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import threading
 import pytest
 import torch
 
+from transfer_queue import GpuStagingStoppedError
+from weight_sync import CudaIpcTransport, WeightPublisher
 from weight_sync.buckets import layout_buckets
 from weight_sync.gpu_mirror import GpuMirror
 from weight_sync.layout import Layout
@@ -148,7 +151,8 @@ def test_no_memory_for_a_slot_stops_gpu_staging_and_frees_each_slot_once_let_go(
         lease = mirror.table.lease(1)
         assert lease is not None
         assert mirror.claim(4, TOO_LARGE) is None
-        assert "no GPU memory" in mirror.error
+        # the CPU allocator's refusal is a RuntimeError, not torch.OutOfMemoryError
+        assert mirror.error.startswith("allocating GPU staging on cpu failed: "), mirror.error
         assert idle.segment is None and mirror.table.find(2) is None
         assert read.segment is not None and packing.segment is not None
         assert torch.equal(read.mapped.tensor, torch.full((NBYTES,), 1, dtype=torch.uint8))
@@ -168,6 +172,37 @@ def test_no_memory_for_a_slot_stops_gpu_staging_and_frees_each_slot_once_let_go(
         host.close()
 
 
+def test_gpu_staging_stopped_for_lack_of_memory_says_so(tables):
+    """Only the allocator's out-of-memory error reads as "no GPU memory"; leases are refused
+    with `GpuStagingStoppedError` and the reason."""
+    _, mirror = tables
+    mirror.stop(torch.OutOfMemoryError("CUDA out of memory (test)"))
+    assert mirror.error.startswith("no GPU memory to stage versions on cpu: "), mirror.error
+    with pytest.raises(GpuStagingStoppedError, match="no GPU memory"):
+        mirror.turn_on()
+
+
+def test_a_version_whose_gpu_pack_found_no_memory_is_not_marked_complete_in_its_freed_gpu_slot():
+    """`publish` fails the GPU slot of a version whose pack found no memory (`_stage`), which
+    frees it: GPU staging stopped. The finisher then completes the version in host staging
+    alone, and leaves the freed GPU slot empty rather than mark it complete."""
+    with WeightPublisher(None, transport=[CudaIpcTransport(), "shm"], bucket_bytes=1 << 14, timeout=30) as pub:
+        mirror = pub._mirror
+        assert mirror is not None
+        mirror.table.device = torch.device("cpu")  # where a GPU's slots would be
+        mirror.on = True  # as `turn_on` sets it where CUDA is
+        gpu = mirror.claim(1, MANIFEST)
+        assert gpu is not None
+        mirror.stop(torch.OutOfMemoryError("CUDA out of memory (test)"))  # as `_stage` does
+        mirror.table.fail(gpu)
+        assert gpu.segment is None
+        host = pub._table.claim(1, NBYTES, 5)
+        host.manifest = MANIFEST
+        pub._finish(host, 1, True, None, gpu)
+        assert host.complete and host.version == 1
+        assert not gpu.complete and gpu.version == -1 and gpu.segment is None
+
+
 def test_a_catch_up_that_finds_no_memory_stops_gpu_staging_and_frees_its_slots(tables):
     """The copier thread's claim is refused memory: the version's leases are told why, and
     the slot holding an earlier copy is freed."""
@@ -180,5 +215,5 @@ def test_a_catch_up_that_finds_no_memory_stops_gpu_staging_and_frees_its_slots(t
     host.advance(big, TOO_LARGE.nbytes, complete=True)
     assert _catch_up(mirror, host, 2).wait(10)
     mirror.finished(2)
-    assert "no GPU memory" in mirror.why(2) and "no GPU memory" in mirror.error
+    assert "allocating GPU staging" in mirror.why(2) and "allocating GPU staging" in mirror.error
     assert all(s.segment is None for s in mirror.table.slots)
