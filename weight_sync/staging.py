@@ -348,10 +348,10 @@ class SlotTable:
             self._free_if_done(slot)
 
     def retire(self) -> None:
-        """Give this table's memory back: free every slot's segment no reader holds and no
-        writer is finishing (`Slot.finishing`: its owner has still to mark it complete or
-        failed) at once, and each other one as its last lease is released or its writer marks
-        it. No slot is claimed or allocated again. Freeing a GPU slot does not wait for the
+        """Free this table's slots: every slot's segment no reader holds and no writer is
+        finishing (`Slot.finishing`: its owner has still to mark it complete or failed) at
+        once, and each other one as its last lease is released (one that expired unreleased:
+        at the table's next release of any lease) or its writer marks it. No slot is claimed or allocated again. Freeing a GPU slot does not wait for the
         GPU: whoever queued copies into or out of it has them done before marking or releasing
         it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
         stream of a pack that failed, a catch-up and a reader wait for their copies)."""
@@ -405,13 +405,17 @@ class SlotTable:
             return self._lease_slot.get(lease)
 
     def release(self, lease: int) -> None:
+        """End `lease` (nothing if it is not held). In a retired table, every slot is looked at
+        again: one whose last lease expired unreleased is freed here, at the next release of
+        any lease (a publisher passes each release to all its tables)."""
         with self.cond:
             self._lease_holder.pop(lease, None)
             slot = self._lease_slot.pop(lease, None)
             if slot is not None:
                 slot.leases.pop(lease, None)
                 self.cond.notify_all()
-                self._free_if_done(slot)
+            for held in self.slots if self._retired else ():
+                self._free_if_done(held)
 
     def release_holder(self, holder: bytes) -> None:
         """Release every lease granted to `holder`: its connection closed, so no reader is

@@ -8,6 +8,7 @@ no lease, and no slot is replaced or unmapped while it is registered."""
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -198,7 +199,8 @@ def test_a_preparation_that_fails_hands_its_error_to_its_owner():
 def test_registering_staging_with_cuda_holds_up_no_lease(monkeypatch):
     """`pin_all` registers the slots outside the table's lock: a lease and a release go on
     while it runs, a claim waits for the slot being registered rather than replace its
-    segment, and a close leaves its unmapping to the registration."""
+    segment, and a close during the registration leaves the unmapping of the slots being
+    registered to it."""
     table = SlotTable(2, shared=True, lease_timeout=30)
     slot = table.claim(1, 4096, 5)
     table.advance(slot, 4096, complete=True)
@@ -220,8 +222,34 @@ def test_registering_staging_with_cuda_holds_up_no_lease(monkeypatch):
         assert leased.wait(10), "a lease waited for the registration"
         with pytest.raises(tq.TimeoutError):
             table.claim(2, 4096, 0.2)  # the free slot is being registered: not replaced meanwhile
+        table.close()
+        assert all(s.segment is not None for s in table.slots), "unmapped while being registered"
     finally:
         registered.set()
         pinning.join(timeout=30)
-    assert table.claim(2, 4096, 5).segment is not None
-    table.close()
+    assert all(s.segment is None for s in table.slots), "the registration unmaps what close left it"
+
+
+def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_release(monkeypatch):
+    """A retired table frees a slot still leased once that lease is released; one whose reader
+    never releases it (its release lost) is freed at the table's next release of any lease
+    after it expired. The clock is the table's, moved by hand."""
+    import weight_sync.staging as staging
+
+    now = [1000.0]
+    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    table = SlotTable(2, shared=False, lease_timeout=30)
+    try:
+        slot = table.claim(1, 4096, 5)
+        table.advance(slot, 4096, complete=True)
+        got = table.lease(1)
+        assert got is not None
+        table.retire()
+        assert slot.segment is not None  # its reader holds it
+        table.release(0)  # no such lease: nothing to free yet, the lease holds
+        assert slot.segment is not None
+        now[0] += 31  # the lease expires, unreleased
+        table.release(0)  # any release, e.g. another reader's of host staging through the publisher
+        assert slot.segment is None
+    finally:
+        table.close()
