@@ -164,7 +164,8 @@ class WeightSubscriber:
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
-                version), or checksums disagree.
+                version), or checksums disagree; `GpuStagingStoppedError` (one) when only
+                GPU-staging transports were offered and the publisher's GPU staging stopped.
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
@@ -177,7 +178,7 @@ class WeightSubscriber:
 
         Raises:
             tq.TimeoutError: no such version was applied within `timeout` seconds.
-            WeightSyncError: a transfer failed.
+            WeightSyncError: a transfer failed (`GpuStagingStoppedError`: as in `poll`).
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
