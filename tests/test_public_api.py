@@ -6,6 +6,7 @@ import builtins
 import inspect
 
 import transfer_queue as tq
+from transfer_queue.wire.errors import error_code, error_from_code
 
 CONTRACT = {
     "init",
@@ -30,6 +31,7 @@ CONTRACT = {
     "UnsatisfiableError",
     "ClosedError",
     "LeaseExpiredError",
+    "GpuStagingStoppedError",
 }
 CLIENT_METHODS = {
     "acquire",
@@ -69,6 +71,10 @@ def test_error_tree():
         assert issubclass(getattr(tq, name), tq.SluiceError)
     assert "InternalError" in tq.__all__
     assert not issubclass(tq.InternalError, tq.ServiceError), "a bug is not a dead service: who acts differs"
+    # a subscriber falls back to host staging on this error alone, so it must cross the wire typed
+    assert issubclass(tq.GpuStagingStoppedError, tq.WeightSyncError)
+    refused = error_from_code(error_code(tq.GpuStagingStoppedError("no CUDA")), "no CUDA")
+    assert type(refused) is tq.GpuStagingStoppedError
 
 
 def test_every_public_callable_has_a_docstring():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .wire.errors import (
     CapacityError,
     ClosedError,
+    GpuStagingStoppedError,
     InternalError,
     LeaseExpiredError,
     ProtocolError,
@@ -129,6 +130,7 @@ __all__ = [
     "StaleError",
     "VersionError",
     "WeightSyncError",
+    "GpuStagingStoppedError",
     "ServiceError",
     "InternalError",
     "ClosedError",

@@ -13,18 +13,25 @@ reached only host staging (staged before the first such lease, or CPU weights) i
 to device into a GPU slot at its first GPU lease (`catch_up`, on a thread of its own), unless
 GPU staging holds a newer one already. A GPU slot is leased only once complete (a lease waits
 for its copy or its pack), and reused only once its readers released it.
+
+Once the GPU has no memory for a slot (or allocating one fails otherwise), GPU staging stops
+for good (`error` says why): it lets go of each slot as soon as no reader holds it and no
+pack or copy is writing it (`SlotTable.retire`; PyTorch may hold back the memory of a slot
+shared over CUDA IPC until every handle to it is dropped: docs/gpu.md), host staging goes on,
+GPU-staging leases fail with `GpuStagingStoppedError` and the reason, and the rank's
+description of its slots for a GPU-staging transport carries it, so that subscribers that
+offered host transports too read host staging from then on (`WeightSubscriber`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.cuda import side_stream, synchronize
 
 from .manifest import Manifest
@@ -69,15 +76,14 @@ class GpuMirror:
         on the GPU too, its slots allocated now in the background once `place`d. Server thread.
 
         Raises:
-            WeightSyncError: this process has no CUDA, or GPU staging failed for lack of memory.
+            GpuStagingStoppedError: this process has no CUDA, or GPU staging stopped for lack
+                of memory.
         """
-        if self.error:
-            raise WeightSyncError(self.error)
+        if not self.error and not self.on and not torch.cuda.is_available():
+            self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
+        self.check()
         if self.on:
             return
-        if not torch.cuda.is_available():
-            self.error = "this publisher's process has no CUDA: it cannot stage versions on a GPU"
-            raise WeightSyncError(self.error)
         self.on = True
         log.info(
             "a subscriber reads GPU staging: staging versions on %s too (%d slots of %s bytes)",
@@ -86,14 +92,12 @@ class GpuMirror:
             self._nbytes or "the model's",
         )
         if self._nbytes and self.table.device is not None:
-            threading.Thread(target=self._prepare, name="sluice-ws-mirror-prepare", daemon=True).start()
+            self.table.prepare_in_background(self._nbytes, self.stop)
 
-    def _prepare(self) -> None:
-        """Allocate the GPU slots (a thread of `turn_on`'s); no memory for them stops GPU staging."""
-        try:
-            self.table.prepare(self._nbytes)
-        except torch.cuda.OutOfMemoryError as exc:
-            self.out_of_memory(exc)
+    def check(self) -> None:
+        """Raises `GpuStagingStoppedError` with the reason if GPU staging stopped or cannot start."""
+        if self.error:
+            raise GpuStagingStoppedError(self.error)
 
     def claim(self, version: int, manifest: Manifest) -> Slot | None:
         """The GPU slot to stage `version` into, once on; `place`d before. None while off, once
@@ -103,19 +107,40 @@ class GpuMirror:
         if not self.on or self.error:
             return None
         try:
-            slot = self.table.claim(version, manifest.nbytes, 0.0)
+            slot = self._claim(version, manifest.nbytes, 0.0)
         except TimeoutError:
             return None
-        except torch.cuda.OutOfMemoryError as exc:
-            self.out_of_memory(exc)
+        except WeightSyncError:  # stopped: no memory for the slot
             return None
         slot.manifest = manifest
         return slot
 
-    def out_of_memory(self, exc: BaseException) -> None:
-        """The GPU had no memory for GPU staging: stop it; its leases fail with the reason."""
-        self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
-        log.warning("%s; GPU-staging subscribers will fail, host staging goes on", self.error)
+    def _claim(self, version: int, nbytes: int, timeout: float, keep_newer: bool = False) -> Slot:
+        """`SlotTable.claim`, where allocating the slot's memory failing stops GPU staging.
+
+        Raises:
+            GpuStagingStoppedError: no memory for the slot (GPU staging stopped).
+            WeightSyncError: as `SlotTable.claim`.
+            TimeoutError: as `SlotTable.claim`.
+        """
+        try:
+            return self.table.claim(version, nbytes, timeout, keep_newer=keep_newer)
+        except RuntimeError as exc:  # the allocator's: torch.OutOfMemoryError on a GPU
+            self.stop(exc)
+            raise GpuStagingStoppedError(self.error) from exc
+
+    def stop(self, exc: BaseException) -> None:
+        """Allocating GPU staging failed (`exc`: `torch.OutOfMemoryError` when the GPU had no
+        memory): stop it for good and free each slot as it is let go (`SlotTable.retire`);
+        its leases fail with the reason, which the rank's slot description carries too."""
+        if self.error:
+            return
+        if isinstance(exc, torch.OutOfMemoryError):
+            self.error = f"no GPU memory to stage versions on {self.table.device}: {exc}"
+        else:
+            self.error = f"allocating GPU staging on {self.table.device} failed: {exc}"
+        log.warning("%s; freeing GPU staging, host staging goes on", self.error)
+        self.table.retire()
 
     def on_its_way(self, version: int) -> bool:
         """Whether `version` is being copied or staged here (its leases wait for it). Server thread."""
@@ -125,8 +150,9 @@ class GpuMirror:
         return slot is not None and not slot.complete
 
     def why(self, version: int) -> str:
-        """Why `version` cannot be read from GPU staging ("": no known reason)."""
-        return self.error or (self._failed[1] if self._failed[0] == version else "")
+        """Why copying `version` to GPU staging failed ("": it did not fail; GPU staging that
+        stopped is `check`'s)."""
+        return self._failed[1] if self._failed[0] == version else ""
 
     def catch_up(self, host: SlotTable, version: int, device: torch.device | None, done: Callable[[], None]) -> None:
         """Copy `version` from its `host` slot into a GPU slot on the copier thread, unless it
@@ -156,7 +182,7 @@ class GpuMirror:
             source.wait_filled(manifest.nbytes, version, self.timeout)
             if not host.pin:
                 host.pin_all()  # host-to-device copies at pinned speed, for this and the next
-            slot = self.table.claim(version, manifest.nbytes, self.timeout, keep_newer=True)
+            slot = self._claim(version, manifest.nbytes, self.timeout, keep_newer=True)
             slot.manifest = manifest
             device = self.table.device
             assert device is not None  # placed by `catch_up`
@@ -168,8 +194,8 @@ class GpuMirror:
         except Exception as exc:  # noqa: BLE001 - its leases fail with the reason
             log.warning("copying version %d to GPU staging failed: %s", version, exc)
             self._failed = (version, f"copying it to GPU staging failed: {exc}")
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                self.out_of_memory(exc)
+            if isinstance(exc, torch.cuda.OutOfMemoryError):  # the copy's own memory
+                self.stop(exc)
             if slot is not None:
                 self.table.fail(slot)
         finally:

@@ -18,8 +18,9 @@ Requests, and what answers them::
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
     Release(lease)                   done reading                                      Ok
     Describe(manifest)               the manifest with this id                         Described
-    Slots(transport)                 the slots made so far, described for it, and     SlotList
-                                     the manifest they were made for
+    Slots(transport)                 the slots made so far, described for it, the      SlotList
+                                     manifest they were made for, and why the rank
+                                     stopped serving it, if it did
     Verify(lease, reads)             checksums of these boxes of the staged snapshot   Checksums
 """
 
@@ -208,10 +209,13 @@ class Described(_Msg, tag="described", frozen=True):
 
 
 class SlotList(_Msg, tag="slot_list", frozen=True):
-    """`manifest`: the id of the manifest the slots were made for (0: none yet)."""
+    """`manifest`: the id of the manifest the slots were made for (0: none yet); `stopped`:
+    why the rank no longer serves the transport asked about ("": it does), e.g. its GPU
+    staging beside host staging ran out of memory (`gpu_mirror`)."""
 
     slots: list[SlotInfo]
     manifest: int = 0
+    stopped: str = ""
 
 
 class Checksums(_Msg, tag="checksums", frozen=True):

@@ -434,7 +434,7 @@ class WeightPublisher:
         the GPU slot claimed for it beside host staging, if any."""
         if not self._prepared:  # not given the model: ready the other slots for the next versions
             self._prepared = True
-            self._preparing = self._table.prepare_in_background(manifest.nbytes)
+            self._preparing = self._table.prepare_in_background(manifest.nbytes, self._prepare_failed)
         staged = None
         skip, self._skip_dense = self._skip_dense > 0, max(0, self._skip_dense - 1)
         on = self.delta
@@ -485,7 +485,12 @@ class WeightPublisher:
                     packs.clear()
                     self._device_packs = None
                 if mirror is not None and self._mirror is not None:
-                    self._mirror.out_of_memory(exc)
+                    self._mirror.stop(exc)
+                    # the pack that failed may have queued copies into the slot: done before
+                    # failing it frees it (GPU staging stopped), so its memory is not reused
+                    # under them
+                    with side_stream(device, "background"):
+                        synchronize(device)
                     self._mirror.table.fail(mirror)
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
@@ -601,6 +606,11 @@ class WeightPublisher:
         self._table.prepare(manifest.nbytes)
         if self._mirror is not None and cuda is not None:
             self._mirror.place(cuda, manifest.nbytes)
+
+    def _prepare_failed(self, exc: Exception) -> None:
+        """Allocating the other slots in the background failed (`_stage`): each is allocated
+        by the `publish` that claims it instead, which raises if there is still no memory."""
+        log.warning("weight channel %r rank %d: allocating the staging slots failed: %s", self.name, self.rank, exc)
 
     def _place_staging(self, cuda: torch.device | None) -> None:
         """Settle where staging lives, before the first slot is allocated: GPU slots on the
@@ -793,7 +803,8 @@ class WeightPublisher:
         if ok:
             self._table.advance(slot, slot.manifest.nbytes, complete=True)
         if mirror is not None and self._mirror is not None:
-            if ok and not mirror.failed:
+            # a GPU slot failed after GPU staging stopped was freed (and holds no version)
+            if ok and not mirror.failed and mirror.version == version:
                 self._mirror.table.advance(mirror, slot.manifest.nbytes, complete=True)
             with contextlib.suppress(OSError):  # leases waiting for the GPU slot: granted or told
                 self._server.submit(self._retry_leases)
@@ -833,7 +844,9 @@ class WeightPublisher:
                     raise WeightSyncError(f"manifest {mid:#x} is no longer kept by rank {self.rank}")
                 pending.reply(Described(manifest))
             case Slots(transport=name):
-                pending.reply(SlotList(self._describe_slots(name), self._latest_manifest))
+                mirror = self._mirror_for(name)
+                stopped = mirror.error if mirror is not None else ""
+                pending.reply(SlotList(self._describe_slots(name), self._latest_manifest, stopped))
             case Verify():
                 pending.reply(self._verify(msg))
             case Join() | Staged() | Latest() | Confirm() if self._coordinator is not None:
@@ -886,6 +899,8 @@ class WeightPublisher:
                     pending, msg.timeout, f"version {msg.version} was not staged on rank {self.rank} in time"
                 )
         else:
+            if mirror is not None:
+                mirror.check()  # stopped since `_grant` asked: the subscriber reads host staging
             why = mirror.why(msg.version) if mirror is not None else ""
             if why:
                 raise WeightSyncError(

@@ -20,7 +20,19 @@ from transfer_queue.wire.rpc import Message, Ping, check
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
 from .plan import Plan, build_plan
-from .protocol import Checksums, Describe, Granted, Lease, LocalClient, RankInfo, Release, RpcClient, Slots, Verify
+from .protocol import (
+    Checksums,
+    Describe,
+    Granted,
+    Lease,
+    LocalClient,
+    RankInfo,
+    Release,
+    RpcClient,
+    SlotList,
+    Slots,
+    Verify,
+)
 from .staging import Slot, SlotTable
 from .transports import Job, MapTransport, Transport
 
@@ -99,19 +111,25 @@ class PublisherRanks:
             plan = self._plans[ids] = build_plan(manifests, bindings, first=self._shard.rank)
         return plan
 
-    def open_slots(self) -> None:
+    def open_slots(self) -> str:
         """For "map" transports: open every rank's staging slots made so far, plan the reads of
         the manifest they were made for and start the copy stream, so the first version
         applies as fast as the next (a rank that does not answer is left for the first lease
-        to report)."""
+        to report). Returns "" once that is done; if a rank says it stopped serving the
+        transport, returns its reason instead and opens no slot."""
         if not isinstance(self.transport, MapTransport):
-            return
-        manifests = []
+            return ""
+        replies: list[SlotList] = []
         for rank in range(len(self.info)):
             try:
                 reply = self.call(rank, Slots(self.transport.name))
             except SluiceError:
-                return
+                return ""
+            if reply.stopped:
+                return reply.stopped
+            replies.append(reply)
+        manifests = []
+        for rank, reply in enumerate(replies):
             for slot in reply.slots:
                 self.transport.open_ahead(rank, slot)
             manifests.append(reply.manifest)
@@ -120,6 +138,7 @@ class PublisherRanks:
                 self.plan(tuple(manifests))
         with copies(next((t.device for t in self._targets.values() if is_cuda(t)), None)):
             pass  # the copy stream exists before the first version needs it
+        return ""
 
     def lease(self, rank: int, version: int, *, direct: bool = False) -> Granted:
         """Pin `version`'s slot on rank `rank`, offering this subscriber as a relay; `direct`

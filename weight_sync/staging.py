@@ -12,7 +12,8 @@ uses CUDA, and unregistered before it is unmapped.
 A `Slot` is a segment plus the version staged in it, how many bytes of it are staged so far
 (readers may stream bucket k while bucket k+1 is packed) and the leases of its readers: a slot
 is reused only once every lease on it is released or has expired. `SlotTable` keeps a
-publisher's slots under one condition variable.
+publisher's slots under one condition variable; a table `retire`d gives its memory back as its
+readers and writers let go of each slot.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -181,9 +182,13 @@ class SlotTable:
         self._lease_slot: dict[int, Slot] = {}
         self._lease_holder: dict[int, bytes] = {}
         """Lease id -> the client connection it was granted to (`lease(holder=)`)."""
-        self._growing: set[int] = set()
-        """Indexes of slots whose segment `prepare` is allocating outside the lock."""
+        self._in_hand: set[int] = set()
+        """Indexes of slots whose segment `prepare` allocates, or `pin_all` registers, outside
+        the lock: `claim` waits for them, and nothing else replaces or unmaps their segment."""
         self._closed = False
+        self._retired = False
+        """Set by `retire`: no slot is claimed or allocated again, and each one's memory is
+        freed once no reader holds it and no writer is finishing it."""
 
     def claim(self, version: int, size: int, timeout: float, keep_newer: bool = False) -> Slot:
         """A slot to stage `version` into (`size` bytes), waiting for its readers to finish.
@@ -195,11 +200,14 @@ class SlotTable:
 
         Raises:
             TimeoutError: readers still hold every candidate after `timeout` seconds.
-            WeightSyncError: `keep_newer`, and every slot holds a newer complete version.
+            WeightSyncError: `keep_newer`, and every slot holds a newer complete version; or
+                the table was retired.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
+                if self._retired:
+                    raise WeightSyncError("this staging was retired: its memory is being given back")
                 now = time.monotonic()
                 newest = max((s.version for s in self.slots if s.complete), default=-1)
                 if keep_newer and all(s.complete and not s.failed and s.version > version for s in self.slots):
@@ -210,7 +218,7 @@ class SlotTable:
                         continue
                     if keep_newer and slot.complete and not slot.failed and slot.version > version:
                         continue
-                    if slot.index in self._growing:
+                    if slot.index in self._in_hand:
                         break  # the best free slot is being prepared: wait for it, not the next best
                     self._reset(slot, version, size)
                     return slot
@@ -229,13 +237,13 @@ class SlotTable:
         being prepared rather than allocating it twice."""
         for slot in self.slots:
             with self.cond:
-                if slot.version >= 0 or slot.index in self._growing or self._closed:
+                if slot.version >= 0 or slot.index in self._in_hand or self._closed or self._retired:
                     continue
                 if slot.segment is not None and slot.segment.size >= size:
                     if self.pin:
                         slot.segment.pin()
                     continue
-                self._growing.add(slot.index)
+                self._in_hand.add(slot.index)
             segment = None
             try:
                 segment = Segment(size, shared=self.shared, device=self.device)
@@ -244,23 +252,38 @@ class SlotTable:
             finally:
                 self._install(slot, segment)
 
-    def prepare_in_background(self, size: int) -> threading.Thread:
-        """`prepare(size)` on a thread (started and returned): a publisher that learns the
-        model's size only from its first version gets its other slots ready for the next ones."""
-        thread = threading.Thread(target=self.prepare, args=(size,), name="sluice-ws-staging", daemon=True)
+    def prepare_in_background(self, size: int, failed: Callable[[Exception], None]) -> threading.Thread:
+        """`prepare(size)` on a thread (started and returned), so that the slots are ready
+        before the versions that need them: a publisher's host slots once its first version
+        told the model's size, its GPU staging's once a subscriber reads it. If it fails (no
+        memory), `failed` is called with the error from that thread; the slots it did not
+        allocate are allocated by the `claim`s that need them, if there is memory then."""
+
+        def run() -> None:
+            try:
+                self.prepare(size)
+            except Exception as exc:  # noqa: BLE001 - the owner decides what a failure means
+                failed(exc)
+
+        thread = threading.Thread(target=run, name="sluice-ws-staging", daemon=True)
         thread.start()
         return thread
 
     def _install(self, slot: Slot, segment: Segment | None) -> None:
         """Put a segment `prepare` made into `slot` (`claim` skips it until then), unless the
-        table closed meanwhile (then the segment is freed)."""
+        table closed or retired meanwhile (then the segment is freed)."""
         with self.cond:
-            self._growing.discard(slot.index)
+            self._in_hand.discard(slot.index)
             self.cond.notify_all()
-            if segment is None:
+            if self._closed or self._retired:
+                if segment is not None:
+                    segment.close()
+                if self._closed and slot.segment is not None:  # `close` left it to this
+                    slot.segment.close()
+                    slot.segment = None
+                self._free_if_done(slot)
                 return
-            if self._closed:
-                segment.close()
+            if segment is None:
                 return
             if slot.segment is not None:
                 slot.segment.close()
@@ -270,12 +293,26 @@ class SlotTable:
                 segment.pin()  # `pin_all` may have come while it was being made
 
     def pin_all(self) -> None:
-        """Register every segment with CUDA, those there now and those made later."""
+        """Register every segment with CUDA, those there now and those made later. Registering
+        takes long for large segments, so it runs outside the lock (leases and releases go
+        on); the slots being registered are in hand meanwhile: `claim` waits for them rather
+        than replace their segment, and `close` leaves their unmapping to this."""
         with self.cond:
             self.pin = True
-            for slot in self.slots:
-                if slot.segment is not None:
-                    slot.segment.pin()
+            mine = [s for s in self.slots if s.segment is not None and s.index not in self._in_hand]
+            self._in_hand.update(s.index for s in mine)
+        for slot in mine:
+            try:
+                slot.mapped.pin()
+            finally:
+                with self.cond:
+                    self._in_hand.discard(slot.index)
+                    self.cond.notify_all()
+                    if self._closed:
+                        slot.mapped.close()
+                        slot.segment = None
+                    else:
+                        self._free_if_done(slot)
 
     def _grow(self, slot: Slot, size: int) -> None:
         if slot.segment is None or slot.segment.size < size:
@@ -301,12 +338,48 @@ class SlotTable:
             slot.filled = filled
             slot.complete = complete
             self.cond.notify_all()
+            self._free_if_done(slot)
 
     def fail(self, slot: Slot) -> None:
         """Abandon the version being staged in `slot`; its readers get `WeightSyncError`."""
         with self.cond:
             slot.failed = True
             self.cond.notify_all()
+            self._free_if_done(slot)
+
+    def retire(self) -> None:
+        """Free this table's slots: every slot's segment no reader holds and no writer is
+        finishing (`Slot.finishing`: its owner has still to mark it complete or failed) at
+        once, and each other one as its last lease is released (one that expired unreleased:
+        at the table's next release of any lease) or its writer marks it. No slot is claimed or allocated again. Freeing a GPU slot does not wait for the
+        GPU: whoever queued copies into or out of it has them done before marking or releasing
+        it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
+        stream of a pack that failed, a catch-up and a reader wait for their copies)."""
+        with self.cond:
+            self._retired = True
+            for slot in self.slots:
+                self._free_if_done(slot)
+
+    def _free_if_done(self, slot: Slot) -> None:
+        """Free `slot`'s segment if the table is retired and nothing holds it (a lease not
+        expired, a finishing writer, `prepare` or `pin_all`); its version is then gone. Under
+        the lock."""
+        if (
+            not self._retired
+            or slot.segment is None
+            or slot.finishing
+            or slot.index in self._in_hand
+            or slot.busy(time.monotonic())
+        ):
+            return
+        for lease in slot.leases:
+            self._lease_slot.pop(lease, None)
+            self._lease_holder.pop(lease, None)
+        slot.leases.clear()
+        slot.segment.close()
+        slot.segment = None
+        slot.generation += 1
+        slot.version, slot.filled, slot.complete, slot.failed = -1, 0, False, False
 
     def find(self, version: int) -> Slot | None:
         with self.cond:
@@ -332,12 +405,17 @@ class SlotTable:
             return self._lease_slot.get(lease)
 
     def release(self, lease: int) -> None:
+        """End `lease` (nothing if it is not held). In a retired table, every slot is looked at
+        again: one whose last lease expired unreleased is freed here, at the next release of
+        any lease (a publisher passes each release to all its tables)."""
         with self.cond:
             self._lease_holder.pop(lease, None)
             slot = self._lease_slot.pop(lease, None)
             if slot is not None:
                 slot.leases.pop(lease, None)
                 self.cond.notify_all()
+            for held in self.slots if self._retired else ():
+                self._free_if_done(held)
 
     def release_holder(self, holder: bytes) -> None:
         """Release every lease granted to `holder`: its connection closed, so no reader is
@@ -347,9 +425,10 @@ class SlotTable:
                 self.release(lease)  # the condition's lock is reentrant
 
     def close(self) -> None:
+        """Free every segment now (one `pin_all` is registering is freed by it when done)."""
         with self.cond:
             self._closed = True
             for slot in self.slots:
-                if slot.segment is not None:
+                if slot.segment is not None and slot.index not in self._in_hand:
                     slot.segment.close()
                     slot.segment = None

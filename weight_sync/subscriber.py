@@ -10,11 +10,20 @@ per-rank calls (`ranks.PublisherRanks`) and the receiver strategy for the transp
 (`receivers`: copy straight from mapped slots at apply time; `background`: receive in a
 thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (raised by the next
 `poll`/`wait`); the tensors keep the version they had.
+
+A GPU-staging transport (cuda_ipc) chosen where host-staging ones were offered too ("auto", or
+a list naming both) is given up for the best of those if the publisher's GPU staging stops or
+cannot start (no CUDA in its process, no GPU memory: `gpu_mirror`): on connecting, if a rank's
+description of its slots says so, or when a rank refuses a lease with `GpuStagingStoppedError`
+(no other error: a dead publisher is reported at once). The refused version is applied whole
+from host staging in the same call; a subscriber that offered only GPU-staging transports gets
+the `GpuStagingStoppedError` with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 
@@ -23,7 +32,7 @@ import torch
 import xxhash
 
 import transfer_queue as tq
-from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 
 from .background import ImageReceiver, ReadsReceiver
@@ -35,6 +44,8 @@ from .receivers import MappedReceiver, Receiver, ReceiveSettings, Targets
 from .transports import AUTO_ORDER, Transport, resolve
 
 __all__ = ["WeightSubscriber"]
+
+log = logging.getLogger("sluice.weight_sync")
 
 _RETRY_SECONDS = 0.2
 """Pause before looking for the publishers again when they are not all there yet."""
@@ -51,7 +62,9 @@ class WeightSubscriber:
         model_or_tensors: an `nn.Module` (its state dict) or a dict of tensors, updated in place.
         transport: "auto" (when co-located: cuda_ipc for tensors on a GPU, else shm; across
             hosts ucx when installed, else tcp), a name, a `Transport` instance, or a list; the
-            first one every publisher rank can serve wins.
+            first one every publisher rank can serve wins. A GPU-staging one (cuda_ipc) whose
+            staging the publisher stopped (no GPU memory) or cannot start (no CUDA) is given
+            up for the first host-staging one offered here that every rank serves, if any.
         name: the channel.
         publisher: rank 0's `WeightPublisher.endpoint`, when there is no controller.
         shard: the tensor-parallel slice this worker holds (default: everything).
@@ -99,6 +112,14 @@ class WeightSubscriber:
         self.validate = validate
         self.timeout = timeout
         self._offered = resolve(transport)
+        self._gpu_targets = any(t.is_cuda for t in self.targets.values()) and not validate
+        """Whether GPU-staging transports are preferred (`_choose`): tensors on a GPU, and no
+        checksums to compare (they cover host staging)."""
+        self._spare: list[Transport] = []
+        """Offered host-staging transports every rank serves, kept unused while a GPU-staging
+        one is chosen: where this subscriber goes if the publisher's GPU staging stops."""
+        self._coordinator = ""
+        """Rank 0's control endpoint, once found."""
         # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
         delta_threads = threads() if any(t.deltas for t in self._offered) else 1
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
@@ -143,21 +164,21 @@ class WeightSubscriber:
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
-                version), or checksums disagree.
+                version), or checksums disagree; `GpuStagingStoppedError` (one) when only
+                GPU-staging transports were offered and the publisher's GPU staging stopped.
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
         if self._receiver is None and not self._start(timeout=0.0):
             return None
-        assert self._receiver is not None  # _start made it
-        return self._receiver.poll(timeout=0.0)
+        return self._receive(time.monotonic())
 
     def wait(self, version: int, timeout: float = 30.0) -> int:
         """Block until a version >= `version` is applied; returns the version applied.
 
         Raises:
             tq.TimeoutError: no such version was applied within `timeout` seconds.
-            WeightSyncError: a transfer failed.
+            WeightSyncError: a transfer failed (`GpuStagingStoppedError`: as in `poll`).
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
@@ -168,9 +189,24 @@ class WeightSubscriber:
                 raise TimeoutError(f"version {version} was not applied within {timeout} s (holding {self.version})")
             if self._receiver is None and not self._start(timeout=left):
                 continue
-            assert self._receiver is not None  # _start made it
-            self._receiver.poll(timeout=left)
+            self._receive(deadline)
         return self.version
+
+    def _receive(self, deadline: float) -> int | None:
+        """The receiver's `poll`, waiting until `deadline` (monotonic) for a version; if a rank
+        refused its lease because its GPU staging stopped and a host-staging transport is
+        spare, fall back to that (`_fall_back`) and poll it, so the version is applied from
+        there now."""
+        assert self._receiver is not None  # _start made it
+        try:
+            return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
+        except GpuStagingStoppedError as exc:
+            if not self._spare:
+                raise
+            why = str(exc)
+        self._fall_back(why)
+        assert self._receiver is not None  # _fall_back made it
+        return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop receiving and relaying; the tensors keep the version they hold."""
@@ -182,6 +218,8 @@ class WeightSubscriber:
         else:
             for transport in self._offered:
                 transport.close()
+        for transport in self._spare:
+            transport.close()
         if self._ranks is not None:
             self._ranks.close()
         if self._client is not None:
@@ -220,33 +258,69 @@ class WeightSubscriber:
             if timeout > 0:
                 time.sleep(min(timeout, _RETRY_SECONDS))
             return False
-        transport = self._choose(offer.ranks)
-        self._ranks = PublisherRanks(
-            offer.ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
-        )
-        self._ranks.open_slots()
-        settings = self._settings if transport.pipelined else dataclasses.replace(self._settings, pipelined=False)
-        self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, endpoint, settings)
+        self._coordinator = endpoint
+        self._connect(offer.ranks)
         return True
+
+    def _connect(self, ranks: list[RankInfo]) -> None:
+        """Pick the transport and start its receiver; a GPU-staging one a rank says it stopped
+        serving is given up at once for a spare host one (`_fall_back`)."""
+        transport = self._choose(ranks)
+        self._ranks = PublisherRanks(
+            ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
+        )
+        stopped = self._ranks.open_slots()
+        if stopped and self._spare:
+            self._fall_back(stopped)
+            return
+        settings = self._settings if transport.pipelined else dataclasses.replace(self._settings, pipelined=False)
+        self._receiver = _RECEIVERS[transport.mode](self._ranks, self._held, self._coordinator, settings)
+
+    def _fall_back(self, why: str) -> None:
+        """The publisher stopped the GPU staging the chosen transport reads (`why`): close it
+        and connect over the spare host-staging transports (once: none are spare then)."""
+        assert self._ranks is not None  # connected
+        log.warning(
+            "weight channel %r: the publisher's GPU staging stopped (%s); reading its host staging from now on",
+            self.name,
+            why,
+        )
+        if self._receiver is not None:
+            self._receiver.close()  # closes the chosen transport
+            self._receiver = None
+        else:
+            self._ranks.transport.close()
+        ranks = self._ranks.info
+        self._ranks.close()
+        self._ranks = None
+        self._offered, self._spare = self._spare, []
+        self._connect(ranks)
 
     def _choose(self, ranks: list[RankInfo]) -> Transport:
         """The first offered transport that every rank serves ("map" ones only on this host),
         in `AUTO_ORDER`, except that GPU-staging ones come last for tensors on the host (the
         publisher would take GPU memory for staging that host staging serves as fast) and with
-        `validate` (checksums cover host staging). The others are closed."""
+        `validate` (checksums cover host staging). For a GPU-staging one, the host-staging
+        ones every rank serves are kept spare (`_fall_back`); the others are closed."""
         here = host_id()
-        on_gpu = any(t.is_cuda for t in self.targets.values()) and not self.validate
 
         def rank(t: Transport) -> int:
-            if t.staging == "cuda" and not on_gpu:
+            if t.staging == "cuda" and not self._gpu_targets:
                 return len(AUTO_ORDER) + 1
             return AUTO_ORDER.index(t.name) if t.name in AUTO_ORDER else len(AUTO_ORDER)
 
+        def served(t: Transport) -> bool:
+            return all(t.name in r.data and (t.mode != "map" or r.host == here) for r in ranks)
+
         order = sorted(self._offered, key=rank)
         for transport in order:
-            if all(transport.name in r.data and (transport.mode != "map" or r.host == here) for r in ranks):
-                for other in self._offered:
-                    if other is not transport:
+            if served(transport):
+                for other in order:
+                    if other is transport:
+                        continue
+                    if transport.staging == "cuda" and other.staging == "host" and served(other):
+                        self._spare.append(other)
+                    else:
                         other.close()
                 self._offered = [transport]
                 return transport

@@ -1,21 +1,28 @@
 """The cuda_ipc transport. On CPU: its slot handles are msgspec structs that round trip field by
 field and refuse anything else, a publisher refuses to validate GPU staging, serves it beside
 host staging with no GPU memory taken before a lease over it (and a typed refusal without
-CUDA), "auto" offers it only where CUDA exists, and host tensors take it last. Marked `cuda`:
+CUDA), "auto" offers it only where CUDA exists, and host tensors take it last; a subscriber
+that offered host transports too reads host staging once GPU staging cannot start, one that
+offered only cuda_ipc gets the reason. Marked `cuda`:
 versions staged on the GPU reach subscriber processes whole and exact (GPU and CPU targets,
 with resharding reads), auto picks it (also beside host staging, from one publisher), slots
-are reused only after their readers release them, and a dead publisher leaves the
-subscriber's version in place."""
+are reused only after their readers release them, a dead publisher leaves the
+subscriber's version in place, and GPU staging out of memory gives its memory back while its
+"auto" readers go on over host staging."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import msgspec
 import pytest
 import torch
 
 import transfer_queue as tq
-from transfer_queue import WeightSyncError
+from transfer_queue import GpuStagingStoppedError, WeightSyncError
 from transfer_queue.host import host_id
+from transfer_queue.wire.rpc import DEAD_AFTER
 from weight_sync import CudaIpcTransport, WeightPublisher, WeightSubscriber
 from weight_sync.protocol import Granted, Lease, RankInfo, RpcClient, SlotInfo
 from weight_sync.transports import resolve
@@ -76,6 +83,69 @@ def test_host_tensors_take_cuda_ipc_only_when_nothing_else_is_served():
     gpu_only = [msgspec.structs.replace(ranks[0], data={"cuda_ipc": "cuda"})]
     with WeightSubscriber(None, zeros(), transport=[CudaIpcTransport(), "shm"], publisher="tcp://127.0.0.1:1") as sub:
         assert sub._choose(gpu_only).name == "cuda_ipc"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU staging starts where CUDA is")
+def test_without_cuda_a_subscriber_that_offered_host_transports_reads_host_staging(caplog):
+    """GPU staging cannot start in a publisher's process without CUDA. A subscriber that chose
+    cuda_ipc (as one with GPU tensors would: this box has none, so it is told to prefer it)
+    and offered shm too is refused its first lease, says why once, and applies that version
+    whole over shm, and the next ones; a new one connects over shm at once, since the
+    publisher's description says GPU staging stopped; one that offered only cuda_ipc gets
+    the reason."""
+    offered = [CudaIpcTransport(), "shm"]
+    with WeightPublisher(None, transport=[CudaIpcTransport(), "shm"], bucket_bytes=BUCKET, timeout=30) as pub:
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport=offered, publisher=pub.endpoint, timeout=10) as sub:
+            sub._gpu_targets = True  # stands in for the CUDA tensors this box cannot make
+            assert sub.poll() is None  # connected; nothing published yet
+            assert sub._ranks is not None and sub._ranks.transport.name == "cuda_ipc"
+            pub.publish(weights(1), 1)
+            with caplog.at_level(logging.WARNING, logger="sluice.weight_sync"):
+                assert sub.wait(1, timeout=30) == 1
+                pub.publish(weights(2), 2)
+                assert sub.wait(2, timeout=30) == 2
+            assert sub._ranks.transport.name == "shm"
+            assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+            said = [r.getMessage() for r in caplog.records if "GPU staging stopped" in r.getMessage()]
+            assert len(said) == 1 and "no CUDA" in said[0], said
+        with WeightSubscriber(None, zeros(), transport=offered, publisher=pub.endpoint, timeout=10) as new:
+            new._gpu_targets = True  # as above
+            assert new.wait(2, timeout=30) == 2
+            assert new._ranks is not None and new._ranks.transport.name == "shm"
+        named = zeros()
+        with WeightSubscriber(None, named, transport=CudaIpcTransport(), publisher=pub.endpoint, timeout=10) as sub:
+            with pytest.raises(GpuStagingStoppedError, match="no CUDA"):
+                sub.wait(2, timeout=30)
+            assert sub.version == -1 and all(not t.any() for t in named.values())
+
+
+def test_a_dead_publisher_is_reported_as_fast_with_a_spare_host_transport_as_without():
+    """A subscriber on cuda_ipc that keeps shm spare falls back only when a rank refuses its
+    lease because GPU staging stopped: a killed publisher is a lost connection, reported at
+    once, not after asking the dead rank again (which would take the connect timeout,
+    `DEAD_AFTER`); so both subscribers report it well within that."""
+    commands, out = CTX.Queue(), CTX.Queue()
+    offered = [("cuda_ipc", {}), "shm"]
+    proc = CTX.Process(target=publisher, args=(out, commands, None, offered, {"bucket_bytes": BUCKET}), daemon=True)
+    proc.start()
+    endpoint = out.get(timeout=60)[1]
+    with (
+        WeightSubscriber(None, zeros(), transport=CudaIpcTransport(), publisher=endpoint, timeout=30) as alone,
+        WeightSubscriber(None, zeros(), transport=[CudaIpcTransport(), "shm"], publisher=endpoint, timeout=30) as spare,
+    ):
+        for sub in (alone, spare):
+            sub._gpu_targets = True  # stands in for the CUDA tensors this box cannot make
+            assert sub.poll() is None  # connected; nothing published yet
+            assert sub._ranks is not None and sub._ranks.transport.name == "cuda_ipc"
+        kill(proc)
+        for sub in (alone, spare):
+            started = time.monotonic()
+            with pytest.raises(WeightSyncError) as raised:
+                sub.wait(1, timeout=30)
+            took = time.monotonic() - started
+            assert not isinstance(raised.value, GpuStagingStoppedError)
+            assert took < DEAD_AFTER / 2, f"{took:.2f} s to report a dead publisher: {raised.value}"
 
 
 def test_auto_offers_cuda_ipc_where_cuda_is():
@@ -181,20 +251,30 @@ def test_gpu_staging_beside_host_staging_serves_gpu_and_host_tensors(weights_on)
 @pytest.mark.cuda
 def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypatch):
     """Packing a version into GPU staging finds no memory (here: the pack raises as an
-    allocation would): the version still reaches host staging's readers, and a cuda_ipc reader
-    is told why it gets no more versions."""
+    allocation would): the version still reaches host staging's readers, an "auto" reader of
+    GPU staging applies it whole from host staging, one that named cuda_ipc is told why it
+    gets no more versions, a new "auto" reader with GPU tensors connects over shm, and GPU
+    staging's slots are freed once nothing holds them: their memory is back in the allocator
+    (`memory_allocated`) once the readers closed. The readers are in the publisher's process
+    (they read the slot tensors, not the CUDA IPC handles the slots were shared with)."""
+    import gc
+
     from weight_sync import publisher as publisher_module
 
     pub = WeightPublisher(None, transport="auto", bucket_bytes=BUCKET, timeout=30, model=_gpu(weights(0)))
     on_gpu = {n: t.cuda() for n, t in zeros().items()}
+    named = {n: t.cuda() for n, t in zeros().items()}
     on_host = zeros()
     try:
         with (
             WeightSubscriber(None, on_gpu, publisher=pub.endpoint, timeout=10) as gpu_sub,
+            WeightSubscriber(None, named, transport="cuda_ipc", publisher=pub.endpoint, timeout=10) as named_sub,
             WeightSubscriber(None, on_host, publisher=pub.endpoint, timeout=10) as host_sub,
         ):
             pub.publish(_gpu(weights(1)), 1)
             assert gpu_sub.wait(1, timeout=30) == 1 and host_sub.wait(1, timeout=30) == 1
+            assert named_sub.wait(1, timeout=30) == 1
+            assert gpu_sub._ranks is not None and gpu_sub._ranks.transport.name == "cuda_ipc"
             pack = publisher_module.pack
 
             def no_memory(manifest, tensors, slot, *args):  # noqa: ANN001, ANN002
@@ -203,11 +283,31 @@ def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypat
                 return pack(manifest, tensors, slot, *args)
 
             monkeypatch.setattr(publisher_module, "pack", no_memory)
+            assert pub._mirror is not None
+            staged = sum(s.size for s in pub._mirror.table.slots)
+            allocated = torch.cuda.memory_allocated()
             pub.publish(_gpu(weights(2)), 2)
             assert host_sub.wait(2, timeout=30) == 2
             assert all(torch.equal(on_host[n], t) for n, t in weights(2).items())
-            with pytest.raises(WeightSyncError, match="no GPU memory"):
-                gpu_sub.wait(2, timeout=30)
-            assert all(torch.equal(on_gpu[n].cpu(), t) for n, t in weights(1).items())
+            assert gpu_sub.wait(2, timeout=30) == 2  # from host staging
+            assert gpu_sub._ranks.transport.name == "shm"
+            assert all(torch.equal(on_gpu[n].cpu(), t) for n, t in weights(2).items())
+            with pytest.raises(GpuStagingStoppedError, match="no GPU memory"):
+                named_sub.wait(2, timeout=30)
+            assert all(torch.equal(named[n].cpu(), t) for n, t in weights(1).items())
+            assert all(s.segment is None for s in pub._mirror.table.slots)
+            before_new = torch.cuda.memory_allocated()
+            new = {n: t.cuda() for n, t in zeros().items()}
+            kept = torch.cuda.memory_allocated() - before_new  # the new reader's tensors, alive below
+            with WeightSubscriber(None, new, publisher=pub.endpoint, timeout=10) as new_sub:
+                assert new_sub.wait(2, timeout=30) == 2
+                assert new_sub._ranks is not None and new_sub._ranks.transport.name == "shm"
+                assert all(torch.equal(new[n].cpu(), t) for n, t in weights(2).items())
+        gc.collect()
+        torch.cuda.ipc_collect()
+        freed = allocated - torch.cuda.memory_allocated() + kept
+        # PyTorch holds back a freed block shared over CUDA IPC until its cross-process
+        # reference count is zero; readers in this process never opened the handle
+        assert freed >= staged > 0, f"{freed} bytes freed of GPU staging's {staged} (held back by IPC sharing?)"
     finally:
         pub.close()

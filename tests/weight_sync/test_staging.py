@@ -1,17 +1,21 @@
 """Staging is allocated when the publisher is built from the model's tensors (or meta tensors of
 their shapes), not inside the first `publish`; a version published then arrives whole. Without
 the model, the first `publish` allocates its own slot and the others on a thread. A co-located
-subscriber's first poll maps those slots and plans its reads, before any version exists."""
+subscriber's first poll maps those slots and plans its reads, before any version exists. A
+preparation that fails hands its error to its owner; registering the slots with CUDA holds up
+no lease, and no slot is replaced or unmapped while it is registered."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
 
 import transfer_queue as tq
 import weight_sync.publisher as publisher_module
+from transfer_queue.cuda import HostRegistry
 from weight_sync import WeightPublisher, WeightSubscriber
 from weight_sync.staging import SlotTable
 
@@ -175,5 +179,77 @@ def test_a_claim_that_keeps_newer_versions_takes_only_an_older_slot():
             table.claim(2, 64, 5, keep_newer=True)
         slot = table.claim(4, 64, 1, keep_newer=True)  # 3 is older: its slot is taken, 5 kept
         assert slot.version == 4 and table.find(5) is not None and table.find(3) is None
+    finally:
+        table.close()
+
+
+def test_a_preparation_that_fails_hands_its_error_to_its_owner():
+    """No memory for the slots (a petabyte each): the thread ends with the error handed to
+    `failed`, not escaping it; nothing was allocated."""
+    table = SlotTable(2, shared=False, lease_timeout=5)
+    failed: list[Exception] = []
+    try:
+        table.prepare_in_background(1 << 50, failed.append).join(timeout=30)
+        assert len(failed) == 1 and isinstance(failed[0], OSError)  # mmap: no memory
+        assert all(s.segment is None for s in table.slots)
+    finally:
+        table.close()
+
+
+def test_registering_staging_with_cuda_holds_up_no_lease(monkeypatch):
+    """`pin_all` registers the slots outside the table's lock: a lease and a release go on
+    while it runs, a claim waits for the slot being registered rather than replace its
+    segment, and a close during the registration leaves the unmapping of the slots being
+    registered to it."""
+    table = SlotTable(2, shared=True, lease_timeout=30)
+    slot = table.claim(1, 4096, 5)
+    table.advance(slot, 4096, complete=True)
+    table.prepare(4096)
+    registering, registered = threading.Event(), threading.Event()
+
+    def register(self, ptr: int, nbytes: int, read_only: bool = False) -> bool:  # noqa: ARG001
+        registering.set()  # cudaHostRegister, which this box has not: as slow as told
+        return registered.wait(30)
+
+    monkeypatch.setattr(HostRegistry, "register", register)
+    pinning = threading.Thread(target=table.pin_all)
+    pinning.start()
+    try:
+        assert registering.wait(30)
+        leased = threading.Event()
+        reader = threading.Thread(target=lambda: (table.release(table.lease(1)[0]), leased.set()))
+        reader.start()
+        assert leased.wait(10), "a lease waited for the registration"
+        with pytest.raises(tq.TimeoutError):
+            table.claim(2, 4096, 0.2)  # the free slot is being registered: not replaced meanwhile
+        table.close()
+        assert all(s.segment is not None for s in table.slots), "unmapped while being registered"
+    finally:
+        registered.set()
+        pinning.join(timeout=30)
+    assert all(s.segment is None for s in table.slots), "the registration unmaps what close left it"
+
+
+def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_release(monkeypatch):
+    """A retired table frees a slot still leased once that lease is released; one whose reader
+    never releases it (its release lost) is freed at the table's next release of any lease
+    after it expired. The clock is the table's, moved by hand."""
+    import weight_sync.staging as staging
+
+    now = [1000.0]
+    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    table = SlotTable(2, shared=False, lease_timeout=30)
+    try:
+        slot = table.claim(1, 4096, 5)
+        table.advance(slot, 4096, complete=True)
+        got = table.lease(1)
+        assert got is not None
+        table.retire()
+        assert slot.segment is not None  # its reader holds it
+        table.release(0)  # no such lease: nothing to free yet, the lease holds
+        assert slot.segment is not None
+        now[0] += 31  # the lease expires, unreleased
+        table.release(0)  # any release, e.g. another reader's of host staging through the publisher
+        assert slot.segment is None
     finally:
         table.close()

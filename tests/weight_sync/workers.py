@@ -57,12 +57,14 @@ def zeros(shapes: dict = SHAPES) -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
 
 
-def transport_of(spec: str | tuple):
-    """A transport from a picklable spec: a name, or (name, kwargs)."""
+def transport_of(spec: str | tuple | list):
+    """A transport from a picklable spec: a name, (name, kwargs), or a list of those."""
     from weight_sync.transports import get
 
     if isinstance(spec, str):
         return spec
+    if isinstance(spec, list):
+        return [transport_of(item) for item in spec]
     name, kwargs = spec
     return get(name)(**kwargs)
 

@@ -17,6 +17,8 @@ whole family at once::
      ├── StaleError          a sample or version breaks the staleness rules
      ├── VersionError        `set_version` tried to go backwards
      ├── WeightSyncError     a weight transfer failed; the previous version stays in place
+     │   └── GpuStagingStoppedError  a publisher's GPU staging stopped or cannot start (no
+     │                       CUDA, no GPU memory); its host staging goes on
      ├── ServiceError        a service died or stopped answering (the message names it): restart
      │                       it or retry; your request's fate is in the message
      ├── InternalError       Sluice broke its own rules (an unexpected error serving the request,
@@ -25,7 +27,8 @@ whole family at once::
 
 Each class says who should act: the input (`SchemaError`, `SealedError`, `StaleError`,
 `VersionError`), the load (`TimeoutError`, `CapacityError`), the deployment (`ServiceError`,
-`ProtocolError`), your own code (`ClosedError`) or Sluice's developers (`InternalError`).
+`ProtocolError`, `GpuStagingStoppedError`), your own code (`ClosedError`) or Sluice's developers
+(`InternalError`).
 
 Services reply with an `ErrorReply(code, message)`; the client turns `code` back into the class
 here, so the error raised in your process is the same one raised in the service.
@@ -47,6 +50,7 @@ __all__ = [
     "StaleError",
     "VersionError",
     "WeightSyncError",
+    "GpuStagingStoppedError",
     "ServiceError",
     "InternalError",
     "ClosedError",
@@ -129,6 +133,16 @@ class WeightSyncError(SluiceError):
     code = "weight_sync"
 
 
+class GpuStagingStoppedError(WeightSyncError):
+    """A publisher rank refused a lease over a GPU-staging transport (`cuda_ipc`) because its
+    GPU staging beside host staging stopped for good or cannot start: no CUDA in its process,
+    or no GPU memory for its slots (the message says which). Its host staging goes on: a
+    subscriber that offered a host transport too reads that from then on; one that named only
+    GPU-staging transports gets this error on every call, so name a host transport as well."""
+
+    code = "gpu_staging_stopped"
+
+
 class ServiceError(SluiceError):
     """A service died or hangs: external circumstances, so restart it or retry. The message names
     the service and says what became of your request."""
@@ -164,6 +178,7 @@ _BY_CODE: dict[str, type[SluiceError]] = {
         StaleError,
         VersionError,
         WeightSyncError,
+        GpuStagingStoppedError,
         ServiceError,
         InternalError,
         ClosedError,
