@@ -120,6 +120,10 @@ class WeightSubscriber:
         one is chosen: where this subscriber goes if the publisher's GPU staging stops."""
         self._coordinator = ""
         """Rank 0's control endpoint, once found."""
+        self._contact: RpcClient | None = None
+        """Rank 0's control client while the publishers are looked for, kept between tries: a
+        handshake that a busy publisher is slow to finish goes on meanwhile, and each try waits
+        for the connection no longer than `_RETRY_SECONDS` (a `poll` barely blocks)."""
         # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
         delta_threads = threads() if any(t.deltas for t in self._offered) else 1
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
@@ -161,6 +165,8 @@ class WeightSubscriber:
         The first call that finds the publishers connects: it picks the transport and, on the
         publishers' host, opens their staging slots, so a rollout worker that polls once at
         start-up does not pay for that in its first version. Returns the version applied, or None.
+        It waits for no version: a publisher not reached yet costs it at most `_RETRY_SECONDS`
+        (0.2 s), one that stops answering once connected is reported within 5 s (`DEAD_AFTER`).
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
@@ -222,6 +228,8 @@ class WeightSubscriber:
             transport.close()
         if self._ranks is not None:
             self._ranks.close()
+        if self._contact is not None:
+            self._contact.close()
         if self._client is not None:
             self._client.close()
 
@@ -247,17 +255,21 @@ class WeightSubscriber:
             if raw is None:
                 return False
             endpoint = msgspec.msgpack.decode(raw, type=RankInfo).control
-        coordinator = RpcClient(endpoint, timeout=self.timeout)
+        if self._contact is not None and self._contact.endpoint != endpoint:  # rank 0 moved
+            self._contact.close()
+            self._contact = None
+        if self._contact is None:
+            self._contact = RpcClient(endpoint, timeout=self.timeout, connect_timeout=_RETRY_SECONDS)
         try:
-            offer = coordinator.call(Latest(after=-1, complete=True, timeout=0.0))
+            offer = self._contact.call(Latest(after=-1, complete=True, timeout=0.0))
         except WeightSyncError:
             offer = None
-        finally:
-            coordinator.close()  # each receiver opens its own, in the thread that uses it
         if offer is None or not offer.ranks:  # not started yet, or some trainer ranks have not joined
             if timeout > 0:
                 time.sleep(min(timeout, _RETRY_SECONDS))
             return False
+        self._contact.close()  # each receiver opens its own, in the thread that uses it
+        self._contact = None
         self._coordinator = endpoint
         self._connect(offer.ranks)
         return True

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
 
 import transfer_queue as tq
 from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
+from transfer_queue.wire.rpc import DEAD_AFTER
 from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient, Slots
 from weight_sync.ranks import PublisherRanks
 
-from ..helpers import eventually
+from ..helpers import eventually, free_port
 from .harness import CTX
 from .workers import kill, waiting_reader
 
@@ -278,3 +280,19 @@ def test_a_lease_waiting_for_a_version_the_trainer_skips_is_refused_and_the_serv
         finally:
             thread.join(30)
             waiting.close()
+
+
+def test_looking_for_a_publisher_that_is_not_there_barely_blocks():
+    """A `poll` before the publisher is reachable returns None at once rather than after a
+    connect timeout (`DEAD_AFTER`, which a first contact with a busy publisher needs), and
+    `wait` keeps to its own deadline: the first contact keeps one connection between tries."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    with WeightSubscriber(None, {"w": torch.zeros(8)}, publisher=endpoint) as sub:
+        for _ in range(3):
+            began = time.monotonic()
+            assert sub.poll() is None
+            assert time.monotonic() - began < DEAD_AFTER / 5
+        began = time.monotonic()
+        with pytest.raises(tq.TimeoutError):
+            sub.wait(1, timeout=0.5)
+        assert time.monotonic() - began < DEAD_AFTER / 2
