@@ -351,9 +351,9 @@ class SlotTable:
         """Free this table's slots: every slot's segment no reader holds and no writer is
         finishing (`Slot.finishing`: its owner has still to mark it complete or failed) at
         once, and each other one as its last lease is released (one that expired unreleased:
-        at the table's next release of any lease) or its writer marks it. No slot is claimed or allocated again. Freeing a GPU slot does not wait for the
-        GPU: whoever queued copies into or out of it has them done before marking or releasing
-        it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
+        at the table's next release of any lease) or its writer marks it. No slot is claimed
+        or allocated again. Freeing a GPU slot does not wait for the GPU: whoever queued copies
+        into or out of it has them done before marking or releasing it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
         stream of a pack that failed, a catch-up and a reader wait for their copies)."""
         with self.cond:
             self._retired = True

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import Mapping
 
@@ -38,7 +40,7 @@ from transfer_queue.host import host_id
 from .background import ImageReceiver, ReadsReceiver
 from .delta import threads
 from .mapping import NameMapping, TPShard
-from .protocol import Latest, RankInfo, RpcClient, directory_key
+from .protocol import Latest, Offer, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
 from .receivers import MappedReceiver, Receiver, ReceiveSettings, Targets
 from .transports import AUTO_ORDER, Transport, resolve
@@ -52,6 +54,57 @@ _RETRY_SECONDS = 0.2
 
 _RECEIVERS: dict[str, type[Receiver]] = {r.mode: r for r in (MappedReceiver, ReadsReceiver, ImageReceiver)}
 """The receiver strategy for each transport mode (`transports.base.Mode`)."""
+
+
+class _Contact:
+    """Rank 0's control client while a subscriber looks for the publishers, kept between tries:
+    a handshake that a busy publisher is slow to finish goes on meanwhile, and each try waits
+    for the connection no longer than `_RETRY_SECONDS` (a `poll` barely blocks). `close` may
+    come from another thread: it ends a try under way (an eventfd its reply wait watches) and
+    closes the socket once that try has let go of it."""
+
+    def __init__(self, timeout: float):
+        self._timeout = timeout
+        self._client: RpcClient | None = None
+        self._lock = threading.Lock()  # held by a try, and by `close` to wait for one
+        self._wake: int | None = None  # the eventfd a try's reply wait watches; written by `close`
+        self._closed = False
+
+    def latest(self, endpoint: str, timeout: float) -> Offer | None:
+        """Rank 0's offer of its newest complete version, asked within `timeout` s (at least
+        `_RETRY_SECONDS`); None if rank 0 was not reached or the contact was closed."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._client is not None and self._client.endpoint != endpoint:  # rank 0 moved
+                self.release()
+            if self._client is None:
+                if self._wake is None:
+                    self._wake = os.eventfd(0, os.EFD_CLOEXEC)
+                self._client = RpcClient(endpoint, timeout=self._timeout, connect_timeout=_RETRY_SECONDS)
+                self._client.interrupt_on(self._wake)
+            latest = Latest(after=-1, complete=True, timeout=0.0)
+            try:
+                return self._client.call(latest, timeout=max(min(self._timeout, timeout), _RETRY_SECONDS))
+            except WeightSyncError:
+                return None
+
+    def release(self) -> None:
+        """Close the client, in the thread of the tries (the publishers were found)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def close(self) -> None:
+        """Close for good, from any thread: a try under way ends first (within `_RETRY_SECONDS`)."""
+        self._closed = True
+        if self._wake is not None:
+            os.eventfd_write(self._wake, 1)
+        with self._lock:
+            self.release()
+            if self._wake is not None:
+                os.close(self._wake)
+                self._wake = None
 
 
 class WeightSubscriber:
@@ -120,10 +173,7 @@ class WeightSubscriber:
         one is chosen: where this subscriber goes if the publisher's GPU staging stops."""
         self._coordinator = ""
         """Rank 0's control endpoint, once found."""
-        self._contact: RpcClient | None = None
-        """Rank 0's control client while the publishers are looked for, kept between tries: a
-        handshake that a busy publisher is slow to finish goes on meanwhile, and each try waits
-        for the connection no longer than `_RETRY_SECONDS` (a `poll` barely blocks)."""
+        self._contact = _Contact(self.timeout)
         # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
         delta_threads = threads() if any(t.deltas for t in self._offered) else 1
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
@@ -190,6 +240,7 @@ class WeightSubscriber:
         self._check_open()
         deadline = time.monotonic() + timeout
         while self.version < version:
+            self._check_open()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"version {version} was not applied within {timeout} s (holding {self.version})")
@@ -215,7 +266,9 @@ class WeightSubscriber:
         return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """Stop receiving and relaying; the tensors keep the version they hold."""
+        """Stop receiving and relaying; the tensors keep the version they hold. From another
+        thread it ends a `poll`/`wait` still looking for the publishers (`ClosedError`); once
+        connected, a subscriber is used from one thread, `close` included."""
         if self._closed:
             return
         self._closed = True
@@ -228,8 +281,7 @@ class WeightSubscriber:
             transport.close()
         if self._ranks is not None:
             self._ranks.close()
-        if self._contact is not None:
-            self._contact.close()
+        self._contact.close()
         if self._client is not None:
             self._client.close()
 
@@ -255,21 +307,13 @@ class WeightSubscriber:
             if raw is None:
                 return False
             endpoint = msgspec.msgpack.decode(raw, type=RankInfo).control
-        if self._contact is not None and self._contact.endpoint != endpoint:  # rank 0 moved
-            self._contact.close()
-            self._contact = None
-        if self._contact is None:
-            self._contact = RpcClient(endpoint, timeout=self.timeout, connect_timeout=_RETRY_SECONDS)
-        try:
-            offer = self._contact.call(Latest(after=-1, complete=True, timeout=0.0))
-        except WeightSyncError:
-            offer = None
+        offer = self._contact.latest(endpoint, timeout)
+        self._check_open()
         if offer is None or not offer.ranks:  # not started yet, or some trainer ranks have not joined
             if timeout > 0:
                 time.sleep(min(timeout, _RETRY_SECONDS))
             return False
-        self._contact.close()  # each receiver opens its own, in the thread that uses it
-        self._contact = None
+        self._contact.release()  # each receiver opens its own, in the thread that uses it
         self._coordinator = endpoint
         self._connect(offer.ranks)
         return True

@@ -402,11 +402,13 @@ if sys.argv[1] == "late":  # a request the peer takes and never answers, its id 
     except TimeoutError:
         pass
 peer.close()
+give_up = time.monotonic() + 30
 while True:  # the port, once ZeroMQ's I/O thread let it go
     try:
         listener = socket.create_server(("127.0.0.1", port), backlog=512)
         break
     except OSError:
+        assert time.monotonic() < give_up, "the port was never let go"
         time.sleep(0.01)
 if sys.argv[1] == "unreachable":
     try:

@@ -147,7 +147,8 @@ class Channel(_Peer, SyncCalls):
         """The (message, data frames) answering `rid`, awaited since `since` (default: now) for at
         most `wait` seconds (None: as long as the peer is alive).
 
-        When this raises, the request stays awaited for `cancel(rid)`; `forget(rid)` drops it.
+        When this raises, the request stays awaited for `cancel(rid)` or another `reply`;
+        `forget(rid)` drops it.
 
         Raises:
             SluiceError: (`late`) no answer within `wait`; (`lost`) the peer is silent for
@@ -155,6 +156,10 @@ class Channel(_Peer, SyncCalls):
         """
         since = time.monotonic() if since is None else since
         deadline = self._deadline(since, wait)
+        if rid in self._overdue:  # awaited again: watched again
+            self._overdue.discard(rid)
+            if self._watch:
+                self._watching()
         try:
             while rid not in self._stash:
                 ping, left = self._step(since, deadline, what)
