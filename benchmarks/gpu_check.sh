@@ -24,7 +24,7 @@ step() {
     echo "=== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi -L 2>&1 | tee -a "$LOG"
-step 240 $PY -m pytest -q -s -p no:cacheprovider -m cuda -rs --timeout 120 tests/transfer_queue/test_device.py \
+step 240 $PY -m pytest -q -s -p no:cacheprovider -m cuda -rsx --timeout 120 tests/transfer_queue/test_device.py \
     tests/weight_sync/test_cuda_ipc.py tests/weight_sync/test_torch_nccl.py tests/weight_sync/test_cuda_host.py \
     tests/weight_sync/test_delta_default.py tests/weight_sync/test_nixl.py tests/recipes/test_runs.py
 step 150 $PY benchmarks/gpu.py --sizes 4GiB --reps 3 --transports cuda_ipc,auto,shm

@@ -353,8 +353,9 @@ class SlotTable:
         once, and each other one as its last lease is released (one that expired unreleased:
         at the table's next release of any lease) or its writer marks it. No slot is claimed
         or allocated again. Freeing a GPU slot does not wait for the GPU: whoever queued copies
-        into or out of it has them done before marking or releasing it (a publisher's finisher waits for its copies' events, `publish` synchronizes the
-        stream of a pack that failed, a catch-up and a reader wait for their copies)."""
+        into or out of it has them done before marking or releasing it (a publisher's finisher
+        waits for its copies' events, `publish` synchronizes the stream of a pack that failed,
+        a catch-up and a reader wait for their copies)."""
         with self.cond:
             self._retired = True
             for slot in self.slots:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import threading
 import time
 from collections.abc import Mapping
 
@@ -36,11 +34,12 @@ import xxhash
 import transfer_queue as tq
 from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
+from transfer_queue.wire.rpc import DEAD_AFTER
 
 from .background import ImageReceiver, ReadsReceiver
 from .delta import threads
 from .mapping import NameMapping, TPShard
-from .protocol import Latest, Offer, RankInfo, RpcClient, directory_key
+from .protocol import Latest, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
 from .receivers import MappedReceiver, Receiver, ReceiveSettings, Targets
 from .transports import AUTO_ORDER, Transport, resolve
@@ -52,59 +51,11 @@ log = logging.getLogger("sluice.weight_sync")
 _RETRY_SECONDS = 0.2
 """Pause before looking for the publishers again when they are not all there yet."""
 
+_FIRST_CONTACT = 1.0
+"""How long a `poll` waits for a connection to rank 0 while it looks for the publishers."""
+
 _RECEIVERS: dict[str, type[Receiver]] = {r.mode: r for r in (MappedReceiver, ReadsReceiver, ImageReceiver)}
 """The receiver strategy for each transport mode (`transports.base.Mode`)."""
-
-
-class _Contact:
-    """Rank 0's control client while a subscriber looks for the publishers, kept between tries:
-    a handshake that a busy publisher is slow to finish goes on meanwhile, and each try waits
-    for the connection no longer than `_RETRY_SECONDS` (a `poll` barely blocks). `close` may
-    come from another thread: it ends a try under way (an eventfd its reply wait watches) and
-    closes the socket once that try has let go of it."""
-
-    def __init__(self, timeout: float):
-        self._timeout = timeout
-        self._client: RpcClient | None = None
-        self._lock = threading.Lock()  # held by a try, and by `close` to wait for one
-        self._wake: int | None = None  # the eventfd a try's reply wait watches; written by `close`
-        self._closed = False
-
-    def latest(self, endpoint: str, timeout: float) -> Offer | None:
-        """Rank 0's offer of its newest complete version, asked within `timeout` s (at least
-        `_RETRY_SECONDS`); None if rank 0 was not reached or the contact was closed."""
-        with self._lock:
-            if self._closed:
-                return None
-            if self._client is not None and self._client.endpoint != endpoint:  # rank 0 moved
-                self.release()
-            if self._client is None:
-                if self._wake is None:
-                    self._wake = os.eventfd(0, os.EFD_CLOEXEC)
-                self._client = RpcClient(endpoint, timeout=self._timeout, connect_timeout=_RETRY_SECONDS)
-                self._client.interrupt_on(self._wake)
-            latest = Latest(after=-1, complete=True, timeout=0.0)
-            try:
-                return self._client.call(latest, timeout=max(min(self._timeout, timeout), _RETRY_SECONDS))
-            except WeightSyncError:
-                return None
-
-    def release(self) -> None:
-        """Close the client, in the thread of the tries (the publishers were found)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def close(self) -> None:
-        """Close for good, from any thread: a try under way ends first (within `_RETRY_SECONDS`)."""
-        self._closed = True
-        if self._wake is not None:
-            os.eventfd_write(self._wake, 1)
-        with self._lock:
-            self.release()
-            if self._wake is not None:
-                os.close(self._wake)
-                self._wake = None
 
 
 class WeightSubscriber:
@@ -173,7 +124,6 @@ class WeightSubscriber:
         one is chosen: where this subscriber goes if the publisher's GPU staging stops."""
         self._coordinator = ""
         """Rank 0's control endpoint, once found."""
-        self._contact = _Contact(self.timeout)
         # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
         delta_threads = threads() if any(t.deltas for t in self._offered) else 1
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
@@ -215,8 +165,8 @@ class WeightSubscriber:
         The first call that finds the publishers connects: it picks the transport and, on the
         publishers' host, opens their staging slots, so a rollout worker that polls once at
         start-up does not pay for that in its first version. Returns the version applied, or None.
-        It waits for no version: a publisher not reached yet costs it at most `_RETRY_SECONDS`
-        (0.2 s), one that stops answering once connected is reported within 5 s (`DEAD_AFTER`).
+        It waits for no version: a publisher not reached yet costs it at most `_FIRST_CONTACT`
+        (1 s), one that stops answering once connected is reported within 5 s (`DEAD_AFTER`).
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
@@ -266,9 +216,8 @@ class WeightSubscriber:
         return self._receiver.poll(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """Stop receiving and relaying; the tensors keep the version they hold. From another
-        thread it ends a `poll`/`wait` still looking for the publishers (`ClosedError`); once
-        connected, a subscriber is used from one thread, `close` included."""
+        """Stop receiving and relaying; the tensors keep the version they hold. A subscriber
+        is used from one thread, `close` included."""
         if self._closed:
             return
         self._closed = True
@@ -281,7 +230,6 @@ class WeightSubscriber:
             transport.close()
         if self._ranks is not None:
             self._ranks.close()
-        self._contact.close()
         if self._client is not None:
             self._client.close()
 
@@ -300,6 +248,7 @@ class WeightSubscriber:
     def _start(self, timeout: float) -> bool:
         """Find the publishers, pick a transport and start its receiver; False if the
         publishers are not all there yet."""
+        deadline = time.monotonic() + timeout
         endpoint = self._publisher
         if endpoint is None:
             assert self._client is not None  # __init__ requires an address or a publisher endpoint
@@ -307,13 +256,21 @@ class WeightSubscriber:
             if raw is None:
                 return False
             endpoint = msgspec.msgpack.decode(raw, type=RankInfo).control
-        offer = self._contact.latest(endpoint, timeout)
-        self._check_open()
+        # a poll waits for rank 0's connection no longer than `_FIRST_CONTACT`, a wait as long
+        # as it may, up to what a silent peer is given (a busy publisher's handshake takes time)
+        connect = _FIRST_CONTACT if timeout <= 0 else min(DEAD_AFTER, timeout)
+        coordinator = RpcClient(endpoint, timeout=self.timeout, connect_timeout=connect)
+        try:
+            offer = coordinator.call(Latest(after=-1, complete=True, timeout=0.0), timeout=max(timeout, connect))
+        except WeightSyncError:
+            offer = None
+        finally:
+            coordinator.close()  # each receiver opens its own, in the thread that uses it
         if offer is None or not offer.ranks:  # not started yet, or some trainer ranks have not joined
-            if timeout > 0:
-                time.sleep(min(timeout, _RETRY_SECONDS))
+            left = deadline - time.monotonic()
+            if left > 0:
+                time.sleep(min(left, _RETRY_SECONDS))
             return False
-        self._contact.release()  # each receiver opens its own, in the thread that uses it
         self._coordinator = endpoint
         self._connect(offer.ranks)
         return True

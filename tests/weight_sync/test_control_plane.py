@@ -283,41 +283,16 @@ def test_a_lease_waiting_for_a_version_the_trainer_skips_is_refused_and_the_serv
 
 
 def test_looking_for_a_publisher_that_is_not_there_barely_blocks():
-    """A `poll` before the publisher is reachable returns None at once rather than after a
-    connect timeout (`DEAD_AFTER`, which a first contact with a busy publisher needs), and
-    `wait` keeps to its own deadline: the first contact keeps one connection between tries."""
+    """A `poll` before the publisher is reachable returns None soon (`_FIRST_CONTACT`) rather
+    than after the connect timeout a `wait`'s first contact with a busy publisher may take
+    (`DEAD_AFTER`), and `wait` keeps to its own deadline."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     with WeightSubscriber(None, {"w": torch.zeros(8)}, publisher=endpoint) as sub:
         for _ in range(3):
             began = time.monotonic()
             assert sub.poll() is None
-            assert time.monotonic() - began < DEAD_AFTER / 5
+            assert time.monotonic() - began < DEAD_AFTER / 2
         began = time.monotonic()
         with pytest.raises(tq.TimeoutError):
             sub.wait(1, timeout=0.5)
         assert time.monotonic() - began < DEAD_AFTER / 2
-
-
-def _wait_until_closed(sub: WeightSubscriber, waiting: threading.Event, outcome: list) -> None:
-    waiting.set()
-    try:
-        sub.wait(1, timeout=60)
-    except tq.ClosedError as exc:
-        outcome.append(exc)
-
-
-def test_closing_a_subscriber_from_another_thread_ends_its_wait_for_the_publishers():
-    """`close` from another thread while `wait` looks for a publisher that is not there: the
-    wait ends with `ClosedError` at once, not at its timeout (and the socket the tries keep is
-    closed by whichever thread holds it last, never under the other)."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    for _ in range(3):  # closed at various points of the tries: in a reply wait, a send, a pause
-        sub = WeightSubscriber(None, {"w": torch.zeros(8)}, publisher=endpoint)
-        waiting, outcome = threading.Event(), []
-
-        waiter = threading.Thread(target=_wait_until_closed, args=(sub, waiting, outcome))
-        waiter.start()
-        waiting.wait(10)
-        sub.close()
-        waiter.join(10)
-        assert not waiter.is_alive() and len(outcome) == 1

@@ -254,10 +254,13 @@ def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypat
     allocation would): the version still reaches host staging's readers, an "auto" reader of
     GPU staging applies it whole from host staging, one that named cuda_ipc is told why it
     gets no more versions, a new "auto" reader with GPU tensors connects over shm, and GPU
-    staging's slots are freed once nothing holds them: their memory is back in the allocator
-    (`memory_allocated`) once the readers closed. The readers are in the publisher's process
-    (they read the slot tensors, not the CUDA IPC handles the slots were shared with)."""
+    staging lets go of its slots once nothing holds them (no tensor of theirs is left alive).
+    Whether their memory is back in the allocator (`memory_allocated`) once the readers closed
+    is measured: if not, the test reports itself xfailed with the bytes freed (docs/gpu.md,
+    "GPU staging stopping"). The readers are in the publisher's process (they read the slot
+    tensors, not the CUDA IPC handles the slots were shared with)."""
     import gc
+    import weakref
 
     from weight_sync import publisher as publisher_module
 
@@ -285,6 +288,7 @@ def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypat
             monkeypatch.setattr(publisher_module, "pack", no_memory)
             assert pub._mirror is not None
             staged = sum(s.size for s in pub._mirror.table.slots)
+            slot_tensors = [weakref.ref(s.segment.tensor) for s in pub._mirror.table.slots if s.segment is not None]
             allocated = torch.cuda.memory_allocated()
             pub.publish(_gpu(weights(2)), 2)
             assert host_sub.wait(2, timeout=30) == 2
@@ -305,8 +309,9 @@ def test_without_gpu_memory_gpu_staging_stops_and_host_staging_goes_on(monkeypat
                 assert all(torch.equal(new[n].cpu(), t) for n, t in weights(2).items())
         gc.collect()
         torch.cuda.ipc_collect()
+        assert slot_tensors and all(ref() is None for ref in slot_tensors), "a GPU slot's tensor outlived its slot"
         freed = allocated - torch.cuda.memory_allocated() + kept
-        assert staged > 0 and freed >= 0
+        assert staged > 0
         if freed < staged:  # the open question of docs/gpu.md ("GPU staging stopping"), answered here
             pytest.xfail(
                 f"{freed} bytes freed of GPU staging's {staged}: PyTorch holds back a freed block shared "

@@ -156,9 +156,9 @@ class Channel(_Peer, SyncCalls):
         """
         since = time.monotonic() if since is None else since
         deadline = self._deadline(since, wait)
-        if rid in self._overdue:  # awaited again: watched again
+        if rid in self._overdue:  # awaited again: watched again (what a monitor holds is news to it)
             self._overdue.discard(rid)
-            if self._watch:
+            if self._watch and self._monitor is None:
                 self._watching()
         try:
             while rid not in self._stash:
