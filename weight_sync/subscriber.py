@@ -261,7 +261,9 @@ class WeightSubscriber:
         connect = _FIRST_CONTACT if timeout <= 0 else min(DEAD_AFTER, timeout)
         coordinator = RpcClient(endpoint, timeout=self.timeout, connect_timeout=connect)
         try:
-            offer = coordinator.call(Latest(after=-1, complete=True, timeout=0.0), timeout=max(timeout, connect))
+            offer = coordinator.call(
+                Latest(after=-1, complete=True, timeout=0.0), timeout=min(self.timeout, max(timeout, connect))
+            )
         except WeightSyncError:
             offer = None
         finally:
