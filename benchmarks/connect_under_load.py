@@ -1,14 +1,16 @@
-"""Fresh connections to a service whose process holds the GIL: how many first sends fail.
+"""Fresh connections to a service whose process holds the GIL: how many first calls fail.
 
 A weight subscriber's control client (`weight_sync.protocol.RpcClient`) sends its first request
-on a new connection, which ZeroMQ's handshake must finish first. Here the service is a `ThreadService` in a process of its own whose `--hogs`
-threads copy 256 MiB with the GIL held (`bytes(bytearray)`), as a trainer's Python threads may;
-with CurveZMQ its ZAP handler, a Python thread, must get the GIL to finish each handshake. For
-each mode (with and without CurveZMQ) and each connect timeout (`--connect-timeouts`: the weight
-client's, and 2 s, what it had before), `--reps` fresh channels with the weight client's settings
-each send one `Ping`: it reports how many sends failed, the median and longest time for a send to
-be taken, and the median and longest wait for the `Ok`. A failed send is the symptom "took no
-message for N s" of a live service (see docs/reliability.md, Liveness).
+on a new connection, which ZeroMQ's handshake must finish first. Here the service is a
+`ThreadService` in a process of its own whose `--hogs` threads copy 256 MiB with the GIL held
+(`bytes(bytearray)`), as a trainer's Python threads may; with CurveZMQ its ZAP handler, a Python
+thread, must get the GIL to finish each handshake. For each mode (with and without CurveZMQ) and
+each connect timeout (`--connect-timeouts`: the weight client's, and 2 s, what it had before and
+what a subscriber's `poll` gives its first contact), `--reps` fresh channels with the weight
+client's settings each send one `Ping`: it reports how many calls failed (a send not taken within
+the connect timeout: "took no message for N s" of a live service; or an answer not given within
+`dead_after`), the median and longest time for a send to be taken, and the median and longest
+wait for the `Ok` (see docs/reliability.md, Liveness).
 
     .venv/bin/python benchmarks/connect_under_load.py                 # 25 channels, 4 hogs
     .venv/bin/python benchmarks/connect_under_load.py --reps 10 --hogs 2

@@ -34,12 +34,12 @@ import xxhash
 import transfer_queue as tq
 from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
-from transfer_queue.wire.rpc import DEAD_AFTER
+from transfer_queue.wire.rpc import DEAD_AFTER, check
 
 from .background import ImageReceiver, ReadsReceiver
 from .delta import threads
 from .mapping import NameMapping, TPShard
-from .protocol import Latest, RankInfo, RpcClient, directory_key
+from .protocol import Latest, Offer, RankInfo, RpcClient, directory_key
 from .ranks import PublisherRanks
 from .receivers import MappedReceiver, Receiver, ReceiveSettings, Targets
 from .transports import AUTO_ORDER, Transport, resolve
@@ -51,8 +51,10 @@ log = logging.getLogger("sluice.weight_sync")
 _RETRY_SECONDS = 0.2
 """Pause before looking for the publishers again when they are not all there yet."""
 
-_FIRST_CONTACT = 1.0
-"""How long a `poll` waits for a connection to rank 0 while it looks for the publishers."""
+_FIRST_CONTACT = 2.0
+"""How long a `poll` waits for a connection to rank 0 while it looks for the publishers: a
+busy publisher's handshake may take longer (docs/reliability.md, Liveness), and the next
+`poll` tries again; a `wait` gives it up to `DEAD_AFTER` within its deadline."""
 
 _RECEIVERS: dict[str, type[Receiver]] = {r.mode: r for r in (MappedReceiver, ReadsReceiver, ImageReceiver)}
 """The receiver strategy for each transport mode (`transports.base.Mode`)."""
@@ -166,7 +168,7 @@ class WeightSubscriber:
         publishers' host, opens their staging slots, so a rollout worker that polls once at
         start-up does not pay for that in its first version. Returns the version applied, or None.
         It waits for no version: a publisher not reached yet costs it at most `_FIRST_CONTACT`
-        (1 s), one that stops answering once connected is reported within 5 s (`DEAD_AFTER`).
+        (2 s), one that stops answering once connected is reported within 5 s (`DEAD_AFTER`).
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
@@ -190,7 +192,6 @@ class WeightSubscriber:
         self._check_open()
         deadline = time.monotonic() + timeout
         while self.version < version:
-            self._check_open()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"version {version} was not applied within {timeout} s (holding {self.version})")
@@ -217,7 +218,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         """Stop receiving and relaying; the tensors keep the version they hold. A subscriber
-        is used from one thread, `close` included."""
+        is used from one thread at a time (never concurrently), `close` included."""
         if self._closed:
             return
         self._closed = True
@@ -256,14 +257,18 @@ class WeightSubscriber:
             if raw is None:
                 return False
             endpoint = msgspec.msgpack.decode(raw, type=RankInfo).control
-        # a poll waits for rank 0's connection no longer than `_FIRST_CONTACT`, a wait as long
-        # as it may, up to what a silent peer is given (a busy publisher's handshake takes time)
-        connect = _FIRST_CONTACT if timeout <= 0 else min(DEAD_AFTER, timeout)
+        began = time.monotonic()
+        if timeout <= 0:  # a poll: a publisher not reached yet costs it `_FIRST_CONTACT` at most
+            connect, answer = _FIRST_CONTACT, self.timeout
+        else:  # a wait: the connection and the answer within what is left of its deadline
+            left = deadline - began
+            if left <= 0:
+                return False
+            connect, answer = min(DEAD_AFTER, left), min(self.timeout, left)
         coordinator = RpcClient(endpoint, timeout=self.timeout, connect_timeout=connect)
         try:
-            offer = coordinator.call(
-                Latest(after=-1, complete=True, timeout=0.0), timeout=min(self.timeout, max(timeout, connect))
-            )
+            rid = coordinator.send(Latest(after=-1, complete=True, timeout=0.0))
+            offer = check(coordinator.reply(rid, answer, since=began, what="Latest")[0], Offer)
         except WeightSyncError:
             offer = None
         finally:

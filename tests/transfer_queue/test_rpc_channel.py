@@ -18,6 +18,7 @@ import zmq.asyncio
 from tests.helpers import eventually, eventually_async
 from tests.peers import ParkedService
 from transfer_queue.wire.errors import InternalError, SchemaError, ServiceError
+from transfer_queue.wire.errors import TimeoutError as Late
 from transfer_queue.wire.messages import Free, Read, Reply, StorageRequest, UnitStatus
 from transfer_queue.wire.rpc import (
     SOCKET_BUFFER_BYTES,
@@ -460,3 +461,30 @@ def test_an_idle_channel_watching_disconnects_never_stalls_the_process(after):
     done = subprocess.run([sys.executable, "-c", _STORM, after], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "other sockets work"
+
+
+@pytest.mark.parametrize("other_awaited", [True, False])
+def test_a_request_awaited_again_after_its_reply_timed_out_is_watched_again(other_awaited):
+    """A reply that timed out leaves its request for another `reply`, which watches the peer
+    again: a drop is reported at once (not after `dead_after`), whether another awaited
+    request kept the monitor on meanwhile (the drop it saw is news to this one) or not."""
+    peer = zmq.Context.instance().socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{peer.bind_to_random_port('tcp://127.0.0.1')}"
+    channel = Channel(endpoint, Codec(Reply), dead_after=60, watch_disconnect=True)
+    drop = threading.Timer(0.5, peer.close)
+    try:
+        first = channel.send(Ping())
+        peer.recv_multipart()
+        with pytest.raises(Late):
+            channel.reply(first, 0.1)
+        if other_awaited:
+            channel.send(Ping())
+            peer.recv_multipart()
+        drop.start()  # while `first` is awaited again below
+        with pytest.raises(ServiceError, match="dropped the connection"):
+            channel.reply(first, 30)  # 30 s < dead_after: only the monitor can end it sooner
+    finally:
+        drop.join()
+        channel.close()
+        peer.close()

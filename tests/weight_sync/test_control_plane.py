@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 import transfer_queue as tq
 from transfer_queue.wire.auth import CREDENTIALS_ENV, Credentials
@@ -20,6 +21,7 @@ from transfer_queue.wire.rpc import DEAD_AFTER
 from weight_sync import NameMapping, ShmTransport, TPShard, WeightPublisher, WeightSubscriber
 from weight_sync.protocol import Confirm, Granted, Latest, Lease, Offer, Ok, Release, RpcClient, Slots
 from weight_sync.ranks import PublisherRanks
+from weight_sync.subscriber import _FIRST_CONTACT
 
 from ..helpers import eventually, free_port
 from .harness import CTX
@@ -283,16 +285,29 @@ def test_a_lease_waiting_for_a_version_the_trainer_skips_is_refused_and_the_serv
 
 
 def test_looking_for_a_publisher_that_is_not_there_barely_blocks():
-    """A `poll` before the publisher is reachable returns None soon (`_FIRST_CONTACT`) rather
+    """A `poll` before the publisher is reachable returns None after `_FIRST_CONTACT` rather
     than after the connect timeout a `wait`'s first contact with a busy publisher may take
-    (`DEAD_AFTER`), and `wait` keeps to its own deadline."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    (`DEAD_AFTER`), and `wait` keeps to its own deadline: also where rank 0 is reached late in
+    it and never answers (its connection and its answer share the one deadline)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there yet
     with WeightSubscriber(None, {"w": torch.zeros(8)}, publisher=endpoint) as sub:
-        for _ in range(3):
+        for _ in range(2):
             began = time.monotonic()
             assert sub.poll() is None
-            assert time.monotonic() - began < DEAD_AFTER / 2
+            assert time.monotonic() - began < _FIRST_CONTACT + 1
         began = time.monotonic()
         with pytest.raises(tq.TimeoutError):
             sub.wait(1, timeout=0.5)
         assert time.monotonic() - began < DEAD_AFTER / 2
+        silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes the connection, never answers
+        silent.setsockopt(zmq.LINGER, 0)
+        late = threading.Timer(2.0, silent.bind, (endpoint,))  # 2 s into the wait below
+        began = time.monotonic()
+        late.start()
+        try:
+            with pytest.raises(tq.TimeoutError):
+                sub.wait(1, timeout=3.0)
+            assert time.monotonic() - began < 4.0  # not 2 s to connect + 3 s for the answer
+        finally:
+            late.join()
+            silent.close()
