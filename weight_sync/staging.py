@@ -273,15 +273,10 @@ class SlotTable:
         """Put a segment `prepare` made into `slot` (`claim` skips it until then), unless the
         table closed or retired meanwhile (then the segment is freed)."""
         with self.cond:
-            self._in_hand.discard(slot.index)
-            self.cond.notify_all()
+            self._hand_back(slot)
             if self._closed or self._retired:
                 if segment is not None:
                     segment.close()
-                if self._closed and slot.segment is not None:  # `close` left it to this
-                    slot.segment.close()
-                    slot.segment = None
-                self._free_if_done(slot)
                 return
             if segment is None:
                 return
@@ -306,13 +301,17 @@ class SlotTable:
                 slot.mapped.pin()
             finally:
                 with self.cond:
-                    self._in_hand.discard(slot.index)
-                    self.cond.notify_all()
-                    if self._closed:
-                        slot.mapped.close()
-                        slot.segment = None
-                    else:
-                        self._free_if_done(slot)
+                    self._hand_back(slot)
+
+    def _hand_back(self, slot: Slot) -> None:
+        """A slot `prepare` or `pin_all` held outside the lock is back (under the lock): `claim`
+        may take it again, and what `close` or `retire` left to its holder is done now."""
+        self._in_hand.discard(slot.index)
+        self.cond.notify_all()
+        if self._closed and slot.segment is not None:
+            slot.segment.close()
+            slot.segment = None
+        self._free_if_done(slot)
 
     def _grow(self, slot: Slot, size: int) -> None:
         if slot.segment is None or slot.segment.size < size:
