@@ -316,18 +316,31 @@ def make_current(device: torch.device) -> None:
 
 
 def ipc_share(t: torch.Tensor) -> tuple:
-    """The CUDA IPC handle of a CUDA tensor's storage, as torch gives it (`_share_cuda_`): the
-    device, the memory handle, the storage's bytes and offset in its allocation, the producer's
-    reference counter (handle, offset), an event handle and whether the consumer must wait on it.
-    Each field is an int, bytes or a bool: it can travel in any message. The tensor must stay
-    alive while other processes use the memory."""
-    return tuple(t.untyped_storage()._share_cuda_())
+    """The CUDA IPC handle of a CUDA tensor's storage, as the fields `ipc_open` takes: the
+    device, the memory handle, the storage's bytes and offset in its allocation, an event handle
+    and whether the opener must wait on it. Each field is an int, bytes or a bool: it can travel
+    in any message.
+
+    The memory lives exactly as long as the tensor: the caller keeps it alive while other
+    processes read it (Sluice: its leases). PyTorch's own cross-process count, which the share
+    starts at one and each opener lowers by one when it drops the handle, is given back here and
+    not handed on: it counts one opener per share, so a handle shared once and opened by two
+    processes (or by none) would hold the freed memory back until this process exits."""
+    device, handle, size, offset, counter, counter_offset, event, sync = t.untyped_storage()._share_cuda_()
+    torch.UntypedStorage._release_ipc_counter(counter, counter_offset, device=t.device)
+    return device, handle, size, offset, event, sync
+
+
+_NO_COUNTER = b""
+"""The cross-process count an opening is given (`ipc_share`'s fields carry none): an opening
+lowers its count when it is dropped, and PyTorch skips a count it cannot open, as when the
+producer has exited."""
 
 
 def ipc_open(fields: tuple, nbytes: int) -> torch.Tensor:
     """A uint8 view of `nbytes` of another process's CUDA storage, from its `ipc_share` fields
     (opened once: keep the result for as long as the memory is used)."""
+    device, handle, size, offset, event, sync = fields
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(*fields)
-    device = torch.device("cuda", fields[0])
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, _NO_COUNTER, 0, event, sync)
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage, 0, (nbytes,), (1,))

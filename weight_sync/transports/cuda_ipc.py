@@ -3,15 +3,18 @@ publisher's GPU staging slots.
 
 A publisher serving `cuda_ipc` stages every version into GPU slots (`staging = "cuda"`: a
 device-to-device snapshot of its tensors, synchronised before the version is offered); served
-beside host transports, those GPU slots sit beside host staging (`weight_sync.gpu_mirror`). Each slot's CUDA IPC handle (`transfer_queue.cuda.
-ipc_share`: the device, the memory handle, offsets, the producer's reference counter and event)
-travels as plain fields of an `IpcSlot` msgspec struct in the subscriber's grant
-(`SlotInfo.handle`), never pickled. A subscriber opens each slot once per slot generation, keeps
-it open, and at apply time copies its planned reads from it into its tensors (device to device,
-or to the host for CPU tensors), with the same resharding reads as `shm` and one wait for the
-copies before the lease is released. Slots, leases and versions are the slot table's, as for
-`shm`: the GPU memory held is `slots` × the model's bytes (`slots=1` halves it, and `publish`
-then waits for the previous version's readers).
+beside host transports, those GPU slots sit beside host staging (`weight_sync.gpu_mirror`).
+Each slot's CUDA IPC handle (`transfer_queue.cuda.ipc_share`: the device, the memory handle,
+offsets and an event) travels as plain fields of an `IpcSlot` msgspec struct in the
+subscriber's grant (`SlotInfo.handle`), never pickled. A subscriber opens each slot once per
+slot generation, keeps it open, and at apply time copies its planned reads from it into its
+tensors (device to device, or to the host for CPU tensors), with the same resharding reads as
+`shm` and one wait for the copies before the lease is released. Slots, leases and versions are
+the slot table's, as for `shm`: the GPU memory held is `slots` × the model's bytes (`slots=1`
+halves it, and `publish` then waits for the previous version's readers). The leases alone say
+when a slot's memory may go: no PyTorch cross-process count travels with a handle, so a slot
+the table frees (a publisher closing, GPU staging stopping) is back in PyTorch's allocator
+at once, however many processes opened it.
 
 CUDA refuses to open an IPC handle in the process that made it, so a subscriber in the
 publisher's own process (a colocated trainer and rollout engine) reads the slot tensor itself:
@@ -41,8 +44,6 @@ class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
     handle: bytes
     size: int
     offset: int
-    ref_counter: bytes
-    ref_counter_offset: int
     event: bytes
     event_sync_required: bool
 
@@ -53,8 +54,6 @@ class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
             self.handle,
             self.size,
             self.offset,
-            self.ref_counter,
-            self.ref_counter_offset,
             self.event,
             self.event_sync_required,
         )
@@ -70,15 +69,13 @@ _DECODER = msgspec.msgpack.Decoder(IpcSlot)
 
 def encode_slot(fields: tuple) -> bytes:
     """`ipc_share`'s fields as the bytes of a grant's `SlotInfo.handle`."""
-    device, handle, size, offset, counter, counter_offset, event, sync = fields
+    device, handle, size, offset, event, sync = fields
     return _ENCODER.encode(
         IpcSlot(
             int(device),
             bytes(handle),
             int(size),
             int(offset),
-            bytes(counter),
-            int(counter_offset),
             bytes(event or b""),
             bool(sync),
         )
