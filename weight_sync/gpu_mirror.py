@@ -16,8 +16,8 @@ for its copy or its pack), and reused only once its readers released it.
 
 Once the GPU has no memory for a slot (or allocating one fails otherwise), GPU staging stops
 for good (`error` says why): it lets go of each slot as soon as no reader holds it and no
-pack or copy is writing it (`SlotTable.retire`; PyTorch may hold back the memory of a slot
-shared over CUDA IPC until every handle to it is dropped: docs/gpu.md), host staging goes on,
+pack or copy is writing it (`SlotTable.retire`: its memory is back in PyTorch's allocator
+then, though shared over CUDA IPC: `transfer_queue.cuda.ipc_share`), host staging goes on,
 GPU-staging leases fail with `GpuStagingStoppedError` and the reason, and the rank's
 description of its slots for a GPU-staging transport carries it, so that subscribers that
 offered host transports too read host staging from then on (`WeightSubscriber`).
