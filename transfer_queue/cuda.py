@@ -331,10 +331,11 @@ def ipc_share(t: torch.Tensor) -> tuple:
     return device, handle, size, offset, event, sync
 
 
-_NO_COUNTER = b""
+_NO_COUNTER = b"/sluice/no-counter"
 """The cross-process count an opening is given (`ipc_share`'s fields carry none): an opening
 lowers its count when it is dropped, and PyTorch skips a count it cannot open, as when the
-producer has exited."""
+producer has exited. A shared-memory name with a second "/" is refused by `shm_open`, so this
+one never names a real object."""
 
 
 def ipc_open(fields: tuple, nbytes: int) -> torch.Tensor:

@@ -185,6 +185,7 @@ def test_a_closed_publisher_gives_back_gpu_slots_that_two_subscriber_processes_o
     opener), two openers would have taken it below zero and held the memory back until the
     publisher's process exits."""
     import gc
+    import weakref
 
     pub = WeightPublisher(None, transport="cuda_ipc", bucket_bytes=BUCKET, model=_gpu(weights(0)))
     try:
@@ -196,11 +197,13 @@ def test_a_closed_publisher_gives_back_gpu_slots_that_two_subscriber_processes_o
             check(summary, 3)
             assert summary["transport"] == "cuda_ipc"
         staged = sum(s.size for s in pub._table.slots if s.segment is not None)
+        slot_tensors = [weakref.ref(s.segment.tensor) for s in pub._table.slots if s.segment is not None]
         allocated = torch.cuda.memory_allocated()
     finally:
         pub.close()
     gc.collect()
     torch.cuda.ipc_collect()
+    assert slot_tensors and all(ref() is None for ref in slot_tensors), "a GPU slot's tensor outlived its publisher"
     freed = allocated - torch.cuda.memory_allocated()
     assert staged > 0 and freed >= staged, f"{freed} bytes freed of GPU staging's {staged}"
 

@@ -61,7 +61,9 @@ class IpcSlot(msgspec.Struct, frozen=True, array_like=True):
 
 _OWN_SLOTS: weakref.WeakValueDictionary[tuple[bytes, int], torch.Tensor] = weakref.WeakValueDictionary()
 """This process's shared GPU slots, by (memory handle, offset): what a subscriber in the same
-process reads instead of opening the handle. Weak: a replaced slot's memory is freed with it."""
+process reads instead of opening the handle. Weak, and nothing else removes an entry: a slot's
+entry goes with its tensor, and memory freed and reused by a new slot comes back under the
+same key for the new slot's tensor alone."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(IpcSlot)
@@ -99,7 +101,7 @@ class CudaIpcTransport(MapTransport):
     staging = "cuda"
 
     def __init__(self) -> None:
-        self._shared: dict[int, tuple[int, bytes, tuple[bytes, int]]] = {}  # slot index -> (generation, handle, key)
+        self._shared: dict[int, tuple[int, bytes]] = {}  # slot index -> (generation, encoded handle)
         self._opened: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
 
     @classmethod
@@ -116,12 +118,9 @@ class CudaIpcTransport(MapTransport):
             tensor = slot.mapped.tensor
             if not tensor.is_cuda:
                 raise WeightSyncError("cuda_ipc serves GPU staging slots only")
-            if held is not None:
-                _OWN_SLOTS.pop(held[2], None)
             fields = ipc_share(tensor)
-            key = (bytes(fields[1]), int(fields[3]))
-            _OWN_SLOTS[key] = tensor
-            held = self._shared[slot.index] = (slot.generation, encode_slot(fields), key)
+            _OWN_SLOTS[bytes(fields[1]), int(fields[3])] = tensor
+            held = self._shared[slot.index] = (slot.generation, encode_slot(fields))
         return held[1]
 
     def open(self, rank: int, slot: SlotInfo) -> torch.Tensor:
@@ -144,6 +143,4 @@ class CudaIpcTransport(MapTransport):
 
     def close(self) -> None:
         self._opened.clear()
-        for _, _, key in self._shared.values():
-            _OWN_SLOTS.pop(key, None)
         self._shared.clear()
