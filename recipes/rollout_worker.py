@@ -17,6 +17,11 @@ at once. A batch that outlived its prompts' lease (`cluster.lease_timeout`), som
 prompts another worker leased meanwhile, is logged and counted (`RolloutStats.late_acks`, in
 `run.json`'s `rollout`), and the worker goes on.
 
+Everything that uses the subscriber or the engine's weights (applies, generations, and the
+subscriber's `close`) runs on one thread the worker owns, one call after another: the
+subscriber is used from one thread at a time, and a `run` cancelled mid-apply (Ctrl-C) closes it
+only once that apply is over.
+
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
 
@@ -27,7 +32,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import TypeVar
@@ -70,33 +76,49 @@ class RolloutWorker:
         self.latest = -1
         """The newest version the controller announced (partial rollout compares it with the
         engine's at every token boundary)."""
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rollout-worker-{worker_id}")
+        """The one thread that applies, generates and closes the subscriber (`_in_thread`); the
+        event loop only reads the subscriber's `version`, an int."""
 
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> RolloutStats:
+        """Produce until the trainer says stop or the prompts run out; the stats at the end.
+
+        However it ends (cancelled included), it closes the subscriber on the worker's thread,
+        after the apply or generation still running there: that is how long cleanup can wait,
+        and it is bounded. An apply gives up at `WEIGHT_TIMEOUT` (its `wait`), plus at most the
+        subscriber's per-step `timeout` (30 s) for each step of the transfer then in progress
+        and of the `poll` after it. A generation ends within `max_new_tokens` tokens, each swap
+        in it (partial rollout) an apply bounded so.
+        """
         client = await tq.connect_async(self.address)
         stop = asyncio.ensure_future(client.lookup(STOP_KEY, timeout=_FOREVER))
         watcher = (
             asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
         )
         try:
-            await self._idle(asyncio.to_thread(self._apply, 0))
+            await self._idle(self._in_thread(self._apply, 0))
             while not stop.done():
                 if not await self._batch(client, stop):
                     break
             await self._idle(self._follow_until_stop(client, stop))
             final = msgspec.msgpack.decode(stop.result(), type=int)
-            await self._idle(asyncio.to_thread(self._apply, final))
+            await self._idle(self._in_thread(self._apply, final))
             self.stats.finished = True
             await client.announce(rollout_key(self.stats.worker, done=True), msgspec.msgpack.encode(self.stats))
         finally:
+            # queued first, so that a second cancellation while the client closes cannot skip
+            # it; the thread ends once the close (the last call it is given) has run
+            closed = asyncio.get_running_loop().run_in_executor(self._thread, self.subscriber.close)
+            self._thread.shutdown(wait=False)
             for task in (stop, watcher):
                 if task is not None:
                     task.cancel()
                     with suppress(BaseException):
                         await task
             await client.close()
-            self.subscriber.close()
+            await asyncio.shield(closed)  # a cancelled await leaves the queued close in place
         if self.cfg.out_dir:
             path = Path(self.cfg.out_dir, f"rollout-{self.stats.worker}.json")
             path.write_text(json.dumps(msgspec.to_builtins(self.stats), indent=1))
@@ -112,7 +134,7 @@ class RolloutWorker:
             return False
         async with grant:
             if self.subscriber.version < grant.version:
-                await self._idle(asyncio.to_thread(self._apply, grant.version))
+                await self._idle(self._in_thread(self._apply, grant.version))
             meta = await self._idle(
                 client.get_meta(["prompts"], cfg.prompts_per_batch, ROLLOUT_TASK, PROMPTS, timeout=_FOREVER)
             )
@@ -124,7 +146,7 @@ class RolloutWorker:
                 return False
             prompts = (await client.get_data(meta, device=self.device))["prompts"]
             start = time.perf_counter()
-            rollouts = await asyncio.to_thread(self._generate, prompts)
+            rollouts = await self._in_thread(self._generate, prompts)
             groups = [i for i in meta.indexes for _ in range(cfg.group_size)]
             for rows, span in rollouts.by_span():
                 td = rollouts.select(rows)
@@ -155,7 +177,7 @@ class RolloutWorker:
                 client.wait_version(self.subscriber.version + 1, timeout=self.cfg.trainer.batch_timeout), stop
             )
             if newer is not None:
-                await asyncio.to_thread(self._apply, newer)
+                await self._in_thread(self._apply, newer)
 
     async def _idle(self, awaitable):  # noqa: ANN001, ANN202 - times a wait as idle
         start = time.perf_counter()
@@ -168,7 +190,12 @@ class RolloutWorker:
         async for version in client.versions(after=max(self.subscriber.version, 0)):
             self.latest = version
 
-    # -- in the generation thread ------------------------------------------------------------
+    async def _in_thread(self, call: Callable[..., T], *args: object) -> T:
+        """`call(*args)` on the worker's thread, after whatever runs there. Cancelling the
+        await leaves a call already running to finish there (a thread cannot be stopped)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call, *args)
+
+    # -- on the worker's thread ----------------------------------------------------------------
 
     def _apply(self, version: int) -> None:
         """Hold at least `version`: wait for it, or take anything newer already complete."""

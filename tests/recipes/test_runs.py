@@ -11,8 +11,11 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -202,6 +205,79 @@ def test_a_worker_whose_prompts_lease_ran_out_logs_the_late_ack_and_goes_on(capl
         status = other.status()
         assert status["counters"]["samples_ack_refused"] == n
         assert status["partitions"][TRAIN]["samples"] == 2 * n * cfg.rollout.group_size
+
+
+def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monkeypatch):
+    """`run` is cancelled (as Ctrl-C does) while its first apply is under way: the worker closes
+    its subscriber only after that apply, on the thread that applied (a subscriber is used from
+    one thread at a time), and nothing there raises. The test records each subscriber call with
+    its thread; the apply is held, once in `wait`, until the worker has closed its cluster
+    client, which `run`'s cleanup does just before it closes the subscriber."""
+    cfg = load(["fully_async"], SMALL)
+    calls: list[tuple[str, str]] = []
+    errors: list[BaseException] = []
+    cleaning_up = threading.Event()
+    serial = threading.Lock()  # no real call overlaps another: a close beside a live wait could abort
+    running: dict[str, Any] = {}
+
+    def recorded(name: str, real: Callable[..., Any], first: Callable[[], None] = lambda: None) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                first()
+                with serial:
+                    try:
+                        return real(*args, **kwargs)
+                    finally:
+                        calls.append((name, threading.current_thread().name))
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        return call
+
+    def cancel_the_run_then_hold_until_cleanup() -> None:
+        running["loop"].call_soon_threadsafe(running["run"].cancel)
+        assert cleaning_up.wait(60), "the cancelled run did not close its cluster client"
+
+    connect = tq.connect_async
+
+    async def connect_observed(address: str) -> tq.AsyncClient:
+        client = await connect(address)
+        close = client.close
+
+        async def close_observed() -> None:
+            await close()
+            cleaning_up.set()
+
+        client.close = close_observed
+        return client
+
+    async def cancelled_mid_apply() -> None:
+        running.update(loop=asyncio.get_running_loop(), run=asyncio.ensure_future(worker.run()))
+        with pytest.raises(asyncio.CancelledError):
+            await running["run"]
+
+    with tq.init(1, "64MiB") as cluster:
+        publisher = WeightPublisher(cluster.address, transport="shm")
+        worker = RolloutWorker(cfg, cluster.address)
+        subscriber = worker.subscriber
+        close_subscriber = subscriber.close
+        try:
+            publisher.publish(dict(worker.engine.weights()), version=0)
+            monkeypatch.setattr(tq, "connect_async", connect_observed)
+            monkeypatch.setattr(
+                subscriber, "wait", recorded("wait", subscriber.wait, cancel_the_run_then_hold_until_cleanup)
+            )
+            monkeypatch.setattr(subscriber, "poll", recorded("poll", subscriber.poll))
+            monkeypatch.setattr(subscriber, "close", recorded("close", subscriber.close))
+            asyncio.run(cancelled_mid_apply())
+        finally:
+            close_subscriber()
+            publisher.close()
+    thread = calls[0][1]
+    assert calls == [("wait", thread), ("poll", thread), ("close", thread)]
+    assert thread != threading.main_thread().name and not errors
+    assert worker.stats.version == 0  # the apply finished: the engine holds version 0
 
 
 def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):
