@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from transfer_queue import TimeoutError, WeightSyncError
+from transfer_queue import ClosedError, TimeoutError, WeightSyncError
 from transfer_queue.cuda import HostRegistry, synchronize, tensor_ptr
 from transfer_queue.host import map_file, unmap
 
@@ -183,8 +183,9 @@ class SlotTable:
         self._lease_holder: dict[int, bytes] = {}
         """Lease id -> the client connection it was granted to (`lease(holder=)`)."""
         self._in_hand: set[int] = set()
-        """Indexes of slots whose segment `prepare` allocates, or `pin_all` registers, outside
-        the lock: `claim` waits for them, and nothing else replaces or unmaps their segment."""
+        """Indexes of slots whose segment `prepare` or `claim` allocates, or `pin_all` registers,
+        outside the lock: no other `claim` takes them (it waits for one being prepared), and
+        nothing else replaces or unmaps their segment."""
         self._closed = False
         self._retired = False
         """Set by `retire`: no slot is claimed or allocated again, and each one's memory is
@@ -198,30 +199,24 @@ class SlotTable:
         new version complete half-staged); with `keep_newer`, nor is one holding a complete
         version newer than `version` (a copy of an older version must not evict it).
 
+        A slot whose segment is missing or smaller than `size` gets a new one, made (and
+        registered, when `pin` is set) outside the lock as `prepare` makes them: for a model's
+        size that takes seconds, and leases and releases go on meanwhile. The slot is in hand
+        and claimed for `version` then: no other claim takes it, and no lease is granted on it
+        until its segment is in.
+
         Raises:
             TimeoutError: readers still hold every candidate after `timeout` seconds.
             WeightSyncError: `keep_newer`, and every slot holds a newer complete version; or
-                the table was retired.
+                the table was retired (before or while the slot's segment was made).
+            ClosedError: the table was closed (before or while the slot's segment was made).
+            OSError: no host memory for the slot's new segment (`torch.OutOfMemoryError`: no
+                GPU memory); the slot is left free, holding no version.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
-            while True:
-                if self._retired:
-                    raise WeightSyncError("this staging was retired: its memory is being given back")
+            while (slot := self._free_slot(version, keep_newer)) is None:
                 now = time.monotonic()
-                newest = max((s.version for s in self.slots if s.complete), default=-1)
-                if keep_newer and all(s.complete and not s.failed and s.version > version for s in self.slots):
-                    raise WeightSyncError(f"staging holds only newer versions than {version} (up to {newest})")
-                candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
-                for slot in candidates:
-                    if slot.busy(now) or slot.finishing:
-                        continue
-                    if keep_newer and slot.complete and not slot.failed and slot.version > version:
-                        continue
-                    if slot.index in self._in_hand:
-                        break  # the best free slot is being prepared: wait for it, not the next best
-                    self._reset(slot, version, size)
-                    return slot
                 if now >= deadline:
                     raise TimeoutError(
                         f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow"
@@ -229,6 +224,44 @@ class SlotTable:
                 # woken by a release or a prepared slot; otherwise at the first lease's expiry
                 expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
                 self.cond.wait(min(deadline, expiry) - now)
+            self._reset(slot, version)
+            if slot.segment is not None and slot.segment.size >= size:
+                return slot
+            old, slot.segment = slot.segment, None  # its readers are gone; `_make` frees it
+            self._in_hand.add(slot.index)
+        if not self._make(slot, size, old):
+            self._check_open()  # it was freed because the table closed or retired meanwhile: raises
+        return slot
+
+    def _free_slot(self, version: int, keep_newer: bool) -> Slot | None:
+        """The slot `claim` takes now, or None while it must wait (for readers, or for the best
+        free slot being prepared). Under the lock.
+
+        Raises:
+            WeightSyncError, ClosedError: as `claim`, at once.
+        """
+        self._check_open()
+        now = time.monotonic()
+        newest = max((s.version for s in self.slots if s.complete), default=-1)
+        if keep_newer and all(s.complete and not s.failed and s.version > version for s in self.slots):
+            raise WeightSyncError(f"staging holds only newer versions than {version} (up to {newest})")
+        candidates = sorted(self.slots, key=lambda s: (s.version == newest and len(self.slots) > 1, s.version))
+        for slot in candidates:
+            if slot.busy(now) or slot.finishing:
+                continue
+            if keep_newer and slot.complete and not slot.failed and slot.version > version:
+                continue
+            if slot.index in self._in_hand:
+                return None  # the best free slot is being prepared: wait for it, not the next best
+            return slot
+        return None
+
+    def _check_open(self) -> None:
+        """Raises `ClosedError` once the table is closed, `WeightSyncError` once it is retired."""
+        if self._closed:
+            raise ClosedError("this staging was closed")
+        if self._retired:
+            raise WeightSyncError("this staging was retired: its memory is being given back")
 
     def prepare(self, size: int) -> None:
         """Allocate and fault in (and register, when `pin` is set) `size` bytes in every slot
@@ -244,13 +277,7 @@ class SlotTable:
                         slot.segment.pin()
                     continue
                 self._in_hand.add(slot.index)
-            segment = None
-            try:
-                segment = Segment(size, shared=self.shared, device=self.device)
-                if self.pin:
-                    segment.pin()
-            finally:
-                self._install(slot, segment)
+            self._make(slot, size)
 
     def prepare_in_background(self, size: int, failed: Callable[[Exception], None]) -> threading.Thread:
         """`prepare(size)` on a thread (started and returned), so that the slots are ready
@@ -269,16 +296,43 @@ class SlotTable:
         thread.start()
         return thread
 
+    def _make(self, slot: Slot, size: int, old: Segment | None = None) -> bool:
+        """Make `slot`'s segment of `size` bytes (registered when `pin` is set), the slot in
+        hand (the caller put it there), outside the lock: `old`, the segment it replaces, is
+        freed first (the two may not fit at once). Then `_install` it; returns whether it went
+        in (False: the table closed or retired meanwhile, and it was freed).
+
+        Raises what allocating or registering raised (no memory): the segment is freed and the
+        slot handed back without one.
+        """
+        segment = None
+        try:
+            if old is not None:
+                old.close()
+            segment = Segment(size, shared=self.shared, device=self.device)
+            if self.pin:
+                segment.pin()
+        except BaseException:
+            if segment is not None:
+                segment.close()
+                segment = None
+            raise
+        finally:
+            self._install(slot, segment)
+        return slot.segment is segment
+
     def _install(self, slot: Slot, segment: Segment | None) -> None:
-        """Put a segment `prepare` made into `slot` (`claim` skips it until then), unless the
-        table closed or retired meanwhile (then the segment is freed)."""
+        """Put a segment `_make` made into `slot` (`claim` skips it until then), unless the
+        table closed or retired meanwhile (then the segment is freed). A slot it leaves without
+        a new segment holds no version: a claim's that failed is free for the next claim."""
         with self.cond:
             self._hand_back(slot)
             if self._closed or self._retired:
                 if segment is not None:
                     segment.close()
-                return
+                segment = None
             if segment is None:
+                slot.version, slot.filled, slot.complete, slot.failed = -1, 0, False, False
                 return
             if slot.segment is not None:
                 slot.segment.close()
@@ -304,8 +358,9 @@ class SlotTable:
                     self._hand_back(slot)
 
     def _hand_back(self, slot: Slot) -> None:
-        """A slot `prepare` or `pin_all` held outside the lock is back (under the lock): `claim`
-        may take it again, and what `close` or `retire` left to its holder is done now."""
+        """A slot `prepare`, `claim` or `pin_all` held outside the lock is back (under the
+        lock): `claim` may take it again, and what `close` or `retire` left to its holder is
+        done now."""
         self._in_hand.discard(slot.index)
         self.cond.notify_all()
         if self._closed and slot.segment is not None:
@@ -313,22 +368,12 @@ class SlotTable:
             slot.segment = None
         self._free_if_done(slot)
 
-    def _grow(self, slot: Slot, size: int) -> None:
-        if slot.segment is None or slot.segment.size < size:
-            if slot.segment is not None:
-                slot.segment.close()
-            slot.segment = None  # free the old one before faulting in the new one
-            slot.segment = Segment(size, shared=self.shared, device=self.device)
-            slot.generation += 1
-        if self.pin:
-            slot.segment.pin()
-
-    def _reset(self, slot: Slot, version: int, size: int) -> None:
+    def _reset(self, slot: Slot, version: int) -> None:
+        """Claim `slot` for `version`: the leases on it (all expired) end, nothing is staged yet."""
         for lease in slot.leases:
             self._lease_slot.pop(lease, None)
             self._lease_holder.pop(lease, None)
         slot.leases.clear()
-        self._grow(slot, size)
         slot.version, slot.filled, slot.complete, slot.failed = version, 0, False, False
 
     def advance(self, slot: Slot, filled: int, complete: bool = False) -> None:
@@ -362,8 +407,8 @@ class SlotTable:
 
     def _free_if_done(self, slot: Slot) -> None:
         """Free `slot`'s segment if the table is retired and nothing holds it (a lease not
-        expired, a finishing writer, `prepare` or `pin_all`); its version is then gone. Under
-        the lock."""
+        expired, a finishing writer, a holder outside the lock: `prepare`, `claim` or `pin_all`);
+        its version is then gone. Under the lock."""
         if (
             not self._retired
             or slot.segment is None
@@ -387,10 +432,11 @@ class SlotTable:
 
     def lease(self, version: int, holder: bytes = b"") -> tuple[int, Slot] | None:
         """Pin the slot holding `version` (complete or being staged) for one reader; a lease
-        with a `holder` (the reader's connection) also ends with `release_holder(holder)`."""
+        with a `holder` (the reader's connection) also ends with `release_holder(holder)`.
+        None if no slot holds it, or its slot's segment is still being made (`claim`)."""
         with self.cond:
             slot = next((s for s in self.slots if s.version == version and not s.failed), None)
-            if slot is None:
+            if slot is None or slot.segment is None:
                 return None
             lease = next(self._lease_ids)
             slot.leases[lease] = time.monotonic() + self.lease_timeout
@@ -425,7 +471,8 @@ class SlotTable:
                 self.release(lease)  # the condition's lock is reentrant
 
     def close(self) -> None:
-        """Free every segment now (one `pin_all` is registering is freed by it when done)."""
+        """Free every segment now (one in hand, being made or registered outside the lock, is
+        freed by its holder when done). A `claim` after it raises `ClosedError`."""
         with self.cond:
             self._closed = True
             for slot in self.slots:

@@ -3,21 +3,26 @@ their shapes), not inside the first `publish`; a version published then arrives 
 the model, the first `publish` allocates its own slot and the others on a thread. A co-located
 subscriber's first poll maps those slots and plans its reads, before any version exists. A
 preparation that fails hands its error to its owner; registering the slots with CUDA holds up
-no lease, and no slot is replaced or unmapped while it is registered."""
+no lease, and no slot is replaced or unmapped while it is registered. Nor does a claim that
+allocates its slot's memory hold up a lease; a close or retire meanwhile frees what it made,
+and an allocation that fails leaves the slot free."""
 
 from __future__ import annotations
 
 import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
 
 import transfer_queue as tq
 import weight_sync.publisher as publisher_module
+import weight_sync.staging as staging
 from transfer_queue.cuda import HostRegistry
 from weight_sync import WeightPublisher, WeightSubscriber
-from weight_sync.staging import SlotTable
+from weight_sync.staging import Segment, SlotTable
 
 from .harness import Subscribers, check, no_segments_left
 from .workers import BUCKET, SHAPES, weights
@@ -234,8 +239,6 @@ def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_rele
     """A retired table frees a slot still leased once that lease is released; one whose reader
     never releases it (its release lost) is freed at the table's next release of any lease
     after it expired. The clock is the table's, moved by hand."""
-    import weight_sync.staging as staging
-
     now = [1000.0]
     monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     table = SlotTable(2, shared=False, lease_timeout=30)
@@ -251,5 +254,105 @@ def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_rele
         now[0] += 31  # the lease expires, unreleased
         table.release(0)  # any release, e.g. another reader's of host staging through the publisher
         assert slot.segment is None
+    finally:
+        table.close()
+
+
+class _Making:
+    """From now on, `Segment`s the tables make block, once begun, until `go` is set: allocating
+    and faulting in a model's size takes seconds. `made` holds the ones made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.begun, self.go = threading.Event(), threading.Event()
+        self.made: list[Segment] = []
+        making = self
+
+        class Slow(Segment):
+            def __init__(self, *args: Any, **kwargs: Any):
+                making.begun.set()
+                making.go.wait(30)
+                super().__init__(*args, **kwargs)
+                making.made.append(self)
+
+        monkeypatch.setattr(staging, "Segment", Slow)
+
+
+def test_a_claim_that_allocates_its_slot_holds_up_no_lease(monkeypatch):
+    """A claim makes a new segment outside the table's lock: another reader's lease, look-up and
+    release go on meanwhile (the publisher's control thread makes them for its subscribers,
+    who would take a publisher that stalls for seconds for a dead one). The slot being made is
+    claimed already: no lease is granted on it and another claim takes the other slot."""
+    table = SlotTable(2, shared=True, lease_timeout=30)
+    try:
+        held = table.claim(1, 4096, 5)
+        table.advance(held, 4096, complete=True)
+        making = _Making(monkeypatch)
+        with ThreadPoolExecutor(3) as pool:
+            try:
+                claim = pool.submit(table.claim, 2, 8192, 5)
+                assert making.begun.wait(30)
+
+                def read() -> bool:
+                    got = table.lease(1)
+                    assert got is not None
+                    assert table.leased(got[0]) is held
+                    table.release(got[0])
+                    return table.lease(2) is None  # being made: not leased before its segment is in
+
+                assert pool.submit(read).result(timeout=10), "a lease was granted on a slot without its segment"
+                assert pool.submit(table.claim, 3, 4096, 5).result(timeout=10) is held
+            finally:
+                making.go.set()
+            slot = claim.result(timeout=30)
+        assert slot is not held and slot.segment is making.made[-1] and slot.size == 8192
+        assert slot.version == 2 and slot.generation == 1 and not table._in_hand
+        assert table.lease(2) is not None
+    finally:
+        table.close()
+
+
+@pytest.mark.parametrize(("end", "error"), [("close", tq.ClosedError), ("retire", tq.WeightSyncError)])
+def test_a_close_or_retire_while_a_claim_allocates_frees_what_it_made(monkeypatch, end, error):
+    """The only slot grows (its old segment freed first) while the table is closed or retired:
+    that returns at once, the new segment is freed once made, and the claim raises what a claim
+    of a closed or retired table raises; no slot is left in hand or holding a version."""
+    table = SlotTable(1, shared=True, lease_timeout=30)
+    try:
+        slot = table.claim(1, 4096, 5)
+        table.advance(slot, 4096, complete=True)
+        old = slot.segment
+        making = _Making(monkeypatch)
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                claim = pool.submit(table.claim, 2, 8192, 5)
+                assert making.begun.wait(30)
+                pool.submit(getattr(table, end)).result(timeout=10)
+            finally:
+                making.go.set()
+            with pytest.raises(error):
+                claim.result(timeout=30)
+        new = making.made[-1]
+        assert old is not None and old.fd == -1 and not hasattr(old, "tensor"), "the old segment was not freed"
+        assert new.fd == -1 and not hasattr(new, "tensor"), "the new segment outlived the table"
+        assert slot.segment is None and slot.version == -1 and not table._in_hand
+        with pytest.raises(error):
+            table.claim(3, 4096, 5)
+    finally:
+        table.close()
+
+
+def test_a_claim_whose_allocation_fails_leaves_its_slot_free():
+    """No memory for the grown slot (a petabyte): the claim raises the allocator's error; the
+    slot's old version is gone (its memory was freed first) and nothing leases it, no slot is
+    in hand, and the next claim takes the slot."""
+    table = SlotTable(1, shared=False, lease_timeout=30)
+    try:
+        slot = table.claim(1, 4096, 5)
+        table.advance(slot, 4096, complete=True)
+        with pytest.raises(OSError):  # mmap: no memory
+            table.claim(2, 1 << 50, 5)
+        assert slot.segment is None and not table._in_hand
+        assert table.find(1) is None and table.find(2) is None and table.lease(1) is None
+        assert table.claim(3, 4096, 5) is slot and slot.size == 4096 and slot.version == 3
     finally:
         table.close()
