@@ -1037,12 +1037,14 @@ class WeightPublisher:
     # -- lifecycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop serving and free the staging memory; subscribers keep what they applied."""
+        """Stop serving and free the staging memory; subscribers keep what they applied. GPU
+        staging is freed once its readers released their leases (at most `timeout` s)."""
         if self._closed:
             return
         self._closed = True
         self._finished.put(None)
         self._finisher.join(timeout=self.timeout)
+        self._let_gpu_readers_finish()
         self._comparer.shutdown(wait=True, cancel_futures=True)
         for staged in list(self._deltas.values()):  # their readers stop waiting for cancelled compares
             if len(staged.buckets) < staged.num_buckets:
@@ -1063,6 +1065,25 @@ class WeightPublisher:
             self._device_packs.clear()
         if self._client is not None:
             self._client.close()
+
+    def _let_gpu_readers_finish(self) -> None:
+        """Retire GPU staging (no lease is granted on it any more) and wait, at most `timeout`
+        seconds, for the readers holding leases on it to release them, the server still
+        running: a freed GPU slot is back in PyTorch's allocator at once, where a reader still
+        copying out of it would read what the trainer allocates next (a host slot stays mapped
+        in its readers). A reader whose connection closes releases its leases with it."""
+        tables = [t for t in (self._table, self._mirror.table if self._mirror else None) if t and t.device is not None]
+        for table in tables:
+            table.retire()
+        deadline = time.monotonic() + self.timeout
+        for table in tables:
+            if not table.wait_freed(max(deadline - time.monotonic(), 0.0)):
+                log.warning(
+                    "weight channel %r rank %d: readers still hold GPU staging after %s s; freeing it under them",
+                    self.name,
+                    self.rank,
+                    self.timeout,
+                )
 
     def __enter__(self) -> WeightPublisher:
         return self

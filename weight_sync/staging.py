@@ -396,14 +396,30 @@ class SlotTable:
         finishing (`Slot.finishing`: its owner has still to mark it complete or failed) at
         once, and each other one as its last lease is released (one that expired unreleased:
         at the table's next release of any lease) or its writer marks it. No slot is claimed
-        or allocated again. Freeing a GPU slot does not wait for the GPU: whoever queued copies
-        into or out of it has them done before marking or releasing it (a publisher's finisher
-        waits for its copies' events, `publish` synchronizes the stream of a pack that failed,
-        a catch-up and a reader wait for their copies)."""
+        or allocated, nor leased, again. Freeing a GPU slot does not wait for the GPU: whoever
+        queued copies into or out of it has them done before marking or releasing it (a
+        publisher's finisher waits for its copies' events, `publish` synchronizes the stream of
+        a pack that failed, a catch-up and a reader wait for their copies)."""
         with self.cond:
             self._retired = True
             for slot in self.slots:
                 self._free_if_done(slot)
+
+    def wait_freed(self, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until a retired table has freed every slot (each as
+        its last lease is released or expires, its writer done); whether it has."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for slot in self.slots:
+                    self._free_if_done(slot)  # one whose last lease expired meanwhile
+                if not self._in_hand and all(s.segment is None for s in self.slots):
+                    return True
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
+                self.cond.wait(min(deadline, expiry) - now)
 
     def _free_if_done(self, slot: Slot) -> None:
         """Free `slot`'s segment if the table is retired and nothing holds it (a lease not
@@ -433,10 +449,11 @@ class SlotTable:
     def lease(self, version: int, holder: bytes = b"") -> tuple[int, Slot] | None:
         """Pin the slot holding `version` (complete or being staged) for one reader; a lease
         with a `holder` (the reader's connection) also ends with `release_holder(holder)`.
-        None if no slot holds it, or its slot's segment is still being made (`claim`)."""
+        None if no slot holds it, its slot's segment is still being made (`claim`), or the table
+        was retired (its memory is being given back)."""
         with self.cond:
             slot = next((s for s in self.slots if s.version == version and not s.failed), None)
-            if slot is None or slot.segment is None:
+            if slot is None or slot.segment is None or self._retired:
                 return None
             lease = next(self._lease_ids)
             slot.leases[lease] = time.monotonic() + self.lease_timeout

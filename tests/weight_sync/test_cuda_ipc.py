@@ -7,7 +7,7 @@ offered only cuda_ipc gets the reason. Marked `cuda`:
 versions staged on the GPU reach subscriber processes whole and exact (GPU and CPU targets,
 with resharding reads), auto picks it (also beside host staging, from one publisher), slots
 are reused only after their readers release them and freed when the publisher closes
-however many processes opened them, a dead publisher leaves the
+(once their readers let go) however many processes opened them, a dead publisher leaves the
 subscriber's version in place, and GPU staging out of memory gives its memory back while its
 "auto" readers go on over host staging."""
 
@@ -206,6 +206,29 @@ def test_a_closed_publisher_gives_back_gpu_slots_that_two_subscriber_processes_o
     assert slot_tensors and all(ref() is None for ref in slot_tensors), "a GPU slot's tensor outlived its publisher"
     freed = allocated - torch.cuda.memory_allocated()
     assert staged > 0 and freed >= staged, f"{freed} bytes freed of GPU staging's {staged}"
+
+
+@pytest.mark.cuda
+def test_closing_waits_for_the_readers_of_gpu_staging():
+    """A closing publisher frees a GPU slot only once the reader holding it released its lease
+    (the slot's memory is the trainer's again at once), and grants no lease meanwhile."""
+    import threading
+
+    pub = WeightPublisher(None, transport="cuda_ipc", bucket_bytes=BUCKET, model=_gpu(weights(0)))
+    pub.publish(_gpu(weights(1)), 1)
+    got = pub._table.lease(1)
+    assert got is not None
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (pub.close(), closed.set()))
+    closer.start()
+    try:
+        assert not closed.wait(1.0), "the publisher closed under a reader"
+        assert got[1].segment is not None and pub._table.lease(1) is None
+    finally:
+        pub._table.release(got[0])
+    assert closed.wait(30)
+    closer.join()
+    assert got[1].segment is None
 
 
 @pytest.mark.cuda

@@ -258,6 +258,31 @@ def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_rele
         table.close()
 
 
+def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(monkeypatch):
+    """What a closing publisher waits on before GPU staging goes back to the allocator: a
+    retired table leases nothing more, and is freed once its last reader releases its lease
+    or that lease expires. The clock is the table's, moved by hand."""
+    now = [1000.0]
+    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    table = SlotTable(2, shared=False, lease_timeout=30)
+    try:
+        for version in (1, 2):
+            table.advance(table.claim(version, 4096, 5), 4096, complete=True)
+        first, second = table.lease(1), table.lease(2)
+        assert first is not None and second is not None
+        table.retire()
+        assert table.lease(1) is None and table.lease(2) is None
+        assert not table.wait_freed(0)  # both slots are read
+        table.release(first[0])
+        assert first[1].segment is None and second[1].segment is not None
+        assert not table.wait_freed(0)
+        now[0] += 31  # the other reader's lease expires, unreleased
+        assert table.wait_freed(0)
+        assert second[1].segment is None
+    finally:
+        table.close()
+
+
 class _Making:
     """From now on, `Segment`s the tables make block, once begun, until `go` is set: allocating
     and faulting in a model's size takes seconds. `made` holds the ones made."""
