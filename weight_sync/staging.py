@@ -60,13 +60,15 @@ class Segment:
         if shared:
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
             os.ftruncate(self.fd, length)
-            self._mm = map_file(self.fd, length, populate=True)
+            self._mm = map_file(self.fd, length)
         else:
             self._mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._mm.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)[:size]
-        if not shared:
-            self.tensor.zero_()  # fault every page in now, not on the data path
+        # Fault every page in now, not on the data path, by writing it: torch lets the process's
+        # other threads run meanwhile, where `MAP_POPULATE` holds the GIL for the whole mapping
+        # (seconds for a model: a publisher's control thread would answer no one meanwhile).
+        self.tensor.zero_()
 
     def pin(self) -> bool:
         """Register the (host) segment with CUDA (once) so copies between it and a GPU run at
