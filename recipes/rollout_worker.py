@@ -83,7 +83,8 @@ class RolloutWorker:
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> RolloutStats:
-        """Produce until the trainer says stop or the prompts run out; the stats at the end.
+        """Produce until the trainer says stop or the prompts run out; the stats at the end. A worker
+        runs once: its thread ends with it.
 
         However it ends (cancelled included), it closes the subscriber on the worker's thread,
         after the apply or generation still running there: that is how long cleanup can wait,

@@ -129,7 +129,8 @@ class WeightPublisher:
             (`auto` with `model=` of CUDA tensors), that GPU memory is taken only at the first lease a subscriber
             takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
-        lease_timeout: how long a reader may pin a slot before it is presumed dead.
+        lease_timeout: how long a reader may pin a slot before it is presumed dead (a reader
+            of GPU staging on this host never is: its connection's end releases its leases).
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
         host: the interface the control endpoint binds (loopback by default).
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
@@ -899,6 +900,8 @@ class WeightPublisher:
                     pending, msg.timeout, f"version {msg.version} was not staged on rank {self.rank} in time"
                 )
         else:
+            if self._closed:
+                raise WeightSyncError(f"rank {self.rank} is closing")
             if mirror is not None:
                 mirror.check()  # stopped since `_grant` asked: the subscriber reads host staging
             why = mirror.why(msg.version) if mirror is not None else ""
@@ -945,7 +948,12 @@ class WeightPublisher:
             table.release(got[0])  # GPU staging is read whole: `_finish` or the catch-up retries it
             got = None
         if got is None:
-            if mirror is not None and mirror.table.find(msg.version) is None and self._table.find(msg.version):
+            if (
+                mirror is not None
+                and not self._closed  # its GPU staging is retired: nothing is copied there any more
+                and mirror.table.find(msg.version) is None
+                and self._table.find(msg.version)
+            ):
                 # staged before GPU staging turned on, or CPU weights: copy it there first
                 mirror.catch_up(
                     self._table, msg.version, self._weights_device, functools.partial(self._caught_up, msg.version)
@@ -1042,9 +1050,10 @@ class WeightPublisher:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self.timeout
         self._finished.put(None)
         self._finisher.join(timeout=self.timeout)
-        self._let_gpu_readers_finish()
+        self._let_gpu_readers_finish(deadline)
         self._comparer.shutdown(wait=True, cancel_futures=True)
         for staged in list(self._deltas.values()):  # their readers stop waiting for cancelled compares
             if len(staged.buckets) < staged.num_buckets:
@@ -1066,24 +1075,28 @@ class WeightPublisher:
         if self._client is not None:
             self._client.close()
 
-    def _let_gpu_readers_finish(self) -> None:
-        """Retire GPU staging (no lease is granted on it any more) and wait, at most `timeout`
-        seconds, for the readers holding leases on it to release them, the server still
-        running: a freed GPU slot is back in PyTorch's allocator at once, where a reader still
-        copying out of it would read what the trainer allocates next (a host slot stays mapped
-        in its readers). A reader whose connection closes releases its leases with it."""
-        tables = [t for t in (self._table, self._mirror.table if self._mirror else None) if t and t.device is not None]
-        for table in tables:
+    def _let_gpu_readers_finish(self, deadline: float) -> None:
+        """Retire GPU staging (no lease is granted on it any more) and wait, until `deadline`
+        (`close`'s: `timeout` from its start), for the readers holding leases on it to release
+        them, the server still running: a freed GPU slot is back in PyTorch's allocator at
+        once, where a reader still copying out of it would read what the trainer allocates
+        next (a host slot stays mapped in its readers). A reader whose connection closes
+        releases its leases with it. Past the deadline the slots are freed anyway, after the
+        copies queued on the device (a writer that did not finish)."""
+        tables = [(t, t.device) for t in (self._table, self._mirror.table if self._mirror else None) if t and t.device]
+        for table, _ in tables:
             table.retire()
-        deadline = time.monotonic() + self.timeout
-        for table in tables:
+        for table, device in tables:
             if not table.wait_freed(max(deadline - time.monotonic(), 0.0)):
                 log.warning(
-                    "weight channel %r rank %d: readers still hold GPU staging after %s s; freeing it under them",
+                    "weight channel %r rank %d: GPU staging is still read or written %s s after close began; "
+                    "freeing it under them",
                     self.name,
                     self.rank,
                     self.timeout,
                 )
+                with side_stream(device, "background"):  # where `publish` queues its packs
+                    synchronize(device)
 
     def __enter__(self) -> WeightPublisher:
         return self

@@ -19,6 +19,7 @@ readers and writers let go of each slot.
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import threading
@@ -352,12 +353,16 @@ class SlotTable:
             self.pin = True
             mine = [s for s in self.slots if s.segment is not None and s.index not in self._in_hand]
             self._in_hand.update(s.index for s in mine)
-        for slot in mine:
-            try:
+        try:
+            for slot in mine:
                 slot.mapped.pin()
-            finally:
                 with self.cond:
                     self._hand_back(slot)
+        finally:  # a registration that raised: every slot not handed back yet is
+            with self.cond:
+                for slot in mine:
+                    if slot.index in self._in_hand:
+                        self._hand_back(slot)
 
     def _hand_back(self, slot: Slot) -> None:
         """A slot `prepare`, `claim` or `pin_all` held outside the lock is back (under the
@@ -404,6 +409,7 @@ class SlotTable:
         a pack that failed, a catch-up and a reader wait for their copies)."""
         with self.cond:
             self._retired = True
+            self.cond.notify_all()  # a claim waiting for readers raises now
             for slot in self.slots:
                 self._free_if_done(slot)
 
@@ -452,13 +458,17 @@ class SlotTable:
         """Pin the slot holding `version` (complete or being staged) for one reader; a lease
         with a `holder` (the reader's connection) also ends with `release_holder(holder)`.
         None if no slot holds it, its slot's segment is still being made (`claim`), or the table
-        was retired (its memory is being given back)."""
+        was retired (its memory is being given back). A lease expires after `lease_timeout`,
+        except a GPU slot's with a holder: that one ends only with its release or its holder."""
         with self.cond:
             slot = next((s for s in self.slots if s.version == version and not s.failed), None)
             if slot is None or slot.segment is None or self._retired:
                 return None
             lease = next(self._lease_ids)
-            slot.leases[lease] = time.monotonic() + self.lease_timeout
+            # GPU memory freed is the trainer's at once: a reader on this host (a connection
+            # to end its leases) is never presumed dead while that connection lives
+            forever = bool(holder) and self.device is not None
+            slot.leases[lease] = math.inf if forever else time.monotonic() + self.lease_timeout
             self._lease_slot[lease] = slot
             if holder:
                 self._lease_holder[lease] = holder
@@ -494,6 +504,7 @@ class SlotTable:
         freed by its holder when done). A `claim` after it raises `ClosedError`."""
         with self.cond:
             self._closed = True
+            self.cond.notify_all()  # a claim waiting for readers raises now
             for slot in self.slots:
                 if slot.segment is not None and slot.index not in self._in_hand:
                     slot.segment.close()

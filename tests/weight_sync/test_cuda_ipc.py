@@ -222,7 +222,11 @@ def test_closing_waits_for_the_readers_of_gpu_staging():
     closer = threading.Thread(target=lambda: (pub.close(), closed.set()))
     closer.start()
     try:
-        assert not closed.wait(1.0), "the publisher closed under a reader"
+        deadline = time.monotonic() + 30
+        while not pub._table._retired:  # close has begun waiting for its readers
+            assert time.monotonic() < deadline, "close never retired GPU staging"
+            time.sleep(0.01)
+        assert not closed.is_set(), "the publisher closed under a reader"
         assert got[1].segment is not None and pub._table.lease(1) is None
     finally:
         pub._table.release(got[0])
