@@ -34,6 +34,10 @@ def _sluice(*args: str, **popen: object) -> subprocess.Popen:
     )
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _address(serve: subprocess.Popen, timeout: float = 60.0) -> str:
     """The `SLUICE_ADDRESS` that `sluice serve` prints once the cluster is up."""
     deadline = time.monotonic() + timeout
@@ -79,7 +83,8 @@ def test_serve_status_and_clean_stop():
             client.ack(client.get_meta(["x"], 8, task="actor_update", partition="train", timeout=5))
             cluster_id = client.status()["cluster_id"]
         table, as_json = _sluice("status", address), _sluice("status", address, "--json")
-        watch = _sluice("status", address, "--watch", "0.2")
+        # started as a script's background job is: SIGINT ignored, which Ctrl-C must still end
+        watch = _sluice("status", address, "--watch", "0.2", preexec_fn=_ignore_sigint)
         out, err = table.communicate(timeout=60)
         assert table.returncode == 0, err
         assert "train" in out and "actor_update" in out and "throughput" in out
@@ -98,9 +103,7 @@ def test_serve_status_and_clean_stop():
             if line.startswith("throughput"):
                 frames.append(line)
         watch.send_signal(signal.SIGINT)
-        # drained while it exits: frames printed while the other commands ran may have filled the
-        # pipe, and its exit flushes what it holds
-        err = watch.communicate(timeout=30)[1]
+        err = watch.communicate(timeout=30)[1]  # drained while it exits: its exit flushes what it holds
         assert watch.returncode == 0 and "Traceback" not in err
 
         services = _children(serve.pid)
