@@ -137,12 +137,12 @@ def _probe(address: str) -> None:
 
 def status(args: argparse.Namespace) -> int:
     """Print the cluster's status once, or every `--watch` seconds until Ctrl-C."""
-    _probe(args.address)
     if args.watch is not None:
         # Ctrl-C or SIGTERM ends a watch even where SIGINT came ignored (a script's background
         # job: Python then raises no KeyboardInterrupt of its own), as they end `serve`
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.default_int_handler)
+    _probe(args.address)
     in_place = args.watch is not None and sys.stdout.isatty()
     reader = ControlClient(args.address, timeout=args.timeout)
     try:

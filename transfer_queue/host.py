@@ -70,19 +70,19 @@ def open_arena(cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> i
     return fd
 
 
-def map_file(file: str | int, size: int, *, writable: bool = True, populate: bool = False) -> mmap.mmap:
+def map_file(file: str | int, size: int, *, writable: bool = True) -> mmap.mmap:
     """A shared mapping of the first `size` bytes of `file` (a path, opened and closed here, or
-    a descriptor, which stays the caller's). `populate` fills the page tables at once (no fault
-    per page on first touch), worth it for memory that is read right away.
+    a descriptor, which stays the caller's). Its pages fault in on first touch: a caller that
+    wants them in at once touches them through torch, which lets other threads run
+    (`MAP_POPULATE` would hold the GIL for the whole mapping).
 
     Raises:
         OSError: the file cannot be opened or mapped.
     """
     fd = os.open(file, os.O_RDWR if writable else os.O_RDONLY) if isinstance(file, str) else file
     try:
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
+        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=prot)
     finally:
         if isinstance(file, str):
             os.close(fd)

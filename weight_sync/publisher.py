@@ -129,8 +129,7 @@ class WeightPublisher:
             (`auto` with `model=` of CUDA tensors), that GPU memory is taken only at the first lease a subscriber
             takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
-        lease_timeout: how long a reader may pin a slot before it is presumed dead (a reader
-            of GPU staging on this host never is: its connection's end releases its leases).
+        lease_timeout: how long a reader may pin a slot before it is presumed dead.
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
         host: the interface the control endpoint binds (loopback by default).
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control

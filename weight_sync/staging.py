@@ -19,7 +19,6 @@ readers and writers let go of each slot.
 from __future__ import annotations
 
 import itertools
-import math
 import mmap
 import os
 import threading
@@ -98,14 +97,17 @@ class Segment:
 
 def map_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
     """Map another process's shared segment read-only: (mapping, uint8 view of `size` bytes),
-    its page tables filled at once (not one fault per page during the first apply).
+    its pages faulted in at once (not one fault per page during the first apply) by a torch
+    read of a byte per page, which lets the process's other threads run (`MAP_POPULATE` holds
+    the GIL for the whole mapping: 0.13 s a GiB here).
 
     Raises `OSError` if the segment cannot be opened (not co-located, or its owner is gone).
     """
-    mm = map_file(path, size, writable=False, populate=True)
+    mm = map_file(path, size, writable=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
         view = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+    view[:: mmap.PAGESIZE].sum()
     return mm, view
 
 
@@ -353,16 +355,17 @@ class SlotTable:
             self.pin = True
             mine = [s for s in self.slots if s.segment is not None and s.index not in self._in_hand]
             self._in_hand.update(s.index for s in mine)
+        handed = 0
         try:
             for slot in mine:
                 slot.mapped.pin()
                 with self.cond:
                     self._hand_back(slot)
-        finally:  # a registration that raised: every slot not handed back yet is
+                handed += 1
+        finally:  # a registration raised: the slots not handed back yet are, unregistered
             with self.cond:
-                for slot in mine:
-                    if slot.index in self._in_hand:
-                        self._hand_back(slot)
+                for slot in mine[handed:]:
+                    self._hand_back(slot)
 
     def _hand_back(self, slot: Slot) -> None:
         """A slot `prepare`, `claim` or `pin_all` held outside the lock is back (under the
@@ -458,17 +461,13 @@ class SlotTable:
         """Pin the slot holding `version` (complete or being staged) for one reader; a lease
         with a `holder` (the reader's connection) also ends with `release_holder(holder)`.
         None if no slot holds it, its slot's segment is still being made (`claim`), or the table
-        was retired (its memory is being given back). A lease expires after `lease_timeout`,
-        except a GPU slot's with a holder: that one ends only with its release or its holder."""
+        was retired (its memory is being given back)."""
         with self.cond:
             slot = next((s for s in self.slots if s.version == version and not s.failed), None)
             if slot is None or slot.segment is None or self._retired:
                 return None
             lease = next(self._lease_ids)
-            # GPU memory freed is the trainer's at once: a reader on this host (a connection
-            # to end its leases) is never presumed dead while that connection lives
-            forever = bool(holder) and self.device is not None
-            slot.leases[lease] = math.inf if forever else time.monotonic() + self.lease_timeout
+            slot.leases[lease] = time.monotonic() + self.lease_timeout
             self._lease_slot[lease] = slot
             if holder:
                 self._lease_holder[lease] = holder

@@ -283,29 +283,6 @@ def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(monke
         table.close()
 
 
-def test_a_gpu_slot_leased_by_a_connection_is_never_presumed_dead(monkeypatch):
-    """A GPU slot (here on the CPU, where a GPU's would be) leased by a reader on this host,
-    holding a connection, stays leased past `lease_timeout` until the reader releases it or
-    its connection closes: freed GPU memory is the trainer's at once. A lease without a holder
-    (a remote reader) still expires."""
-    now = [1000.0]
-    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    table = SlotTable(2, shared=False, lease_timeout=30)
-    table.device = torch.device("cpu")
-    try:
-        for version in (1, 2):
-            table.advance(table.claim(version, 4096, 5), 4096, complete=True)
-        local, remote = table.lease(1, holder=b"reader"), table.lease(2)
-        assert local is not None and remote is not None
-        now[0] += 3600
-        assert local[1].busy(now[0]) and not remote[1].busy(now[0])
-        assert table.claim(3, 4096, 0) is remote[1]  # the remote reader's slot is free again
-        table.release_holder(b"reader")  # its connection closed
-        assert not local[1].busy(now[0])
-    finally:
-        table.close()
-
-
 def test_a_registration_that_fails_hands_every_slot_back(monkeypatch):
     table = SlotTable(2, shared=False, lease_timeout=30)
     try:

@@ -15,9 +15,8 @@ halves it, and `publish` then waits for the previous version's readers). The lea
 when a slot's memory may go: no PyTorch cross-process count travels with a handle, so a slot
 the table frees (a publisher closing, GPU staging stopping) is back in PyTorch's allocator
 at once, however many processes opened it (a reader in the publisher's own process holds a
-view of it until it maps the slot's next generation or closes). That is why a GPU slot's lease
-held by a reader's connection never expires (`SlotTable.lease`) and a closing publisher waits
-for its readers (`WeightPublisher.close`).
+view of it until it maps the slot's next generation or closes). That is why a closing
+publisher waits for its readers (`WeightPublisher.close`).
 
 CUDA refuses to open an IPC handle in the process that made it, so a subscriber in the
 publisher's own process (a colocated trainer and rollout engine) reads the slot tensor itself:
