@@ -66,19 +66,3 @@ def test_lost_events_never_end_a_live_peer() -> None:
     queued.append(_event(zmq.EVENT_ACCEPTED, 7))
     watch.seen(_Frame(b"e", 7))
     assert gone[-1] == b"d" and len(watch) == 1
-
-
-def test_a_message_handled_after_its_peer_was_reported_gone_is_dropped() -> None:
-    """A request queued before its connection closed and handled after the close was read: the
-    peer is not bound again (to a connection it never had), so what it asks is not held."""
-    watch, gone, queued = _watch()
-    queued.append(_event(zmq.EVENT_ACCEPTED, 4))
-    assert watch.seen(_Frame(b"a", 4))
-    watch.event(_event(zmq.EVENT_DISCONNECTED, 4))
-    assert gone == [b"a"]
-    assert not watch.seen(_Frame(b"a", 4)), "a is gone: its late message is dropped"
-    assert len(watch) == 0 and gone == [b"a"]
-    queued.append(_event(zmq.EVENT_ACCEPTED, 4))
-    assert watch.seen(_Frame(b"b", 4))  # the descriptor's next connection is watched as before
-    watch.event(_event(zmq.EVENT_DISCONNECTED, 4))
-    assert gone == [b"a", b"b"]

@@ -8,16 +8,12 @@ on it, read from the monitor after its first message (whose connection's accept 
 monitor had already queued). A close then ends exactly the peers of that connection or older
 ones on its descriptor. A live peer is never reported gone; when the monitor loses events (its
 queue overflowed) a closed peer is reported late (once a newer peer speaks on its descriptor or
-a later connection there closes) or, at worst, never: its puts then end at their expiry. A
-message of a peer already reported gone (queued before its connection closed, handled after)
-is dropped: ZeroMQ gives each connection an identity of its own, so that peer never speaks
-again, and what it asked for would be held for nobody.
+a later connection there closes) or, at worst, never: its puts then end at their expiry.
 """
 
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +23,6 @@ __all__ = ["PeerWatch", "PEER_EVENTS"]
 
 PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _EVENT = struct.Struct("=HI")
-_ENDED_KEPT = 1 << 16
-"""How many identities reported gone are remembered (their late messages dropped)."""
 
 
 class PeerWatch:
@@ -47,24 +41,19 @@ class PeerWatch:
         """fd -> identities seen on it -> the connection (count) they came on."""
         self._fd: dict[bytes, int] = {}
         """identity -> its fd (peers not on a descriptor, e.g. inproc, are never reported)."""
-        self._ended: OrderedDict[bytes, None] = OrderedDict()
-        """The identities reported gone, newest last (at most `_ENDED_KEPT`)."""
 
     def __len__(self) -> int:
         """Peers being watched."""
         return len(self._fd)
 
-    def seen(self, identity: Any) -> bool:
-        """A message from `identity` (its frame): bind it to its connection the first time.
-        False if that peer was reported gone already: its message is to be dropped."""
+    def seen(self, identity: Any) -> None:
+        """A message from `identity` (its frame): bind it to its connection the first time."""
         key = identity.bytes
         if key in self._fd:
-            return True
-        if key in self._ended:
-            return False
+            return
         fd = identity.get(zmq.SRCFD)
         if fd < 0:
-            return True
+            return
         self._fd[key] = fd
         self._pull()
         conn = self._accepted.get(fd, 0)
@@ -75,7 +64,6 @@ class PeerWatch:
             if at < conn:  # an older connection on this descriptor: it closed
                 self._end(fd, other)
         peers[key] = conn
-        return True
 
     def event(self, frames: list[Any]) -> None:
         """One monitor event (its frames): count accepts, end the peers of a closed connection."""
@@ -95,7 +83,4 @@ class PeerWatch:
         if not peers:
             del self._on[fd]
         del self._fd[identity]
-        self._ended[identity] = None
-        if len(self._ended) > _ENDED_KEPT:
-            self._ended.popitem(last=False)
         self._gone(identity)

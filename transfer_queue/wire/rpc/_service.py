@@ -269,8 +269,8 @@ class Service:
         request_id = 0
         try:
             request_id, msg, data = self.codec.decode(body)
-            if not lane and not self.peers.seen(identity):
-                return  # its connection closed and was reported gone: nobody awaits an answer
+            if not lane:
+                self.peers.seen(identity)
             if isinstance(msg, Cancel):
                 parked = (key, msg.request_id)
                 task = self._tasks.get(parked)
