@@ -226,9 +226,7 @@ class SlotTable:
                     raise TimeoutError(
                         f"every staging slot is still being read after {timeout} s; subscribers are stuck or too slow"
                     )
-                # woken by a release or a prepared slot; otherwise at the first lease's expiry
-                expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
-                self.cond.wait(min(deadline, expiry) - now)
+                self._wait(now, deadline)
             self._reset(slot, version)
             if slot.segment is not None and slot.segment.size >= size:
                 return slot
@@ -337,7 +335,7 @@ class SlotTable:
                     segment.close()
                 segment = None
             if segment is None:
-                slot.version, slot.filled, slot.complete, slot.failed = -1, 0, False, False
+                self._reset(slot, -1)
                 return
             if slot.segment is not None:
                 slot.segment.close()
@@ -379,7 +377,8 @@ class SlotTable:
         self._free_if_done(slot)
 
     def _reset(self, slot: Slot, version: int) -> None:
-        """Claim `slot` for `version`: the leases on it (all expired) end, nothing is staged yet."""
+        """Claim `slot` for `version` (-1: for none, its memory gone): the leases on it end,
+        nothing is staged yet."""
         for lease in slot.leases:
             self._lease_slot.pop(lease, None)
             self._lease_holder.pop(lease, None)
@@ -429,8 +428,13 @@ class SlotTable:
                 now = time.monotonic()
                 if now >= deadline:
                     return False
-                expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
-                self.cond.wait(min(deadline, expiry) - now)
+                self._wait(now, deadline)
+
+    def _wait(self, now: float, deadline: float) -> None:
+        """Wait (under the lock) for the table to change: a notify (a release, a slot prepared
+        or marked), or else the first lease's expiry, or `deadline`."""
+        expiry = min((d for s in self.slots for d in s.leases.values() if d > now), default=deadline)
+        self.cond.wait(min(deadline, expiry) - now)
 
     def _free_if_done(self, slot: Slot) -> None:
         """Free `slot`'s segment if the table is retired and nothing holds it (a lease not
@@ -444,14 +448,10 @@ class SlotTable:
             or slot.busy(time.monotonic())
         ):
             return
-        for lease in slot.leases:
-            self._lease_slot.pop(lease, None)
-            self._lease_holder.pop(lease, None)
-        slot.leases.clear()
         slot.segment.close()
         slot.segment = None
         slot.generation += 1
-        slot.version, slot.filled, slot.complete, slot.failed = -1, 0, False, False
+        self._reset(slot, -1)
 
     def find(self, version: int) -> Slot | None:
         with self.cond:
