@@ -235,12 +235,18 @@ def test_registering_staging_with_cuda_holds_up_no_lease(monkeypatch):
     assert all(s.segment is None for s in table.slots), "the registration unmaps what close left it"
 
 
-def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_release(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The staging tables' clock, moved by hand: `clock[0] += seconds`."""
+    now = [1000.0]
+    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_release(clock):
     """A retired table frees a slot still leased once that lease is released; one whose reader
     never releases it (its release lost) is freed at the table's next release of any lease
     after it expired. The clock is the table's, moved by hand."""
-    now = [1000.0]
-    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     table = SlotTable(2, shared=False, lease_timeout=30)
     try:
         slot = table.claim(1, 4096, 5)
@@ -251,19 +257,17 @@ def test_a_retired_slot_whose_lease_expired_unreleased_is_freed_at_the_next_rele
         assert slot.segment is not None  # its reader holds it
         table.release(0)  # no such lease: nothing to free yet, the lease holds
         assert slot.segment is not None
-        now[0] += 31  # the lease expires, unreleased
+        clock[0] += 31  # the lease expires, unreleased
         table.release(0)  # any release, e.g. another reader's of host staging through the publisher
         assert slot.segment is None
     finally:
         table.close()
 
 
-def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(monkeypatch):
+def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(clock):
     """What a closing publisher waits on before GPU staging goes back to the allocator: a
     retired table leases nothing more, and is freed once its last reader releases its lease
     or that lease expires. The clock is the table's, moved by hand."""
-    now = [1000.0]
-    monkeypatch.setattr(staging, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     table = SlotTable(2, shared=False, lease_timeout=30)
     try:
         for version in (1, 2):
@@ -276,7 +280,7 @@ def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(monke
         table.release(first[0])
         assert first[1].segment is None and second[1].segment is not None
         assert not table.wait_freed(0)
-        now[0] += 31  # the other reader's lease expires, unreleased
+        clock[0] += 31  # the other reader's lease expires, unreleased
         assert table.wait_freed(0)
         assert second[1].segment is None
     finally:
