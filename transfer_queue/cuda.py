@@ -36,6 +36,7 @@ __all__ = [
     "copies",
     "copy_each",
     "background_copies",
+    "background_done",
     "trailing_copies",
     "side_stream",
     "synchronize",
@@ -265,6 +266,12 @@ def background_copies(device: torch.device) -> Iterator[Callable[[], Callable[[]
             yield functools.partial(_mark, stream)
     finally:
         caller.wait_stream(stream)
+
+
+def background_done(device: torch.device) -> None:
+    """Wait for the copies `background_copies` issued on CUDA `device` so far: before memory
+    they may still write is freed."""
+    _side_stream(device, "background").synchronize()
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ import torch
 
 import transfer_queue as tq
 from transfer_queue import SchemaError, TimeoutError, VersionError, WeightSyncError
-from transfer_queue.cuda import background_copies, is_cuda, side_stream, synchronize, trailing_copies
+from transfer_queue.cuda import background_copies, background_done, is_cuda, side_stream, synchronize, trailing_copies
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import Credentials, credentials_from_env
 
@@ -489,8 +489,7 @@ class WeightPublisher:
                     # the pack that failed may have queued copies into the slot: done before
                     # failing it frees it (GPU staging stopped), so its memory is not reused
                     # under them
-                    with side_stream(device, "background"):
-                        synchronize(device)
+                    background_done(device)
                     self._mirror.table.fail(mirror)
         if device is None:
             pack(manifest, [t for _, t in items], slot.mapped.tensor, progress, _destinations(slot))
@@ -1094,8 +1093,7 @@ class WeightPublisher:
                     self.rank,
                     self.timeout,
                 )
-                with side_stream(device, "background"):  # where `publish` queues its packs
-                    synchronize(device)
+                background_done(device)  # the packs `publish` queued
 
     def __enter__(self) -> WeightPublisher:
         return self
