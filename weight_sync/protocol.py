@@ -184,7 +184,10 @@ Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Slots, 
 
 class Granted(_Msg, tag="granted", frozen=True):
     """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself);
-    `base`: the version the rank can send a delta against (-1: whole only)."""
+    `base`: the version the rank can send a delta against (-1: whole only); `until`: when the
+    lease expires, on the rank's host's monotonic clock (`time.monotonic()`, shared by every
+    process of a host): after it the slot may be reused, so a reader on that host whose reads
+    end later may have read part of a later version (0: not told)."""
 
     lease: int
     version: int
@@ -192,6 +195,7 @@ class Granted(_Msg, tag="granted", frozen=True):
     slot: SlotInfo
     source: str = ""
     base: int = -1
+    until: float = 0.0
 
 
 class Offer(_Msg, tag="offer", frozen=True):

@@ -129,7 +129,9 @@ class WeightPublisher:
             (`auto` with `model=` of CUDA tensors), that GPU memory is taken only at the first lease a subscriber
             takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
-        lease_timeout: how long a reader may pin a slot before it is presumed dead.
+        lease_timeout: how long a reader may pin a slot before it is presumed dead (a stream's
+            lease is renewed by each piece it sends; a reader whose copies outlive theirs is told:
+            docs/reliability.md).
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
         host: the interface the control endpoint binds (loopback by default).
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
@@ -966,7 +968,8 @@ class WeightPublisher:
         staged = _staged_in(self._deltas, slot, msg.version) if mirror is None else None
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
-        return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
+        until = slot.leases[lease]  # granted just now, by this thread: nobody can release it yet
+        return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base, until)
 
     def _mirror_for(self, transport: str) -> GpuMirror | None:
         """The GPU staging beside host staging that a subscriber of `transport` reads (a
@@ -1271,6 +1274,16 @@ class _SlotSource(Source):
                 raise WeightSyncError(f"rank holds no delta of version {request.version} from {request.base}")
         sent = 0
 
+        def renewed() -> None:
+            """Before each piece: the lease lasts while the stream makes progress, and a stream
+            that stalled past it (its reader stopped reading) breaks off, as the slot may hold
+            a later version by now (the reader then sees a short stream and discards it)."""
+            if not self.table.renew(request.lease):
+                raise WeightSyncError(
+                    f"lease {request.lease} on version {request.version} expired while it was sent: "
+                    "the slot may have been reused"
+                )
+
         def views():  # noqa: ANN202
             nonlocal sent
             scratch = Scratch()
@@ -1281,6 +1294,7 @@ class _SlotSource(Source):
                 if staged is None:
                     for box in read_chunks(read):
                         view = gather(slot.mapped.tensor, read, box, scratch)
+                        renewed()
                         sent += len(view)
                         yield view
                     continue
@@ -1300,6 +1314,7 @@ class _SlotSource(Source):
                     else whole_frames(slot.mapped.tensor, read, scratch, staged.base)
                 )
                 for view in pieces:
+                    renewed()
                     sent += len(view)
                     yield view
 

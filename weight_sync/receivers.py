@@ -13,6 +13,7 @@ Every receiver writes through `Targets.apply`, only ever a whole version.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -39,7 +40,8 @@ class Targets:
 
     def __init__(self) -> None:
         self.version = -1
-        """The version the tensors hold (-1: none applied yet)."""
+        """The version the tensors hold (-1: none applied yet, or the last apply outlived a
+        lease and may have copied part of a later version: the next apply brings a whole one)."""
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 
@@ -50,18 +52,22 @@ class Targets:
         sources: Iterable[torch.Tensor],
         checksums: dict[int, Checksums],
         dsts: Sequence[torch.Tensor] | None = None,
+        until: float = math.inf,
     ) -> None:
         """Copy every planned read (from `sources`, one per copy of `plan`, in order) into the
         tensors, then check checksums if validating. `dsts`: where each source goes when it is
         not one copy's read (a "map" receiver merges copies: `coalesce`); default each copy's
-        `dst`.
+        `dst`. `until`: when the first lease on the sources' memory expires (`time.monotonic()`);
+        copies that end later may have read a slot the publisher reused.
 
         A source tensor the publisher found changed since staging stops the apply before any
         copy; a slice that differs after the copy is reported by name. Either way the version
         is not marked applied (a background receiver drops it and waits for the next one).
+        Copies that ended past `until` leave the tensors holding no known version (-1), so
+        that the next apply brings the newest version whole, whatever the version held.
 
         Raises:
-            WeightSyncError: the checksums disagree.
+            WeightSyncError: the checksums disagree, or the copies outlived their lease.
         """
         corrupt = sorted({name for c in checksums.values() for name in c.corrupt})
         if corrupt:
@@ -74,6 +80,13 @@ class Targets:
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
             copy_each(targets, list(sources), non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
+        if time.monotonic() >= until:
+            self.version = -1
+            raise WeightSyncError(
+                f"version {version}'s copies outlived their lease on the publisher's staging "
+                f"(they took {self.apply_seconds:.1f} s): the slot may have been reused, so the tensors "
+                "hold no whole version until the next one is applied"
+            )
         if checksums:
             compare(plan, checksums)
         self.version = version
@@ -168,7 +181,8 @@ class MappedReceiver(Receiver):
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
             dsts, sources = self._sources(offer.version, grants, plan)
             checksums = self._checksums(plan, grants)
-            self.targets.apply(offer.version, plan, sources, checksums, dsts)
+            until = min((g.until for g in grants if g.until), default=math.inf)
+            self.targets.apply(offer.version, plan, sources, checksums, dsts, until)
         finally:
             self._release(grants)
         return offer.version

@@ -473,6 +473,19 @@ class SlotTable:
                 self._lease_holder[lease] = holder
             return lease, slot
 
+    def renew(self, lease: int) -> bool:
+        """Extend `lease` to `lease_timeout` from now, unless it has ended: a reader that makes
+        progress (a stream sending a version piece by piece, slower than `lease_timeout` in all)
+        is not presumed dead. False if it was released or has expired: its slot may have been
+        reused since, so what was read under it may hold part of a later version."""
+        with self.cond:
+            slot = self._lease_slot.get(lease)
+            now = time.monotonic()
+            if slot is None or slot.leases.get(lease, 0.0) <= now:
+                return False
+            slot.leases[lease] = now + self.lease_timeout
+            return True
+
     def leased(self, lease: int) -> Slot | None:
         """The slot `lease` pins, or None if it was released or the slot reused."""
         with self.cond:

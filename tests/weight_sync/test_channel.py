@@ -138,3 +138,82 @@ def test_a_version_the_trainer_moved_past_before_its_lease_is_no_error(monkeypat
             assert sub.wait(3, timeout=30) == 3
         assert raced == [1]
         assert all(torch.equal(mine[n], t) for n, t in weights(3).items())
+
+
+def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
+    """An shm subscriber stalls in its copies past its lease (60 s by default: a process stopped
+    or swapped out), and the trainer's next version takes the only slot meanwhile. The apply
+    may have copied part of the later version, so it is not marked applied as version 1: `wait`
+    raises, the subscriber holds no version (-1), and its next apply brings version 2 whole."""
+    import torch
+
+    from transfer_queue import WeightSyncError
+    from weight_sync import WeightSubscriber, receivers
+
+    from .workers import zeros
+
+    real = receivers.copy_each
+    stalled: list[int] = []
+
+    def stalled_copies(dsts, srcs, non_blocking=False):  # noqa: ANN001, ANN202
+        if not stalled:
+            stalled.append(len(dsts))
+            pub.publish(weights(2), 2)  # the only slot, leased to this copy: reused once the lease expires
+        return real(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(receivers, "copy_each", stalled_copies)
+    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5) as pub:
+        pub.publish(weights(1), 1)
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="shm", publisher=pub.endpoint) as sub:
+            with pytest.raises(WeightSyncError, match="outlived their lease"):
+                sub.wait(1, timeout=30)
+            assert stalled and sub.version == -1
+            assert sub.wait(2, timeout=30) == 2
+        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+
+
+def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch):
+    """A tcp stream's lease lasts while it makes progress (each piece renews it). One that
+    stalls past it in its last piece (its reader stopped reading), while the trainer's next
+    version takes the only slot, breaks off instead of sending that piece from a slot that now
+    holds version 2: the subscriber discards the version with `WeightSyncError`, its tensors
+    untouched, and then takes version 2 whole."""
+    import threading
+
+    import torch
+
+    from transfer_queue import WeightSyncError
+    from weight_sync import WeightSubscriber, publisher
+
+    from .workers import zeros
+
+    real_open, real_gather = publisher._SlotSource.open, publisher.gather
+    pieces: list[int] = []  # version 1's stream: [its pieces, pieces gathered so far]
+    replaced = threading.Event()
+
+    def counted(self, request):  # noqa: ANN001, ANN202
+        if request.version == 1:
+            pieces[:] = [sum(len(publisher.read_chunks(read)) for read in request.reads), 0]
+        return real_open(self, request)
+
+    def stalled_last(slot, read, box, scratch):  # noqa: ANN001, ANN202
+        if not replaced.is_set():  # version 1's one stream
+            pieces[1] += 1
+            if pieces[1] == 1:  # the trainer publishes version 2: it waits for this stream's lease
+                threading.Thread(target=lambda: (pub.publish(weights(2), 2), replaced.set()), daemon=True).start()
+            if pieces[1] == pieces[0]:  # the last piece stalls until the slot holds version 2
+                assert replaced.wait(30)
+        return real_gather(slot, read, box, scratch)
+
+    monkeypatch.setattr(publisher._SlotSource, "open", counted)
+    monkeypatch.setattr(publisher, "gather", stalled_last)
+    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5, delta=False) as pub:
+        pub.publish(weights(1), 1)
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="tcp", publisher=pub.endpoint) as sub:
+            with pytest.raises(WeightSyncError):
+                sub.wait(1, timeout=30)
+            assert pieces[0] > 1 and sub.version == -1 and all(not t.any() for t in mine.values())
+            assert sub.wait(2, timeout=30) == 2
+        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
