@@ -298,11 +298,22 @@ def weight_sync(
     name: str, n: int, state: dict[str, torch.Tensor], subs: Subscribers, reps: int, slots: int, device: torch.device
 ) -> dict:
     """Publish WARMUP + `reps` versions to `n` subscribers; per version: end to end, publish
-    blocking, slowest apply, and whether every subscriber holds exactly the published bytes."""
+    blocking, slowest apply, when the last subscriber's copies started (after `publish` was
+    called), how much the subscribers' copies overlapped (their common time over the shortest
+    apply: 1 = side by side, 0 = one after another; n > 1), and whether every subscriber holds
+    exactly the published bytes. Where end to end goes beyond the copies: waiting or serialised."""
     from weight_sync import WeightPublisher
 
     transport, backend = _transport(name, n, device)
-    out: dict = {"seconds": [], "blocking": [], "apply": [], "exact": True, "backend": backend}
+    out: dict = {
+        "seconds": [],
+        "blocking": [],
+        "apply": [],
+        "start": [],
+        "overlap": [],
+        "exact": True,
+        "backend": backend,
+    }
     first = next(iter(state.values())).view(-1)
     # whole versions: what this measures (deltas are weight_sync_delta.py's)
     with WeightPublisher(None, transport=transport, slots=slots, timeout=600, model=state, delta=False) as pub:
@@ -324,6 +335,11 @@ def weight_sync(
                 out["seconds"].append(seconds)
                 out["blocking"].append(blocking)
                 out["apply"].append(max(d[2] for d in done))
+                starts = [d[1] - d[2] for d in done]  # one host: the subscribers' clock is this one
+                out["start"].append(max(starts) - t0)
+                if n > 1:
+                    common = min(d[1] for d in done) - max(starts)
+                    out["overlap"].append(max(0.0, common) / min(d[2] for d in done))
     return out
 
 
@@ -429,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(
                         [label, s, gbps(nbytes, s), s / limit, b, b / block_limit, res["first"] / s, res["exact"]]
                     )
+                    overlap = f", overlapping {median(res['overlap']):.2f}" if res["overlap"] else ""
                     print(
                         f"  {size} {label}: {s * 1e3:.1f} ms ({s / limit:.2f}x limit), blocks {b * 1e3:.1f} ms, "
+                        f"slowest apply {median(res['apply']) * 1e3:.1f} ms ({median(res['apply']) / limit:.2f}x) "
+                        f"starting at +{median(res['start']) * 1e3:.1f} ms{overlap}, "
                         f"first {res['first'] * 1e3:.1f} ms, exact {res['exact']}",
                         flush=True,
                     )
