@@ -1279,10 +1279,9 @@ class _SlotSource(Source):
             that stalled past it (its reader stopped reading) breaks off, as the slot may hold
             a later version by now (the reader then sees a short stream and discards it)."""
             if not self.table.renew(request.lease):
-                raise WeightSyncError(
-                    f"lease {request.lease} on version {request.version} expired while it was sent: "
-                    "the slot may have been reused"
-                )
+                why = f"lease {request.lease} on version {request.version} expired while it was sent: the slot may have been reused"
+                log.warning("%s; breaking off the stream", why)  # the reader sees only a short stream
+                raise WeightSyncError(why)
 
         def views():  # noqa: ANN202
             nonlocal sent

@@ -173,12 +173,12 @@ def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
         assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
 
 
-def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch):
+def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
     """A tcp stream's lease lasts while it makes progress (each piece renews it). One that
     stalls past it in its last piece (its reader stopped reading), while the trainer's next
     version takes the only slot, breaks off instead of sending that piece from a slot that now
     holds version 2: the subscriber discards the version with `WeightSyncError`, its tensors
-    untouched, and then takes version 2 whole."""
+    untouched, and then takes version 2 whole. The publisher says why in a warning."""
     import threading
 
     import torch
@@ -215,5 +215,6 @@ def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch):
             with pytest.raises(WeightSyncError):
                 sub.wait(1, timeout=30)
             assert pieces[0] > 1 and sub.version == -1 and all(not t.any() for t in mine.values())
+            assert "on version 1 expired while it was sent" in caplog.text
             assert sub.wait(2, timeout=30) == 2
         assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
