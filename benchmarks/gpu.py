@@ -37,6 +37,7 @@ results/gpu-<time>.json. Run:
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -299,9 +300,9 @@ def weight_sync(
 ) -> dict:
     """Publish WARMUP + `reps` versions to `n` subscribers; per version: end to end, publish
     blocking, slowest apply, when the last subscriber's copies started (after `publish` was
-    called), how much the subscribers' copies overlapped (their common time over the shortest
-    apply: 1 = side by side, 0 = one after another; n > 1), and whether every subscriber holds
-    exactly the published bytes. Where end to end goes beyond the copies: waiting or serialised."""
+    called; a little late, as each subscriber stamps its end after `wait` returns), how much the
+    subscribers' copies overlapped (`overlap`; n > 1), and whether every subscriber holds exactly
+    the published bytes. Where end to end goes beyond the copies: waiting, or copies serialised."""
     from weight_sync import WeightPublisher
 
     transport, backend = _transport(name, n, device)
@@ -335,12 +336,24 @@ def weight_sync(
                 out["seconds"].append(seconds)
                 out["blocking"].append(blocking)
                 out["apply"].append(max(d[2] for d in done))
-                starts = [d[1] - d[2] for d in done]  # one host: the subscribers' clock is this one
-                out["start"].append(max(starts) - t0)
+                spans = [(d[1] - d[2], d[1]) for d in done]  # one host: the subscribers' clock is this one
+                out["start"].append(max(s for s, _ in spans) - t0)
                 if n > 1:
-                    common = min(d[1] for d in done) - max(starts)
-                    out["overlap"].append(max(0.0, common) / min(d[2] for d in done))
+                    out["overlap"].append(overlap(spans))
     return out
+
+
+def overlap(spans: list[tuple[float, float]]) -> float:
+    """How much the (start, end) spans ran side by side: the time they shared (their sum less
+    their union) over the most they could share (their sum less the longest); 1 = all at once,
+    0 = one after another."""
+    total = sum(e - s for s, e in spans)
+    union, reach = 0.0, -math.inf
+    for s, e in sorted(spans):
+        union += max(0.0, e - max(s, reach))
+        reach = max(reach, e)
+    most = total - max(e - s for s, e in spans)
+    return (total - union) / most if most > 0 else 1.0
 
 
 def _available(name: str, device: torch.device) -> bool:

@@ -234,6 +234,7 @@ class ReadsReceiver(BackgroundReceiver):
                 return  # the publisher moved past it before its lease: the next turn takes the newest
             raise
         slot = None
+        released = False
         try:
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
             slot = self.table.claim(version, plan.nbytes, self.timeout)
@@ -251,12 +252,17 @@ class ReadsReceiver(BackgroundReceiver):
             if not offer.complete:
                 coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
             checksums = self._checksums(plan, grants)
+            released = True  # the ranks read from directly vouch that their slots held to the end
+            self.ranks.release(
+                grants, checked={r for r, (source, _) in enumerate(pulled) if plan.reads(r) and not source}
+            )
         except BaseException:
             if slot is not None:
                 self.table.fail(slot)
             raise
         finally:
-            self.ranks.release(grants)
+            if not released:
+                self.ranks.release(grants)
         self.last_sources = [source for source, _ in pulled]
         self.last_received = [received for _, received in pulled]
         self._ready(version, plan, slot, plan.nbytes, slot.mapped.tensor, checksums)

@@ -16,7 +16,7 @@ Requests, and what answers them::
            lease)                    and, with `lease`, rank 0's lease on it
     Confirm(version, timeout)        wait until `version` is complete on every rank    Ok
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
-    Release(lease)                   done reading                                      Ok
+    Release(lease)                   done reading                                      Ok (error: its slot was staged again under it)
     Describe(manifest)               the manifest with this id                         Described
     Slots(transport)                 the slots made so far, described for it, the      SlotList
                                      manifest they were made for, and why the rank
@@ -184,10 +184,7 @@ Request = Union[Join, Staged, Latest, Confirm, Lease, Release, Describe, Slots, 
 
 class Granted(_Msg, tag="granted", frozen=True):
     """`source`: pull from this relay endpoint instead of the rank ("" = the rank itself);
-    `base`: the version the rank can send a delta against (-1: whole only); `until`: when the
-    lease expires, on the rank's host's monotonic clock (`time.monotonic()`, shared by every
-    process of a host): after it the slot may be reused, so a reader on that host whose reads
-    end later may have read part of a later version (0: not told)."""
+    `base`: the version the rank can send a delta against (-1: whole only)."""
 
     lease: int
     version: int
@@ -195,7 +192,6 @@ class Granted(_Msg, tag="granted", frozen=True):
     slot: SlotInfo
     source: str = ""
     base: int = -1
-    until: float = 0.0
 
 
 class Offer(_Msg, tag="offer", frozen=True):

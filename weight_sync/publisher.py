@@ -130,8 +130,8 @@ class WeightPublisher:
             takes over one of them (`gpu_mirror`), and host staging keeps its own slots.
         validate: checksum every staged tensor so subscribers can verify what they applied.
         lease_timeout: how long a reader may pin a slot before it is presumed dead (a stream's
-            lease is renewed by each piece it sends; a reader whose copies outlive theirs is told:
-            docs/reliability.md).
+            lease is renewed by each piece it sends; a reader whose slot was staged again under
+            its lease is told when it releases it: docs/reliability.md).
         timeout: how long `publish` waits for a free slot, and rank 0 for its peers.
         host: the interface the control endpoint binds (loopback by default).
         credentials: the cluster's CurveZMQ keys (default: `SLUICE_CREDENTIALS`); the control
@@ -837,7 +837,11 @@ class WeightPublisher:
             case Lease():
                 self._lease(msg, pending)
             case Release(lease=lease):
-                self._release(lease)
+                if not self._release(lease):
+                    raise WeightSyncError(
+                        f"lease {lease} did not hold its slot until its release: the slot was staged again "
+                        "under it (its reads outlasted lease_timeout), or it was already released"
+                    )
                 pending.reply(Ok())
             case Describe(manifest=mid):
                 manifest = self._manifests.get(mid)
@@ -873,10 +877,12 @@ class WeightPublisher:
                 except Exception as exc:  # noqa: BLE001 - the requester gets it, typed
                     pending.fail(exc)
 
-    def _release(self, lease: int) -> None:
-        self._table.release(lease)
+    def _release(self, lease: int) -> bool:
+        """End `lease`; whether it still pinned its slot (`SlotTable.release`)."""
+        held = self._table.release(lease)
         if self._mirror is not None:  # lease ids are unique across both tables
-            self._mirror.table.release(lease)
+            held = self._mirror.table.release(lease) or held
+        return held
 
     def _release_holder(self, holder: bytes) -> None:
         """A reader's connection closed: release its leases, in host and GPU staging."""
@@ -968,8 +974,7 @@ class WeightPublisher:
         staged = _staged_in(self._deltas, slot, msg.version) if mirror is None else None
         base = staged.base if staged is not None else -1
         info = SlotInfo(slot.index, slot.generation, slot.size, slot.mapped.path, handle)
-        until = slot.leases[lease]  # granted just now, by this thread: nobody can release it yet
-        return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base, until)
+        return Granted(lease, msg.version, slot.manifest.id, info, self._relay_source(msg), base)
 
     def _mirror_for(self, transport: str) -> GpuMirror | None:
         """The GPU staging beside host staging that a subscriber of `transport` reads (a
@@ -1276,10 +1281,10 @@ class _SlotSource(Source):
 
         def renewed() -> None:
             """Before each piece: the lease lasts while the stream makes progress, and a stream
-            that stalled past it (its reader stopped reading) breaks off, as the slot may hold
-            a later version by now (the reader then sees a short stream and discards it)."""
+            that stalled past it (its reader stopped reading) while the slot was staged again
+            breaks off (the reader then sees a short stream and discards it)."""
             if not self.table.renew(request.lease):
-                why = f"lease {request.lease} on version {request.version} expired while it was sent: the slot may have been reused"
+                why = f"lease {request.lease} on version {request.version} ended while it was sent: its slot was staged again"
                 log.warning("%s; breaking off the stream", why)  # the reader sees only a short stream
                 raise WeightSyncError(why)
 

@@ -8,12 +8,12 @@ checksums for validation; and the `Job` a transport is handed for one rank.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
-from transfer_queue import SluiceError
+from transfer_queue import SluiceError, WeightSyncError
 from transfer_queue.cuda import copies, is_cuda
 from transfer_queue.wire.rpc import Message, Ping, check
 
@@ -26,6 +26,7 @@ from .protocol import (
     Granted,
     Lease,
     LocalClient,
+    Ok,
     RankInfo,
     Release,
     RpcClient,
@@ -180,10 +181,42 @@ class PublisherRanks:
             raise error
         return [grants[rank] for rank in range(len(self.info))]
 
-    def release(self, grants: list[Granted]) -> None:
-        """Release `grants` (one per rank, in rank order)."""
+    def release(
+        self, grants: list[Granted], checked: Collection[int] = (), first: RpcClient | LocalClient | None = None
+    ) -> None:
+        """Release `grants` (one per rank, in rank order; rank 0's over `first` when given: the
+        connection that holds it). The ranks in `checked` (those whose slots this subscriber
+        read) are asked at once and then awaited, one round trip in all: each answers whether
+        its lease still pinned its slot, so that reads which outlasted their lease (the slot
+        staged again under them) are not taken for a whole version. The others are posted.
+
+        Raises:
+            WeightSyncError: a checked rank's slot was staged again under its lease, or the
+                rank is gone or did not answer in time (its reads cannot be vouched for).
+        """
+        asked: list[tuple[RpcClient | LocalClient, int]] = []
+        error: SluiceError | None = None
         for rank, grant in enumerate(grants):
-            self.release_one(rank, grant)
+            client = first if rank == 0 and first is not None else self._client(rank)
+            if rank not in checked:
+                if client is first:
+                    with contextlib.suppress(SluiceError):  # rank 0 is gone; so is its lease
+                        first.post(Release(grant.lease))
+                else:
+                    self.release_one(rank, grant)
+                continue
+            try:
+                asked.append((client, client.send(Release(grant.lease))))
+            except SluiceError as exc:
+                error = error or exc
+        for client, rid in asked:  # every answer is awaited
+            try:
+                check(client.reply(rid, self.timeout + 5, what="Release")[0], Ok)
+            except SluiceError as exc:
+                client.forget(rid)
+                error = error or exc
+        if error is not None:
+            raise WeightSyncError(f"a rank did not vouch for version {grants[0].version}'s reads: {error}") from error
 
     def release_one(self, rank: int, grant: Granted) -> None:
         """Release one rank's lease without waiting for its answer: the reads are done, and

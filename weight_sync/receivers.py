@@ -13,10 +13,9 @@ Every receiver writes through `Targets.apply`, only ever a whole version.
 
 from __future__ import annotations
 
-import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +27,7 @@ from transfer_queue.host import host_id
 
 from .checksum import compare
 from .plan import Copy, Plan
-from .protocol import Checksums, Granted, Latest, Offer, Release, connect
+from .protocol import Checksums, Granted, Latest, Offer, connect
 from .ranks import PublisherRanks, close_after_posts
 from .transports.stream import contiguous_span
 
@@ -40,8 +39,8 @@ class Targets:
 
     def __init__(self) -> None:
         self.version = -1
-        """The version the tensors hold (-1: none applied yet, or the last apply outlived a
-        lease and may have copied part of a later version: the next apply brings a whole one)."""
+        """The version the tensors hold (-1: none applied yet, or copies straight from a
+        publisher's slot that was staged again under them: the next apply brings a whole one)."""
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 
@@ -52,22 +51,18 @@ class Targets:
         sources: Iterable[torch.Tensor],
         checksums: dict[int, Checksums],
         dsts: Sequence[torch.Tensor] | None = None,
-        until: float = math.inf,
     ) -> None:
         """Copy every planned read (from `sources`, one per copy of `plan`, in order) into the
         tensors, then check checksums if validating. `dsts`: where each source goes when it is
         not one copy's read (a "map" receiver merges copies: `coalesce`); default each copy's
-        `dst`. `until`: when the first lease on the sources' memory expires (`time.monotonic()`);
-        copies that end later may have read a slot the publisher reused.
+        `dst`.
 
         A source tensor the publisher found changed since staging stops the apply before any
         copy; a slice that differs after the copy is reported by name. Either way the version
         is not marked applied (a background receiver drops it and waits for the next one).
-        Copies that ended past `until` leave the tensors holding no known version (-1), so
-        that the next apply brings the newest version whole, whatever the version held.
 
         Raises:
-            WeightSyncError: the checksums disagree, or the copies outlived their lease.
+            WeightSyncError: the checksums disagree.
         """
         corrupt = sorted({name for c in checksums.values() for name in c.corrupt})
         if corrupt:
@@ -80,13 +75,6 @@ class Targets:
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
             copy_each(targets, list(sources), non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
-        if time.monotonic() >= until:
-            self.version = -1
-            raise WeightSyncError(
-                f"version {version}'s copies outlived their lease on the publisher's staging "
-                f"(they took {self.apply_seconds:.1f} s): the slot may have been reused, so the tensors "
-                "hold no whole version until the next one is applied"
-            )
         if checksums:
             compare(plan, checksums)
         self.version = version
@@ -181,22 +169,25 @@ class MappedReceiver(Receiver):
             plan = self.ranks.plan(tuple(g.manifest for g in grants))
             dsts, sources = self._sources(offer.version, grants, plan)
             checksums = self._checksums(plan, grants)
-            until = min((g.until for g in grants if g.until), default=math.inf)
-            self.targets.apply(offer.version, plan, sources, checksums, dsts, until)
-        finally:
-            self._release(grants)
+            self.targets.apply(offer.version, plan, sources, checksums, dsts)
+        except BaseException:
+            self._release(grants, ())
+            raise
+        try:
+            self._release(grants, {r for r in range(len(grants)) if plan.reads(r)})
+        except WeightSyncError as exc:
+            self.targets.version = -1  # the copies went straight into the tensors
+            raise WeightSyncError(
+                f"version {offer.version} was copied straight from staging that cannot be vouched for ({exc}): "
+                "the tensors hold no whole version until the next one is applied"
+            ) from exc
         return offer.version
 
-    def _release(self, grants: list[Granted]) -> None:
-        """Post the releases: rank 0's over the connection that holds its lease (were it lost,
-        that connection's closing frees the lease), the others' through `ranks`."""
-        try:
-            self._coordinator.post(Release(grants[0].lease))
-            self._released = True
-        except WeightSyncError:
-            pass  # rank 0 is gone; so is its lease
-        for rank, grant in enumerate(grants[1:], start=1):
-            self.ranks.release_one(rank, grant)
+    def _release(self, grants: list[Granted], checked: Collection[int]) -> None:
+        """Release the leases (`PublisherRanks.release`, `checked` as there): rank 0's over the
+        connection that holds it (were it lost, that connection's closing frees the lease)."""
+        self._released = True  # what was posted over `_coordinator` is flushed before it closes
+        self.ranks.release(grants, checked, first=self._coordinator)
 
     def _sources(
         self, version: int, grants: list[Granted], plan: Plan

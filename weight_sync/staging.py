@@ -474,16 +474,16 @@ class SlotTable:
             return lease, slot
 
     def renew(self, lease: int) -> bool:
-        """Extend `lease` to `lease_timeout` from now, unless it has ended: a reader that makes
-        progress (a stream sending a version piece by piece, slower than `lease_timeout` in all)
-        is not presumed dead. False if it was released or has expired: its slot may have been
-        reused since, so what was read under it may hold part of a later version."""
+        """Extend `lease` to `lease_timeout` from now if it still pins its slot: a reader that
+        makes progress (a stream sending a version piece by piece, slower than `lease_timeout`
+        in all) is not presumed dead, and one that expired while nothing reclaimed its slot read
+        nothing torn. False once it was released or its slot claimed again (`_reset` ends its
+        leases before anything is written): what is read under it may hold a later version."""
         with self.cond:
             slot = self._lease_slot.get(lease)
-            now = time.monotonic()
-            if slot is None or slot.leases.get(lease, 0.0) <= now:
+            if slot is None:
                 return False
-            slot.leases[lease] = now + self.lease_timeout
+            slot.leases[lease] = time.monotonic() + self.lease_timeout
             return True
 
     def leased(self, lease: int) -> Slot | None:
@@ -491,8 +491,10 @@ class SlotTable:
         with self.cond:
             return self._lease_slot.get(lease)
 
-    def release(self, lease: int) -> None:
-        """End `lease` (nothing if it is not held). In a retired table, every slot is looked at
+    def release(self, lease: int) -> bool:
+        """End `lease` (nothing if it is not held); whether it still pinned its slot, i.e. the
+        slot was not claimed again since it was granted, so what was read under it is whole
+        (expired but not yet reused counts as held). In a retired table, every slot is looked at
         again: one whose last lease expired unreleased is freed here, at the next release of
         any lease (a publisher passes each release to all its tables)."""
         with self.cond:
@@ -503,6 +505,7 @@ class SlotTable:
                 self.cond.notify_all()
             for held in self.slots if self._retired else ():
                 self._free_if_done(held)
+            return slot is not None
 
     def release_holder(self, holder: bytes) -> None:
         """Release every lease granted to `holder`: its connection closed, so no reader is

@@ -142,8 +142,9 @@ def test_a_version_the_trainer_moved_past_before_its_lease_is_no_error(monkeypat
 
 def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
     """An shm subscriber stalls in its copies past its lease (60 s by default: a process stopped
-    or swapped out), and the trainer's next version takes the only slot meanwhile. The apply
-    may have copied part of the later version, so it is not marked applied as version 1: `wait`
+    or swapped out), and the trainer's next version takes the only slot meanwhile. When the
+    subscriber releases its lease, the rank says the slot was staged again under it: the apply
+    may have copied part of the later version, so it is not marked applied as version 1. `wait`
     raises, the subscriber holds no version (-1), and its next apply brings version 2 whole."""
     import torch
 
@@ -166,7 +167,7 @@ def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
         pub.publish(weights(1), 1)
         mine = zeros()
         with WeightSubscriber(None, mine, transport="shm", publisher=pub.endpoint) as sub:
-            with pytest.raises(WeightSyncError, match="outlived their lease"):
+            with pytest.raises(WeightSyncError, match="staged again under it"):
                 sub.wait(1, timeout=30)
             assert stalled and sub.version == -1
             assert sub.wait(2, timeout=30) == 2
@@ -215,6 +216,40 @@ def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
             with pytest.raises(WeightSyncError):
                 sub.wait(1, timeout=30)
             assert pieces[0] > 1 and sub.version == -1 and all(not t.any() for t in mine.values())
-            assert "on version 1 expired while it was sent" in caplog.text
+            assert "on version 1 ended while it was sent" in caplog.text
+            assert sub.wait(2, timeout=30) == 2
+        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+
+
+@pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
+def test_reads_that_outlast_their_lease_are_not_taken_for_a_version(monkeypatch):
+    """A nixl subscriber READs the publisher's slot with no server on the other side to notice
+    a stall. Its READ starts only after its lease expired and the trainer's next version took
+    the only slot: when it releases the lease, the rank says the slot was staged again under
+    it, so the bytes are discarded (the tensors untouched) and version 2 is pulled whole."""
+    import torch
+
+    from transfer_queue import WeightSyncError
+    from weight_sync import WeightSubscriber
+
+    from .workers import zeros
+
+    real = NixlTransport.receive
+    stalled: list[int] = []
+
+    def late_read(self, job):  # noqa: ANN001, ANN202
+        if not stalled:
+            stalled.append(job.version)
+            pub.publish(weights(2), 2)  # the only slot, leased to this read: reused once the lease expires
+        return real(self, job)
+
+    monkeypatch.setattr(NixlTransport, "receive", late_read)
+    with WeightPublisher(None, transport="nixl", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5, delta=False) as pub:
+        pub.publish(weights(1), 1)
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="nixl", publisher=pub.endpoint) as sub:
+            with pytest.raises(WeightSyncError, match="staged again under it"):
+                sub.wait(1, timeout=30)
+            assert stalled == [1] and sub.version == -1 and all(not t.any() for t in mine.values())
             assert sub.wait(2, timeout=30) == 2
         assert all(torch.equal(mine[n], t) for n, t in weights(2).items())

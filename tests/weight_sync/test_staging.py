@@ -287,26 +287,29 @@ def test_a_retired_table_grants_no_lease_and_tells_when_its_readers_let_go(clock
         table.close()
 
 
-def test_a_renewed_lease_holds_its_slot_and_an_ended_one_cannot_be_renewed(clock):
+def test_a_lease_holds_its_slot_while_renewed_and_says_when_it_was_reclaimed(clock):
     """A stream that makes progress renews its lease, so the slot is not reused under it
-    however long the whole version takes; once a lease expired or was released it is not
-    renewed (what was read under it may be torn). The clock is the table's, moved by hand."""
+    however long the whole version takes. A lease that expired while nothing claimed its slot
+    still vouches for its reads (renewed, released as held); once the slot is claimed again,
+    neither (what was read under it may hold the next version). The clock is the table's,
+    moved by hand."""
     table = SlotTable(1, shared=False, lease_timeout=30)
     try:
         table.advance(table.claim(1, 4096, 5), 4096, complete=True)
-        got = table.lease(1)
-        assert got is not None
-        lease, slot = got
+        first, second = table.lease(1), table.lease(1)
+        assert first is not None and second is not None
+        lease, slot = first
         for _ in range(3):  # 60 s in all, 20 s between pieces
             clock[0] += 20
             assert table.renew(lease)
         assert slot.busy(clock[0] + 29)  # 30 s from the last renewal, not from the grant
-        clock[0] += 30
-        assert not table.renew(lease)  # it expired: the slot may be claimed again
-        released = table.lease(1)
-        assert released is not None
-        table.release(released[0])
-        assert not table.renew(released[0])
+        clock[0] += 31
+        assert table.renew(lease)  # expired, but the slot still holds version 1
+        assert table.release(lease)
+        assert not table.release(lease)  # released already
+        clock[0] += 31  # the second lease expires too
+        table.advance(table.claim(2, 4096, 5), 4096, complete=True)  # the slot's next version
+        assert not table.renew(second[0]) and not table.release(second[0])
     finally:
         table.close()
 

@@ -181,7 +181,7 @@ class Transport(ABC):
         slot cannot be offered."""
         return b""
 
-    def send(self, slot, release: Callable[[], None]) -> None:  # noqa: ANN001 - a staging.Slot
+    def send(self, slot, release: Callable[[], object]) -> None:  # noqa: ANN001 - a staging.Slot
         """Publisher side: a version started staging in `slot`, pinned for this transport
         until it calls `release()` (pull transports have nothing to push: they release at once)."""
         release()
