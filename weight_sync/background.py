@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,6 +228,7 @@ class ReadsReceiver(BackgroundReceiver):
         if offer.version <= after:
             return
         version = offer.version
+        since = time.monotonic()  # the leases are granted after this
         try:
             grants = self.ranks.lease_all(version)
         except SluiceError:
@@ -252,10 +254,9 @@ class ReadsReceiver(BackgroundReceiver):
             if not offer.complete:
                 coordinator.call(Confirm(version, self.timeout), timeout=self.timeout * 2)
             checksums = self._checksums(plan, grants)
-            released = True  # the ranks read from directly vouch that their slots held to the end
-            self.ranks.release(
-                grants, checked={r for r, (source, _) in enumerate(pulled) if plan.reads(r) and not source}
-            )
+            released = True  # the ranks read from directly vouch that their slots held, if need be
+            direct = {r for r, (source, _) in enumerate(pulled) if plan.reads(r) and not source}
+            self.ranks.release(grants, direct, since)
         except BaseException:
             if slot is not None:
                 self.table.fail(slot)

@@ -100,6 +100,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     local: str = ""
     """The control server's local lane (`rpc.ThreadService.local_endpoint`), for subscribers
     on `host`; "" when it has none."""
+    lease_timeout: float = 0.0
+    """How long a lease on this rank's slots lasts unless renewed or released (0: not told): a
+    reader done within it of asking for its lease needs no word from the rank that its slot
+    held (`PublisherRanks.release`)."""
 
 
 class SlotInfo(msgspec.Struct, frozen=True):

@@ -298,7 +298,9 @@ class WeightPublisher:
             # it holds the cluster's keys, which the lane (same user only) could not ask
             local=self.credentials is None and any(t.mode == "map" for t in self._transports.values()),
         )
-        self.info = RankInfo(rank, world_size, host_id(), self._server.endpoint, data, self._server.local_endpoint)
+        self.info = RankInfo(
+            rank, world_size, host_id(), self._server.endpoint, data, self._server.local_endpoint, lease_timeout
+        )
         self._coordinator = (
             Coordinator(
                 self.info,

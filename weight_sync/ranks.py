@@ -8,6 +8,7 @@ checksums for validation; and the `Job` a transport is handed for one rank.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -39,6 +40,10 @@ from .transports import Job, MapTransport, Transport
 
 __all__ = ["PublisherRanks", "close_after_posts"]
 
+
+_SURE = 0.99
+"""The share of a rank's `lease_timeout` within which a reader needs no word from it that its
+lease held (the two processes' clocks may tick at rates a few parts per million apart)."""
 
 _FLUSH_SECONDS = 2.0
 """How long `close_after_posts` waits for a rank to take the releases posted to it."""
@@ -182,18 +187,28 @@ class PublisherRanks:
         return [grants[rank] for rank in range(len(self.info))]
 
     def release(
-        self, grants: list[Granted], checked: Collection[int] = (), first: RpcClient | LocalClient | None = None
+        self,
+        grants: list[Granted],
+        read: Collection[int] = (),
+        since: float = 0.0,
+        first: RpcClient | LocalClient | None = None,
     ) -> None:
         """Release `grants` (one per rank, in rank order; rank 0's over `first` when given: the
-        connection that holds it). The ranks in `checked` (those whose slots this subscriber
-        read) are asked at once and then awaited, one round trip in all: each answers whether
-        its lease still pinned its slot, so that reads which outlasted their lease (the slot
-        staged again under them) are not taken for a whole version. The others are posted.
+        connection that holds it). `read`: the ranks whose slots this subscriber read, having
+        asked for their leases at `since` (`time.monotonic()`). A lease runs out no sooner than
+        the rank's `lease_timeout` after that, and until it does nothing stages the slot again;
+        so a rank of `read` is asked to vouch for its reads only once that time may have passed
+        (or the rank did not tell it): those are asked at once and then awaited, one round trip
+        in all, each answering whether its lease still pinned its slot, so that reads which
+        outlasted their lease (the slot staged again under them) are not taken for a whole
+        version. The other releases are posted.
 
         Raises:
-            WeightSyncError: a checked rank's slot was staged again under its lease, or the
-                rank is gone or did not answer in time (its reads cannot be vouched for).
+            WeightSyncError: a rank's slot was staged again under its lease, or a rank asked to
+                vouch is gone or did not answer in time (its reads cannot be vouched for).
         """
+        took = time.monotonic() - since
+        checked = {r for r in read if took >= _SURE * self.info[r].lease_timeout}
         asked: list[tuple[RpcClient | LocalClient, int]] = []
         error: SluiceError | None = None
         for rank, grant in enumerate(grants):

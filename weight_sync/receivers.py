@@ -153,6 +153,7 @@ class MappedReceiver(Receiver):
     def poll(self, timeout: float) -> int | None:
         held = self.targets.version
         latest = Latest(held, True, timeout, lease=self.ranks.transport.name)
+        since = time.monotonic()  # no lease this poll takes is granted before
         try:
             offer: Offer = self._coordinator.call(latest, timeout=timeout + self.timeout)
         except BaseException:
@@ -171,10 +172,10 @@ class MappedReceiver(Receiver):
             checksums = self._checksums(plan, grants)
             self.targets.apply(offer.version, plan, sources, checksums, dsts)
         except BaseException:
-            self._release(grants, ())
+            self._release(grants)
             raise
         try:
-            self._release(grants, {r for r in range(len(grants)) if plan.reads(r)})
+            self._release(grants, {r for r in range(len(grants)) if plan.reads(r)}, since)
         except WeightSyncError as exc:
             self.targets.version = -1  # the copies went straight into the tensors
             raise WeightSyncError(
@@ -183,11 +184,11 @@ class MappedReceiver(Receiver):
             ) from exc
         return offer.version
 
-    def _release(self, grants: list[Granted], checked: Collection[int]) -> None:
-        """Release the leases (`PublisherRanks.release`, `checked` as there): rank 0's over the
-        connection that holds it (were it lost, that connection's closing frees the lease)."""
+    def _release(self, grants: list[Granted], read: Collection[int] = (), since: float = 0.0) -> None:
+        """Release the leases (`PublisherRanks.release`, `read` and `since` as there): rank 0's
+        over the connection that holds it (were it lost, that connection's closing frees it)."""
         self._released = True  # what was posted over `_coordinator` is flushed before it closes
-        self.ranks.release(grants, checked, first=self._coordinator)
+        self.ranks.release(grants, read, since, first=self._coordinator)
 
     def _sources(
         self, version: int, grants: list[Granted], plan: Plan
