@@ -458,11 +458,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(
                         [label, s, gbps(nbytes, s), s / limit, b, b / block_limit, res["first"] / s, res["exact"]]
                     )
-                    overlap = f", overlapping {median(res['overlap']):.2f}" if res["overlap"] else ""
+                    overlapping = f", overlapping {median(res['overlap']):.2f}" if res["overlap"] else ""
                     print(
                         f"  {size} {label}: {s * 1e3:.1f} ms ({s / limit:.2f}x limit), blocks {b * 1e3:.1f} ms, "
                         f"slowest apply {median(res['apply']) * 1e3:.1f} ms ({median(res['apply']) / limit:.2f}x) "
-                        f"starting at +{median(res['start']) * 1e3:.1f} ms{overlap}, "
+                        f"starting at +{median(res['start']) * 1e3:.1f} ms{overlapping}, "
                         f"first {res['first'] * 1e3:.1f} ms, exact {res['exact']}",
                         flush=True,
                     )

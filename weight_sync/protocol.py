@@ -16,7 +16,7 @@ Requests, and what answers them::
            lease)                    and, with `lease`, rank 0's lease on it
     Confirm(version, timeout)        wait until `version` is complete on every rank    Ok
     Lease(version, ...)              pin the slot holding `version` on this rank       Granted
-    Release(lease)                   done reading                                      Ok (error: its slot was staged again under it)
+    Release(lease)                   done reading                                      Ok (error: its slot was staged again, or already released)
     Describe(manifest)               the manifest with this id                         Described
     Slots(transport)                 the slots made so far, described for it, the      SlotList
                                      manifest they were made for, and why the rank

@@ -165,21 +165,17 @@ class PublisherRanks:
             SluiceError: a rank refused (the error it named).
         """
         grants: dict[int, Granted] = {} if first is None else {0: first}
-        asked: dict[int, int] = {}
+        asked: dict[int, tuple[RpcClient | LocalClient, int]] = {}
         error: SluiceError | None = None
         for rank in range(len(grants), len(self.info)):
             try:
-                asked[rank] = self._client(rank).send(self._lease(version))
+                asked[rank] = self._client(rank), self._client(rank).send(self._lease(version))
             except SluiceError as exc:
                 error = exc
                 break
-        for rank, rid in asked.items():  # every answer is awaited, so no grant is left behind
-            try:
-                reply, _ = self._client(rank).reply(rid, self.timeout + 5, what="Lease")
-                grants[rank] = check(reply, Granted)
-            except SluiceError as exc:
-                self._client(rank).forget(rid)  # a late grant is dropped: the rank's lease timer frees it
-                error = error or exc
+        # every answer is awaited, so no grant is left behind (a late one is dropped: the rank's lease timer frees it)
+        answers, error = self._answers(asked, Granted, "Lease", error)
+        grants.update(answers)
         if error is not None:
             for rank, grant in grants.items():
                 self.release_one(rank, grant)
@@ -209,7 +205,7 @@ class PublisherRanks:
         """
         took = time.monotonic() - since
         checked = {r for r in read if took >= _SURE * self.info[r].lease_timeout}
-        asked: list[tuple[RpcClient | LocalClient, int]] = []
+        asked: dict[int, tuple[RpcClient | LocalClient, int]] = {}
         error: SluiceError | None = None
         for rank, grant in enumerate(grants):
             client = first if rank == 0 and first is not None else self._client(rank)
@@ -221,17 +217,31 @@ class PublisherRanks:
                     self.release_one(rank, grant)
                 continue
             try:
-                asked.append((client, client.send(Release(grant.lease))))
+                asked[rank] = client, client.send(Release(grant.lease))
             except SluiceError as exc:
                 error = error or exc
-        for client, rid in asked:  # every answer is awaited
+        _, error = self._answers(asked, Ok, "Release", error)
+        if error is not None:
+            raise WeightSyncError(f"a rank did not vouch for version {grants[0].version}'s reads: {error}") from error
+
+    def _answers(
+        self,
+        asked: dict[int, tuple[RpcClient | LocalClient, int]],
+        expected: type,
+        what: str,
+        error: SluiceError | None,
+    ) -> tuple[dict[int, Any], SluiceError | None]:
+        """Await every answer to requests sent to several ranks at once (rank -> (client,
+        request id)): the `expected` replies by rank, and `error` or else the first failure
+        (a refusal, a rank gone or silent; its request is forgotten, a late answer dropped)."""
+        answers: dict[int, Any] = {}
+        for rank, (client, rid) in asked.items():
             try:
-                check(client.reply(rid, self.timeout + 5, what="Release")[0], Ok)
+                answers[rank] = check(client.reply(rid, self.timeout + 5, what=what)[0], expected)
             except SluiceError as exc:
                 client.forget(rid)
                 error = error or exc
-        if error is not None:
-            raise WeightSyncError(f"a rank did not vouch for version {grants[0].version}'s reads: {error}") from error
+        return answers, error
 
     def release_one(self, rank: int, grant: Granted) -> None:
         """Release one rank's lease without waiting for its answer: the reads are done, and

@@ -40,7 +40,7 @@ class Targets:
     def __init__(self) -> None:
         self.version = -1
         """The version the tensors hold (-1: none applied yet, or copies straight from a
-        publisher's slot that was staged again under them: the next apply brings a whole one)."""
+        publisher's slot that cannot be vouched for: the next apply brings a whole one)."""
         self.apply_seconds = 0.0
         """How long the last apply (the copy into the tensors) took."""
 

@@ -10,8 +10,9 @@ per-rank calls (`ranks.PublisherRanks`) and the receiver strategy for the transp
 (`receivers`: copy straight from mapped slots at apply time; `background`: receive in a
 thread ahead of it). A transfer that fails is discarded with `WeightSyncError` (raised by the next
 `poll`/`wait`); the tensors keep the version they had, except after copies straight from a
-publisher's slot that was staged again under their lease (they outlasted it): `version` is then
--1 until the next apply brings the newest version whole.
+publisher's slot that cannot be vouched for (they outlasted their lease, and the slot was
+staged again or its rank is gone): `version` is then -1 until the next apply brings the newest
+version whole.
 
 A GPU-staging transport (cuda_ipc) chosen where host-staging ones were offered too ("auto", or
 a list naming both) is given up for the best of those if the publisher's GPU staging stops or
@@ -174,8 +175,8 @@ class WeightSubscriber:
 
         Raises:
             WeightSyncError: a transfer failed since the last call (the tensors keep their
-                version; copies from a slot staged again under their lease leave `version` at
-                -1), or checksums disagree; `GpuStagingStoppedError` (one) when only
+                version; copies from a slot that cannot be vouched for leave `version` at -1),
+                or checksums disagree; `GpuStagingStoppedError` (one) when only
                 GPU-staging transports were offered and the publisher's GPU staging stopped.
             tq.ClosedError: the subscriber was closed.
         """

@@ -311,3 +311,16 @@ def test_looking_for_a_publisher_that_is_not_there_barely_blocks():
         finally:
             late.join()
             silent.close()
+
+
+def test_a_release_says_whether_its_lease_still_held_its_slot():
+    """`Release` answers `Ok` while the lease pins its slot, and `WeightSyncError` once it does
+    not (released already, or the slot staged again): what a reader whose reads outlasted their
+    lease awaits before it takes them for a version."""
+    with WeightPublisher(None, "shm", slots=1, lease_timeout=600) as pub:
+        pub.publish({"w": torch.ones(8)}, version=1)
+        with contextlib.closing(RpcClient(pub.endpoint, timeout=5.0)) as client:
+            grant = client.call(Lease(1, "shm"))
+            assert isinstance(client.call(Release(grant.lease)), Ok)
+            with pytest.raises(tq.WeightSyncError, match="did not hold its slot"):
+                client.call(Release(grant.lease))
