@@ -140,12 +140,16 @@ def test_a_version_the_trainer_moved_past_before_its_lease_is_no_error(monkeypat
         assert all(torch.equal(mine[n], t) for n, t in weights(3).items())
 
 
-def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
+@pytest.mark.parametrize("slots", [1, 2], ids=["slot-staged-again", "slot-kept"])
+def test_copies_that_outlast_their_lease(monkeypatch, slots):
     """An shm subscriber stalls in its copies past its lease (60 s by default: a process stopped
-    or swapped out), and the trainer's next version takes the only slot meanwhile. When the
-    subscriber releases its lease, the rank says the slot was staged again under it: the apply
-    may have copied part of the later version, so it is not marked applied as version 1. `wait`
-    raises, the subscriber holds no version (-1), and its next apply brings version 2 whole."""
+    or swapped out) while the trainer publishes version 2. With one slot, version 2 is staged in
+    the slot being read: when the subscriber releases its lease the rank says so, and the apply,
+    which may have copied part of version 2, is not taken for version 1 (`wait` raises,
+    `version` is -1); the next apply brings version 2 whole. With two, version 1's slot stays as
+    it was: a lease only pins a slot, so the slow apply is version 1, whole."""
+    import time
+
     import torch
 
     from transfer_queue import WeightSyncError
@@ -159,18 +163,24 @@ def test_copies_that_outlive_their_lease_leave_no_version_claimed(monkeypatch):
     def stalled_copies(dsts, srcs, non_blocking=False):  # noqa: ANN001, ANN202
         if not stalled:
             stalled.append(len(dsts))
-            pub.publish(weights(2), 2)  # the only slot, leased to this copy: reused once the lease expires
+            pub.publish(weights(2), 2)  # one slot: it waits for this copy's lease to expire
+            expired = lambda: not any(s.busy(time.monotonic()) for s in pub._table.slots)  # noqa: E731
+            eventually(expired, 10, "this copy's lease expired")
         return real(dsts, srcs, non_blocking=non_blocking)
 
     monkeypatch.setattr(receivers, "copy_each", stalled_copies)
-    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5) as pub:
+    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=slots, lease_timeout=0.5) as pub:
         pub.publish(weights(1), 1)
         mine = zeros()
         with WeightSubscriber(None, mine, transport="shm", publisher=pub.endpoint) as sub:
-            with pytest.raises(WeightSyncError, match="staged again under it"):
-                sub.wait(1, timeout=30)
-            assert stalled and sub.version == -1
-            assert sub.wait(2, timeout=30) == 2
+            if slots == 1:
+                with pytest.raises(WeightSyncError, match="staged again under it"):
+                    sub.wait(1, timeout=30)
+                assert sub.version == -1
+            else:
+                assert sub.wait(1, timeout=30) == 1
+                assert all(torch.equal(mine[n], t) for n, t in weights(1).items())
+            assert stalled and sub.wait(2, timeout=30) == 2
         assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
 
 
@@ -182,15 +192,12 @@ def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
     untouched, and then takes version 2 whole. The publisher says why in a warning."""
     import threading
 
-    import torch
-
-    from weight_sync import WeightSubscriber, publisher
-
-    from .workers import zeros
+    from weight_sync import publisher
 
     real_open, real_gather = publisher._SlotSource.open, publisher.gather
     pieces: list[int] = []  # version 1's stream: [its pieces, pieces gathered so far]
     replaced = threading.Event()
+    made: dict = {}
 
     def counted(self, request):  # noqa: ANN001, ANN202
         if request.version == 1:
@@ -201,21 +208,16 @@ def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
         if not replaced.is_set():  # version 1's one stream
             pieces[1] += 1
             if pieces[1] == 1:  # the trainer publishes version 2: it waits for this stream's lease
-                threading.Thread(target=lambda: (pub.publish(weights(2), 2), replaced.set()), daemon=True).start()
+                publish = lambda: (made["pub"].publish(weights(2), 2), replaced.set())  # noqa: E731
+                threading.Thread(target=publish, daemon=True).start()
             if pieces[1] == pieces[0]:  # the last piece stalls until the slot holds version 2
                 assert replaced.wait(30)
         return real_gather(slot, read, box, scratch)
 
     monkeypatch.setattr(publisher._SlotSource, "open", counted)
     monkeypatch.setattr(publisher, "gather", stalled_last)
-    with WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5, delta=False) as pub:
-        pub.publish(weights(1), 1)
-        mine = zeros()
-        with WeightSubscriber(None, mine, transport="tcp", publisher=pub.endpoint) as sub:
-            _never_version_1(sub, mine, "closed the stream early")
-            assert pieces[0] > 1 and "on version 1 ended while it was sent" in caplog.text
-            assert sub.wait(2, timeout=30) == 2
-        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+    _never_version_1("tcp", "closed the stream early", made)
+    assert pieces[0] > 1 and "on version 1 ended while it was sent" in caplog.text
 
 
 @pytest.mark.skipif(not NixlTransport.is_available(), reason="nixl is not installed")
@@ -224,74 +226,47 @@ def test_reads_that_outlast_their_lease_are_not_taken_for_a_version(monkeypatch)
     a stall. Its READ starts only after its lease expired and the trainer's next version took
     the only slot: when it releases the lease, the rank says the slot was staged again under
     it, so the bytes are discarded (the tensors untouched) and version 2 is pulled whole."""
-    import torch
-
-    from weight_sync import WeightSubscriber
-
-    from .workers import zeros
-
     real = NixlTransport.receive
     stalled: list[int] = []
+    made: dict = {}
 
     def late_read(self, job):  # noqa: ANN001, ANN202
         if not stalled:
             stalled.append(job.version)
-            pub.publish(weights(2), 2)  # the only slot, leased to this read: reused once the lease expires
+            made["pub"].publish(weights(2), 2)  # the only slot, leased to this read: reused once the lease expires
         return real(self, job)
 
     monkeypatch.setattr(NixlTransport, "receive", late_read)
-    with WeightPublisher(None, transport="nixl", bucket_bytes=BUCKET, slots=1, lease_timeout=0.5, delta=False) as pub:
-        pub.publish(weights(1), 1)
-        mine = zeros()
-        with WeightSubscriber(None, mine, transport="nixl", publisher=pub.endpoint) as sub:
-            _never_version_1(sub, mine, "staged again under it")
-            assert stalled == [1] and sub.wait(2, timeout=30) == 2
-        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+    _never_version_1("nixl", "staged again under it", made)
+    assert stalled == [1]
 
 
-def _never_version_1(sub, mine, why: str) -> None:  # noqa: ANN001 - a WeightSubscriber and its tensors
-    """A pull of version 1 from a slot staged again under it is discarded, never applied: `wait(1)`
-    raises (`why`) with the tensors untouched, or, where the receiver's retry already pulled
-    version 2 whole before the caller looked (the error is then moot), returns 2."""
-    from transfer_queue import WeightSyncError
-
-    try:
-        got = sub.wait(1, timeout=30)
-    except WeightSyncError as exc:
-        assert why in str(exc)
-        assert sub.version == -1 and all(not t.any() for t in mine.values())
-    else:
-        assert got == 2, "version 1 was applied from a slot that held version 2"
-
-
-def test_copies_that_outlast_their_lease_on_a_slot_nobody_reclaimed_are_applied(monkeypatch):
-    """A lease only pins a slot: an shm subscriber whose copies outlast it while the trainer's
-    next version goes to the other slot applies version 1 as usual (the rank vouches for it
-    when the release is awaited), where a timeout alone would refuse every slow apply."""
-    import time
-
+def _never_version_1(transport: str, why: str, made: dict) -> None:
+    """Publish version 1 over `transport` with one slot and a 0.5 s lease, for one subscriber
+    (the test's hooks reach the publisher as `made["pub"]`, and publish version 2 into that slot
+    while version 1 is read from it). Version 1 is never applied: `wait(1)` raises (`why`) with
+    the tensors untouched, or, where the receiver's retry already pulled version 2 whole before
+    the caller looked (the error is then moot), returns 2. Version 2 is then applied whole."""
     import torch
 
-    from weight_sync import WeightSubscriber, receivers
+    from transfer_queue import WeightSyncError
+    from weight_sync import WeightSubscriber
 
     from .workers import zeros
 
-    real = receivers.copy_each
-    stalled: list[int] = []
-
-    def slow_copies(dsts, srcs, non_blocking=False):  # noqa: ANN001, ANN202
-        if not stalled:
-            stalled.append(len(dsts))
-            pub.publish(weights(2), 2)  # into the other slot: version 1's stays
-            slot = pub._table.find(1)
-            eventually(lambda: not slot.busy(time.monotonic()), 10, "version 1's lease expired")
-        return real(dsts, srcs, non_blocking=non_blocking)
-
-    monkeypatch.setattr(receivers, "copy_each", slow_copies)
-    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=2, lease_timeout=0.5) as pub:
+    with WeightPublisher(
+        None, transport=transport, bucket_bytes=BUCKET, slots=1, lease_timeout=0.5, delta=False
+    ) as pub:
+        made["pub"] = pub
         pub.publish(weights(1), 1)
         mine = zeros()
-        with WeightSubscriber(None, mine, transport="shm", publisher=pub.endpoint) as sub:
-            assert sub.wait(1, timeout=30) == 1 and stalled
-            assert all(torch.equal(mine[n], t) for n, t in weights(1).items())
+        with WeightSubscriber(None, mine, transport=transport, publisher=pub.endpoint) as sub:
+            try:
+                got = sub.wait(1, timeout=30)
+            except WeightSyncError as exc:
+                assert why in str(exc)
+                assert sub.version == -1 and all(not t.any() for t in mine.values())
+            else:
+                assert got == 2, "version 1 was applied from a slot that held version 2"
             assert sub.wait(2, timeout=30) == 2
+        assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
