@@ -306,6 +306,44 @@ def test_requests_queued_behind_a_closing_are_never_left_open():
         service.close()
 
 
+def test_a_first_request_read_after_its_connection_closed_is_dropped():
+    """A connection that sends one request and closes while the server thread is busy: its
+    request, read once its descriptor hung up, is dropped as a closed peer's queued ones are
+    (before, it was served and held, by a peer bound to the descriptor's next connection)."""
+    parked: list[Pending] = []
+    busy, release, drained = threading.Event(), threading.Event(), threading.Event()
+
+    def handler(msg, pending):  # noqa: ANN001
+        parked.append(pending)
+        if len(parked) == 1:
+            busy.set()
+            assert release.wait(30)  # the server thread is held while the client closes
+
+    service = ThreadService(Codec(StorageRequest), handler, on_disconnect=lambda peer: None)
+    helper = Channel(service.endpoint, Codec(Reply))
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        helper.send(Read("p", [0], ["x"]))  # holds the server thread
+        assert busy.wait(30)
+        client.connect(service.endpoint)
+        client.send_multipart(Codec(StorageRequest).encode(1, Read("p", [1], ["x"])))
+        client.close(linger=10_000)  # the request goes out, then the connection closes
+        # a round trip through another service of the same ZeroMQ context: its I/O thread has
+        # delivered the request and handled the closing by then
+        probe = ThreadService(Codec(StorageRequest), lambda msg, pending: None)
+        with contextlib.closing(Channel(probe.endpoint, Codec(Reply))) as channel:
+            assert isinstance(channel.call(Ping(), timeout=10), Ok)
+        probe.close()
+        service.submit(drained.set)  # runs once the queued requests were read
+        release.set()
+        assert drained.wait(30)
+        assert len(parked) == 1, "the closed connection's request was served"
+    finally:
+        release.set()
+        helper.close()
+        service.close()
+
+
 def test_the_local_lane_serves_requests_as_the_router_does_and_reports_a_closed_peer():
     """A `ThreadService(local=True)` answers, parks and fails requests that come over its Unix
     socket like those over ZeroMQ; a notice sent just before the client closes is still served,

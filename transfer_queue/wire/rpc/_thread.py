@@ -20,13 +20,10 @@ from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
 from ._local import Lane, supported
+from ._peers import ENDED_KEPT, hung_up
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
-
-
-_GONE_KEPT = 4096
-"""Closed peers a `ThreadService` remembers, to drop their requests still queued."""
 
 
 class Pending:
@@ -76,9 +73,11 @@ class ThreadService:
     known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
     request is served, so a descriptor reused by a new connection is never mistaken for the old.
     A request still queued when its connection closed is dropped unanswered (the latest closed
-    peers are remembered). The one request this cannot place is a connection's first, sent just
-    before it closed and read after that closing was seen: it is taken for the descriptor's next
-    connection, and what it is given waits for that one's closing or its own timeout.
+    peers are remembered), a connection's first too when its descriptor is closed or hung up by
+    then (`hung_up`). The one request this may still misplace is a connection's first, read once
+    its connection ended on this side (an error, not its peer, closed it) or its descriptor went
+    to a new connection: it is taken for the descriptor's next connection, and what it is given
+    waits for that one's closing or its own timeout.
 
     With `local` (on Linux), the thread also serves a Unix socket of its own (`local_endpoint`,
     "" without it; clients: `LocalChannel`), for clients on this host: no ZeroMQ I/O thread
@@ -226,10 +225,14 @@ class ThreadService:
     def _disconnected(self, fd: int) -> None:
         """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
         for peer in self._peers.pop(fd, ()):
-            self._gone[peer] = None
-            while len(self._gone) > _GONE_KEPT:
-                self._gone.popitem(last=False)
+            self._ended(peer)
             self._peer_gone(peer)
+
+    def _ended(self, peer: bytes) -> None:
+        """Remember `peer` as closed (the latest `ENDED_KEPT`): its queued requests are dropped."""
+        self._gone[peer] = None
+        while len(self._gone) > ENDED_KEPT:
+            self._gone.popitem(last=False)
 
     def _peer_gone(self, peer: bytes) -> None:
         """Drop `peer`'s open requests and report it (`on_disconnect`)."""
@@ -278,7 +281,11 @@ class ThreadService:
             self._events()
             if identity in self._gone:
                 return  # sent before its connection closed: nobody is left to answer
-            self._peers.setdefault(frames[1].get(zmq.SRCFD), set()).add(identity)
+            fd = frames[1].get(zmq.SRCFD)
+            if identity not in self._peers.get(fd, ()) and fd >= 0 and hung_up(fd):
+                self._ended(identity)  # its first, read once its connection closed: the same
+                return
+            self._peers.setdefault(fd, set()).add(identity)
         self._dispatch(identity, frames[1:])
 
     def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
