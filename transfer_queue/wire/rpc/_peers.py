@@ -96,7 +96,9 @@ class PeerWatch:
             return True
         self._fd[key] = fd
         conn = self._accepted.get(fd, 0)
-        if self._closed.get(fd, -1) >= conn:  # its accept event was lost: it is the next connection
+        if self._closed.get(fd, -1) >= conn:
+            # its accept event was lost, or its connection was closed by this side (an error) and
+            # its descriptor not yet, or went to a newer one: taken for the next (told late)
             conn += 1
         peers = self._on.setdefault(fd, {})
         for other, at in list(peers.items()):
