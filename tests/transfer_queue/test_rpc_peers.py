@@ -1,5 +1,5 @@
 """`PeerWatch` ends exactly the peers of a closed connection, though the kernel hands a closed
-descriptor to the next connection at once and the monitor may lose events; a message read after
+descriptor to the next connection at once (and were the monitor to lose events); a message read after
 its connection closed is served, then its peer reported gone (again), so it holds nothing."""
 
 from __future__ import annotations

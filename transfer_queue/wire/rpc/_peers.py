@@ -38,7 +38,8 @@ __all__ = ["PeerWatch", "PEER_EVENTS", "ENDED_KEPT", "hung_up"]
 
 PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 ENDED_KEPT = 4096
-"""How many identities reported gone a `PeerWatch` remembers (their late messages told)."""
+"""How many identities reported gone a `PeerWatch` remembers (their late messages told), and
+a `ThreadService` (their late requests dropped)."""
 _EVENT = struct.Struct("=HI")
 _HUNG_UP = select.POLLNVAL | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 """poll's word for a descriptor that is closed or whose other end closed (POLLRDHUP: Linux)."""
