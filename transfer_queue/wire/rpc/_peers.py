@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import select
 import struct
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-__all__ = ["PeerWatch", "PEER_EVENTS", "ENDED_KEPT", "hung_up"]
+__all__ = ["PeerWatch", "PEER_EVENTS", "ENDED_KEPT", "RecentlyGone", "hung_up"]
 
 PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 ENDED_KEPT = 4096
-"""How many identities reported gone a `PeerWatch` remembers (their late messages told), and
-a `ThreadService` (their late requests dropped)."""
+"""How many identities a `RecentlyGone` remembers."""
 _EVENT = struct.Struct("=HI")
 _HUNG_UP = select.POLLNVAL | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 """poll's word for a descriptor that is closed or whose other end closed (POLLRDHUP: Linux)."""
@@ -52,6 +52,25 @@ def hung_up(fd: int) -> bool:
     poll = select.poll()
     poll.register(fd, select.POLLIN | _HUNG_UP)
     return any(events & _HUNG_UP for _, events in poll.poll(0))
+
+
+class RecentlyGone:
+    """The latest `ENDED_KEPT` routing identities whose connections closed, oldest forgotten
+    first: a message of theirs read later was queued before that close (ZeroMQ names each
+    connection anew, so none of them speaks again). A `PeerWatch` tells such messages, a
+    `ThreadService` drops them."""
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self._ids
+
+    def add(self, identity: bytes) -> None:
+        """Remember `identity`, forgetting the oldest beyond `ENDED_KEPT`."""
+        self._ids[identity] = None
+        while len(self._ids) > ENDED_KEPT:
+            self._ids.popitem(last=False)
 
 
 class PeerWatch:
@@ -70,8 +89,8 @@ class PeerWatch:
         """fd -> identities seen on it -> the connection (count) they came on."""
         self._fd: dict[bytes, int] = {}
         """identity -> its fd (peers not on a descriptor, e.g. inproc, are never reported)."""
-        self._ended: dict[bytes, None] = {}
-        """The latest identities reported gone (or found closed when first seen), oldest first."""
+        self._ended = RecentlyGone()
+        """The identities reported gone (or found closed when first seen)."""
 
     def __len__(self) -> int:
         """Peers being watched."""
@@ -93,7 +112,7 @@ class PeerWatch:
             return False
         self._pull()
         if hung_up(fd):  # its connection closed before this, its first message, was read
-            self._remember(key)
+            self._ended.add(key)
             return True
         self._fd[key] = fd
         conn = self._accepted.get(fd, 0)
@@ -126,11 +145,5 @@ class PeerWatch:
         if not peers:
             del self._on[fd]
         del self._fd[identity]
-        self._remember(identity)
+        self._ended.add(identity)
         self._gone(identity)
-
-    def _remember(self, identity: bytes) -> None:
-        """Note `identity` as gone, forgetting the oldest beyond `ENDED_KEPT`."""
-        self._ended[identity] = None
-        if len(self._ended) > ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]

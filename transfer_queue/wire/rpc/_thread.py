@@ -8,7 +8,7 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +20,7 @@ from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
 from ._local import Lane, supported
-from ._peers import ENDED_KEPT, hung_up
+from ._peers import RecentlyGone, hung_up
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
@@ -106,9 +106,9 @@ class ThreadService:
         self._on_disconnect = on_disconnect
         self._peers: dict[int, set[bytes]] = {}
         """Socket descriptor -> the peers (identities) whose requests came over it."""
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
-        """The latest peers reported closed (ROUTER never gives an identity twice): a request of
-        theirs still queued behind the closing is dropped, not served."""
+        self._gone = RecentlyGone()
+        """Peers reported closed: a request of theirs still queued behind the closing is
+        dropped, not served."""
         self._sock: zmq.Socket = socket(shared_context(zmq.Context), zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
@@ -225,14 +225,8 @@ class ThreadService:
     def _disconnected(self, fd: int) -> None:
         """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
         for peer in self._peers.pop(fd, ()):
-            self._ended(peer)
+            self._gone.add(peer)
             self._peer_gone(peer)
-
-    def _ended(self, peer: bytes) -> None:
-        """Remember `peer` as closed (the latest `ENDED_KEPT`): its queued requests are dropped."""
-        self._gone[peer] = None
-        while len(self._gone) > ENDED_KEPT:
-            self._gone.popitem(last=False)
 
     def _peer_gone(self, peer: bytes) -> None:
         """Drop `peer`'s open requests and report it (`on_disconnect`)."""
@@ -283,7 +277,7 @@ class ThreadService:
                 return  # sent before its connection closed: nobody is left to answer
             fd = frames[1].get(zmq.SRCFD)
             if identity not in self._peers.get(fd, ()) and fd >= 0 and hung_up(fd):
-                self._ended(identity)  # its first, read once its connection closed: the same
+                self._gone.add(identity)  # its first, read once its connection closed: the same
                 return
             self._peers.setdefault(fd, set()).add(identity)
         self._dispatch(identity, frames[1:])
