@@ -4,9 +4,14 @@ ZeroMQ tells a ROUTER neither that a peer connected nor that it left; its socket
 when a connection on descriptor `fd` was accepted or closed, and each message tells the `fd` it
 came on (`zmq.SRCFD`). One descriptor carries one connection at a time, and the kernel reuses a
 closed one at once, so a peer is bound to its descriptor *and* the count of connections accepted
-on it, read from the monitor after its first message (whose connection's accept event the
-monitor had already queued). A close then ends exactly the peers of that connection or older
-ones on its descriptor.
+on it, read from the monitor after its first message. libzmq queues a connection's accept event
+after it hands the connection to an I/O thread (`event_accepted` follows `send_attach`): with
+one I/O thread (the shared context's default) that is the listener's own, which reads nothing
+on the connection before the event is queued, so the count includes it. With more, the first
+message may be read before its accept event is queued: the next-connection fallback in `seen`
+then binds it to the connection after the last one closed on that descriptor, which is its own
+(a descriptor never used before: count 0, which its close still ends). A close then ends
+exactly the peers of that connection or older ones on its descriptor.
 
 A message may still be queued when its connection closes and be read after that close: the
 peer was reported gone already, or, if it is the peer's first, its descriptor is closed or its
@@ -117,8 +122,9 @@ class PeerWatch:
         self._fd[key] = fd
         conn = self._accepted.get(fd, 0)
         if self._closed.get(fd, -1) >= conn:
-            # its accept event was lost, or its connection was closed by this side (an error) and
-            # its descriptor not yet, or went to a newer one: taken for the next (told late)
+            # its accept event is not queued yet (more than one I/O thread) or was lost, or its
+            # connection was closed by this side (an error) and its descriptor not yet, or went to
+            # a newer one: taken for the next (told late)
             conn += 1
         peers = self._on.setdefault(fd, {})
         for other, at in list(peers.items()):
