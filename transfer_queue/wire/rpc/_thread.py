@@ -72,12 +72,17 @@ class ThreadService:
     it held for that client at once instead of at a timeout. The connection of each request is
     known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
     request is served, so a descriptor reused by a new connection is never mistaken for the old.
-    A request still queued when its connection closed is dropped unanswered (the latest closed
-    peers are remembered), a connection's first too when its descriptor is closed or hung up by
-    then (`hung_up`). The one request this may still misplace is a connection's first, read once
-    its connection ended on this side (an error, not its peer, closed it) or its descriptor went
-    to a new connection: it is taken for the descriptor's next connection, and what it is given
-    waits for that one's closing or its own timeout.
+    A request read after its connection's closing was seen is dropped unanswered (the latest
+    closed peers are remembered): what its handler hands out is not always its connection's (a
+    network reader's weight lease), so reporting the peer gone again would not free it. A
+    connection's first request read once its descriptor is closed or hung up (`hung_up`), before
+    that closing was seen, is served as any first request, and its peer reported gone right
+    after it is handled (its later ones are then dropped): a notice such as a `Release` posted
+    over a fresh connection that closes at once still counts, and what the request holds for its
+    connection is let go at once. The one request this may still misplace is a connection's
+    first, read once its connection ended on this side (an error, not its peer, closed it) or
+    its descriptor went to a new connection: it is taken for the descriptor's next connection,
+    and what it is given waits for that one's closing or its own timeout.
 
     With `local` (on Linux), the thread also serves a Unix socket of its own (`local_endpoint`,
     "" without it; clients: `LocalChannel`), for clients on this host: no ZeroMQ I/O thread
@@ -277,7 +282,12 @@ class ThreadService:
                 return  # sent before its connection closed: nobody is left to answer
             fd = frames[1].get(zmq.SRCFD)
             if identity not in self._peers.get(fd, ()) and fd >= 0 and hung_up(fd):
-                self._gone.add(identity)  # its first, read once its connection closed: the same
+                # its first, read once its connection closed: served (a notice such as a
+                # `Release` still counts), then its peer reported gone, so that what it was
+                # given is let go at once
+                self._gone.add(identity)
+                self._dispatch(identity, frames[1:])
+                self._peer_gone(identity)
                 return
             self._peers.setdefault(fd, set()).add(identity)
         self._dispatch(identity, frames[1:])
