@@ -306,6 +306,48 @@ def test_requests_queued_behind_a_closing_are_never_left_open():
         service.close()
 
 
+def test_a_first_request_read_after_its_connection_closed_is_served_then_its_peer_reported_gone():
+    """A connection that sends one request and closes while the server thread is busy: its
+    request, read once its descriptor hung up, is served (a notice such as a `Release` counts),
+    and its peer is reported gone right after, so what it took is let go at once (before: held
+    by a peer bound to the descriptor's next connection until that one closed)."""
+    parked: list[Pending] = []
+    held: set[bytes] = set()  # what each connection took, as a weight lease: freed when it is gone
+    busy, release, served = threading.Event(), threading.Event(), threading.Event()
+
+    def handler(msg, pending):  # noqa: ANN001
+        parked.append(pending)
+        held.add(pending.peer)
+        if len(parked) == 1:
+            busy.set()
+            assert release.wait(30)  # the server thread is held while the client closes
+        else:
+            served.set()
+
+    service = ThreadService(Codec(StorageRequest), handler, on_disconnect=held.discard)
+    helper = Channel(service.endpoint, Codec(Reply))
+    own = zmq.Context()  # the client's own: its `term` returns once its socket is closed
+    client = own.socket(zmq.DEALER)
+    try:
+        helper.send(Read("p", [0], ["x"]))  # holds the server thread
+        assert busy.wait(30)
+        client.connect(service.endpoint)
+        client.send_multipart(Codec(StorageRequest).encode(1, Read("p", [1], ["x"])))
+        client.close(linger=10_000)  # the request goes out, then the connection closes
+        own.term()  # returns once the request was sent and the connection closed
+        release.set()
+        assert served.wait(30), "the closed connection's request was not served"
+        settled = threading.Event()
+        service.submit(settled.set)  # runs once that request's handling is over
+        assert settled.wait(30)
+        assert held == {parked[0].peer}, "its peer was not reported gone: what it took is still held"
+        assert parked[1].done, "its request is still open"
+    finally:
+        release.set()
+        helper.close()
+        service.close()
+
+
 def test_the_local_lane_serves_requests_as_the_router_does_and_reports_a_closed_peer():
     """A `ThreadService(local=True)` answers, parks and fails requests that come over its Unix
     socket like those over ZeroMQ; a notice sent just before the client closes is still served,

@@ -94,7 +94,9 @@ class Service:
         self.peers = PeerWatch(self._peer_gone, self._read_events)
         self.on_peer_gone: Callable[[bytes], None] | None = None
         """Called with the routing identity of a peer whose connection closed (`current_peer`
-        named it to the handlers), after its parked requests were withdrawn."""
+        named it to the handlers), after its parked requests were withdrawn; called again after
+        each message of that peer read once its close was (`PeerWatch.seen`), so that what the
+        message made it hold is let go at once: it must free whatever the peer holds *now*."""
         self.sock.bind(bind)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lane = Lane(max_frame_bytes) if local and supported() else None
@@ -267,10 +269,10 @@ class Service:
         if body and len(body[0].bytes if hasattr(body[0], "bytes") else body[0]) == 0:
             body = body[1:]  # REQ peers add an empty delimiter
         request_id = 0
+        closed = False  # its connection closed before this was read: reported gone once served
         try:
             request_id, msg, data = self.codec.decode(body)
-            if not lane:
-                self.peers.seen(identity)
+            closed = not lane and self.peers.seen(identity)
             if isinstance(msg, Cancel):
                 parked = (key, msg.request_id)
                 task = self._tasks.get(parked)
@@ -298,17 +300,21 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply
             self._reply(identity, request_id, error_reply(exc))
             return
-        if result is None:  # a notice, taken
-            self.served += 1
-        elif inspect.isawaitable(result):
-            # the handler's coroutine is the task: a `Cancel` that comes before its first step
-            # still closes it (a wrapper task cancelled that early would leave it never awaited)
-            parked = (key, request_id)
-            task = asyncio.ensure_future(result)
-            self._tasks[parked] = task
-            task.add_done_callback(lambda done: self._finish(parked, identity, request_id, done))
         else:
-            self._reply(identity, request_id, result)
+            if result is None:  # a notice, taken
+                self.served += 1
+            elif inspect.isawaitable(result):
+                # the handler's coroutine is the task: a `Cancel` that comes before its first step
+                # still closes it (a wrapper task cancelled that early would leave it never awaited)
+                parked = (key, request_id)
+                task = asyncio.ensure_future(result)
+                self._tasks[parked] = task
+                task.add_done_callback(lambda done: self._finish(parked, identity, request_id, done))
+            else:
+                self._reply(identity, request_id, result)
+        finally:
+            if closed:  # what it was just given (a put, a parked request) is let go at once
+                self._peer_gone(key)
 
     def _finish(self, key: tuple[bytes, int], identity: Any, request_id: int, task: asyncio.Future) -> None:
         """Answer a parked request once its task is done: with its result, or its error as an

@@ -8,7 +8,7 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +20,10 @@ from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
 from ._local import Lane, supported
+from ._peers import RecentlyGone, hung_up
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
-
-
-_GONE_KEPT = 4096
-"""Closed peers a `ThreadService` remembers, to drop their requests still queued."""
 
 
 class Pending:
@@ -75,10 +72,17 @@ class ThreadService:
     it held for that client at once instead of at a timeout. The connection of each request is
     known from its socket (`SRCFD`) and the closings from the socket's monitor, read before a
     request is served, so a descriptor reused by a new connection is never mistaken for the old.
-    A request still queued when its connection closed is dropped unanswered (the latest closed
-    peers are remembered). The one request this cannot place is a connection's first, sent just
-    before it closed and read after that closing was seen: it is taken for the descriptor's next
-    connection, and what it is given waits for that one's closing or its own timeout.
+    A request read after its connection's closing was seen is dropped unanswered (the latest
+    closed peers are remembered): what its handler hands out is not always its connection's (a
+    network reader's weight lease), so reporting the peer gone again would not free it. A
+    connection's first request read once its descriptor is closed or hung up (`hung_up`), before
+    that closing was seen, is served as any first request, and its peer reported gone right
+    after it is handled (its later ones are then dropped): a notice such as a `Release` posted
+    over a fresh connection that closes at once still counts, and what the request holds for its
+    connection is let go at once. The one request this may still misplace is a connection's
+    first, read once its connection ended on this side (an error, not its peer, closed it) or
+    its descriptor went to a new connection: it is taken for the descriptor's next connection,
+    and what it is given waits for that one's closing or its own timeout.
 
     With `local` (on Linux), the thread also serves a Unix socket of its own (`local_endpoint`,
     "" without it; clients: `LocalChannel`), for clients on this host: no ZeroMQ I/O thread
@@ -107,9 +111,9 @@ class ThreadService:
         self._on_disconnect = on_disconnect
         self._peers: dict[int, set[bytes]] = {}
         """Socket descriptor -> the peers (identities) whose requests came over it."""
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
-        """The latest peers reported closed (ROUTER never gives an identity twice): a request of
-        theirs still queued behind the closing is dropped, not served."""
+        self._gone = RecentlyGone()
+        """Peers reported closed: a request of theirs still queued behind the closing is
+        dropped, not served."""
         self._sock: zmq.Socket = socket(shared_context(zmq.Context), zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.auth_refused = 0
@@ -226,9 +230,7 @@ class ThreadService:
     def _disconnected(self, fd: int) -> None:
         """The connection on descriptor `fd` closed: drop its peers' open requests, report them."""
         for peer in self._peers.pop(fd, ()):
-            self._gone[peer] = None
-            while len(self._gone) > _GONE_KEPT:
-                self._gone.popitem(last=False)
+            self._gone.add(peer)
             self._peer_gone(peer)
 
     def _peer_gone(self, peer: bytes) -> None:
@@ -278,7 +280,16 @@ class ThreadService:
             self._events()
             if identity in self._gone:
                 return  # sent before its connection closed: nobody is left to answer
-            self._peers.setdefault(frames[1].get(zmq.SRCFD), set()).add(identity)
+            fd = frames[1].get(zmq.SRCFD)
+            if identity not in self._peers.get(fd, ()) and fd >= 0 and hung_up(fd):
+                # its first, read once its connection closed: served (a notice such as a
+                # `Release` still counts), then its peer reported gone, so that what it was
+                # given is let go at once
+                self._gone.add(identity)
+                self._dispatch(identity, frames[1:])
+                self._peer_gone(identity)
+                return
+            self._peers.setdefault(fd, set()).add(identity)
         self._dispatch(identity, frames[1:])
 
     def _dispatch(self, identity: bytes, frames: list[Any]) -> None:
