@@ -1,13 +1,15 @@
-"""This host: its identity, its shared-memory files and its allocator. A public module, small
-and free of torch, so every part may use it: the client and the storage units (arena files),
-the launcher (sweeping a cluster's files), the weight channel (staging segments).
+"""This host: its identity, its shared-memory files, its allocator and its stop signals. A public
+module, small and free of torch, so every part may use it: the client and the storage units (arena
+files), the launcher (sweeping a cluster's files), the weight channel (staging segments), the
+commands (`sluice`, the recipes).
 
 - `host_id()`: processes that report the same id can map each other's shared memory;
 - `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
 - `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
-- `reachable`: an endpoint as other hosts can dial it.
+- `reachable`: an endpoint as other hosts can dial it;
+- `exit_on_signals`: SIGINT and SIGTERM end a command as `sys.exit(128 + signal)` would.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import signal
 import socket
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "keep_freed_memory",
     "give_back_freed_memory",
     "reachable",
+    "exit_on_signals",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -192,3 +196,25 @@ def reachable(endpoint: str, toward: str | None = None) -> str:
         except OSError:
             ip = "127.0.0.1"
     return f"{scheme}://{ip}:{port}"
+
+
+def exit_on_signals() -> None:
+    """From now on SIGINT and SIGTERM raise `SystemExit(128 + signal)` in the main thread: the
+    command unwinds through its `finally` blocks and `with` statements (closing its clients,
+    stopping the services and processes it started), then exits with status 130 or 143, the
+    shell's code for "stopped by that signal". Call it first thing in a command's `main`.
+
+    Also where SIGINT came ignored: a script's background job starts so, and Python then raises
+    no `KeyboardInterrupt` of its own, so `kill -INT` would do nothing. An asyncio program
+    unwinds too: `asyncio.run` cancels its tasks, which run their `finally` blocks. A signal
+    that comes while the command unwinds raises again, cutting short the cleanup it interrupts.
+
+    Raises:
+        ValueError: called outside the main thread (Python runs signal handlers only there).
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on)
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
