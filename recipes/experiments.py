@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -113,15 +112,14 @@ def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> di
                         f"{cfg.name}: rollout worker {i} failed (exit {worker.returncode}); see {out}/rollout-{i}.log"
                     )
         finally:
-            for proc in (trainer, *workers):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _stop(trainer, *workers)
         return totals
 
 
 def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = False) -> subprocess.Popen:
-    """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`."""
+    """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`.
+    In a session of its own: a terminal's Ctrl-C reaches only this runner, which stops it
+    (`_stop`) once, so no second signal cuts its cleanup short."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     sink = log.open("w")
@@ -132,10 +130,25 @@ def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = Fals
         text=True,
         stdout=subprocess.PIPE if pipe else sink,
         stderr=sink,
+        start_new_session=True,
     )
     os.sched_setaffinity(proc.pid, {core})
     sink.close()
     return proc
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    """SIGTERM the processes still running (each unwinds: it closes its clients and its records),
+    then SIGKILL any still running after `PROCESS_TIMEOUT` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(PROCESS_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _advance(bar: tqdm, record: StepRecord) -> None:
@@ -146,6 +159,7 @@ def _advance(bar: tqdm, record: StepRecord) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     parser = argparse.ArgumentParser(prog="python -m recipes.experiments", description=__doc__.split("\n\n")[0])
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml|key=value")
     parser.add_argument("--out", required=True, type=Path, help="directory for the runs, compare.png and summary.md")
@@ -153,8 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)"
     )
     args = parser.parse_intermixed_args(argv)
-    # a terminated runner unwinds like an interrupted one: its clusters and processes go with it
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     files = [i for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
     if not files:

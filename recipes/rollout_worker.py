@@ -302,6 +302,7 @@ _PROG = "python -m recipes.rollout_worker"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     return reporting_errors(_PROG, lambda: _run(argv))
 
 

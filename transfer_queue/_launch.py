@@ -184,7 +184,12 @@ def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: st
 
 
 def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:
-    """Start `python args...` with the cluster secret and credentials (a token) in its environment."""
+    """Start `python args...` with the cluster secret and credentials (a token) in its environment.
+
+    It runs in a session of its own, so a terminal's Ctrl-C (sent to its whole foreground process
+    group) reaches only the process that started it, which stops it (`stop_processes`) once it
+    is done with it: its clients still find the services while they close. It ends with that
+    process all the same (`_die_with_parent`)."""
     env = dict(os.environ)
     env[SECRET_ENV] = secret
     env.pop(CREDENTIALS_ENV, None)
@@ -192,7 +197,12 @@ def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Pop
         env[CREDENTIALS_ENV] = credentials
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
     return subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        env=env,
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
+        text=True,
     )
 
 
