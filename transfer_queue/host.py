@@ -205,9 +205,11 @@ def exit_on_signals() -> None:
     shell's code for "stopped by that signal". Call it first thing in a command's `main`.
 
     Also where SIGINT came ignored: a script's background job starts so, and Python then raises
-    no `KeyboardInterrupt` of its own, so `kill -INT` would do nothing. An asyncio program
-    unwinds too: `asyncio.run` cancels its tasks, which run their `finally` blocks. A signal
-    that comes while the command unwinds raises again, cutting short the cleanup it interrupts.
+    no `KeyboardInterrupt` of its own, so `kill -INT` would do nothing. A signal that comes
+    while the command unwinds raises again, cutting short the cleanup it interrupts. Inside a
+    running asyncio loop the exception lands wherever the loop is, possibly in the middle of a
+    task, which then ends with it: there, cancel the main task instead
+    (`loop.add_signal_handler`), as `recipes.rollout_worker` does.
 
     Raises:
         ValueError: called outside the main thread (Python runs signal handlers only there).
