@@ -28,6 +28,7 @@ from typing import Any
 from tqdm import tqdm
 
 import transfer_queue as tq
+from transfer_queue.host import die_with_parent
 
 from .colocated import run_colocated
 from .config import RecipeConfig, load, to_yaml
@@ -119,7 +120,8 @@ def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> di
 def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = False) -> subprocess.Popen:
     """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`.
     In a session of its own: a terminal's Ctrl-C reaches only this runner, which stops it
-    (`_stop`) once, so no second signal cuts its cleanup short."""
+    (`_stop`) once, so no second signal cuts its cleanup short; and ended with the runner all the
+    same (`die_with_parent`), killed or hung up on as it may be."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     sink = log.open("w")
@@ -131,6 +133,7 @@ def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = Fals
         stdout=subprocess.PIPE if pipe else sink,
         stderr=sink,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     os.sched_setaffinity(proc.pid, {core})
     sink.close()

@@ -303,7 +303,7 @@ _PROG = "python -m recipes.rollout_worker"
 
 
 async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; SIGINT or SIGTERM cancels it, at an await, so it unwinds in order, and
+    """`work`'s result; SIGINT, SIGTERM or SIGHUP cancels it, at an await, so it unwinds in order, and
     then raise `SystemExit(128 + signal)` as `tq.exit_on_signals` does outside the loop (whose
     handlers it puts back): raised inside the loop, that exception would end whichever task
     was running, cut short."""
@@ -313,7 +313,7 @@ async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
         got.append(sig)
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop, sig)
     try:
         return await task
@@ -322,7 +322,7 @@ async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
             raise
         raise SystemExit(128 + got[0]) from None
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         tq.exit_on_signals()
 

@@ -7,7 +7,6 @@ in `_ray_backend` runs the same command lines from Ray actors).
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import os
 import select
@@ -21,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from .host import shm_prefix
+from .host import die_with_parent, shm_prefix
 from .wire.auth import CREDENTIALS_ENV
 from .wire.errors import SchemaError, ServiceError
 from .wire.messages import ClusterConfig
@@ -189,7 +188,7 @@ def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Pop
     It runs in a session of its own, so a terminal's Ctrl-C (sent to its whole foreground process
     group) reaches only the process that started it, which stops it (`stop_processes`) once it
     is done with it: its clients still find the services while they close. It ends with that
-    process all the same (`_die_with_parent`)."""
+    process all the same (`host.die_with_parent`)."""
     env = dict(os.environ)
     env[SECRET_ENV] = secret
     env.pop(CREDENTIALS_ENV, None)
@@ -200,7 +199,7 @@ def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Pop
         [sys.executable, *args],
         stdout=subprocess.PIPE,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         start_new_session=True,
         text=True,
     )
@@ -223,21 +222,3 @@ def address_of(proc: subprocess.Popen, tag: str) -> str:
     proc.kill()
     command = " ".join(map(str, proc.args[1:4])) if isinstance(proc.args, (list, tuple)) else str(proc.args)
     raise ServiceError(f"`{command} ...` did not start (exit code {proc.poll()}); see its stderr")
-
-
-def _find_prctl() -> Any:
-    """libc's `prctl`, or None where there is no glibc."""
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _find_prctl()
-"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
-
-
-def _die_with_parent() -> None:
-    """Child processes end when the process that started them dies (Linux prctl)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -63,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     # Handlers go in before `init`: a signal during start-up then stops the cluster it started.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     cluster = init(
         args.units,

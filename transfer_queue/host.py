@@ -9,7 +9,8 @@ commands (`sluice`, the recipes).
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
-- `exit_on_signals`: SIGINT and SIGTERM end a command as `sys.exit(128 + signal)` would.
+- `exit_on_signals`: SIGINT, SIGTERM and SIGHUP unwind a command, which then ends by that signal;
+- `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mmap
 import os
 import signal
 import socket
+from typing import Any
 
 __all__ = [
     "host_id",
@@ -31,6 +33,7 @@ __all__ = [
     "give_back_freed_memory",
     "reachable",
     "exit_on_signals",
+    "die_with_parent",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -199,9 +202,9 @@ def reachable(endpoint: str, toward: str | None = None) -> str:
 
 
 def exit_on_signals() -> None:
-    """From now on SIGINT and SIGTERM raise `SystemExit(128 + signal)` in the main thread: the
-    command unwinds through its `finally` blocks and `with` statements (closing its clients,
-    stopping the services and processes it started), then exits with status 130 or 143, the
+    """From now on SIGINT, SIGTERM and SIGHUP raise `SystemExit(128 + signal)` in the main thread:
+    the command unwinds through its `finally` blocks and `with` statements (closing its clients,
+    stopping the services and processes it started), then exits with status 130, 143 or 129, the
     shell's code for "stopped by that signal". Call it first thing in a command's `main`.
 
     Also where SIGINT came ignored: a script's background job starts so, and Python then raises
@@ -214,9 +217,34 @@ def exit_on_signals() -> None:
     Raises:
         ValueError: called outside the main thread (Python runs signal handlers only there).
     """
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, _exit_on)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, `kill` and a closed terminal (or a dropped ssh session)."""
 
 
 def _exit_on(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def die_with_parent() -> None:
+    """A child process's `preexec_fn` (`subprocess.Popen(..., preexec_fn=die_with_parent)`): the
+    child gets SIGTERM when the thread that started it dies, also SIGKILLed or in a child of its
+    own session, where no terminal's or group's signal reaches it (Linux `PR_SET_PDEATHSIG`;
+    nothing without glibc). The child unwinds on that SIGTERM (`exit_on_signals`) or dies of it."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _find_prctl() -> Any:
+    """libc's `prctl`, or None where there is no glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""

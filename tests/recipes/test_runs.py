@@ -512,6 +512,32 @@ def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
     assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in stdout
 
 
+_RUNNER = """
+import os, sys, time
+from pathlib import Path
+from recipes.experiments import _spawn
+child = _spawn("http.server", ["--bind", "127.0.0.1", "0"], min(os.sched_getaffinity(0)), Path(sys.argv[1]))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_experiment_runners_children_die_with_it(tmp_path):
+    """A trainer or rollout worker the runner started, in a session of its own, ends when the
+    runner is SIGKILLed (no `finally` of its runs), not when it notices its controller gone."""
+    runner = _python("-c", _RUNNER, str(tmp_path / "child.log"), stdout=subprocess.PIPE)
+    child = 0
+    try:
+        child = int(runner.stdout.readline())
+        runner.kill()
+        runner.wait()
+        eventually(lambda: not alive(child), 10, "the runner's child gone")
+    finally:
+        runner.kill()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
