@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .host import die_with_parent, shm_prefix
+from .host import die_with_parent, shm_prefix, stop_processes
 from .wire.auth import CREDENTIALS_ENV
 from .wire.errors import SchemaError, ServiceError
 from .wire.messages import ClusterConfig
@@ -35,7 +34,6 @@ __all__ = [
     "storage_command",
     "spawn",
     "address_of",
-    "stop_processes",
     "remove_shm",
 ]
 
@@ -132,22 +130,6 @@ class LocalProcesses(Backend):
     def stop(self, timeout: float) -> None:
         procs, self.procs = self.procs, []
         stop_processes(procs, timeout)
-
-
-def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM every service, wait up to `timeout` in all, then SIGKILL the ones still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def remove_shm(cluster_id: str) -> None:

@@ -10,7 +10,8 @@ commands (`sluice`, the recipes).
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
 - `exit_on_signals`: SIGINT, SIGTERM and SIGHUP unwind a command, which then ends by that signal;
-- `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies.
+- `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies;
+- `stop_processes`: SIGTERM child processes, SIGKILL those that outlast a deadline.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import mmap
 import os
 import signal
 import socket
+import subprocess
+import time
 from typing import Any
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "reachable",
     "exit_on_signals",
     "die_with_parent",
+    "stop_processes",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -248,3 +252,30 @@ def _find_prctl() -> Any:
 
 _PRCTL = _find_prctl()
 """Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every process still running (each may unwind: close its clients, keep its
+    records), wait up to `timeout` seconds in all, then SIGKILL those still running; close their
+    stdout pipes. Interrupted (a second Ctrl-C, any exception), it SIGKILLs every one still
+    running before it lets the exception go on: none outlives a stop that was asked for."""
+    try:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        raise
+    finally:
+        for proc in procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
