@@ -303,28 +303,34 @@ _PROG = "python -m recipes.rollout_worker"
 
 
 async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; SIGINT, SIGTERM or SIGHUP cancels it, at an await, so it unwinds in order, and
-    then raise `SystemExit(128 + signal)` as `tq.exit_on_signals` does outside the loop (whose
-    handlers it puts back): raised inside the loop, that exception would end whichever task
-    was running, cut short."""
+    """`work`'s result; SIGINT, SIGTERM or SIGHUP cancels it, at an await, so it unwinds in
+    order; then, `tq.exit_on_signals`' handlers back, the signal is raised again for them to
+    take: `SystemExit(128 + signal)` and, at exit, the process ending by that signal, as
+    outside the loop. Raised inside the loop, that exception would end whichever task was
+    running, cut short."""
     loop, task, got = asyncio.get_running_loop(), asyncio.ensure_future(work), []
 
     def stop(sig: int) -> None:
         got.append(sig)
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
     try:
         return await task
     except asyncio.CancelledError:
         if not got:
             raise
-        raise SystemExit(128 + got[0]) from None
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         tq.exit_on_signals()
+    signal.raise_signal(got[0])
+    raise AssertionError("unreachable: exit_on_signals' handler raised SystemExit")
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals `tq.exit_on_signals` stops a command on."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -137,10 +137,10 @@ def _probe(address: str) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Print the cluster's status once, or every `--watch` seconds until Ctrl-C or SIGTERM
-    (`SystemExit` 130 or 143)."""
+    """Print the cluster's status once, or every `--watch` seconds until Ctrl-C, SIGTERM or SIGHUP
+    (`exit_on_signals`: it then ends by that signal)."""
     if args.watch is not None:
-        exit_on_signals()  # Ctrl-C or SIGTERM ends a watch (130, 143), a script's background job's too
+        exit_on_signals()  # Ctrl-C or SIGTERM ends a watch, a script's background job's too
     _probe(args.address)
     in_place = args.watch is not None and sys.stdout.isatty()
     reader = ControlClient(args.address, timeout=args.timeout)
@@ -304,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`sluice` entry point; returns the exit status (0 ok, 1 a Sluice error, 2 bad usage; a
-    watch stopped by SIGINT or SIGTERM exits 130 or 143)."""
+    watch stopped by SIGINT, SIGTERM or SIGHUP ends by that signal: a shell says 130, 143, 129)."""
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

@@ -16,12 +16,16 @@ commands (`sluice`, the recipes).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
+import logging
 import mmap
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -208,29 +212,59 @@ def reachable(endpoint: str, toward: str | None = None) -> str:
 def exit_on_signals() -> None:
     """From now on SIGINT, SIGTERM and SIGHUP raise `SystemExit(128 + signal)` in the main thread:
     the command unwinds through its `finally` blocks and `with` statements (closing its clients,
-    stopping the services and processes it started), then exits with status 130, 143 or 129, the
-    shell's code for "stopped by that signal". Call it first thing in a command's `main`.
+    stopping the services and processes it started); then, once its exit hooks registered since
+    ran and its stdout, stderr and logging are flushed, it ends by that signal itself, as a
+    process the signal killed: a shell reports 130, 143 or 129, and a script or loop that runs
+    the command stops on Ctrl-C rather than going on to its next line (bash goes on after a
+    child that *exited* 130). Call it first thing in a command's `main`.
 
     Also where SIGINT came ignored: a script's background job starts so, and Python then raises
     no `KeyboardInterrupt` of its own, so `kill -INT` would do nothing. A signal that comes
-    while the command unwinds raises again, cutting short the cleanup it interrupts. Inside a
-    running asyncio loop the exception lands wherever the loop is, possibly in the middle of a
-    task, which then ends with it: there, cancel the main task instead
-    (`loop.add_signal_handler`), as `recipes.rollout_worker` does.
+    while the command unwinds raises again, cutting short the cleanup it interrupts; the
+    command still ends by the first. Inside a running asyncio loop the exception lands wherever
+    the loop is, possibly in the middle of a task, which then ends with it: there, cancel the
+    main task instead (`loop.add_signal_handler`), then raise the signal again outside it
+    (`signal.raise_signal`, once these handlers are back), as `recipes.rollout_worker` does.
 
     Raises:
         ValueError: called outside the main thread (Python runs signal handlers only there).
     """
     for sig in _STOP_SIGNALS:
         signal.signal(sig, _exit_on)
+    _register_end_by_signal()
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Ctrl-C, `kill` and a closed terminal (or a dropped ssh session)."""
 
+_stopped_by: list[int] = []
+"""The signal that stopped this process (`_exit_on`), once one came: the first, if more did."""
+
 
 def _exit_on(signum: int, _frame: object) -> None:
+    if not _stopped_by:
+        _stopped_by.append(signum)
     raise SystemExit(128 + signum)
+
+
+@functools.cache
+def _register_end_by_signal() -> None:
+    """Once per process, however often `exit_on_signals` runs."""
+    atexit.register(_end_by_signal)
+
+
+def _end_by_signal() -> None:
+    """At exit, a process a signal stopped ends by that signal, unhandled (SIG_DFL)."""
+    if not _stopped_by:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, a closed pipe, a closed file
+            pass
+    signal.signal(_stopped_by[0], signal.SIG_DFL)
+    os.kill(os.getpid(), _stopped_by[0])
 
 
 def die_with_parent() -> None:

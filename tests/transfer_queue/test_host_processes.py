@@ -1,13 +1,16 @@
 """`transfer_queue.host`'s pieces for commands and the processes they start, over real processes
-and real signals: `stop_processes`."""
+and real signals: `exit_on_signals`, `stop_processes`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import alive, eventually
 
@@ -50,3 +53,57 @@ def test_a_second_signal_during_a_stop_kills_every_process_still_running():
         for pid in children:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+_COMMAND = """
+import time
+from transfer_queue.host import exit_on_signals
+exit_on_signals()
+try:
+    print("ready", flush=True)
+    time.sleep(600)
+finally:
+    print("unwound", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_command_unwinds_on_a_signal_then_ends_by_it(sig):
+    """Its `finally` blocks run, then it dies of the signal, as its parent sees (a shell says
+    128 + the signal's number); SIGINT too where it came ignored, as in a script's background job."""
+    command = subprocess.Popen(
+        [sys.executable, "-c", _COMMAND],
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert command.stdout.readline() == "ready\n"
+        command.send_signal(sig)
+        assert command.communicate(timeout=30)[0] == "unwound\n"
+        assert command.returncode == -sig
+    finally:
+        command.kill()
+
+
+def test_ctrl_c_stops_a_shell_loop_that_runs_a_command():
+    """bash goes on after a child that exited 130, and stops only when its child died of the
+    SIGINT that a terminal's Ctrl-C sends to the whole foreground group: the loop stops at once."""
+    loop = subprocess.Popen(
+        ["bash", "-c", 'for i in 1 2; do "$PYTHON" -c "$COMMAND"; done; echo after'],
+        cwd=ROOT,
+        env={**ENV, "PYTHON": sys.executable, "COMMAND": _COMMAND},
+        text=True,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert loop.stdout.readline() == "ready\n"
+        os.killpg(loop.pid, signal.SIGINT)
+        assert loop.communicate(timeout=30)[0] == "unwound\n"
+        assert loop.returncode == -signal.SIGINT
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone with its children, as it should be
+            os.killpg(loop.pid, signal.SIGKILL)
