@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -226,9 +227,11 @@ def exit_on_signals() -> None:
     main task instead (`loop.add_signal_handler`), then raise the signal again outside it
     (`signal.raise_signal`, once these handlers are back), as `recipes.rollout_worker` does.
 
-    Raises:
-        ValueError: called outside the main thread (Python runs signal handlers only there).
+    Outside the main thread it does nothing: Python runs signal handlers in the main thread
+    alone, whose handling then stands (a command's `main` called as a function from a thread).
     """
+    if threading.current_thread() is not threading.main_thread():
+        return
     for sig in _STOP_SIGNALS:
         signal.signal(sig, _exit_on)
     _register_end_by_signal()

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+import transfer_queue as tq
 from tests.helpers import alive, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +109,20 @@ def test_ctrl_c_stops_a_shell_loop_that_runs_a_command():
     finally:
         with contextlib.suppress(ProcessLookupError):  # gone with its children, as it should be
             os.killpg(loop.pid, signal.SIGKILL)
+
+
+def test_exit_on_signals_off_the_main_thread_changes_nothing():
+    """A command's `main` called from a thread: the main thread's handlers stand, nothing raises."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            tq.exit_on_signals()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert not raised and {sig: signal.getsignal(sig) for sig in before} == before
