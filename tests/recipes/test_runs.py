@@ -4,6 +4,7 @@ processes, the invariants read back from `steps.jsonl`, `run.json` and the clust
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -551,8 +552,9 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
     """Started as a script's background job is (SIGINT ignored, so Python raises no
     KeyboardInterrupt of its own), the demo still stops on SIGINT, as on SIGTERM: mid-run, it
     stops its trainer, its rollout worker and its cluster's services, keeps the steps recorded so
-    far, and ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to the whole process
-    group: the demo alone takes it and stops the others once, each cleanly (no error logged)."""
+    far, and ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to
+    the whole process group: the demo alone takes it and stops the others once, each cleanly (no
+    error logged)."""
     demo = _python(
         "-m",
         "recipes.demo",
@@ -566,6 +568,7 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
         start_new_session=to_group,
     )
     run_dir = tmp_path / "fully_async"
+    started: list[int] = []
     try:
         eventually(
             lambda: (run_dir / "steps.jsonl").exists() and (run_dir / "steps.jsonl").read_text().count("\n") >= 2,
@@ -579,11 +582,14 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
         else:
             demo.send_signal(sig)
         _out, err = demo.communicate(timeout=60)
+        assert demo.returncode == -sig, err[-3000:]
+        assert not [pid for pid in started if alive(pid)]
     finally:
-        if demo.poll() is None:
-            demo.kill()
-    assert demo.returncode == -sig, err[-3000:]
-    assert not [pid for pid in started if alive(pid)]
+        demo.kill()
+        for pid in started:  # a failing run leaves nothing running on: the demo's services and workers too
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     recorded = [s["step"] for s in load_steps(run_dir)]
     assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) >= 2
     for log in ("trainer.log", "rollout-0.log"):
