@@ -213,8 +213,9 @@ def reachable(endpoint: str, toward: str | None = None) -> str:
 def exit_on_signals() -> None:
     """From now on SIGINT, SIGTERM and SIGHUP raise `SystemExit(128 + signal)` in the main thread:
     the command unwinds through its `finally` blocks and `with` statements (closing its clients,
-    stopping the services and processes it started); then, once its exit hooks registered since
-    ran and its stdout, stderr and logging are flushed, it ends by that signal itself, as a
+    stopping the services and processes it started); then, once every exit hook ran (those that
+    libraries registered before it too: `multiprocessing` ends its children there) and stdout,
+    stderr and logging are flushed, it ends by that signal itself, as a
     process the signal killed: a shell reports 130, 143 or 129, and a script or loop that runs
     the command stops on Ctrl-C rather than going on to its next line (bash goes on after a
     child that *exited* 130). Call it first thing in a command's `main`.
@@ -257,9 +258,12 @@ def _register_end_by_signal() -> None:
 
 
 def _end_by_signal() -> None:
-    """At exit, a process a signal stopped ends by that signal, unhandled (SIG_DFL)."""
+    """At exit, a process a signal stopped ends by that signal, unhandled (SIG_DFL), after the
+    other exit hooks: registered last, this one runs first, so it runs the rest itself."""
     if not _stopped_by:
         return
+    atexit.unregister(_end_by_signal)
+    atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -58,7 +58,8 @@ def test_a_second_signal_during_a_stop_kills_every_process_still_running():
 
 
 _COMMAND = """
-import time
+import atexit, time
+atexit.register(print, "a library's exit hook", flush=True)  # one registered before, as imports do
 from transfer_queue.host import exit_on_signals
 exit_on_signals()
 try:
@@ -71,8 +72,10 @@ finally:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_command_unwinds_on_a_signal_then_ends_by_it(sig):
-    """Its `finally` blocks run, then it dies of the signal, as its parent sees (a shell says
-    128 + the signal's number); SIGINT too where it came ignored, as in a script's background job."""
+    """Its `finally` blocks run, then every exit hook (one a library registered earlier too:
+    `multiprocessing` ends its children there), then it dies of the signal, as its parent sees
+    (a shell says 128 + the signal's number); SIGINT too where it came ignored, as in a
+    script's background job."""
     command = subprocess.Popen(
         [sys.executable, "-c", _COMMAND],
         cwd=ROOT,
@@ -84,7 +87,7 @@ def test_a_command_unwinds_on_a_signal_then_ends_by_it(sig):
     try:
         assert command.stdout.readline() == "ready\n"
         command.send_signal(sig)
-        assert command.communicate(timeout=30)[0] == "unwound\n"
+        assert command.communicate(timeout=30)[0] == "unwound\na library's exit hook\n"
         assert command.returncode == -sig
     finally:
         command.kill()
@@ -104,7 +107,7 @@ def test_ctrl_c_stops_a_shell_loop_that_runs_a_command():
     try:
         assert loop.stdout.readline() == "ready\n"
         os.killpg(loop.pid, signal.SIGINT)
-        assert loop.communicate(timeout=30)[0] == "unwound\n"
+        assert loop.communicate(timeout=30)[0] == "unwound\na library's exit hook\n"
         assert loop.returncode == -signal.SIGINT
     finally:
         with contextlib.suppress(ProcessLookupError):  # gone with its children, as it should be
