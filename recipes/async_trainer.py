@@ -241,6 +241,7 @@ _PROG = "python -m recipes.async_trainer"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     return config_mod.reporting_errors(_PROG, lambda: _run(argv))
 
 

@@ -105,6 +105,7 @@ def produce(
     address: str, producer: int, first_sample: int, n: int, batch_size: int, ready: Any, finished: Any, results: Any
 ) -> None:
     """A rollout worker: put `n` samples under generation grants, then seal if it is the last."""
+    tq.exit_on_signals()  # stopped by the driver (SIGTERM) or Ctrl-C, it gives back its grant and client
     quiet_torch()
     gen = torch.Generator().manual_seed(producer)
     stage = Stage(f"producer {producer}")
@@ -318,6 +319,7 @@ def check(samples: int, consumers: list[Stage], tasks: dict) -> tuple[bool, str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     parser = argparse.ArgumentParser(prog="python -m recipes.dataflow_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=4096, help="samples to produce (multiple of 8; default 4096)")
     parser.add_argument(

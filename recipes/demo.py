@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import transfer_queue as tq
+
 from .config import load
 from .experiments import run_experiment
 from .report import load_steps, write_report
@@ -31,6 +33,7 @@ WINDOW = 5
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     parser = argparse.ArgumentParser(prog="python -m recipes.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="where the run and its plot go")
     parser.add_argument("overrides", nargs="*", metavar="key=value")

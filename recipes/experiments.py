@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 from tqdm import tqdm
 
 import transfer_queue as tq
+from transfer_queue.host import die_with_parent, stop_processes
 
 from .colocated import run_colocated
 from .config import RecipeConfig, load, to_yaml
@@ -38,7 +38,8 @@ from .report import write_report
 __all__ = ["ExperimentError", "run_experiment", "main"]
 
 PROCESS_TIMEOUT = 60.0
-"""Seconds to wait for the rollout workers to leave once the trainer finished."""
+"""Seconds to wait for the rollout workers to leave once the trainer finished, and for a
+stopped run's processes to unwind before they are killed."""
 
 
 class ExperimentError(RuntimeError):
@@ -78,24 +79,26 @@ def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> di
         grant_timeout=c.grant_timeout,
         stale_policy=c.stale_policy,
     ) as cluster:  # type: ignore[arg-type]
-        workers = [
-            _spawn(
-                "recipes.rollout_worker",
-                ["--address", cluster.address, "--worker-id", str(i), str(config_file)],
-                cores[0],
-                out / f"rollout-{i}.log",
-            )
-            for i in range(cfg.rollout.workers)
-        ]
-        trainer = _spawn(
-            "recipes.async_trainer",
-            ["--address", cluster.address, str(config_file)],
-            cores[-1],
-            out / "trainer.log",
-            pipe=True,
-        )
-        totals = None
+        procs: list[subprocess.Popen] = []  # each one as it starts: a signal mid-way stops those started
         try:
+            for i in range(cfg.rollout.workers):
+                procs.append(
+                    _spawn(
+                        "recipes.rollout_worker",
+                        ["--address", cluster.address, "--worker-id", str(i), str(config_file)],
+                        cores[0],
+                        out / f"rollout-{i}.log",
+                    )
+                )
+            trainer = _spawn(
+                "recipes.async_trainer",
+                ["--address", cluster.address, str(config_file)],
+                cores[-1],
+                out / "trainer.log",
+                pipe=True,
+            )
+            procs.append(trainer)
+            totals = None
             for line in trainer.stdout:  # type: ignore[union-attr]
                 if line.startswith("{"):
                     record = json.loads(line)
@@ -107,21 +110,21 @@ def _run_async(cfg: RecipeConfig, out: Path, config_file: Path, bar: tqdm) -> di
                 raise ExperimentError(
                     f"{cfg.name}: the trainer failed (exit {trainer.returncode}); see {out / 'trainer.log'}"
                 )
-            for i, worker in enumerate(workers):
+            for i, worker in enumerate(procs[:-1]):  # the rollout workers
                 if worker.wait(PROCESS_TIMEOUT) != 0:
                     raise ExperimentError(
                         f"{cfg.name}: rollout worker {i} failed (exit {worker.returncode}); see {out}/rollout-{i}.log"
                     )
         finally:
-            for proc in (trainer, *workers):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            stop_processes(procs, PROCESS_TIMEOUT)
         return totals
 
 
 def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = False) -> subprocess.Popen:
-    """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`."""
+    """Start `python -m module args` pinned to `core`; stderr (and stdout unless piped) to `log`.
+    In a session of its own: a terminal's Ctrl-C reaches only this runner, which stops it
+    (`stop_processes`) once, so no second signal cuts its cleanup short; and ended with the runner all the
+    same (`die_with_parent`), killed or hung up on as it may be."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     sink = log.open("w")
@@ -132,6 +135,8 @@ def _spawn(module: str, args: list[str], core: int, log: Path, pipe: bool = Fals
         text=True,
         stdout=subprocess.PIPE if pipe else sink,
         stderr=sink,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     os.sched_setaffinity(proc.pid, {core})
     sink.close()
@@ -146,6 +151,7 @@ def _advance(bar: tqdm, record: StepRecord) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     parser = argparse.ArgumentParser(prog="python -m recipes.experiments", description=__doc__.split("\n\n")[0])
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml|key=value")
     parser.add_argument("--out", required=True, type=Path, help="directory for the runs, compare.png and summary.md")
@@ -153,8 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds", default=None, help="comma-separated seeds, each running every config (default: `seed`)"
     )
     args = parser.parse_intermixed_args(argv)
-    # a terminated runner unwinds like an interrupted one: its clusters and processes go with it
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     files = [i for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
     if not files:

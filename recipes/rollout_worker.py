@@ -30,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -301,13 +302,45 @@ class Rollouts:
 _PROG = "python -m recipes.rollout_worker"
 
 
+async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; SIGINT, SIGTERM or SIGHUP cancels it, at an await, so it unwinds in
+    order; then, `tq.exit_on_signals`' handlers back, the signal is raised again for them to
+    take: `SystemExit(128 + signal)` and, at exit, the process ending by that signal, as
+    outside the loop. Raised inside the loop, that exception would end whichever task was
+    running, cut short."""
+    loop, task, got = asyncio.get_running_loop(), asyncio.ensure_future(work), []
+
+    def stop(sig: int) -> None:
+        got.append(sig)
+        task.cancel()
+
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not got:
+            raise
+    finally:
+        for sig in _STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        tq.exit_on_signals()
+    signal.raise_signal(got[0])
+    raise AssertionError("unreachable: exit_on_signals' handler raised SystemExit")
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals `tq.exit_on_signals` stops a command on."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    tq.exit_on_signals()
     return reporting_errors(_PROG, lambda: _run(argv))
 
 
 def _run(argv: Sequence[str] | None) -> int:
     args, cfg = command_line(_PROG, __doc__, argv, worker=True)
-    stats = asyncio.run(RolloutWorker(cfg, args.address, args.worker_id).run())
+    stats = asyncio.run(_until_signal(RolloutWorker(cfg, args.address, args.worker_id).run()))
     print(json.dumps(msgspec.to_builtins(stats)), flush=True)
     return 0
 

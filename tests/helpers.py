@@ -1,5 +1,6 @@
 """What many tests share: waiting on observable state (a status counter, a queue event), never
-on a fixed sleep; a small batch builder; a put from a new producer; a free loopback port."""
+on a fixed sleep; a small batch builder; a put from a new producer; a free loopback port; the
+processes a command started, and whether they still run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 
-__all__ = ["eventually", "rows", "put_anew", "free_port", "status_bytes"]
+__all__ = ["eventually", "rows", "put_anew", "free_port", "status_bytes", "descendants", "alive"]
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
@@ -84,3 +85,27 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> tuple[dict, 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, and so on (from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [child for child, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

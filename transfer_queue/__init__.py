@@ -52,6 +52,7 @@ _LAZY = {
     "Grant": "_client_core",
     "ClusterConfig": "wire.messages",
     "StalenessConfig": "wire.staleness",
+    "exit_on_signals": "host",
     # TransferQueue 0.1.11's API
     "close": "compat.face",
     "get_client": "compat.face",
@@ -101,6 +102,7 @@ if TYPE_CHECKING:
         kv_put,
     )
     from .compat.kv_meta import KVBatchMeta
+    from .host import exit_on_signals
     from .wire.messages import ClusterConfig
     from .wire.staleness import StalenessConfig
 
@@ -119,6 +121,7 @@ __all__ = [
     "ClusterConfig",
     "StalenessConfig",
     "parse_bytes",
+    "exit_on_signals",
     "SluiceError",
     "TimeoutError",
     "LeaseExpiredError",

@@ -7,11 +7,9 @@ in `_ray_backend` runs the same command lines from Ray actors).
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .host import shm_prefix
+from .host import die_with_parent, shm_prefix, stop_processes
 from .wire.auth import CREDENTIALS_ENV
 from .wire.errors import SchemaError, ServiceError
 from .wire.messages import ClusterConfig
@@ -36,7 +34,6 @@ __all__ = [
     "storage_command",
     "spawn",
     "address_of",
-    "stop_processes",
     "remove_shm",
 ]
 
@@ -135,22 +132,6 @@ class LocalProcesses(Backend):
         stop_processes(procs, timeout)
 
 
-def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM every service, wait up to `timeout` in all, then SIGKILL the ones still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def remove_shm(cluster_id: str) -> None:
     """Unlink this machine's leftover shared-memory files of `cluster_id` (units killed mid-way)."""
     for path in glob.glob(shm_prefix(cluster_id) + "*"):
@@ -184,7 +165,12 @@ def storage_command(unit_id: int, capacity: int, cluster_id: str, controller: st
 
 
 def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Popen:
-    """Start `python args...` with the cluster secret and credentials (a token) in its environment."""
+    """Start `python args...` with the cluster secret and credentials (a token) in its environment.
+
+    It runs in a session of its own, so a terminal's Ctrl-C (sent to its whole foreground process
+    group) reaches only the process that started it, which stops it (`stop_processes`) once it
+    is done with it: its clients still find the services while they close. It ends with that
+    process all the same (`host.die_with_parent`)."""
     env = dict(os.environ)
     env[SECRET_ENV] = secret
     env.pop(CREDENTIALS_ENV, None)
@@ -192,7 +178,12 @@ def spawn(args: list[str], secret: str, credentials: str = "") -> subprocess.Pop
         env[CREDENTIALS_ENV] = credentials
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
     return subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent, text=True
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        env=env,
+        preexec_fn=die_with_parent,
+        start_new_session=True,
+        text=True,
     )
 
 
@@ -213,21 +204,3 @@ def address_of(proc: subprocess.Popen, tag: str) -> str:
     proc.kill()
     command = " ".join(map(str, proc.args[1:4])) if isinstance(proc.args, (list, tuple)) else str(proc.args)
     raise ServiceError(f"`{command} ...` did not start (exit code {proc.poll()}); see its stderr")
-
-
-def _find_prctl() -> Any:
-    """libc's `prctl`, or None where there is no glibc."""
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _find_prctl()
-"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
-
-
-def _die_with_parent() -> None:
-    """Child processes end when the process that started them dies (Linux prctl)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -45,9 +45,9 @@ from ._launch import (
     controller_command,
     remove_shm,
     spawn,
-    stop_processes,
     storage_command,
 )
+from .host import stop_processes
 from .wire.errors import ServiceError
 from .wire.messages import ClusterConfig
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._control_client import ControlClient
+from .host import exit_on_signals
 from .wire.errors import SchemaError, SluiceError
 from .wire.staleness import StalenessConfig
 
@@ -62,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     # Handlers go in before `init`: a signal during start-up then stops the cluster it started.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     cluster = init(
         args.units,
@@ -136,20 +137,16 @@ def _probe(address: str) -> None:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Print the cluster's status once, or every `--watch` seconds until Ctrl-C."""
+    """Print the cluster's status once, or every `--watch` seconds until Ctrl-C, SIGTERM or SIGHUP
+    (`exit_on_signals`: it then ends by that signal)."""
     if args.watch is not None:
-        # Ctrl-C or SIGTERM ends a watch even where SIGINT came ignored (a script's background
-        # job: Python then raises no KeyboardInterrupt of its own), as they end `serve`
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.default_int_handler)
+        exit_on_signals()  # Ctrl-C or SIGTERM ends a watch, a script's background job's too
     _probe(args.address)
     in_place = args.watch is not None and sys.stdout.isatty()
     reader = ControlClient(args.address, timeout=args.timeout)
     try:
         for text in _frames(reader, args.json, args.watch):
             print(_CLEAR + text if in_place else text, flush=True)
-    except KeyboardInterrupt:
-        pass
     finally:
         reader.close()
     return 0
@@ -306,7 +303,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`sluice` entry point; returns the exit status (0 ok, 1 a Sluice error, 2 bad usage)."""
+    """`sluice` entry point; returns the exit status (0 ok, 1 a Sluice error, 2 bad usage; a
+    watch stopped by SIGINT, SIGTERM or SIGHUP ends by that signal: a shell says 130, 143, 129)."""
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

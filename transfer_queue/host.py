@@ -1,21 +1,34 @@
-"""This host: its identity, its shared-memory files and its allocator. A public module, small
-and free of torch, so every part may use it: the client and the storage units (arena files),
-the launcher (sweeping a cluster's files), the weight channel (staging segments).
+"""This host: its identity, its shared-memory files, its allocator and its stop signals. A public
+module, small and free of torch, so every part may use it: the client and the storage units (arena
+files), the launcher (sweeping a cluster's files), the weight channel (staging segments), the
+commands (`sluice`, the recipes).
 
 - `host_id()`: processes that report the same id can map each other's shared memory;
 - `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
 - `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
-- `reachable`: an endpoint as other hosts can dial it.
+- `reachable`: an endpoint as other hosts can dial it;
+- `exit_on_signals`: SIGINT, SIGTERM and SIGHUP unwind a command, which then ends by that signal;
+- `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies;
+- `stop_processes`: SIGTERM child processes, SIGKILL those that outlast a deadline.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
+import logging
 import mmap
 import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
 
 __all__ = [
     "host_id",
@@ -27,6 +40,9 @@ __all__ = [
     "keep_freed_memory",
     "give_back_freed_memory",
     "reachable",
+    "exit_on_signals",
+    "die_with_parent",
+    "stop_processes",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -192,3 +208,115 @@ def reachable(endpoint: str, toward: str | None = None) -> str:
         except OSError:
             ip = "127.0.0.1"
     return f"{scheme}://{ip}:{port}"
+
+
+def exit_on_signals() -> None:
+    """From now on SIGINT, SIGTERM and SIGHUP raise `SystemExit(128 + signal)` in the main thread:
+    the command unwinds through its `finally` blocks and `with` statements (closing its clients,
+    stopping the services and processes it started); then, once every exit hook ran (those that
+    libraries registered before it too: `multiprocessing` ends its children there) and stdout,
+    stderr and logging are flushed, it ends by that signal itself, as a
+    process the signal killed: a shell reports 130, 143 or 129, and a script or loop that runs
+    the command stops on Ctrl-C rather than going on to its next line (bash goes on after a
+    child that *exited* 130). Call it first thing in a command's `main`.
+
+    Also where SIGINT came ignored: a script's background job starts so, and Python then raises
+    no `KeyboardInterrupt` of its own, so `kill -INT` would do nothing. A signal that comes
+    while the command unwinds raises again, cutting short the cleanup it interrupts; the
+    command still ends by the first. Inside a running asyncio loop the exception lands wherever
+    the loop is, possibly in the middle of a task, which then ends with it: there, cancel the
+    main task instead (`loop.add_signal_handler`), then raise the signal again outside it
+    (`signal.raise_signal`, once these handlers are back), as `recipes.rollout_worker` does.
+
+    Outside the main thread it does nothing: Python runs signal handlers in the main thread
+    alone, whose handling then stands (a command's `main` called as a function from a thread).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _exit_on)
+    _register_end_by_signal()
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, `kill` and a closed terminal (or a dropped ssh session)."""
+
+_stopped_by: list[int] = []
+"""The signal that stopped this process (`_exit_on`), once one came: the first, if more did."""
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    if not _stopped_by:
+        _stopped_by.append(signum)
+    raise SystemExit(128 + signum)
+
+
+@functools.cache
+def _register_end_by_signal() -> None:
+    """Once per process, however often `exit_on_signals` runs."""
+    atexit.register(_end_by_signal)
+
+
+def _end_by_signal() -> None:
+    """At exit, a process a signal stopped ends by that signal, unhandled (SIG_DFL), after the
+    other exit hooks: registered last, this one runs first, so it runs the rest itself."""
+    if not _stopped_by:
+        return
+    atexit.unregister(_end_by_signal)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, a closed pipe, a closed file
+            pass
+    signal.signal(_stopped_by[0], signal.SIG_DFL)
+    os.kill(os.getpid(), _stopped_by[0])
+
+
+def die_with_parent() -> None:
+    """A child process's `preexec_fn` (`subprocess.Popen(..., preexec_fn=die_with_parent)`): the
+    child gets SIGTERM when the thread that started it dies, also SIGKILLed or in a child of its
+    own session, where no terminal's or group's signal reaches it (Linux `PR_SET_PDEATHSIG`;
+    nothing without glibc). The child unwinds on that SIGTERM (`exit_on_signals`) or dies of it."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _find_prctl() -> Any:
+    """libc's `prctl`, or None where there is no glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+"""Looked up before any fork: dlopen/dlsym in the child of a threaded parent (a Ray worker) can deadlock."""
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every process still running (each may unwind: close its clients, keep its
+    records), wait up to `timeout` seconds in all, then SIGKILL those still running; close their
+    stdout pipes. Interrupted (a second Ctrl-C, any exception), it SIGKILLs every one still
+    running before it lets the exception go on: none outlives a stop that was asked for."""
+    try:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        raise
+    finally:
+        for proc in procs:
+            if proc.stdout is not None:
+                proc.stdout.close()

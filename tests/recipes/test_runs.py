@@ -4,6 +4,7 @@ processes, the invariants read back from `steps.jsonl`, `run.json` and the clust
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
 from recipes.rollout_worker import RolloutWorker
-from tests.helpers import eventually
+from tests.helpers import alive, descendants, eventually
 from weight_sync import WeightPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -510,6 +511,90 @@ def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
     assert len(reward) == 1 and " -> " in reward[0]
     assert f"plot: {tmp_path / 'compare.png'}" in stdout
     assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in stdout
+
+
+_RUNNER = """
+import os, sys, time
+from pathlib import Path
+from recipes.experiments import _spawn
+child = _spawn("http.server", ["--bind", "127.0.0.1", "0"], min(os.sched_getaffinity(0)), Path(sys.argv[1]))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_experiment_runners_children_die_with_it(tmp_path):
+    """A trainer or rollout worker the runner started, in a session of its own, ends when the
+    runner is SIGKILLed (no `finally` of its runs), not when it notices its controller gone."""
+    runner = _python("-c", _RUNNER, str(tmp_path / "child.log"), stdout=subprocess.PIPE)
+    child = 0
+    try:
+        child = int(runner.stdout.readline())
+        runner.kill()
+        runner.wait()
+        eventually(lambda: not alive(child), 10, "the runner's child gone")
+    finally:
+        runner.kill()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "to_group"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "Ctrl-C"],
+)
+def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig, to_group):
+    """Started as a script's background job is (SIGINT ignored, so Python raises no
+    KeyboardInterrupt of its own), the demo still stops on SIGINT, as on SIGTERM: mid-run, it
+    stops its trainer, its rollout worker and its cluster's services, keeps the steps recorded so
+    far, and ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to
+    the whole process group: the demo alone takes it and stops the others once, each cleanly (no
+    error logged)."""
+    demo = _python(
+        "-m",
+        "recipes.demo",
+        "--out",
+        str(tmp_path),
+        "trainer.total_steps=5000",
+        *SMALL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_ignore_sigint,
+        start_new_session=to_group,
+    )
+    run_dir = tmp_path / "fully_async"
+    started: list[int] = []
+    try:
+        eventually(
+            lambda: (run_dir / "steps.jsonl").exists() and (run_dir / "steps.jsonl").read_text().count("\n") >= 2,
+            180,
+            "two steps recorded",
+        )
+        started = descendants(demo.pid)  # the controller, 2 storage units, the trainer, the rollout worker
+        assert len(started) >= 5, started
+        if to_group:
+            os.killpg(demo.pid, sig)
+        else:
+            demo.send_signal(sig)
+        _out, err = demo.communicate(timeout=60)
+        assert demo.returncode == -sig, err[-3000:]
+        assert not [pid for pid in started if alive(pid)]
+    finally:
+        demo.kill()
+        for pid in started:  # a failing run leaves nothing running on: the demo's services and workers too
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    recorded = [s["step"] for s in load_steps(run_dir)]
+    assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) >= 2
+    for log in ("trainer.log", "rollout-0.log"):
+        text = (run_dir / log).read_text()
+        assert "Error" not in text and "Traceback" not in text, text[-3000:]
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
