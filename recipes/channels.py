@@ -54,4 +54,6 @@ class RolloutStats(msgspec.Struct):
     late_acks: int = 0
     """Batches whose prompts' lease expired during generation and some of whose prompts another
     worker leased and generated too (their ack raised `tq.LeaseExpiredError`)."""
+    weight_retries: int = 0
+    """Weight transfers that failed and were tried again (`tq.WeightSyncError`)."""
     finished: bool = False

@@ -200,12 +200,23 @@ class RolloutWorker:
     # -- on the worker's thread ----------------------------------------------------------------
 
     def _apply(self, version: int) -> None:
-        """Hold at least `version`: wait for it, or take anything newer already complete."""
+        """Hold at least `version`: wait for it, or take anything newer already complete. A
+        transfer that failed is tried once more, which pulls the newest version whole (an
+        apply that outlasted its lease while the trainer staged a newer version in its slot,
+        a connection lost); a second failure ends the worker (a publisher gone stays gone)."""
         before = self.subscriber.version
         start = time.perf_counter()
-        if self.subscriber.version < version:
-            self.subscriber.wait(version, timeout=WEIGHT_TIMEOUT)
-        self.subscriber.poll()
+        for last in (False, True):
+            try:
+                if self.subscriber.version < version:
+                    self.subscriber.wait(version, timeout=WEIGHT_TIMEOUT)
+                self.subscriber.poll()
+                break
+            except tq.WeightSyncError as exc:
+                if last or isinstance(exc, tq.GpuStagingStoppedError):  # the latter: no transport left
+                    raise
+                self.stats.weight_retries += 1
+                log.warning("worker %d: weight transfer failed (%s); trying again", self.stats.worker, exc)
         if self.subscriber.version != before:
             self.engine.weights_applied()
             self.stats.weight_apply_s += time.perf_counter() - start

@@ -208,6 +208,38 @@ def test_a_worker_whose_prompts_lease_ran_out_logs_the_late_ack_and_goes_on(capl
         assert status["partitions"][TRAIN]["samples"] == 2 * n * cfg.rollout.group_size
 
 
+def test_a_worker_whose_apply_failed_tries_once_more_and_goes_on(monkeypatch, caplog):
+    """The worker's first apply outlasts its lease while the trainer stages its next version in
+    the only slot: the subscriber refuses to take the copies for version 0 (`WeightSyncError`,
+    its version -1), and the worker, instead of ending, tries once more, which applies the
+    newest version whole. It counts and logs the retry."""
+    from weight_sync import receivers
+
+    cfg = load(["fully_async"], SMALL)
+    real = receivers.copy_each
+    staged: list[int] = []
+
+    def copies_outlasting_the_lease(dsts, srcs, non_blocking=False):  # noqa: ANN001, ANN202
+        if not staged:
+            staged.append(1)
+            publisher.publish(dict(worker.engine.weights()), version=1)  # waits for the lease to expire
+        return real(dsts, srcs, non_blocking=non_blocking)
+
+    with tq.init(1, "64MiB") as cluster:
+        publisher = WeightPublisher(cluster.address, transport="shm", slots=1, lease_timeout=0.5)
+        worker = RolloutWorker(cfg, cluster.address)
+        try:
+            publisher.publish(dict(worker.engine.weights()), version=0)
+            monkeypatch.setattr(receivers, "copy_each", copies_outlasting_the_lease)
+            with caplog.at_level(logging.WARNING, "recipes.rollout_worker"):
+                worker._apply(0)
+        finally:
+            worker.subscriber.close()
+            publisher.close()
+    assert staged and worker.stats.weight_retries == 1 and worker.stats.version == 1
+    assert "trying again" in caplog.text and "staged again under it" in caplog.text
+
+
 def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monkeypatch):
     """`run` is cancelled (as Ctrl-C does) while its first apply is under way: the worker closes
     its subscriber only after that apply, on the thread that applied (a subscriber is used from
