@@ -214,6 +214,7 @@ def test_a_worker_whose_apply_failed_tries_once_more_and_goes_on(monkeypatch, ca
     its version -1), and the worker, instead of ending, tries once more, which applies the
     newest version whole. It counts and logs the retry."""
     from weight_sync import receivers
+    from weight_sync.protocol import Latest, RpcClient
 
     cfg = load(["fully_async"], SMALL)
     real = receivers.copy_each
@@ -223,6 +224,10 @@ def test_a_worker_whose_apply_failed_tries_once_more_and_goes_on(monkeypatch, ca
         if not staged:
             staged.append(1)
             publisher.publish(dict(worker.engine.weights()), version=1)  # waits for the lease to expire
+            # `publish` returns before version 1 is whole: until it is offered, the retry would be
+            # offered version 0 and refused its lease, the only slot holding version 1 by then
+            with contextlib.closing(RpcClient(publisher.endpoint, timeout=5.0)) as probe:
+                eventually(lambda: probe.call(Latest(after=0, timeout=0.0)).version == 1, 30, "version 1 offered")
         return real(dsts, srcs, non_blocking=non_blocking)
 
     with tq.init(1, "64MiB") as cluster:
