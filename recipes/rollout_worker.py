@@ -43,6 +43,7 @@ import msgspec
 import torch
 
 import transfer_queue as tq
+from transfer_queue.host import STOP_SIGNALS
 from weight_sync import WeightSubscriber
 
 from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
@@ -325,7 +326,7 @@ async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
         got.append(sig)
         task.cancel()
 
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
     try:
         return await task
@@ -333,15 +334,11 @@ async def _until_signal(work: Coroutine[Any, Any, T]) -> T:
         if not got:
             raise
     finally:
-        for sig in _STOP_SIGNALS:
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         tq.exit_on_signals()
     signal.raise_signal(got[0])
     raise AssertionError("unreachable: exit_on_signals' handler raised SystemExit")
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""The signals `tq.exit_on_signals` stops a command on."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

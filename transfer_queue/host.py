@@ -9,7 +9,8 @@ commands (`sluice`, the recipes).
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
-- `exit_on_signals`: SIGINT, SIGTERM and SIGHUP unwind a command, which then ends by that signal;
+- `exit_on_signals`: SIGINT, SIGTERM and SIGHUP (`STOP_SIGNALS`) unwind a command, which then ends
+  by that signal;
 - `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies;
 - `stop_processes`: SIGTERM child processes, SIGKILL those that outlast a deadline.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "give_back_freed_memory",
     "reachable",
     "exit_on_signals",
+    "STOP_SIGNALS",
     "die_with_parent",
     "stop_processes",
 ]
@@ -233,12 +235,12 @@ def exit_on_signals() -> None:
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _exit_on)
     _register_end_by_signal()
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Ctrl-C, `kill` and a closed terminal (or a dropped ssh session)."""
 
 _stopped_by: list[int] = []

@@ -208,14 +208,11 @@ class PublisherRanks:
         asked: dict[int, tuple[RpcClient | LocalClient, int]] = {}
         error: SluiceError | None = None
         for rank, grant in enumerate(grants):
-            client = first if rank == 0 and first is not None else self._client(rank)
+            via = first if rank == 0 else None
             if rank not in checked:
-                if client is first:
-                    with contextlib.suppress(SluiceError):  # rank 0 is gone; so is its lease
-                        first.post(Release(grant.lease))
-                else:
-                    self.release_one(rank, grant)
+                self.release_one(rank, grant, via)
                 continue
+            client = via or self._client(rank)
             try:
                 asked[rank] = client, client.send(Release(grant.lease))
             except SluiceError as exc:
@@ -243,11 +240,15 @@ class PublisherRanks:
                 error = error or exc
         return answers, error
 
-    def release_one(self, rank: int, grant: Granted) -> None:
+    def release_one(self, rank: int, grant: Granted, via: RpcClient | LocalClient | None = None) -> None:
         """Release one rank's lease without waiting for its answer: the reads are done, and
         each lease has its own id, so nothing later depends on this one (its `Ok` is dropped
-        on arrival)."""
+        on arrival). `via`: the connection to post it over (its owner flushes it before it
+        closes), instead of this subscriber's own to the rank."""
         try:
+            if via is not None:
+                via.post(Release(grant.lease))
+                return
             self._client(rank).post(Release(grant.lease))
             self._posted.add(rank)
         except SluiceError:
