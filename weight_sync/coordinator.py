@@ -51,7 +51,8 @@ class Coordinator:
     thread), or is None without one, and may raise when the controller cannot be reached.
     `grant(version, transport, peer)` leases rank 0's slot holding `version` to the connection
     `peer` of a `Latest` that asks for it (None when it cannot be pinned: the subscriber then
-    sends a `Lease`).
+    sends a `Lease`). `claimed()` is the newest version rank 0 has claimed a staging slot for
+    (complete or still staging).
     """
 
     def __init__(
@@ -62,9 +63,11 @@ class Coordinator:
         submit: Callable[[Callable[[], None]], None],
         record: Callable[[int], None] | None,
         grant: Callable[[int, str, bytes], Granted | None],
+        claimed: Callable[[], int],
     ):
         self.world_size = world_size
         self.grant = grant
+        self.claimed = claimed
         self.park = park
         self.submit = submit
         self.record = record
@@ -160,6 +163,13 @@ class Coordinator:
         ready = len(self.ranks) == self.world_size
         if ready and self.complete > msg.after:
             granted = self.grant(self.complete, msg.lease, pending.peer) if msg.lease else None
+            if msg.lease and granted is None and self.claimed() > self.complete:
+                # rank 0 is staging a newer version in the slot that held this one (one slot):
+                # no lease can pin it any more, so offer the newer one once it is whole
+                if msg.timeout > 0:
+                    return False
+                pending.reply(Offer(msg.after, True, self._rank_list()))  # nothing to apply now
+                return True
             pending.reply(Offer(self.complete, True, self._rank_list(), granted))
         elif (
             ready

@@ -309,6 +309,7 @@ class WeightPublisher:
                 self._server.submit,
                 self._record if self._client else None,
                 self._grant_offered,
+                self._table.newest,
             )
             if rank == 0
             else None

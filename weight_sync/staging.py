@@ -453,6 +453,11 @@ class SlotTable:
         slot.generation += 1
         self._reset(slot, -1)
 
+    def newest(self) -> int:
+        """The newest version a slot is claimed for, complete or still being staged (-1: none)."""
+        with self.cond:
+            return max((s.version for s in self.slots), default=-1)
+
     def find(self, version: int) -> Slot | None:
         with self.cond:
             return next((s for s in self.slots if s.version == version and not s.failed), None)

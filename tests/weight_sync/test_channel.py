@@ -184,6 +184,51 @@ def test_copies_that_outlast_their_lease(monkeypatch, slots):
         assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
 
 
+def test_a_mapping_subscriber_that_asks_while_the_only_slot_is_staged_again_takes_the_next_version(monkeypatch):
+    """With one slot, the trainer stages version 2 over version 1 while an shm subscriber asks
+    for the newest version. Version 1 can no longer be leased, so it is not offered: `poll`
+    finds nothing new, and `wait` waits for version 2 and applies it whole (the lease on
+    version 1 was refused with `WeightSyncError` before, ending the wait)."""
+    import threading
+
+    import torch
+
+    from weight_sync import WeightSubscriber, publisher
+
+    from .workers import zeros
+
+    real = publisher.pack
+    packed: list[int] = []
+    gate = threading.Event()
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        packed.append(1)
+        if len(packed) == 2:  # version 2's staging, its slot claimed: held until the subscriber waits
+            assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    def let_go() -> None:
+        try:
+            eventually(lambda: pub._coordinator.waiters, 30, "the subscriber's request parked")
+        finally:
+            gate.set()
+
+    monkeypatch.setattr(publisher, "pack", held)
+    with WeightPublisher(None, transport="shm", bucket_bytes=BUCKET, slots=1) as pub:
+        pub.publish(weights(1), 1)
+        staging = threading.Thread(target=pub.publish, args=(weights(2), 2), daemon=True)
+        staging.start()
+        eventually(lambda: pub._table.newest() == 2, 10, "version 2's slot claimed")
+        mine = zeros()
+        with WeightSubscriber(None, mine, transport="shm", publisher=pub.endpoint) as sub:
+            assert sub.poll() is None and sub.version == -1
+            threading.Thread(target=let_go, daemon=True).start()
+            assert sub.wait(1, timeout=30) == 2
+        staging.join(30)
+        assert gate.is_set() and not staging.is_alive()
+    assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
+
+
 def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
     """A tcp stream's lease lasts while it makes progress (each piece renews it). One that
     stalls past it in its last piece (its reader stopped reading), while the trainer's next
