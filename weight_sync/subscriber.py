@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping
 
@@ -35,7 +36,7 @@ import torch
 import xxhash
 
 import transfer_queue as tq
-from transfer_queue import GpuStagingStoppedError, TimeoutError, WeightSyncError
+from transfer_queue import GpuStagingStoppedError, SchemaError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
 from transfer_queue.wire.rpc import DEAD_AFTER, check
 
@@ -187,13 +188,17 @@ class WeightSubscriber:
 
     def wait(self, version: int, timeout: float = 30.0) -> int:
         """Block until a version >= `version` is applied; returns the version applied.
+        `timeout=math.inf` waits for as long as the publishers live.
 
         Raises:
             tq.TimeoutError: no such version was applied within `timeout` seconds.
             WeightSyncError: a transfer failed (`GpuStagingStoppedError`: as in `poll`).
+            SchemaError: `timeout` is NaN.
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
+        if math.isnan(timeout):
+            raise SchemaError("wait's timeout must be a number of seconds (math.inf: no limit), not NaN")
         deadline = time.monotonic() + timeout
         while self.version < version:
             left = deadline - time.monotonic()

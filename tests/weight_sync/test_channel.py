@@ -229,6 +229,37 @@ def test_a_mapping_subscriber_that_asks_while_the_only_slot_is_staged_again_take
     assert all(torch.equal(mine[n], t) for n, t in weights(2).items())
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_wait_without_a_deadline_waits_and_leaves_the_channel_serving(transport):
+    """`wait(v, timeout=math.inf)` parks its request at rank 0 with no deadline. It waits
+    until the version comes (a deadline beyond what the control server's poll can take in
+    milliseconds once killed that server, and with it the channel for every subscriber), and
+    others are served meanwhile. A NaN timeout is refused."""
+    import math
+    import threading
+
+    from transfer_queue import SchemaError
+    from weight_sync import WeightSubscriber
+
+    from .workers import zeros
+
+    with WeightPublisher(None, transport=transport, bucket_bytes=BUCKET) as pub:
+        patient = WeightSubscriber(None, zeros(), transport=transport, publisher=pub.endpoint)
+        got: list[int] = []
+        waiting = threading.Thread(target=lambda: got.append(patient.wait(1, timeout=math.inf)), daemon=True)
+        waiting.start()
+        eventually(lambda: pub._coordinator.waiters, 30, "the request parked at rank 0")
+        with pytest.raises(SchemaError, match="NaN"):
+            WeightSubscriber(None, zeros(), transport=transport, publisher=pub.endpoint).wait(1, timeout=math.nan)
+        pub.publish(weights(1), 1)
+        waiting.join(30)
+        assert got == [1]
+        with WeightSubscriber(None, zeros(), transport=transport, publisher=pub.endpoint) as other:
+            pub.publish(weights(2), 2)
+            assert other.wait(2, timeout=30) == 2 and patient.wait(2, timeout=30) == 2
+        patient.close()
+
+
 def test_a_stream_that_stalls_past_its_lease_breaks_off(monkeypatch, caplog):
     """A tcp stream's lease lasts while it makes progress (each piece renews it). One that
     stalls past it in its last piece (its reader stopped reading), while the trainer's next

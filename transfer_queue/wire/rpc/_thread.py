@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import os
 import struct
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 import zmq
 
 from ..auth import REFUSALS, Credentials, secure_server
-from ..errors import ProtocolError, TimeoutError
+from ..errors import ProtocolError, SchemaError, TimeoutError
 from . import _local
 from ._codec import Cancel, Codec, Message, Ok, Ping, error_reply, log, refuse_unauthenticated
 from ._context import monitor, shared_context, socket
@@ -24,6 +25,10 @@ from ._peers import RecentlyGone, hung_up
 from ._service import refusals
 
 # -- thread service ------------------------------------------------------------------------
+
+_LONGEST_WAIT = 86400.0
+"""Most seconds the server thread sleeps in one poll (zmq takes milliseconds as a C int, which
+overflows past 24.8 days): a request parked longer, or for ever, is looked at again daily."""
 
 
 class Pending:
@@ -149,7 +154,14 @@ class ThreadService:
         os.write(self._wake_w, b"x")
 
     def park(self, pending: Pending, timeout: float, what: str) -> None:
-        """Keep `pending` for up to `timeout` seconds, then fail it with `TimeoutError(what)`."""
+        """Keep `pending` for up to `timeout` seconds (inf: until it is answered or its peer
+        goes), then fail it with `TimeoutError(what)`.
+
+        Raises:
+            SchemaError: `timeout` is not a number (NaN): the request gets it as its answer.
+        """
+        if math.isnan(timeout):
+            raise SchemaError("a request's timeout must be a number of seconds, not NaN")
         heapq.heappush(self._parked, (time.monotonic() + timeout, next(self._seq), pending, what))
 
     def close(self) -> None:
@@ -187,8 +199,8 @@ class ThreadService:
                 due = [self._parked[0][0]] if self._parked else []
                 if lane is not None and lane.paused:
                     due.append(self._lane_retry)
-                if due:
-                    timeout = int(max(0.0, (min(due) - time.monotonic()) * 1000))
+                if due:  # in ms, a C int: a wait of days (or inf) wakes daily to look again
+                    timeout = int(min(max(0.0, min(due) - time.monotonic()), _LONGEST_WAIT) * 1000)
                 ready = dict(poller.poll(timeout))
                 try:
                     os.read(self._wake_r, 4096)
