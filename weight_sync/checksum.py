@@ -3,8 +3,9 @@
 Three points are compared. Right after staging, the publisher hashes every staged tensor
 (`Snapshot.take`). When a subscriber verifies a version (the `Verify` request, while it holds a
 lease), the publisher re-hashes the tensors it read (any that changed since staging is named as
-corrupt) and hashes exactly the boxes it read. After apply, the subscriber hashes what landed in
-its own tensors and compares (`compare`), naming every tensor that differs.
+corrupt) and hashes exactly the boxes it read. The subscriber hashes what arrived before applying
+it (what landed in its own tensors, where it copies straight from a mapped slot) and compares
+(`compare`), naming every tensor that differs.
 """
 
 from __future__ import annotations
@@ -65,16 +66,18 @@ class Snapshot:
         return Checksums(values, corrupt)
 
 
-def compare(plan: Plan, checksums: dict[int, Checksums]) -> None:
-    """Raise `WeightSyncError` naming every tensor whose applied bytes differ from the
-    publisher's (`checksums[rank]` lists rank's reads in plan order)."""
+def compare(plan: Plan, checksums: dict[int, Checksums], arrived: list[torch.Tensor] | None = None) -> None:
+    """Raise `WeightSyncError` naming every tensor whose bytes differ from the publisher's
+    (`checksums[rank]` lists rank's reads in plan order): the bytes that `arrived`, one tensor
+    per copy of `plan` in order, before they are applied; without them, what the copies wrote."""
     bad = set()
     seen: dict[int, int] = {}
-    for copy in plan.copies:
+    for n, copy in enumerate(plan.copies):
         i = seen.get(copy.rank, 0)
         seen[copy.rank] = i + 1
-        if checksum(copy.dst) != checksums[copy.rank].values[i]:
+        if checksum(copy.dst if arrived is None else arrived[n]) != checksums[copy.rank].values[i]:
             binding = copy.binding
             bad.add(binding.target if binding.target == binding.source else f"{binding.target} (from {binding.source})")
     if bad:
-        raise WeightSyncError(f"checksum mismatch after apply in {len(bad)} tensor(s): {', '.join(sorted(bad))}")
+        where = "after apply" if arrived is None else "in what arrived"
+        raise WeightSyncError(f"checksum mismatch {where} in {len(bad)} tensor(s): {', '.join(sorted(bad))}")

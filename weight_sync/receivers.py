@@ -57,9 +57,11 @@ class Targets:
         not one copy's read (a "map" receiver merges copies: `coalesce`); default each copy's
         `dst`.
 
-        A source tensor the publisher found changed since staging stops the apply before any
-        copy; a slice that differs after the copy is reported by name. Either way the version
-        is not marked applied (a background receiver drops it and waits for the next one).
+        A source tensor the publisher found changed since staging, or (one source per copy)
+        bytes that arrived different from the publisher's, stop the apply before any copy: the
+        tensors keep their version (a background receiver drops the version and waits for the
+        next one). Merged copies (`dsts`) are checked once written: a slice that differs is
+        reported by name and `version` is -1, as the tensors then hold no whole version.
 
         Raises:
             WeightSyncError: the checksums disagree.
@@ -69,14 +71,21 @@ class Targets:
             raise WeightSyncError(
                 f"version {version} changed in the publisher's staging after its checksums were taken: {', '.join(corrupt)}"
             )
+        sources = list(sources)
+        if checksums and dsts is None:
+            compare(plan, checksums, sources)
         start = time.perf_counter()
         device = plan.device
         targets = [c.dst for c in plan.copies] if dsts is None else list(dsts)
         with torch.no_grad(), copies(device):  # GPU tensors: copies on a side stream, one wait at the end
-            copy_each(targets, list(sources), non_blocking=device is not None)
+            copy_each(targets, sources, non_blocking=device is not None)
         self.apply_seconds = time.perf_counter() - start
-        if checksums:
-            compare(plan, checksums)
+        if checksums and dsts is not None:
+            try:
+                compare(plan, checksums)
+            except WeightSyncError:
+                self.version = -1
+                raise
         self.version = version
 
 

@@ -123,6 +123,34 @@ def test_validation_names_a_tensor_corrupted_in_transit():
     ):
         pub.publish(weights(1), 1)
         first = next(iter(SHAPES))
-        with pytest.raises(WeightSyncError, match=rf"checksum mismatch.*{re.escape(first)}"):
+        with pytest.raises(WeightSyncError, match=rf"checksum mismatch in what arrived.*{re.escape(first)}"):
             sub.wait(1, timeout=30)
         assert sub.version == -1
+
+
+def test_a_version_corrupted_in_transit_is_not_applied_and_the_tensors_keep_theirs():
+    """Version 1 arrives whole; one byte of version 2 is corrupted on its way. Validation names
+    the tensor before anything is applied: `wait` raises, and the tensors hold version 1,
+    every byte of it, with `version` 1."""
+
+    class FlippingSecond(TcpTransport):
+        def receive(self, job):  # noqa: ANN001, ANN201
+            into = super().receive(job)
+            if job.version == 2:
+                into[7] ^= 0x01
+            return into
+
+    mine = zeros()
+    with (
+        WeightPublisher(None, transport="tcp", bucket_bytes=BUCKET, validate=True, delta=False) as pub,
+        WeightSubscriber(None, mine, transport=FlippingSecond(), publisher=pub.endpoint, validate=True) as sub,
+    ):
+        pub.publish(weights(1), 1)
+        assert sub.wait(1, timeout=30) == 1
+        pub.publish(weights(2), 2)
+        with pytest.raises(
+            WeightSyncError, match=rf"checksum mismatch in what arrived.*{re.escape(next(iter(SHAPES)))}"
+        ):
+            sub.wait(2, timeout=30)
+        assert sub.version == 1
+        assert all(torch.equal(mine[n], t) for n, t in weights(1).items())
