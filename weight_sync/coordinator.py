@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from transfer_queue import WeightSyncError
+from transfer_queue import SchemaError, WeightSyncError
 
 from .protocol import (
     Confirm,
@@ -73,6 +73,8 @@ class Coordinator:
         self.record = record
         self._recorder = None if record is None else ThreadPoolExecutor(1, thread_name_prefix="sluice-ws-record")
         self.ranks: dict[int, RankInfo] = {info.rank: info}
+        self.joined: dict[int, bytes] = {}
+        """Rank > 0 -> the connection its `Join` came over, while it is open (`left`)."""
         self.holders: dict[int, set[int]] = {}
         """Version -> ranks that have it complete (until every rank has)."""
         self.complete = -1
@@ -85,7 +87,9 @@ class Coordinator:
         """Serve one request meant for the coordinator."""
         match msg:
             case Join(info=info):
+                self._check_join(info, pending.peer)
                 self.ranks[info.rank] = info
+                self.joined[info.rank] = pending.peer
                 pending.reply(Ok())
                 self._wake()
             case Staged(rank=rank, version=version, complete=ok):
@@ -95,6 +99,32 @@ class Coordinator:
                 if not self._answer(msg, pending):
                     self.waiters.append((msg, pending))
                     self.park(pending, msg.timeout, "no newer version in time")
+
+    def _check_join(self, info: RankInfo, peer: bytes) -> None:
+        """Admit a rank only into its own place in this group: one that counts another group
+        size, or a place taken by a rank still connected, would leave subscribers a rank list
+        that does not add up (a launcher's misconfiguration, said to that rank at once).
+
+        Raises:
+            SchemaError: `info`'s world size differs, its rank is not in 1..world_size-1, or
+                another connection's rank holds its place.
+        """
+        if info.world_size != self.world_size:
+            raise SchemaError(
+                f"rank {info.rank} counts {info.world_size} publisher ranks; rank 0 counts {self.world_size}"
+            )
+        if not 0 < info.rank < self.world_size:
+            raise SchemaError(f"rank {info.rank} has no place among ranks 1..{self.world_size - 1} of this channel")
+        holder = self.joined.get(info.rank)
+        if holder is not None and holder != peer:
+            raise SchemaError(
+                f"rank {info.rank} already joined from {self.ranks[info.rank].control}, which is still connected"
+            )
+
+    def left(self, peer: bytes) -> None:
+        """A connection closed: a rank that joined over it may join again (a restarted rank)."""
+        for rank in [r for r, p in self.joined.items() if p == peer]:
+            del self.joined[rank]
 
     def on_started(self, version: int) -> None:
         """Rank 0 began staging `version` (subscribers may start pulling it)."""

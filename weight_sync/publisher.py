@@ -168,6 +168,8 @@ class WeightPublisher:
             `host` is beyond loopback without credentials.
         ValueError: `rank` is not below `world_size`; `torch` under NCCL with host transports;
             `validate=True` with GPU-staging transports only.
+        SchemaError (rank > 0): rank 0 counts another `world_size`, or a rank of this number
+            still connected holds its place (nothing is left running).
     """
 
     def __init__(
@@ -315,20 +317,24 @@ class WeightPublisher:
             else None
         )
         self._upstream: RpcClient | None = None
-        if rank == 0:
-            if self._client is not None:
-                self._controller(lambda c: c.announce(directory_key(name), msgspec.msgpack.encode(self.info)))
-        else:
-            self._upstream = RpcClient(
-                coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials
-            )
-            self._upstream.call(Join(self.info))
         self._drained = threading.Event()
         """Clear while a version's copies to host staging are still draining (`_pack_in_background`)."""
         self._drained.set()
         self._finished: queue.Queue = queue.Queue()
         self._finisher = threading.Thread(target=self._finish_loop, name="sluice-ws-finisher", daemon=True)
         self._finisher.start()
+        try:
+            if rank == 0:
+                if self._client is not None:
+                    self._controller(lambda c: c.announce(directory_key(name), msgspec.msgpack.encode(self.info)))
+            else:
+                self._upstream = RpcClient(
+                    coordinator or self._find_coordinator(), timeout=timeout, credentials=self.credentials
+                )
+                self._upstream.call(Join(self.info))
+        except BaseException:
+            self.close()  # a rank that could not join or be announced leaves nothing running
+            raise
 
     @property
     def endpoint(self) -> str:
@@ -888,10 +894,13 @@ class WeightPublisher:
         return held
 
     def _release_holder(self, holder: bytes) -> None:
-        """A reader's connection closed: release its leases, in host and GPU staging."""
+        """A connection closed: release its reader's leases, in host and GPU staging; a rank
+        that joined over it may join again."""
         self._table.release_holder(holder)
         if self._mirror is not None:
             self._mirror.table.release_holder(holder)
+        if self._coordinator is not None:
+            self._coordinator.left(holder)
 
     def _lease(self, msg: Lease, pending: Pending, parked: bool = False) -> None:
         """Grant `msg`, or keep it waiting (`parked`: it waits already, with its deadline) for its

@@ -224,6 +224,31 @@ def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
         p0.close()
 
 
+def test_a_rank_that_does_not_fit_the_group_is_refused_and_a_restarted_one_joins_again():
+    """Rank 0 refuses a rank that counts another group size or takes the place of a rank still
+    connected (before, it admitted both, and every subscriber then got `InternalError:
+    KeyError` or read the wrong rank), and the refused publisher leaves nothing running. A
+    rank whose process ended joins again in its place, and the channel goes on."""
+    threads = threading.active_count()
+    with WeightPublisher(None, "shm", world_size=2, timeout=10) as p0:
+        with pytest.raises(tq.SchemaError, match="counts 3 publisher ranks; rank 0 counts 2"):
+            WeightPublisher(None, "shm", rank=2, world_size=3, coordinator=p0.endpoint, timeout=10)
+        p1 = WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
+        with pytest.raises(tq.SchemaError, match="rank 1 already joined"):
+            WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
+        assert p0._coordinator.ranks[1] == p1.info
+        p1.close()
+        eventually(lambda: 1 not in p0._coordinator.joined, 10, "rank 1's connection seen closed")
+        with (
+            WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10) as again,
+            WeightSubscriber(None, mine := {"w": torch.zeros(8)}, publisher=p0.endpoint) as sub,
+        ):
+            for pub in (p0, again):
+                pub.publish({"w": torch.full((8,), 3.0)}, version=1)
+            assert sub.wait(1, timeout=30) == 1 and torch.equal(mine["w"], torch.full((8,), 3.0))
+    eventually(lambda: threading.active_count() <= threads + 1, 10, "the publishers' threads gone")
+
+
 def test_a_co_located_subscriber_talks_to_rank_0_over_its_local_lane():
     """A publisher serving a "map" transport opens a local lane; a subscriber on its host asks
     for versions and releases rank 0's lease over it (the lane's peers are named
