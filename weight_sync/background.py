@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from transfer_queue import SluiceError, TimeoutError, WeightSyncError
+from transfer_queue import SchemaError, SluiceError, TimeoutError, WeightSyncError
 from transfer_queue.cuda import in_use
 
 from .delta import WHOLE, Frame
@@ -78,7 +78,9 @@ class BackgroundReceiver(Receiver):
         """Per publisher rank, the delta frames received of `holding`'s version (relays
         forward them to subscribers on the same base); set with `holding`."""
         self._received: _Received | None = None
-        self._error: WeightSyncError | None = None
+        self._error: WeightSyncError | SchemaError | None = None
+        """What the thread's last try raised, for `poll` to raise: a `SchemaError` (the tensors do
+        not fit what is published) until a version is received, others once."""
         self._fetched = -1
         """The newest version the thread brought in (applied or not)."""
         self._coordinator: RpcClient | None = None
@@ -110,7 +112,9 @@ class BackgroundReceiver(Receiver):
                     if self.closed:
                         return
                     self._error = (
-                        exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"weight transfer failed: {exc!r}")
+                        exc
+                        if isinstance(exc, (WeightSyncError, SchemaError))
+                        else WeightSyncError(f"weight transfer failed: {exc!r}")
                     )
                     self.cond.notify_all()
                     self.cond.wait(_RETRY_SECONDS)
@@ -158,7 +162,8 @@ class BackgroundReceiver(Receiver):
     def _apply_received(self) -> int | None:
         with self.cond:
             received, error = self._received, self._error
-            self._error = None
+            if not isinstance(error, SchemaError):  # it stands until the publisher's tensors change
+                self._error = None
         held = self.targets.version
         if error is not None and (received is None or received.version <= held):
             raise error

@@ -179,6 +179,9 @@ class WeightSubscriber:
                 version; copies from a slot that cannot be vouched for leave `version` at -1),
                 or checksums disagree; `GpuStagingStoppedError` (one) when only
                 GPU-staging transports were offered and the publisher's GPU staging stopped.
+            SchemaError: the tensors do not fit what is published (a name, dtype or shape the
+                mapping cannot reconcile), on every call until the published tensors change;
+                nothing is applied.
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()
@@ -193,7 +196,7 @@ class WeightSubscriber:
         Raises:
             tq.TimeoutError: no such version was applied within `timeout` seconds.
             WeightSyncError: a transfer failed (`GpuStagingStoppedError`: as in `poll`).
-            SchemaError: `timeout` is NaN.
+            SchemaError: `timeout` is NaN, or the tensors do not fit what is published (as in `poll`).
             tq.ClosedError: the subscriber was closed.
         """
         self._check_open()

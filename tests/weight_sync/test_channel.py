@@ -71,6 +71,36 @@ def test_publisher_killed_mid_transfer_leaves_the_previous_version(transport):
     publisher_killed_mid_version(publisher_transport(transport, 2), {"bucket_bytes": BUCKET}, transport)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_tensors_that_do_not_fit_what_is_published_get_a_schema_error_every_time(transport):
+    """A subscriber holding a tensor of another dtype, or a name nothing published maps to,
+    gets `SchemaError` naming it from `wait` and from every `poll` after, its tensors untouched,
+    over any transport (over tcp it came back wrapped as `WeightSyncError` once, then `poll`
+    said None as if nothing were wrong). A subscriber that fits takes the version meanwhile."""
+    import torch
+
+    from transfer_queue import SchemaError
+    from weight_sync import WeightSubscriber
+
+    from .workers import zeros
+
+    wrong_dtype = {n: t.float() if i == 0 else t for i, (n, t) in enumerate(zeros().items())}
+    wrong_name = {f"{n}.renamed" if i == 0 else n: t for i, (n, t) in enumerate(zeros().items())}
+    with WeightPublisher(None, transport=transport, bucket_bytes=BUCKET) as pub:
+        pub.publish(weights(1), 1)
+        for mine, why in ((wrong_dtype, "held as torch.float32"), (wrong_name, "no published tensor maps to")):
+            with WeightSubscriber(None, mine, transport=transport, publisher=pub.endpoint) as sub:
+                with pytest.raises(SchemaError, match=why):
+                    sub.wait(1, timeout=30)
+                for _ in range(3):
+                    with pytest.raises(SchemaError, match=why):
+                        sub.poll()
+                assert sub.version == -1 and all(not t.any() for t in mine.values())
+        with WeightSubscriber(None, fits := zeros(), transport=transport, publisher=pub.endpoint) as sub:
+            assert sub.wait(1, timeout=30) == 1
+        assert all(torch.equal(fits[n], t) for n, t in weights(1).items())
+
+
 def test_tcp_relay_chain():
     """With fanout 1 the second subscriber pulls from the first, which relays as it receives."""
     pub = WeightPublisher(None, transport=TcpTransport(fanout=1), bucket_bytes=BUCKET)
