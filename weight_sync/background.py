@@ -101,7 +101,9 @@ class BackgroundReceiver(Receiver):
         """Where each planned copy reads from in a received version."""
 
     def _loop(self, coordinator: str) -> None:
-        self._coordinator = RpcClient(coordinator, timeout=self.timeout)  # sockets stay with one thread
+        self._coordinator = RpcClient(
+            coordinator, timeout=self.timeout, credentials=self.ranks.credentials
+        )  # sockets stay with one thread
         while not self.closed:
             try:
                 self._receive()

@@ -284,17 +284,19 @@ def serve(
     )
 
 
-def connect(info: RankInfo, here: str, timeout: float) -> RpcClient | LocalClient:
+def connect(
+    info: RankInfo, here: str, timeout: float, credentials: Credentials | None = None
+) -> RpcClient | LocalClient:
     """A control client to rank `info`, from a process on host `here`: over the rank's local
     lane when it has one and is on this host (one thread wake per message, not three), else
-    over ZeroMQ (also when the lane cannot be reached: the rank is gone, which the first call
-    over ZeroMQ reports as `WeightSyncError`)."""
+    over ZeroMQ with `credentials` (also when the lane cannot be reached: the rank is gone,
+    which the first call over ZeroMQ reports as `WeightSyncError`)."""
     if info.local and info.host == here:
         try:
             return LocalClient(info.local, timeout=timeout)
         except WeightSyncError:
             pass
-    return RpcClient(info.control, timeout=timeout)
+    return RpcClient(info.control, timeout=timeout, credentials=credentials)
 
 
 class RpcClient(Channel):

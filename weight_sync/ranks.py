@@ -16,7 +16,7 @@ import torch
 
 from transfer_queue import SluiceError, WeightSyncError
 from transfer_queue.cuda import copies, is_cuda
-from transfer_queue.wire.rpc import Message, Ping, check
+from transfer_queue.wire.rpc import Credentials, Message, Ping, check
 
 from .manifest import Manifest
 from .mapping import NameMapping, TPShard
@@ -72,8 +72,11 @@ class PublisherRanks:
         mapping: NameMapping,
         signature: int,
         timeout: float,
+        credentials: Credentials | None = None,
     ):
         self.info = ranks
+        self.credentials = credentials
+        """The cluster's keys for the ranks' control servers (None: `SLUICE_CREDENTIALS`)."""
         self.transport = transport
         self.signature = signature
         """Identifies what this subscriber needs: equal signatures mean equal plans (relays)."""
@@ -101,7 +104,9 @@ class PublisherRanks:
     def _client(self, rank: int) -> RpcClient:
         client = self._clients.get(rank)
         if client is None:
-            client = self._clients[rank] = RpcClient(self.info[rank].control, timeout=self.timeout)
+            client = self._clients[rank] = RpcClient(
+                self.info[rank].control, timeout=self.timeout, credentials=self.credentials
+            )
         return client
 
     def plan(self, ids: tuple[int, ...]) -> Plan:

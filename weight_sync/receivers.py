@@ -147,7 +147,7 @@ class MappedReceiver(Receiver):
     def __init__(self, ranks: PublisherRanks, targets: Targets, coordinator: str, settings: ReceiveSettings):
         super().__init__(ranks, targets, coordinator, settings)
         self._here = host_id()
-        self._coordinator = connect(ranks.info[0], self._here, self.timeout)
+        self._coordinator = connect(ranks.info[0], self._here, self.timeout, ranks.credentials)
         """Rank 0's control server, over its local lane (the rank is on this host): each
         version's offer and rank 0's release wake one thread on their way, not three."""
         self._released = False
@@ -169,7 +169,7 @@ class MappedReceiver(Receiver):
             # an offer still to come would carry a lease held by this connection: closing it
             # releases that lease at rank 0 (a new connection asks next time)
             self._coordinator.close()
-            self._coordinator = connect(self.ranks.info[0], self._here, self.timeout)
+            self._coordinator = connect(self.ranks.info[0], self._here, self.timeout, self.ranks.credentials)
             self._released = False
             raise
         if offer.version <= held:

@@ -38,7 +38,7 @@ import xxhash
 import transfer_queue as tq
 from transfer_queue import GpuStagingStoppedError, SchemaError, TimeoutError, WeightSyncError
 from transfer_queue.host import host_id
-from transfer_queue.wire.rpc import DEAD_AFTER, check
+from transfer_queue.wire.rpc import DEAD_AFTER, Credentials, check, credentials_from_env
 
 from .background import ImageReceiver, ReadsReceiver
 from .delta import threads
@@ -90,6 +90,10 @@ class WeightSubscriber:
         buffers: receive buffers for background transports (default 1, or 2 for torch, which
             must keep receiving while a version waits to be applied).
         timeout: seconds to wait on the publisher for any one step of a transfer.
+        credentials: the cluster's CurveZMQ keys for the controller and the publishers'
+            control endpoints (default: `SLUICE_CREDENTIALS`), as the publisher's
+            `credentials=`; transports given by name read `SLUICE_CREDENTIALS`, instances take
+            their own (`TcpTransport(credentials=...)`).
 
     Raises:
         SchemaError: `SLUICE_DELTA_THREADS` is malformed (read here when a transport offered
@@ -112,6 +116,7 @@ class WeightSubscriber:
         pipelined: bool = True,
         buffers: int | None = None,
         timeout: float = 30.0,
+        credentials: Credentials | None = None,
     ):
         if address is None and publisher is None:
             raise ValueError("give the controller's address or the publisher's endpoint")
@@ -133,12 +138,15 @@ class WeightSubscriber:
         # read once, here, so that a bad SLUICE_DELTA_THREADS fails the construction, not a pull
         delta_threads = threads() if any(t.deltas for t in self._offered) else 1
         self._settings = ReceiveSettings(validate, relay, pipelined, buffers, delta_threads)
-        self._client = tq.ControlClient(address) if address is not None else None
+        self.credentials = credentials if credentials is not None else credentials_from_env()
+        self._client = tq.ControlClient(address, self.credentials) if address is not None else None
         self._publisher = publisher
         self._held = Targets()
         self._signature = _signature(self.targets, self.shard, self.mapping)
         self._ranks: PublisherRanks | None = None
         self._receiver: Receiver | None = None
+        self._unreached = ""
+        """Why the publishers were last not reached (`_start`), for `wait`'s `TimeoutError`."""
         self._closed = False
 
     @property
@@ -206,7 +214,10 @@ class WeightSubscriber:
         while self.version < version:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"version {version} was not applied within {timeout} s (holding {self.version})")
+                why = f": the publishers were not reached ({self._unreached})" if self._receiver is None else ""
+                raise TimeoutError(
+                    f"version {version} was not applied within {timeout} s (holding {self.version}){why}"
+                )
             if self._receiver is None and not self._start(timeout=left):
                 continue
             self._receive(deadline)
@@ -267,6 +278,7 @@ class WeightSubscriber:
             assert self._client is not None  # __init__ requires an address or a publisher endpoint
             raw = self._client.lookup(directory_key(self.name), timeout=timeout)
             if raw is None:
+                self._unreached = f"nothing announced channel {self.name!r} to the controller"
                 return False
             endpoint = msgspec.msgpack.decode(raw, type=RankInfo).control
         began = time.monotonic()
@@ -277,14 +289,17 @@ class WeightSubscriber:
             if left <= 0:
                 return False
             connect, answer = min(DEAD_AFTER, left), min(self.timeout, left)
-        coordinator = RpcClient(endpoint, timeout=self.timeout, connect_timeout=connect)
+        coordinator = RpcClient(endpoint, timeout=self.timeout, connect_timeout=connect, credentials=self.credentials)
         try:
             rid = coordinator.send(Latest(after=-1, complete=True, timeout=0.0))
             offer = check(coordinator.reply(rid, answer, since=began, what="Latest")[0], Offer)
-        except WeightSyncError:
+        except WeightSyncError as exc:
+            self._unreached = str(exc)
             offer = None
         finally:
             coordinator.close()  # each receiver opens its own, in the thread that uses it
+        if offer is not None and not offer.ranks:
+            self._unreached = "not every publisher rank has joined rank 0 yet"
         if offer is None or not offer.ranks:  # not started yet, or some trainer ranks have not joined
             left = deadline - time.monotonic()
             if left > 0:
@@ -299,7 +314,7 @@ class WeightSubscriber:
         serving is given up at once for a spare host one (`_fall_back`)."""
         transport = self._choose(ranks)
         self._ranks = PublisherRanks(
-            ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout
+            ranks, transport, self.targets, self.shard, self.mapping, self._signature, self.timeout, self.credentials
         )
         stopped = self._ranks.open_slots()
         if stopped and self._spare:

@@ -87,6 +87,27 @@ def test_the_control_endpoint_admits_only_the_clusters_clients(monkeypatch):
         assert sub.wait(1, timeout=30) == 1 and torch.equal(mine["w"], torch.ones(4))
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_subscriber_given_the_clusters_credentials_is_admitted_and_one_without_is_told_why(monkeypatch, transport):
+    """`WeightSubscriber(credentials=...)`, as the publisher's `credentials=`: admitted without
+    `SLUICE_CREDENTIALS`. One without them times out saying the publisher was not reached and
+    why (before, no such argument existed, and the timeout said nothing of the refusal)."""
+    monkeypatch.delenv(CREDENTIALS_ENV, raising=False)
+    creds = Credentials.generate()
+    with WeightPublisher(None, transport, credentials=creds) as pub:
+        pub.publish({"w": torch.ones(4)}, version=1)
+        mine = {"w": torch.zeros(4)}
+        with WeightSubscriber(
+            None, mine, transport=transport, publisher=pub.endpoint, credentials=creds.for_clients()
+        ) as sub:
+            assert sub.wait(1, timeout=30) == 1 and torch.equal(mine["w"], torch.ones(4))
+        with (
+            WeightSubscriber(None, {"w": torch.zeros(4)}, transport=transport, publisher=pub.endpoint) as stranger,
+            pytest.raises(tq.TimeoutError, match=r"the publishers were not reached.*credentials"),
+        ):
+            stranger.wait(1, timeout=4)
+
+
 def _leases(pub: WeightPublisher) -> int:
     return sum(len(slot.leases) for slot in pub._table.slots)
 
