@@ -166,7 +166,7 @@ class WeightPublisher:
     Raises:
         SchemaError: `SLUICE_DELTA_THREADS` is malformed (deltas on or able to turn on), or
             `host` is beyond loopback without credentials.
-        ValueError: `rank` is not below `world_size`; `torch` under NCCL with host transports;
+        ValueError: `rank` is not below `world_size`; `slots` < 1; `torch` under NCCL with host transports;
             `validate=True` with GPU-staging transports only.
         SchemaError (rank > 0): rank 0 counts another `world_size`, or a rank of this number
             still connected holds its place (nothing is left running).
@@ -195,6 +195,8 @@ class WeightPublisher:
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if slots < 1:
+            raise ValueError(f"slots={slots}: a publisher needs at least one staging slot")
         self.name, self.rank, self.world_size = name, rank, world_size
         self.shard = shard
         self.cast = dict(cast or {})
@@ -274,6 +276,8 @@ class WeightPublisher:
         """The id of the newest manifest (what a subscriber plans for ahead of the first version)."""
         self._manifest_key: list | None = None
         self._last = -1
+        self._failed = -1
+        """The newest version whose staging failed (its number is taken: publish a newer one)."""
         self._started = -1  # newest version this rank began staging (server thread's copy)
         self._lease_waiters: list[tuple[Lease, Pending]] = []
         self._relays: dict[tuple[int, int, str], list[str]] = {}
@@ -383,7 +387,10 @@ class WeightPublisher:
         if self._closed:
             raise tq.ClosedError("this publisher was closed")
         if version <= self._last:
-            raise VersionError(f"version {version} is not above the last published version {self._last}")
+            failed = (
+                " (its publish failed: the version before it is still served)" if self._failed == self._last else ""
+            )
+            raise VersionError(f"version {version} is not above the last published version {self._last}{failed}")
         items = _items(tensors)
         manifest = self._manifest(items)
         cuda = _cuda_device(items)
@@ -775,6 +782,7 @@ class WeightPublisher:
     def _fail(self, slot: Slot, version: int, mirror: Slot | None = None) -> None:
         """Staging `version` into `slot` (and its GPU `mirror` slot) failed: its readers, of
         whole bytes or of the delta, get `WeightSyncError`, and the slots may be claimed again."""
+        self._failed = version
         staged = _staged_in(self._deltas, slot, version)
         if staged is not None:
             staged.fail()

@@ -370,3 +370,24 @@ def test_a_release_says_whether_its_lease_still_held_its_slot():
             assert isinstance(client.call(Release(grant.lease)), Ok)
             with pytest.raises(tq.WeightSyncError, match="did not hold its slot"):
                 client.call(Release(grant.lease))
+
+
+def test_a_failed_publish_keeps_the_version_before_it_and_says_its_number_is_taken():
+    """A publish that fails while staging (a meta tensor among the weights) leaves the previous
+    version served; publishing the same number again is refused saying that publish failed
+    (it said only "not above the last published version"), and the next number goes through.
+    A publisher with no staging slot is refused at once (it was accepted, and its publish
+    timed out blaming stuck subscribers)."""
+    with pytest.raises(ValueError, match="at least one staging slot"):
+        WeightPublisher(None, "shm", slots=0)
+    mine = {"w": torch.zeros(8), "b": torch.zeros(4)}
+    with WeightPublisher(None, "shm") as pub, WeightSubscriber(None, mine, publisher=pub.endpoint) as sub:
+        pub.publish({"w": torch.ones(8), "b": torch.ones(4)}, version=1)
+        assert sub.wait(1, timeout=30) == 1
+        with pytest.raises(tq.SluiceError):
+            pub.publish({"w": torch.full((8,), 2.0), "b": torch.empty(4, device="meta")}, version=2)
+        assert sub.poll() is None and sub.version == 1 and torch.equal(mine["w"], torch.ones(8))
+        with pytest.raises(tq.VersionError, match="its publish failed"):
+            pub.publish({"w": torch.full((8,), 2.0), "b": torch.full((4,), 2.0)}, version=2)
+        pub.publish({"w": torch.full((8,), 3.0), "b": torch.full((4,), 3.0)}, version=3)
+        assert sub.wait(3, timeout=30) == 3 and torch.equal(mine["b"], torch.full((4,), 3.0))
