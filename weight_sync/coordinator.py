@@ -76,7 +76,12 @@ class Coordinator:
         self.joined: dict[int, bytes] = {}
         """Rank > 0 -> the connection its `Join` came over, while it is open (`left`)."""
         self.holders: dict[int, set[int]] = {}
-        """Version -> ranks that have it complete (until every rank has)."""
+        """Version -> ranks that have it complete (until every rank has; the last `RECENT`)."""
+        self._unrecorded: list[int] = []
+        """Versions complete on every rank whose record waits for the one in flight (the last
+        `RECENT`): the next record takes them all at once."""
+        self._recording = False
+        """Whether a record is in flight on the recording worker."""
         self.complete = -1
         self.started = -1
         self.recent: deque[int] = deque(maxlen=RECENT)
@@ -139,6 +144,8 @@ class Coordinator:
         else:
             ranks = self.holders.setdefault(version, set())
             ranks.add(rank)
+            for old in [v for v in self.holders if v < version - RECENT]:
+                del self.holders[old]  # never complete (a rank died or failed it): forgotten
             if len(ranks) == self.world_size and version > self.complete:
                 self._complete(version)
         self._wake()
@@ -147,28 +154,44 @@ class Coordinator:
         for old in [v for v in self.holders if v <= version]:
             del self.holders[old]
         if self._recorder is None:
-            self._recorded(version, None)
-        else:
-            self._recorder.submit(self._record, version)
+            self._recorded([version], None)
+            return
+        self._unrecorded = [*self._unrecorded, version][-RECENT:]
+        self._record_next()
 
-    def _record(self, version: int) -> None:
-        """Worker thread: record `version` in the controller, then report to the server thread."""
+    def _record_next(self) -> None:
+        """Server thread: hand the versions waiting for a record to the worker, unless one is in
+        flight. Records go one at a time, each for the newest version complete by then, so a
+        slow or unreachable controller (seconds per call) delays versions, never queues them."""
+        if self._recording or not self._unrecorded:
+            return
+        assert self._recorder is not None  # versions wait for a record only with a recorder
+        self._recording = True
+        versions, self._unrecorded = self._unrecorded, []
+        self._recorder.submit(self._record, versions)
+
+    def _record(self, versions: list[int]) -> None:
+        """Worker thread: record the newest of `versions` in the controller, then report to the
+        server thread."""
         assert self.record is not None  # the recording worker exists only with a `record`
         error: Exception | None = None
         try:
-            self.record(version)
+            self.record(max(versions))
         except Exception as exc:  # noqa: BLE001 - the controller refused or is gone: nobody is told
             error = exc
-        self.submit(lambda: self._recorded(version, error))
+        self.submit(lambda: self._recorded(versions, error))
 
-    def _recorded(self, version: int, error: Exception | None) -> None:
-        """Server thread: `version` is recorded (or could not be: it is abandoned); tell waiters."""
+    def _recorded(self, versions: list[int], error: Exception | None) -> None:
+        """Server thread: the newest of `versions` is recorded, and with it the others (or it
+        could not be: they are abandoned); tell waiters, and start the next record."""
+        self._recording = False
         if error is not None:
-            log.error("could not record version %d in the controller: %s", version, error)
-            self.abandoned.append(version)
-        elif version > self.complete:
-            self.complete = version
-            self.recent.append(version)
+            log.error("could not record version %d in the controller: %s", max(versions), error)
+            self.abandoned.extend(versions)
+        elif max(versions) > self.complete:
+            self.complete = max(versions)
+            self.recent.extend(versions)
+        self._record_next()
         self._wake()
 
     def close(self) -> None:
