@@ -329,6 +329,13 @@ class Partition:
         w = self.window(task)
         return int(np.count_nonzero(self.alive[w] & ~task.consumed[w]))
 
+    def leased(self, rows: np.ndarray) -> np.ndarray:
+        """Mask over `rows`: which some task holds under a lease now."""
+        mask = np.zeros(len(rows), bool)
+        for task in self.tasks.values():
+            mask |= task.lease[rows] > 0
+        return mask
+
     def consume(self, task: TaskState, rows: np.ndarray) -> None:
         task.consumed[rows] = True
         task.lease[rows] = 0
