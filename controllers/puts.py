@@ -349,8 +349,7 @@ class Puts:
         part = self.ledger.existing(msg.partition)
         rows = part.rows_of(msg.indexes)
         part.check_schema(msg.fields)
-        part.add_fields(msg.fields)
-        self.ledger.grow_rows(part, rows, msg.row_bytes)
+        self.ledger.write_fields(part, rows, msg.fields, msg.row_bytes)
         return part, rows
 
     def _open_put(self, msg: CommitPut) -> _OpenPut:
