@@ -318,6 +318,8 @@ class Puts:
                     raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
             if info.source_partition and len(info.source_indexes) != n:
                 raise SchemaError(f"source_indexes has {len(info.source_indexes)} entries for {n} samples")
+            if info.grant_id:
+                self.admission.check_fits(info.grant_id, n)
             part.v_first[rows] = _uniform(info.versions_first)
             part.v_last[rows] = _uniform(info.versions_last)
             part.group[rows] = _uniform(info.groups)
