@@ -70,6 +70,7 @@ from .records import Acked, Dropped, Record, Sealed, Version
 from .samplers import SamplerRegistry
 from .scheduling import Scheduler
 from .status import ClusterStatus, Counters, RetiredUnitStatus, UnitStatus
+from .table import Partition
 from .units import UnitLinks
 from .versions import VersionClock
 
@@ -224,8 +225,11 @@ class Controller(Service):
 
     def on_ack(self, msg: Ack, data) -> Ok:
         """Ack what the lease allows (`Scheduler.ack`), journal it, then raise
-        `LeaseExpiredError` for the samples another consumer of the task holds or acked now."""
-        part = self.ledger.existing(msg.partition)
+        `LeaseExpiredError` for the samples another consumer of the task holds or acked now.
+
+        Raises:
+            SchemaError: no task is named (see `_consumer`)."""
+        part = self._consumer(msg)
         taken, refused = self.scheduler.ack(part, msg.task, msg.indexes, msg.lease_id)
         if taken:
             self.record(Acked(part.name, msg.task, taken))
@@ -240,9 +244,27 @@ class Controller(Service):
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
-        part = self.ledger.existing(msg.partition)
+        """Give samples back to the task's ready pool (`Scheduler.nack`).
+
+        Raises:
+            SchemaError: no task is named (see `_consumer`)."""
+        part = self._consumer(msg)
         self.scheduler.nack(part, msg.task, msg.indexes, msg.lease_id)
         return Ok()
+
+    def _consumer(self, msg: Ack | Nack) -> Partition:
+        """The partition an ack or nack is for, once it names a task: a meta from a put or a
+        hand-built one names none, and would make a task named "" consume the samples.
+
+        Raises:
+            SchemaError: no task, or no such partition."""
+        kind = "ack" if isinstance(msg, Ack) else "nack"
+        if not msg.task:
+            raise SchemaError(
+                f"{kind} needs the task the samples were handed to: pass a meta from get_meta (a put's meta names "
+                "no task), or set meta.task"
+            )
+        return self.ledger.existing(msg.partition)
 
     def on_clear(self, msg: Clear, data) -> Ok:
         part = self.ledger.existing(msg.partition)
