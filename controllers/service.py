@@ -149,7 +149,8 @@ class Controller(Service):
         self._peers_peak = 0
         self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
-        self._announce_waiters: dict[str, list[asyncio.Future]] = {}
+        self._announce_waiters: dict[str, set[asyncio.Future]] = {}
+        """Lookups parked until their key is announced, each removed when it ends (answered, timed out, cancelled)."""
         handlers: dict[type, Callable[..., Any]] = {
             Hello: self.on_hello,
             GetMeta: self.on_get_meta,
@@ -327,7 +328,7 @@ class Controller(Service):
         if len(msg.value) > _MAX_ANNOUNCE_BYTES:
             raise SchemaError(f"announced values are limited to {_MAX_ANNOUNCE_BYTES} bytes")
         self.announced[msg.key] = msg.value
-        for fut in self._announce_waiters.pop(msg.key, []):
+        for fut in self._announce_waiters.pop(msg.key, set()):
             if not fut.done():
                 fut.set_result(msg.value)
         return Ok()
@@ -337,11 +338,16 @@ class Controller(Service):
         if value is not None or msg.timeout <= 0:
             return LookupReply(value)
         fut = asyncio.get_running_loop().create_future()
-        self._announce_waiters.setdefault(msg.key, []).append(fut)
+        waiters = self._announce_waiters.setdefault(msg.key, set())
+        waiters.add(fut)
         try:
             return LookupReply(await asyncio.wait_for(fut, msg.timeout))
         except asyncio.TimeoutError:
             return LookupReply(None)
+        finally:  # a lookup that gave up must not stay parked: a client polling for a key would pile them up
+            waiters.discard(fut)
+            if not waiters and self._announce_waiters.get(msg.key) is waiters:
+                del self._announce_waiters[msg.key]
 
     # -- checkpoints -------------------------------------------------------------------
 
