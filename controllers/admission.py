@@ -267,6 +267,19 @@ class Admission:
             self._queue.popleft()
             fut.set_result((self._grant(n), self.version_of()))
 
+    def check_fits(self, grant_id: int, n: int) -> None:
+        """Refuse a put of `n` samples under `grant_id` beyond the slots it has left (a grant
+        that expired is not known any more: its samples count once they exist, `used`).
+
+        Raises:
+            SchemaError: the grant has fewer than `n` slots left."""
+        grant = self._grants.get(grant_id)
+        if grant is not None and n > grant.remaining:
+            raise SchemaError(
+                f"a put of {n} samples under grant {grant_id}, which has {grant.remaining} slots left: put at most "
+                "as many samples as acquired (acquire more, or split the batch over several grants)"
+            )
+
     def used(self, grant_id: int, n: int) -> None:
         """`n` samples were put under `grant_id`: they move from running to accepted."""
         grant = self._grants.get(grant_id)

@@ -245,6 +245,7 @@ class Journal:
                 columns={name: getattr(part, name)[rows].astype(np.int64).tolist() for name in Partition._COLUMNS},
                 ready={name: arr[rows].astype(np.int64).tolist() for name, arr in part.ready.items()},
                 consumed={name: task.consumed[rows].astype(np.int64).tolist() for name, task in part.tasks.items()},
+                field_bytes={name: arr[rows].tolist() for name, arr in part.field_bytes.items()},
             )
         for name, index in parts.keys.live().items():
             keys = index.live_keys()
@@ -275,6 +276,8 @@ def _partition(rec: Table) -> Partition:
     part.loaded(n)
     for name, values in rec.ready.items():
         part.ready[name][:n] = np.asarray(values, bool)
+    for name, values in rec.field_bytes.items():
+        part.field_bytes[name][:n] = values
     for name, values in rec.consumed.items():
         task = part.task(name)
         part.consume(task, np.flatnonzero(np.asarray(values, bool)))

@@ -19,6 +19,8 @@ import numpy as np
 from transfer_queue.host import give_back_freed_memory
 from transfer_queue.wire.errors import SchemaError
 from transfer_queue.wire.messages import UnitInfo
+from transfer_queue.wire.meta import FieldSpec
+from transfer_queue.wire.sizes import arena_bytes
 
 from .records import Freed, Placed, Record
 from .table import Partition
@@ -35,6 +37,22 @@ OnFreed = Callable[[str, "dict[int, list[int]] | None"], None]
 
 def _nobody(partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
     """Nobody to tell of freed rows (no unit links yet)."""
+
+
+def field_sizes(fields: dict[str, FieldSpec], n: int, row_bytes: int) -> dict[str, int]:
+    """Bytes per row of each of a put's `fields`, which add up to its `row_bytes` (the client's
+    average over `n` rows): a dense field its arena share (`arena_bytes`), the ragged ones what
+    is left, shared evenly (the put says only their sum); the rounding goes to the first."""
+    sizes = {name: arena_bytes(spec.row_bytes * n) // n for name, spec in fields.items() if not spec.ragged}
+    ragged = [name for name, spec in fields.items() if spec.ragged]
+    rest = row_bytes - sum(sizes.values())
+    if ragged:
+        share = rest // len(ragged)
+        sizes.update(dict.fromkeys(ragged, share))
+        sizes[ragged[0]] += rest - share * len(ragged)
+    elif sizes:
+        sizes[next(iter(sizes))] += rest
+    return sizes
 
 
 def all_equal(values: np.ndarray | list[int]) -> bool:
@@ -171,16 +189,23 @@ class Ledger:
     ) -> None:
         """Register rows first.. on `units` (`shares`: their bytes per unit) and count their bytes."""
         part.add_fields(fields)
-        rows = part.append(first, len(units), units, row_bytes)
+        rows = part.append(first, len(units), units, 0)
+        part.hold(rows, field_sizes(fields, len(units), row_bytes))
         part.committed[rows] = committed
         for unit_id, nbytes in shares.items():
             self.unit_bytes[unit_id] += nbytes
 
-    def grow_rows(self, part: Partition, rows: np.ndarray, row_bytes: int) -> None:
-        """Existing `rows` got new columns of `row_bytes` each: count them on the rows and units."""
-        part.row_bytes[rows] += row_bytes
-        for unit_id, nbytes in self.shares(part.unit[rows], row_bytes).items():
-            self.unit_bytes[unit_id] += nbytes
+    def write_fields(self, part: Partition, rows: np.ndarray, fields: dict[str, FieldSpec], row_bytes: int) -> None:
+        """Existing `rows` were written `fields`, `row_bytes` each (a put with `meta=`): count on
+        the rows and units what they did not hold before. A field a row held already (a consumer
+        that wrote it again after its lease expired) was replaced on its unit: only the
+        difference in size counts."""
+        part.add_fields(fields)
+        grown = part.hold(rows, field_sizes(fields, len(rows), row_bytes))
+        units = part.unit[rows]
+        for unit_id in np.unique(units).tolist():
+            if unit_id in self.unit_bytes:  # not a retired unit
+                self.unit_bytes[unit_id] = max(0, self.unit_bytes[unit_id] + int(grown[units == unit_id].sum()))
 
     def advance(self, next_index: int) -> None:
         """Never hand out an index below `next_index` (a replayed journal's)."""

@@ -318,6 +318,8 @@ class Puts:
                     raise SchemaError(f"{name} has {len(values)} entries for {n} samples")
             if info.source_partition and len(info.source_indexes) != n:
                 raise SchemaError(f"source_indexes has {len(info.source_indexes)} entries for {n} samples")
+            if info.grant_id:
+                self.admission.check_fits(info.grant_id, n)
             part.v_first[rows] = _uniform(info.versions_first)
             part.v_last[rows] = _uniform(info.versions_last)
             part.group[rows] = _uniform(info.groups)
@@ -349,8 +351,7 @@ class Puts:
         part = self.ledger.existing(msg.partition)
         rows = part.rows_of(msg.indexes)
         part.check_schema(msg.fields)
-        part.add_fields(msg.fields)
-        self.ledger.grow_rows(part, rows, msg.row_bytes)
+        self.ledger.write_fields(part, rows, msg.fields, msg.row_bytes)
         return part, rows
 
     def _open_put(self, msg: CommitPut) -> _OpenPut:

@@ -113,6 +113,8 @@ class Table(_Rec, tag="table", frozen=True):
     """Field -> 0/1 per live row."""
     consumed: dict[str, list[int]]
     """Task -> 0/1 per live row."""
+    field_bytes: dict[str, list[int]] = {}
+    """Field -> the bytes each live row holds of it (`Partition.field_bytes`)."""
 
 
 Record = Union[Header, Unit, Retired, Placed, Committed, Freed, Acked, Sealed, Dropped, Keyed, Tagged, Version, Table]

@@ -54,6 +54,18 @@ class Sampler(ABC):
     ) -> np.ndarray | None: ...
 
 
+def _count_option(options: Mapping[str, int | float | str], sampler: str, name: str, default: int | None) -> int:
+    """Option `name` of `sampler`: a positive integer (`default` when absent; None: required).
+
+    Raises:
+        SchemaError: it is absent and required, or not a positive integer (a string, a
+            fraction, a bool, zero or below)."""
+    value = options.get(name, default)
+    if type(value) is not int or value <= 0:
+        raise SchemaError(f"{sampler} needs {name} as a positive integer, got {value!r}")
+    return value
+
+
 class FifoSampler(Sampler):
     """Oldest first."""
 
@@ -71,9 +83,9 @@ class GroupSampler(Sampler):
     name = "grpo_group"
 
     def sample(self, ready, batch_size, view, options, partial):
-        size = int(options.get("group_size", 0))
-        if size <= 0 or batch_size % size:
-            raise SchemaError(f"grpo_group needs group_size > 0 dividing batch_size ({batch_size}), got {size}")
+        size = _count_option(options, self.name, "group_size", None)
+        if batch_size % size:
+            raise SchemaError(f"grpo_group needs group_size dividing batch_size ({batch_size}), got {size}")
         groups = view.groups[ready]
         ids, first, counts = np.unique(groups, return_index=True, return_counts=True)
         complete = np.flatnonzero(counts >= size)
@@ -91,9 +103,7 @@ class SeqlenBalancedSampler(Sampler):
     name = "seqlen_balanced"
 
     def sample(self, ready, batch_size, view, options, partial):
-        dp = int(options.get("dp_size", 1))
-        if dp <= 0:
-            raise SchemaError(f"seqlen_balanced needs dp_size > 0, got {dp}")
+        dp = _count_option(options, self.name, "dp_size", 1)
         if len(ready) < batch_size and not partial:
             return None
         rows = ready[:batch_size]

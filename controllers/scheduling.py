@@ -290,9 +290,12 @@ class Scheduler:
         ready = np.empty(0, np.int64) if mask is None else np.flatnonzero(mask) + task.cursor
         bound = self.config.max_staleness if req.max_staleness is None else req.max_staleness
         if bound is not None and len(ready):
-            too_stale = part.versioned[ready] & ((self.clock.current - part.v_first[ready]) > bound)
+            age = self.clock.current - part.v_first[ready]
+            too_stale = part.versioned[ready] & (age > bound)
             if too_stale.any():
-                self._handle_stale(part, ready[too_stale])
+                cluster = self.config.max_staleness
+                if cluster is not None:  # a tighter bound of this call only filters what it is served
+                    self._handle_stale(part, ready[too_stale & (age > cluster)])
                 ready = ready[~too_stale]
         view = SampleView(part.group, part.seqlen, part.v_first)
         rows = sampler.sample(ready, req.batch_size, view, req.sampler_options, False)
@@ -506,11 +509,20 @@ class Scheduler:
     # -- staleness policy ----------------------------------------------------------------
 
     def _handle_stale(self, part: Partition, rows: np.ndarray) -> None:
+        """Apply `stale_policy` to `rows`, staler than the cluster's bound (a call's tighter one
+        drops nothing: other tasks may still be served those). Rows another task holds under a
+        lease are left until it acks them or the lease expires: freeing them would fail its
+        `get_data`."""
+        if not len(rows):
+            return
         policy = self.config.stale_policy
         if policy == "keep":
             fresh = rows[~part.stale_seen[rows]]
             part.stale_seen[fresh] = True
             self.stale.kept += len(fresh)
+            return
+        rows = rows[~part.leased(rows)]
+        if not len(rows):
             return
         if policy == "requeue":
             self.stale.requeued += len(rows)

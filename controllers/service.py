@@ -70,6 +70,7 @@ from .records import Acked, Dropped, Record, Sealed, Version
 from .samplers import SamplerRegistry
 from .scheduling import Scheduler
 from .status import ClusterStatus, Counters, RetiredUnitStatus, UnitStatus
+from .table import Partition
 from .units import UnitLinks
 from .versions import VersionClock
 
@@ -148,7 +149,8 @@ class Controller(Service):
         self._peers_peak = 0
         self.keys = KeyService(self.ledger, self.scheduler.wake, self.record)
         self.announced: dict[str, bytes] = {}
-        self._announce_waiters: dict[str, list[asyncio.Future]] = {}
+        self._announce_waiters: dict[str, set[asyncio.Future]] = {}
+        """Lookups parked until their key is announced, each removed when it ends (answered, timed out, cancelled)."""
         handlers: dict[type, Callable[..., Any]] = {
             Hello: self.on_hello,
             GetMeta: self.on_get_meta,
@@ -224,8 +226,11 @@ class Controller(Service):
 
     def on_ack(self, msg: Ack, data) -> Ok:
         """Ack what the lease allows (`Scheduler.ack`), journal it, then raise
-        `LeaseExpiredError` for the samples another consumer of the task holds or acked now."""
-        part = self.ledger.existing(msg.partition)
+        `LeaseExpiredError` for the samples another consumer of the task holds or acked now.
+
+        Raises:
+            SchemaError: no task is named (see `_consumer`)."""
+        part = self._consumer(msg)
         taken, refused = self.scheduler.ack(part, msg.task, msg.indexes, msg.lease_id)
         if taken:
             self.record(Acked(part.name, msg.task, taken))
@@ -240,9 +245,27 @@ class Controller(Service):
         return Ok()
 
     def on_nack(self, msg: Nack, data) -> Ok:
-        part = self.ledger.existing(msg.partition)
+        """Give samples back to the task's ready pool (`Scheduler.nack`).
+
+        Raises:
+            SchemaError: no task is named (see `_consumer`)."""
+        part = self._consumer(msg)
         self.scheduler.nack(part, msg.task, msg.indexes, msg.lease_id)
         return Ok()
+
+    def _consumer(self, msg: Ack | Nack) -> Partition:
+        """The partition an ack or nack is for, once it names a task: a meta from a put or a
+        hand-built one names none, and would make a task named "" consume the samples.
+
+        Raises:
+            SchemaError: no task, or no such partition."""
+        kind = "ack" if isinstance(msg, Ack) else "nack"
+        if not msg.task:
+            raise SchemaError(
+                f"{kind} needs the task the samples were handed to: pass a meta from get_meta (a put's meta names "
+                "no task), or set meta.task"
+            )
+        return self.ledger.existing(msg.partition)
 
     def on_clear(self, msg: Clear, data) -> Ok:
         part = self.ledger.existing(msg.partition)
@@ -305,7 +328,7 @@ class Controller(Service):
         if len(msg.value) > _MAX_ANNOUNCE_BYTES:
             raise SchemaError(f"announced values are limited to {_MAX_ANNOUNCE_BYTES} bytes")
         self.announced[msg.key] = msg.value
-        for fut in self._announce_waiters.pop(msg.key, []):
+        for fut in self._announce_waiters.pop(msg.key, set()):
             if not fut.done():
                 fut.set_result(msg.value)
         return Ok()
@@ -315,11 +338,16 @@ class Controller(Service):
         if value is not None or msg.timeout <= 0:
             return LookupReply(value)
         fut = asyncio.get_running_loop().create_future()
-        self._announce_waiters.setdefault(msg.key, []).append(fut)
+        waiters = self._announce_waiters.setdefault(msg.key, set())
+        waiters.add(fut)
         try:
             return LookupReply(await asyncio.wait_for(fut, msg.timeout))
         except asyncio.TimeoutError:
             return LookupReply(None)
+        finally:  # a lookup that gave up must not stay parked: a client polling for a key would pile them up
+            waiters.discard(fut)
+            if not waiters and self._announce_waiters.get(msg.key) is waiters:
+                del self._announce_waiters[msg.key]
 
     # -- checkpoints -------------------------------------------------------------------
 

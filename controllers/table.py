@@ -61,6 +61,9 @@ class Partition:
     capacity: int = _INITIAL_ROWS
     tasks: dict[str, TaskState] = field(default_factory=dict)
     ready: dict[str, np.ndarray] = field(default_factory=dict)
+    field_bytes: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per field, the bytes each row holds of it (0: none yet), which its `row_bytes` sums: a
+    rewrite of a field replaces its bytes (`hold`), it adds none."""
     sources: list[tuple[str, str]] = field(default_factory=lambda: [("", "")])
     live: int = 0
     """Rows alive among the first `n`."""
@@ -128,8 +131,9 @@ class Partition:
         for name in self._COLUMNS:
             setattr(self, name, _grown(getattr(self, name), capacity))
         self.source_index[self.capacity :] = -1
-        for name, arr in self.ready.items():
-            self.ready[name] = _grown(arr, capacity)
+        for columns in (self.ready, self.field_bytes):
+            for name, arr in columns.items():
+                columns[name] = _grown(arr, capacity)
         for task in self.tasks.values():
             task.grow(capacity)
         self.capacity = capacity
@@ -147,8 +151,9 @@ class Partition:
         for name in self._COLUMNS:
             setattr(self, name, _kept(getattr(self, name), keep, capacity))
         self.source_index[len(keep) :] = -1
-        for name, arr in self.ready.items():
-            self.ready[name] = _kept(arr, keep, capacity)
+        for columns in (self.ready, self.field_bytes):
+            for name, arr in columns.items():
+                columns[name] = _kept(arr, keep, capacity)
         for task in self.tasks.values():
             task.consumed = _kept(task.consumed, keep, capacity)
             task.lease = _kept(task.lease, keep, capacity)
@@ -237,6 +242,19 @@ class Partition:
             if name not in self.schema:
                 self.schema[name] = spec
                 self.ready[name] = np.zeros(self.capacity, bool)
+                self.field_bytes[name] = np.zeros(self.capacity, np.int64)
+
+    def hold(self, rows: np.ndarray | slice, sizes: dict[str, int]) -> np.ndarray:
+        """`rows` now hold each field of `sizes` at that many bytes per row (a field they held
+        before is replaced): update their `field_bytes` and `row_bytes`; returns how much each
+        row grew (below 0 where a replaced ragged field shrank)."""
+        grown = np.zeros(len(self.gidx[rows]), np.int64)
+        for name, size in sizes.items():
+            held = self.field_bytes[name]
+            grown += size - held[rows]
+            held[rows] = size
+        self.row_bytes[rows] += grown
+        return grown
 
     def mark_ready(self, rows: np.ndarray | slice, fields: list[str]) -> None:
         for name in fields:
@@ -328,6 +346,13 @@ class Partition:
         """Live rows the task has not consumed yet (ready, leased or still being written)."""
         w = self.window(task)
         return int(np.count_nonzero(self.alive[w] & ~task.consumed[w]))
+
+    def leased(self, rows: np.ndarray) -> np.ndarray:
+        """Mask over `rows`: which some task holds under a lease now."""
+        mask = np.zeros(len(rows), bool)
+        for task in self.tasks.values():
+            mask |= task.lease[rows] > 0
+        return mask
 
     def consume(self, task: TaskState, rows: np.ndarray) -> None:
         task.consumed[rows] = True

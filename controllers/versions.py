@@ -19,7 +19,8 @@ class VersionClock:
     def __init__(self) -> None:
         self.current = 0
         self.history: deque[tuple[int, float]] = deque([(0, time.time())], maxlen=_HISTORY)
-        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._waiters: set[tuple[int, asyncio.Future]] = set()
+        """Parked `wait`s (the version they wait to pass), each removed when it ends."""
 
     def set(self, version: int) -> bool:
         """Advance to `version`; returns False if it is the current one already."""
@@ -31,14 +32,11 @@ class VersionClock:
             return False
         self.current = version
         self.history.append((version, time.time()))
-        waiting, self._waiters = self._waiters, []
-        for after, fut in waiting:
-            if fut.done():
-                continue
-            if version > after:
+        passed = {(after, fut) for after, fut in self._waiters if version > after}
+        self._waiters -= passed
+        for after, fut in passed:
+            if not fut.done():
                 fut.set_result(self.since(after))
-            else:
-                self._waiters.append((after, fut))
         return True
 
     def since(self, after: int) -> list[int]:
@@ -50,10 +48,13 @@ class VersionClock:
         if self.current > after:
             return self.since(after)
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((after, fut))
+        waiter = (after, fut)
+        self._waiters.add(waiter)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"version stayed at {self.current} (waited {timeout:g}s for a version after {after})"
             ) from None
+        finally:  # a wait that gave up must not stay parked until the next version
+            self._waiters.discard(waiter)

@@ -48,6 +48,7 @@ def state(ctl: Controller) -> dict:
             "committed": part.committed[live].tolist(),
             "v": (part.v_first[live].tolist(), part.v_last[live].tolist()),
             "ready": {f: r[live].tolist() for f, r in part.ready.items()},
+            "field_bytes": {f: b[live].tolist() for f, b in part.field_bytes.items()},
             "consumed": {t: s.consumed[live].tolist() for t, s in part.tasks.items()},
         }
     out["keys"] = {

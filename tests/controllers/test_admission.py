@@ -156,6 +156,20 @@ def test_a_grant_used_as_context_manager_returns_unused_slots(make_cluster):
         assert adm["budget"] == 8 - 3
 
 
+def test_a_put_beyond_its_grant_is_refused_and_leaves_the_grant_whole(make_cluster):
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=4)
+    with cluster.connect() as client:
+        grant = client.acquire(4, timeout=5)
+        with pytest.raises(tq.SchemaError, match=r"64 samples under grant .* 4 slots left"):
+            client.put(rows(64), grant=grant)
+        assert client.status()["bytes"] == 0  # nothing stored
+        adm = admission(client)
+        assert adm["accepted"] == 0 and adm["running"] == 4 and adm["open_grants"] == 1
+        assert client.put(rows(4), grant=grant).policy_versions == [0] * 4
+        adm = admission(client)
+        assert adm["accepted"] == 4 and adm["running"] == 0 and adm["budget"] == 0
+
+
 def test_admission_is_opt_in_puts_without_a_grant_are_not_limited(make_cluster):
     cluster = make_cluster(max_staleness=0, consumer_batch_size=2)
     with cluster.connect() as free_producer, cluster.connect() as granted:

@@ -34,7 +34,10 @@ def test_rows_are_counted_on_their_units_and_freed_once():
     assert (first, ledger.next_index) == (0, 3)
     assert ledger.unit_bytes == {0: 20, 1: 10} and ledger.room() == {0: 980, 1: 990}
     assert records == [Placed("p", 0, [0, 0, 1], 10, X, False)]
-    ledger.grow_rows(part, part.rows_of([0, 2]), 5)  # a new column of two rows
+    y = {"y": FieldSpec("int8", (5,))}
+    ledger.write_fields(part, part.rows_of([0, 2]), y, 5)  # a new column of two rows
+    assert ledger.unit_bytes == {0: 25, 1: 15}
+    ledger.write_fields(part, part.rows_of([0, 2]), y, 5)  # written again: replaced, not added
     assert ledger.unit_bytes == {0: 25, 1: 15}
     rows = part.rows_of([1, 2])
     ledger.free_rows(part, rows)

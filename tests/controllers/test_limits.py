@@ -3,6 +3,7 @@ released as soon as a put's frames are stored, and a wait for a window never bla
 
 from __future__ import annotations
 
+import asyncio
 import math
 import subprocess
 import sys
@@ -14,9 +15,22 @@ import torch
 
 import transfer_queue as tq
 from controllers.intake import MAX_OPEN_PUTS_PER_PEER, MAX_PUT_ROWS
+from controllers.service import Controller
 from tests.faults import eventually
+from tests.helpers import eventually_async
 from tests.peers import ask, peer
-from transfer_queue.wire.messages import BeginPut, ControllerRequest, Lookup, PutPlan, Status, WaitVersion, Write
+from transfer_queue.wire.messages import (
+    BeginPut,
+    ClusterConfig,
+    ControllerRequest,
+    Lookup,
+    LookupReply,
+    PutPlan,
+    SetVersion,
+    Status,
+    WaitVersion,
+    Write,
+)
 from transfer_queue.wire.meta import FieldSpec
 from transfer_queue.wire.rpc import Codec
 
@@ -44,6 +58,28 @@ def test_a_timeout_must_be_a_number_of_seconds(client, timeout):
 
 def _in_flight(controller, unit: int) -> int:
     return controller.call(Status()).status["units"][str(unit)]["frames_in_flight"]
+
+
+def test_a_lookup_or_version_wait_that_gives_up_leaves_nothing_parked():
+    """A worker polling `lookup(key, timeout)` for a key not yet announced, or `wait_version`,
+    must not grow the controller with every try (its handlers, called in process)."""
+
+    async def poll() -> None:
+        ctl = Controller(ClusterConfig(), "tcp://127.0.0.1:*")
+        try:
+            for _ in range(3):
+                assert await ctl.on_lookup(Lookup("weights", 0.001), []) == LookupReply(None)
+                with pytest.raises(tq.TimeoutError):
+                    await ctl.on_wait_version(WaitVersion(0, 0.001), [])
+            assert ctl._announce_waiters == {} and not ctl.clock._waiters
+            waiting = asyncio.ensure_future(ctl.on_wait_version(WaitVersion(0, 5), []))
+            await eventually_async(lambda: ctl.clock._waiters, what="the wait parked")
+            ctl.on_set_version(SetVersion(1), [])
+            assert (await waiting).history == [1] and not ctl.clock._waiters
+        finally:
+            ctl.sock.close(linger=0)
+
+    asyncio.run(poll())
 
 
 def test_a_puts_frames_leave_the_window_once_stored_though_it_never_commits(make_cluster):

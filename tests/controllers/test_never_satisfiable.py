@@ -99,7 +99,7 @@ def fill(client: tq.Client, n: int, partition: str = "train") -> None:
 
 @contextlib.contextmanager
 def asking(
-    address: str, task: str, batch: int = 4, partition: str = "train"
+    address: str, task: str, batch: int = 4, partition: str = "train", max_staleness: int | None = None
 ) -> Iterator[tuple[threading.Thread, list[tq.BatchMeta]]]:
     """A `get_meta` of `batch` samples in a thread, from a client of its own (a client belongs to
     one thread): yields the thread and the list its answer lands in; the thread is joined on the
@@ -108,7 +108,10 @@ def asking(
 
     def ask() -> None:
         with tq.connect(address) as client:
-            out.append(client.get_meta(["x"], batch, task=task, partition=partition, timeout=60))
+            meta = client.get_meta(
+                ["x"], batch, task=task, partition=partition, timeout=60, max_staleness=max_staleness
+            )
+            out.append(meta)
 
     thread = threading.Thread(target=ask)
     thread.start()
@@ -281,19 +284,21 @@ def test_a_parked_request_whose_ready_samples_went_elsewhere_reports_with_what_i
 
 
 def test_a_parked_request_whose_ready_samples_were_dropped_as_stale_reports_with_none(make_cluster):
-    """A request for 8 parks with 4 ready (version 0) under version 1 and 12 more the budget can
-    let in: not held back. Another task's tighter bound drops the 4 as stale, with nothing else
-    on the partition changing; a put under a grant into another partition then leaves room for
-    7: 0 ready + 7 fall short of 8, so the request reports the demand: its consumer's 8 and the
-    9 the other partition holds (no consumer of it has asked: it counts at most the configured
-    consumer_batch_size, 4, plus one acquire, 9, per partition fed under grants)."""
-    cluster = make_cluster(max_staleness=2, consumer_batch_size=4)  # admits 12 at version 0, 16 at 1
+    """A request for 8 parks with 4 ready (version 0, within its own bound of 1) under version 1
+    and 12 more the budget can let in: not held back. Another task drops the 4 as staler than the
+    cluster's bound (0), with nothing else on the partition changing; a put under a grant into
+    another partition then leaves room for 7: 0 ready + 7 fall short of 8, so the request
+    reports the demand: its consumer's 8 and the 9 the other partition holds (no consumer of it
+    has asked: it counts at most the configured consumer_batch_size, 4, plus one acquire, 9, per
+    partition fed under grants)."""
+    staleness = tq.StalenessConfig(4, max_staleness=0, budget_staleness=2)  # admits 12 at version 0, 16 at 1
+    cluster = make_cluster(staleness=staleness)
     with cluster.connect() as client:
         fill(client, 4)
         client.set_version(1)
-        with asking(cluster.address, "train", batch=8) as (waiter, more):
+        with asking(cluster.address, "train", batch=8, max_staleness=1) as (waiter, more):
             eventually(parked_or_ended(client, waiter))
-            assert len(client.get_meta(["x"], 4, task="other", max_staleness=0, timeout=0, allow_partial=True)) == 0
+            assert len(client.get_meta(["x"], 4, task="other", timeout=0, allow_partial=True)) == 0
             assert client.status()["staleness"]["dropped"] == 4
             fill(client, 9, partition="eval")
             assert admission(client)["consumer_batch_size"] == 8 + 9

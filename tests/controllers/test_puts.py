@@ -385,3 +385,22 @@ def test_space_reserved_ahead_takes_only_the_plans_rows(make_cluster):
         assert isinstance(full, ErrorReply) and full.code == "capacity", full
         unit.close()
         controller.close()
+
+
+def test_a_column_written_again_replaces_its_bytes(make_cluster):
+    """A consumer whose lease expired and the one that got its samples next both write their
+    column: the unit replaces the rows, and the controller counts the difference in size only
+    (before, each rewrite added its bytes again until puts found no room)."""
+    cluster = make_cluster(storage_capacity="16MiB")
+    with tq.connect(cluster.address) as client:
+        meta = client.put(TensorDict({"x": torch.zeros(16, 4)}, batch_size=[16]))
+        address = client.units[0].address
+
+        def tokens(length: int) -> torch.Tensor:
+            return torch.nested.nested_tensor([torch.zeros(length, dtype=torch.int64)] * 16, layout=torch.jagged)
+
+        for length in (4, 8, 2, 2, 2):  # 5 x 4 MiB of `y`: more than the unit holds, counted again
+            column = TensorDict({"y": torch.zeros(16, 64 * 1024), "tokens": tokens(length)}, batch_size=[16])
+            client.put(column, meta=meta)
+            assert client.status()["bytes"] == unit_status(address)["used"]
+        client.put(TensorDict({"x": torch.zeros(16, 4)}, batch_size=[16]), timeout=1)

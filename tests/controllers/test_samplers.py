@@ -31,6 +31,23 @@ def test_group_sampler_needs_a_dividing_group_size():
         GroupSampler().sample(np.arange(4), 6, _view(4), {"group_size": 4}, False)
 
 
+_BAD_COUNTS = [(GroupSampler(), "group_size", v) for v in ("a", 2.5, 0, -2, True)] + [
+    (SeqlenBalancedSampler(), "dp_size", v) for v in ("a", 2.5, 0, True)
+]
+
+
+@pytest.mark.parametrize("sampler, name, value", _BAD_COUNTS)
+def test_a_count_option_must_be_a_positive_integer(sampler, name, value):
+    """Not an `InternalError` for a string, nor a fraction truncated: the caller's mistake, typed."""
+    with pytest.raises(SchemaError, match=f"needs {name} as a positive integer, got {value!r}"):
+        sampler.sample(np.arange(4), 4, _view(4), {name: value}, False)
+
+
+def test_the_group_sampler_needs_a_group_size():
+    with pytest.raises(SchemaError, match="needs group_size as a positive integer, got None"):
+        GroupSampler().sample(np.arange(4), 4, _view(4), {}, False)
+
+
 @given(st.lists(st.integers(1, 5000), min_size=8, max_size=64), st.sampled_from([2, 4, 8]))
 def test_seqlen_balanced_is_a_permutation_with_equal_counts(lengths, dp):
     n = len(lengths) // dp * dp

@@ -86,6 +86,16 @@ def _lease_and_hang(address: str, ready) -> None:
     time.sleep(60)
 
 
+def test_an_ack_or_nack_naming_no_task_is_refused(client):
+    """A put's meta names no task: acked, it made a task named "" consume the samples."""
+    meta = client.put(_td(4))
+    for give in (client.ack, client.nack):
+        with pytest.raises(tq.SchemaError, match="needs the task the samples were handed to"):
+            give(meta)
+    assert client.status()["partitions"]["train"]["tasks"] == {}
+    assert client.get_meta(["x"], 4, task="train", timeout=5).indexes == meta.indexes
+
+
 def test_samples_of_a_killed_consumer_are_redelivered(cluster, client):
     client.put(_td(6))
     ctx = mp.get_context("spawn")

@@ -38,6 +38,28 @@ def test_drop_clears_and_counts_stale_samples_for_every_task(make_cluster):
         assert client.status()["staleness"]["dropped"] == 4  # counted once
 
 
+def test_a_tighter_bound_drops_nothing_and_a_leased_sample_is_never_dropped(make_cluster):
+    cluster = make_cluster(max_staleness=1, consumer_batch_size=8, stale_policy="drop")
+    with cluster.connect() as client:
+        put = client.put(rows(8), policy_version=0)
+        held = client.get_meta(["x"], 4, task="critic", timeout=5)
+        client.set_version(1)  # one version old: within the cluster's bound
+        assert _take(client, "ref", 8, max_staleness=0).indexes == []  # too stale for this call only
+        assert client.status()["staleness"]["dropped"] == 0
+        actor = client.get_meta(["x"], 8, task="actor", timeout=5)
+        assert sorted(actor.indexes) == put.indexes
+        client.ack(actor)
+        client.set_version(2)  # now beyond the cluster's bound: dropped, but not those critic leases
+        assert _take(client, "late", 8).indexes == []
+        status = client.status()
+        assert status["staleness"]["dropped"] == 4
+        assert status["partitions"]["train"]["samples"] == 4
+        assert client.get_data(held)["x"].tolist() == held.indexes
+        client.ack(held)
+        assert _take(client, "late", 8).indexes == []
+        assert client.status()["staleness"]["dropped"] == 8
+
+
 def test_keep_counts_stale_samples_once_and_serves_them_to_tasks_that_accept_them(make_cluster):
     cluster = make_cluster(max_staleness=1, consumer_batch_size=4, stale_policy="keep")
     with cluster.connect() as client:
