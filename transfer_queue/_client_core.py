@@ -81,8 +81,9 @@ _CHECKPOINT_ROWS = 1024
 class Grant:
     """Generation slots granted by `acquire`: `n` samples under policy `version`.
 
-    Puts by the same client draw on its open grants (oldest first) unless given `grant=`.
-    As a context manager it returns the slots it did not use when the block ends.
+    Puts by the same client draw on its open grants (oldest first) unless given `grant=`; a put
+    spends the slots once it is committed, so a failed one leaves them here (for a retry, or
+    `release`). As a context manager it returns the slots it did not use when the block ends.
     """
 
     grant_id: int
@@ -215,21 +216,37 @@ class ClientCore(ControlCore):
                 CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
             )
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
+        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
+        return (yield from self._put_rows(partition, cols, rows, grant, timeout))
+
+    def _put_rows(self, partition: str, cols: Columns, rows: RowInfo, grant: Grant | None, timeout: float) -> Flow:
+        """Put `cols` as new rows described by `rows`, under `grant` (or none). The put holds the
+        grant's slots while it runs and spends them once it is committed: a failed put leaves
+        them to the grant, for a retry or `release` (the controller counts slots only for puts it
+        applied)."""
+        drawn = 0 if grant is None else min(cols.n, grant.remaining)
+        if grant is not None:
+            grant.remaining -= drawn  # so that another put in flight does not draw them too
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
-        plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
-        commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+        plan: PutPlan | None = None
         try:
+            plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
+            commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
             yield from self._write(partition, cols, plan.indexes, plan.units, timeout, commit, plan.tickets, ahead)
-        except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
+        except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
+            if grant is not None:
+                grant.remaining += drawn
+            if plan is not None and not isinstance(exc, GeneratorExit):  # free the rows now
+                # (GeneratorExit: the driver dropped this flow, nothing more may be sent from here)
+                try:
+                    yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+                except SluiceError:  # the controller's put deadline frees them anyway
+                    pass
             raise
-        except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
-            try:
-                yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
-            except SluiceError:  # the controller's put deadline frees them anyway
-                pass
-            raise
+        if grant is not None and grant.remaining == 0 and grant in self.grants:
+            self.grants.remove(grant)
         self._stay = plan.units[-1]
         if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]
@@ -347,9 +364,11 @@ class ClientCore(ControlCore):
         if errors:
             raise errors[0]
 
-    def _row_info(self, cols, policy_version, groups, grant, source) -> RowInfo:
+    def _row_info(self, cols: Columns, policy_version, groups, grant: Grant | None, source) -> RowInfo:
+        """What the controller records of a put's rows: versions (by default `grant`'s; with
+        neither, unversioned), groups, lengths, the grant, the prompt source. Raises
+        `SchemaError` where an argument does not fit the batch."""
         n = cols.n
-        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
         versioned = policy_version is not None or grant is not None
         if policy_version is None:
             policy_version = grant.version if grant else 0
@@ -357,17 +376,12 @@ class ClientCore(ControlCore):
         group_ids = list(range(n)) if groups is None else [count("group id", g, -INT64) for g in groups]
         if len(group_ids) != n:
             raise SchemaError(f"groups has {len(group_ids)} entries for {n} samples")
-        grant_id = 0
-        if grant is not None:
-            grant_id = grant.grant_id
-            grant.remaining = max(0, grant.remaining - n)
-            if grant.remaining == 0 and grant in self.grants:
-                self.grants.remove(grant)
         src: tuple[str, str, list[int]] = ("", "", [])
         if source is not None:
             if len(source) != n:
                 raise SchemaError(f"source has {len(source)} samples, the batch has {n}")
             src = (source.partition, source.task, list(source.indexes))
+        grant_id = 0 if grant is None else grant.grant_id
         return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src, versioned=versioned)
 
     def acquire(self, n: int, timeout: float = 30.0) -> Flow:
@@ -609,14 +623,11 @@ class ClientCore(ControlCore):
                 old = header.meta
                 for put in restore_puts(header, new_indexes):
                     pos = put.positions
-                    part = data if len(pos) == len(old) else data[torch.as_tensor(pos)]
-                    meta = yield from self.put(
-                        part,
-                        name,
-                        policy_version=put.policy_version,
-                        groups=[old.groups[i] for i in pos],
-                        source=put.source,
-                    )
+                    cols = Columns(data if len(pos) == len(old) else data[torch.as_tensor(pos)])
+                    groups = [old.groups[i] for i in pos]
+                    # under no grant of this client's: unversioned samples stay unversioned
+                    rows = self._row_info(cols, put.policy_version, groups, None, put.source)
+                    meta = yield from self._put_rows(name, cols, rows, None, 30.0)
                     new_index.update(zip((old.indexes[i] for i in pos), meta.indexes))
                     restored += len(meta)
             for task, indexes in state.consumed.items():
