@@ -448,13 +448,15 @@ class ClientCore(ControlCore):
             return assembler.result()
         targets = _by_unit(meta.units, meta.indexes)
         calls = []
+        vias: list[Via] = []
         for unit_id, _, rows in targets:
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
+            vias.append(via)
         replies = yield calls
-        _assemble(assembler, self._arenas, names, len(meta), targets, replies)
+        _assemble(assembler, self._arenas, names, len(meta), targets, vias, replies)
         with copies(dev):  # the frames and arena views stay referenced until the copies are done
             return assembler.result()
 
@@ -697,13 +699,16 @@ def _by_unit(units: list[int], indexes: Sequence[int]) -> list[tuple[int, np.nda
     return placed
 
 
-def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, targets, replies) -> None:
+def _assemble(
+    assembler: Assembler, arenas, names: list[str], batch_size: int, targets, vias: list[Via], replies
+) -> None:
     """Hand the assembler each unit's rows (`targets`: units and their batch positions, see
-    `_by_unit`): received frames, or views of its mapped arena."""
-    for (unit_id, positions, _), (reply, frames) in zip(targets, replies):
+    `_by_unit`; `vias`: how each was read): received frames, or views of its mapped arena. A
+    read over frames may bring none (its rows' ragged fields all empty)."""
+    for (unit_id, positions, _), via, (reply, frames) in zip(targets, vias, replies):
         reply = check(reply, ReadReply)
         runs: dict[str, list[torch.Tensor]] = {}
-        if frames:
+        if via == "frames":
             it = iter(frames)
             for name in names:
                 runs[name] = [_frame_bytes(next(it)) for _ in reply.runs[name]]
@@ -711,7 +716,7 @@ def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, t
             arena = arenas[unit_id][1]
             runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
         rows = np.arange(batch_size) if positions is None else positions
-        assembler.add_unit(rows, reply.lengths, runs, owned=bool(frames))
+        assembler.add_unit(rows, reply.lengths, runs, owned=via == "frames")
 
 
 def _host_frames(buffers: list[torch.Tensor], device: torch.device | None) -> list[np.ndarray]:

@@ -176,5 +176,16 @@ def test_a_jagged_tensor_with_holes_is_stored_as_its_rows(shared_cluster, use_sh
         client.clear(meta)
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_a_read_of_only_empty_ragged_rows(shared_cluster, use_shm):
+    """Rows whose ragged field is empty on their unit: a read over TCP brings no frame for it."""
+    ragged = torch.nested.nested_tensor([torch.zeros(0, 2), torch.ones(3, 2), torch.zeros(0, 2)], layout=torch.jagged)
+    meta = put_anew(shared_cluster.address, {"r": ragged}, partition=f"empty-{uuid.uuid4().hex[:6]}")
+    with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
+        rows = client.get_data(meta.select([0, 2]))["r"].unbind()
+        assert [tuple(r.shape) for r in rows] == [(0, 2), (0, 2)]
+        client.clear(meta)
+
+
 def _ragged_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.nested.nested_tensor([tensor[i] for i in rows], layout=torch.jagged)
