@@ -226,7 +226,9 @@ class Client(ControlClient):
         batch acks the previous one (sent then; its answer is collected when the batch after is
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
         yourself first if you finished it) and gives back the one prefetched. `timeout=None`
-        waits indefinitely. Batches come on `device` (see `get_data`).
+        waits indefinitely. Batches come on `device` (see `get_data`). With `allow_partial=True`
+        a batch may be short (what was ready within `timeout`); where nothing was, the stream
+        waits again: it ends only once the sealed partition is drained for `task`.
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.

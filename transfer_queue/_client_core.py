@@ -32,7 +32,7 @@ from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Wit
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
-from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError
+from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError, TimeoutError
 from .wire.messages import (
     FEATURES,
     AbortPut,
@@ -495,8 +495,23 @@ class ClientCore(ControlCore):
         device: str | torch.device | None = None,
     ) -> Flow:
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
-        `meta` once the sealed partition is drained. A failed read gives the lease back."""
-        meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
+        `meta` once the sealed partition is drained for `task`. A failed read gives the lease back.
+
+        With `allow_partial`, the controller answers an empty batch when nothing was ready within
+        `timeout`, sealed or not; only a request for a whole batch is answered empty at once just
+        when the partition is sealed and drained for the task (else it times out). So an empty
+        partial batch is followed by such a request (`timeout=0`, the rows it may lease are a
+        batch like any other), and the wait begins again while the partition is not drained."""
+        while True:
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
+            if len(meta) or not options.get("allow_partial"):
+                break
+            try:
+                whole = {**options, "allow_partial": False}
+                meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **whole)
+                break
+            except TimeoutError:  # not drained: more samples may come
+                continue
         if not len(meta):
             return None, meta
         try:
