@@ -25,8 +25,9 @@ class Client(ControlClient):
     """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done.
 
     Every call raises `ServiceError` when a service it needs died or stays silent (the message
-    names it), `ClosedError` after `close()`, and `SchemaError` for arguments that cannot be
-    sent; the calls below list what else they raise.
+    names it; a `put` or `get_data` that failed on a storage unit that restarted since is tried
+    once more at its new address), `ClosedError` after `close()`, and `SchemaError` for
+    arguments that cannot be sent; the calls below list what else they raise.
 
     Threads: a client is not thread-safe for concurrent calls (its sockets and its streams'
     prefetch serve one call at a time): give each thread a client of its own, or serialize

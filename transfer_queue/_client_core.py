@@ -32,7 +32,7 @@ from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Wit
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
-from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError, TimeoutError
+from .wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from .wire.messages import (
     FEATURES,
     AbortPut,
@@ -63,6 +63,7 @@ from .wire.messages import (
     SetVersion,
     Status,
     StatusReply,
+    UnitInfo,
     VersionReply,
     Via,
     Write,
@@ -136,7 +137,11 @@ class ClientCore(ControlCore):
             reply = yield from self.one(CONTROLLER, Hello(), HelloReply)
         self.features = frozenset(reply.features)
         self.config, self.cluster_id = reply.config, reply.cluster_id
-        self.units = {u.unit_id: u for u in reply.units}
+        units = {u.unit_id: u for u in reply.units}
+        for unit_id, unit in self.units.items():
+            if units.get(unit_id) != unit:  # restarted (a new address, a new arena) or retired
+                self._unmap(unit_id)
+        self.units = units
         self._map_arenas()
         self._find_lanes(reply)
         return reply
@@ -178,12 +183,31 @@ class ClientCore(ControlCore):
         for _, view in self._arenas.values():
             self._pinned.register(tensor_ptr(view), view.numel())
 
+    def _unmap(self, unit_id: int) -> None:
+        """Drop the mapping of a unit's arena, if this client maps it (a tensor may still view
+        it; the mapping then goes with that tensor)."""
+        if unit_id not in self._arenas:
+            return
+        mm, view = self._arenas.pop(unit_id)
+        self._pinned.unregister(tensor_ptr(view))  # before the mapping goes
+        del view
+        unmap(mm)
+
+    def _restarted(self, units: Sequence[int], known: dict[int, UnitInfo]) -> Flow:
+        """After a call to a storage unit failed (`ServiceError`): whether one of `units` came
+        back since the call's flow began (`known`: `units` then), registered again at a new
+        address; the cluster's units are learned anew (`hello`, which maps the new arenas).
+        False where none did (down, retired) or the controller cannot be asked either."""
+        try:
+            yield from self.hello()
+        except SluiceError:
+            return False
+        now = self.units
+        return any(u in known and u in now and now[u].address != known[u].address for u in set(units))
+
     def close_arenas(self) -> None:
-        self._pinned.clear()  # before the mappings go
-        for mm, view in self._arenas.values():
-            del view
-            unmap(mm)  # a tensor may still view it; the mapping then goes with that tensor
-        self._arenas.clear()
+        for unit_id in list(self._arenas):
+            self._unmap(unit_id)
         self._pool.clear()
 
     # -- producers ---------------------------------------------------------------------
@@ -220,11 +244,16 @@ class ClientCore(ControlCore):
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         return (yield from self._put_rows(partition, cols, rows, grant, timeout))
 
-    def _put_rows(self, partition: str, cols: Columns, rows: RowInfo, grant: Grant | None, timeout: float) -> Flow:
+    def _put_rows(
+        self, partition: str, cols: Columns, rows: RowInfo, grant: Grant | None, timeout: float, retry: bool = True
+    ) -> Flow:
         """Put `cols` as new rows described by `rows`, under `grant` (or none). The put holds the
         grant's slots while it runs and spends them once it is committed: a failed put leaves
         them to the grant, for a retry or `release` (the controller counts slots only for puts it
-        applied)."""
+        applied). With `retry`, a put that failed because a unit of its plan restarted (a write
+        to its old address: nothing of the put was committed, and it was aborted) is put once
+        more, to the units as they are now (`_restarted`)."""
+        known = self.units  # `hello` replaces it
         drawn = 0 if grant is None else min(cols.n, grant.remaining)
         if grant is not None:
             grant.remaining -= drawn  # so that another put in flight does not draw them too
@@ -238,13 +267,16 @@ class ClientCore(ControlCore):
         except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
             if grant is not None:
                 grant.remaining += drawn
-            if plan is not None and not isinstance(exc, GeneratorExit):  # free the rows now
-                # (GeneratorExit: the driver dropped this flow, nothing more may be sent from here)
-                try:
-                    yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
-                except SluiceError:  # the controller's put deadline frees them anyway
-                    pass
-            raise
+            # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
+            if plan is None or isinstance(exc, GeneratorExit):
+                raise
+            try:  # free the rows now
+                yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
+            except SluiceError:  # the controller's put deadline frees them anyway
+                pass
+            if not (retry and isinstance(exc, ServiceError) and (yield from self._restarted(plan.units, known))):
+                raise
+            return (yield from self._put_rows(partition, cols, rows, grant, timeout, retry=False))
         if grant is not None and grant.remaining == 0 and grant in self.grants:
             self.grants.remove(grant)
         self._stay = plan.units[-1]
@@ -434,8 +466,20 @@ class ClientCore(ControlCore):
     def get_data(
         self, meta: BatchMeta, fields: Sequence[str] | None = None, device: str | torch.device | None = None
     ) -> Flow:
-        """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel;
-        on a CUDA `device`, each run is copied straight from the arena or the received frame."""
+        """The flow of `Client.get_data` (`_read`); a read that failed because a unit of the
+        batch restarted since this client learned of it is read once more from the units as they
+        are now (`_restarted`)."""
+        known = self.units  # `hello` replaces it
+        try:
+            return (yield from self._read(meta, fields, device))
+        except ServiceError:
+            if not (yield from self._restarted(meta.units, known)):
+                raise
+        return (yield from self._read(meta, fields, device))
+
+    def _read(self, meta: BatchMeta, fields: Sequence[str] | None, device: str | torch.device | None) -> Flow:
+        """Reads from every unit holding the batch, in parallel; on a CUDA `device`, each run is
+        copied straight from the arena or the received frame."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
