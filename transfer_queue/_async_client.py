@@ -275,7 +275,8 @@ class AsyncClient(AsyncDriver):
         work on the current one; it advances whenever you await. Batches come on `device` (see
         `get_data`). Taking the next batch acks the
         previous (sent then, its answer collected when the batch after is taken); leaving early
-        nacks what is in hand and gives back the one prefetched.
+        nacks what is in hand and gives back the one prefetched. With `allow_partial=True` a batch
+        may be short; the stream still ends only once the sealed partition is drained for `task`.
 
         Raises:
             TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).

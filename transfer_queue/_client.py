@@ -25,8 +25,9 @@ class Client(ControlClient):
     """Blocking Sluice client. Use `tq.connect(address)`; close it (or use `with`) when done.
 
     Every call raises `ServiceError` when a service it needs died or stays silent (the message
-    names it), `ClosedError` after `close()`, and `SchemaError` for arguments that cannot be
-    sent; the calls below list what else they raise.
+    names it; a `put` or `get_data` that failed on a storage unit that restarted since is tried
+    once more at its new address), `ClosedError` after `close()`, and `SchemaError` for
+    arguments that cannot be sent; the calls below list what else they raise.
 
     Threads: a client is not thread-safe for concurrent calls (its sockets and its streams'
     prefetch serve one call at a time): give each thread a client of its own, or serialize
@@ -226,7 +227,9 @@ class Client(ControlClient):
         batch acks the previous one (sent then; its answer is collected when the batch after is
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
         yourself first if you finished it) and gives back the one prefetched. `timeout=None`
-        waits indefinitely. Batches come on `device` (see `get_data`).
+        waits indefinitely. Batches come on `device` (see `get_data`). With `allow_partial=True`
+        a batch may be short (what was ready within `timeout`); where nothing was, the stream
+        waits again: it ends only once the sealed partition is drained for `task`.
 
         Raises:
             TimeoutError: (from the iterator) no batch within `timeout` seconds.

@@ -32,7 +32,7 @@ from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Wit
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
 from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
-from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError
+from .wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from .wire.messages import (
     FEATURES,
     AbortPut,
@@ -63,6 +63,7 @@ from .wire.messages import (
     SetVersion,
     Status,
     StatusReply,
+    UnitInfo,
     VersionReply,
     Via,
     Write,
@@ -81,8 +82,9 @@ _CHECKPOINT_ROWS = 1024
 class Grant:
     """Generation slots granted by `acquire`: `n` samples under policy `version`.
 
-    Puts by the same client draw on its open grants (oldest first) unless given `grant=`.
-    As a context manager it returns the slots it did not use when the block ends.
+    Puts by the same client draw on its open grants (oldest first) unless given `grant=`; a put
+    spends the slots once it is committed, so a failed one leaves them here (for a retry, or
+    `release`). As a context manager it returns the slots it did not use when the block ends.
     """
 
     grant_id: int
@@ -135,7 +137,11 @@ class ClientCore(ControlCore):
             reply = yield from self.one(CONTROLLER, Hello(), HelloReply)
         self.features = frozenset(reply.features)
         self.config, self.cluster_id = reply.config, reply.cluster_id
-        self.units = {u.unit_id: u for u in reply.units}
+        units = {u.unit_id: u for u in reply.units}
+        for unit_id, unit in self.units.items():
+            if units.get(unit_id) != unit:  # restarted (a new address, a new arena) or retired
+                self._unmap(unit_id)
+        self.units = units
         self._map_arenas()
         self._find_lanes(reply)
         return reply
@@ -177,12 +183,31 @@ class ClientCore(ControlCore):
         for _, view in self._arenas.values():
             self._pinned.register(tensor_ptr(view), view.numel())
 
+    def _unmap(self, unit_id: int) -> None:
+        """Drop the mapping of a unit's arena, if this client maps it (a tensor may still view
+        it; the mapping then goes with that tensor)."""
+        if unit_id not in self._arenas:
+            return
+        mm, view = self._arenas.pop(unit_id)
+        self._pinned.unregister(tensor_ptr(view))  # before the mapping goes
+        del view
+        unmap(mm)
+
+    def _restarted(self, units: Sequence[int], known: dict[int, UnitInfo]) -> Flow:
+        """After a call to a storage unit failed (`ServiceError`): whether one of `units` came
+        back since the call's flow began (`known`: `units` then), registered again at a new
+        address; the cluster's units are learned anew (`hello`, which maps the new arenas).
+        False where none did (down, retired) or the controller cannot be asked either."""
+        try:
+            yield from self.hello()
+        except SluiceError:
+            return False
+        now = self.units
+        return any(u in known and u in now and now[u].address != known[u].address for u in set(units))
+
     def close_arenas(self) -> None:
-        self._pinned.clear()  # before the mappings go
-        for mm, view in self._arenas.values():
-            del view
-            unmap(mm)  # a tensor may still view it; the mapping then goes with that tensor
-        self._arenas.clear()
+        for unit_id in list(self._arenas):
+            self._unmap(unit_id)
         self._pool.clear()
 
     # -- producers ---------------------------------------------------------------------
@@ -215,21 +240,45 @@ class ClientCore(ControlCore):
                 CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
             )
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
+        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
+        return (yield from self._put_rows(partition, cols, rows, grant, timeout))
+
+    def _put_rows(
+        self, partition: str, cols: Columns, rows: RowInfo, grant: Grant | None, timeout: float, retry: bool = True
+    ) -> Flow:
+        """Put `cols` as new rows described by `rows`, under `grant` (or none). The put holds the
+        grant's slots while it runs and spends them once it is committed: a failed put leaves
+        them to the grant, for a retry or `release` (the controller counts slots only for puts it
+        applied). With `retry`, a put that failed because a unit of its plan restarted (a write
+        to its old address: nothing of the put was committed, and it was aborted) is put once
+        more, to the units as they are now (`_restarted`)."""
+        known = self.units  # `hello` replaces it
+        drawn = 0 if grant is None else min(cols.n, grant.remaining)
+        if grant is not None:
+            grant.remaining -= drawn  # so that another put in flight does not draw them too
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
-        plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
-        commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+        plan: PutPlan | None = None
         try:
+            plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
+            commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
             yield from self._write(partition, cols, plan.indexes, plan.units, timeout, commit, plan.tickets, ahead)
-        except GeneratorExit:  # the driver dropped this flow: nothing more may be sent from here
-            raise
-        except BaseException:  # a failed write or commit, a driver timeout, a cancel: free the rows now
-            try:
+        except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
+            if grant is not None:
+                grant.remaining += drawn
+            # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
+            if plan is None or isinstance(exc, GeneratorExit):
+                raise
+            try:  # free the rows now
                 yield from self.one(CONTROLLER, AbortPut(partition, plan.indexes), Ok)
             except SluiceError:  # the controller's put deadline frees them anyway
                 pass
-            raise
+            if not (retry and isinstance(exc, ServiceError) and (yield from self._restarted(plan.units, known))):
+                raise
+            return (yield from self._put_rows(partition, cols, rows, grant, timeout, retry=False))
+        if grant is not None and grant.remaining == 0 and grant in self.grants:
+            self.grants.remove(grant)
         self._stay = plan.units[-1]
         if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]
@@ -347,9 +396,11 @@ class ClientCore(ControlCore):
         if errors:
             raise errors[0]
 
-    def _row_info(self, cols, policy_version, groups, grant, source) -> RowInfo:
+    def _row_info(self, cols: Columns, policy_version, groups, grant: Grant | None, source) -> RowInfo:
+        """What the controller records of a put's rows: versions (by default `grant`'s; with
+        neither, unversioned), groups, lengths, the grant, the prompt source. Raises
+        `SchemaError` where an argument does not fit the batch."""
         n = cols.n
-        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
         versioned = policy_version is not None or grant is not None
         if policy_version is None:
             policy_version = grant.version if grant else 0
@@ -357,17 +408,12 @@ class ClientCore(ControlCore):
         group_ids = list(range(n)) if groups is None else [count("group id", g, -INT64) for g in groups]
         if len(group_ids) != n:
             raise SchemaError(f"groups has {len(group_ids)} entries for {n} samples")
-        grant_id = 0
-        if grant is not None:
-            grant_id = grant.grant_id
-            grant.remaining = max(0, grant.remaining - n)
-            if grant.remaining == 0 and grant in self.grants:
-                self.grants.remove(grant)
         src: tuple[str, str, list[int]] = ("", "", [])
         if source is not None:
             if len(source) != n:
                 raise SchemaError(f"source has {len(source)} samples, the batch has {n}")
             src = (source.partition, source.task, list(source.indexes))
+        grant_id = 0 if grant is None else grant.grant_id
         return RowInfo(first, last, group_ids, cols.seqlens(), grant_id, *src, versioned=versioned)
 
     def acquire(self, n: int, timeout: float = 30.0) -> Flow:
@@ -420,8 +466,20 @@ class ClientCore(ControlCore):
     def get_data(
         self, meta: BatchMeta, fields: Sequence[str] | None = None, device: str | torch.device | None = None
     ) -> Flow:
-        """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel;
-        on a CUDA `device`, each run is copied straight from the arena or the received frame."""
+        """The flow of `Client.get_data` (`_read`); a read that failed because a unit of the
+        batch restarted since this client learned of it is read once more from the units as they
+        are now (`_restarted`)."""
+        known = self.units  # `hello` replaces it
+        try:
+            return (yield from self._read(meta, fields, device))
+        except ServiceError:
+            if not (yield from self._restarted(meta.units, known)):
+                raise
+        return (yield from self._read(meta, fields, device))
+
+    def _read(self, meta: BatchMeta, fields: Sequence[str] | None, device: str | torch.device | None) -> Flow:
+        """Reads from every unit holding the batch, in parallel; on a CUDA `device`, each run is
+        copied straight from the arena or the received frame."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
@@ -434,13 +492,15 @@ class ClientCore(ControlCore):
             return assembler.result()
         targets = _by_unit(meta.units, meta.indexes)
         calls = []
+        vias: list[Via] = []
         for unit_id, _, rows in targets:
             via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
             if via == "frames":
                 keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
             calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
+            vias.append(via)
         replies = yield calls
-        _assemble(assembler, self._arenas, names, len(meta), targets, replies)
+        _assemble(assembler, self._arenas, names, len(meta), targets, vias, replies)
         with copies(dev):  # the frames and arena views stay referenced until the copies are done
             return assembler.result()
 
@@ -479,8 +539,23 @@ class ClientCore(ControlCore):
         device: str | torch.device | None = None,
     ) -> Flow:
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
-        `meta` once the sealed partition is drained. A failed read gives the lease back."""
-        meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
+        `meta` once the sealed partition is drained for `task`. A failed read gives the lease back.
+
+        With `allow_partial`, the controller answers an empty batch when nothing was ready within
+        `timeout`, sealed or not; only a request for a whole batch is answered empty at once just
+        when the partition is sealed and drained for the task (else it times out). So an empty
+        partial batch is followed by such a request (`timeout=0`, the rows it may lease are a
+        batch like any other), and the wait begins again while the partition is not drained."""
+        while True:
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
+            if len(meta) or not options.get("allow_partial"):
+                break
+            try:
+                whole = {**options, "allow_partial": False}
+                meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **whole)
+                break
+            except TimeoutError:  # not drained: more samples may come
+                continue
         if not len(meta):
             return None, meta
         try:
@@ -609,14 +684,11 @@ class ClientCore(ControlCore):
                 old = header.meta
                 for put in restore_puts(header, new_indexes):
                     pos = put.positions
-                    part = data if len(pos) == len(old) else data[torch.as_tensor(pos)]
-                    meta = yield from self.put(
-                        part,
-                        name,
-                        policy_version=put.policy_version,
-                        groups=[old.groups[i] for i in pos],
-                        source=put.source,
-                    )
+                    cols = Columns(data if len(pos) == len(old) else data[torch.as_tensor(pos)])
+                    groups = [old.groups[i] for i in pos]
+                    # under no grant of this client's: unversioned samples stay unversioned
+                    rows = self._row_info(cols, put.policy_version, groups, None, put.source)
+                    meta = yield from self._put_rows(name, cols, rows, None, 30.0)
                     new_index.update(zip((old.indexes[i] for i in pos), meta.indexes))
                     restored += len(meta)
             for task, indexes in state.consumed.items():
@@ -686,13 +758,16 @@ def _by_unit(units: list[int], indexes: Sequence[int]) -> list[tuple[int, np.nda
     return placed
 
 
-def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, targets, replies) -> None:
+def _assemble(
+    assembler: Assembler, arenas, names: list[str], batch_size: int, targets, vias: list[Via], replies
+) -> None:
     """Hand the assembler each unit's rows (`targets`: units and their batch positions, see
-    `_by_unit`): received frames, or views of its mapped arena."""
-    for (unit_id, positions, _), (reply, frames) in zip(targets, replies):
+    `_by_unit`; `vias`: how each was read): received frames, or views of its mapped arena. A
+    read over frames may bring none (its rows' ragged fields all empty)."""
+    for (unit_id, positions, _), via, (reply, frames) in zip(targets, vias, replies):
         reply = check(reply, ReadReply)
         runs: dict[str, list[torch.Tensor]] = {}
-        if frames:
+        if via == "frames":
             it = iter(frames)
             for name in names:
                 runs[name] = [_frame_bytes(next(it)) for _ in reply.runs[name]]
@@ -700,7 +775,7 @@ def _assemble(assembler: Assembler, arenas, names: list[str], batch_size: int, t
             arena = arenas[unit_id][1]
             runs = {name: [arena[o : o + n] for o, n in reply.runs[name]] for name in names}
         rows = np.arange(batch_size) if positions is None else positions
-        assembler.add_unit(rows, reply.lengths, runs, owned=bool(frames))
+        assembler.add_unit(rows, reply.lengths, runs, owned=via == "frames")
 
 
 def _host_frames(buffers: list[torch.Tensor], device: torch.device | None) -> list[np.ndarray]:

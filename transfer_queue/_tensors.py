@@ -136,6 +136,8 @@ class Columns:
             if is_cuda(tensor):  # stays in GPU memory: copied once, straight to its destination
                 self.device = tensor.device
             if tensor.is_nested:
+                if cast("NestedTensor", tensor).lengths() is not None:  # rows with holes between them
+                    tensor = tensor.contiguous()  # (torch.nested.narrow's): packed, so offsets say it all
                 offsets = cast("NestedTensor", tensor).offsets().cpu().numpy().astype(np.int64)
                 if len(offsets) != self.n + 1:
                     raise SchemaError(f"field {name!r} has {len(offsets) - 1} samples, the batch has {self.n}")

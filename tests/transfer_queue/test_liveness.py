@@ -5,12 +5,14 @@ never serves them again, and takes the unit back when it registers again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import transfer_queue as tq
 from tests.faults import ROOT, eventually
 from tests.helpers import put_anew
 from tests.peers import ask, peer
+from transfer_queue.host import arena_path
 from transfer_queue.wire.messages import RegisterUnit, UnitInfo
 
 
@@ -166,32 +169,42 @@ def test_dead_unit_is_retired_its_samples_lost_and_prompts_requeued(cluster, cli
     client.seal("train")
     assert sum(len(m) for _, m in client.stream(["x"], 4, task="t", timeout=10)) == 4
     # a unit that comes back registers again and takes new rows
-    os.unlink(client.units[1].shm_path)
-    env = {**os.environ, "PYTHONPATH": ROOT, "SLUICE_SECRET": cluster.secret}
-    back = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "storage",
-            "--unit-id",
-            "1",
-            "--capacity",
-            str(128 << 20),
-            "--cluster-id",
-            cluster.cluster_id,
-            "--controller",
-            cluster.address,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert back.stdout.readline().startswith("SLUICE_STORAGE ")
+    with _unit_back(cluster, 1):
         status = client.status()
         assert sorted(status["units"]) == ["0", "1"] and not status["retired_units"]
         with tq.connect(cluster.address) as fresh:
             assert 1 in fresh.put(_td(8), partition="more").units  # the emptiest unit
+
+
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_clients_connected_before_a_unit_restarted_reach_it_again(cluster, use_shm):
+    """A unit that restarted listens at a new address (and maps a new arena): a client that
+    learned the old one on connect learns the new one when a call to the old one fails, and
+    puts and reads there again (the put was aborted, so it is put once more)."""
+    put_anew(cluster.address, _td(8))  # unit 0, the emptiest: the restarted unit 1 is emptier
+    with tq.connect(cluster.address, use_shm=use_shm) as producer, tq.connect(cluster.address) as trainer:
+        _unit_proc(cluster, 1).send_signal(signal.SIGKILL)
+        eventually(lambda: producer.status()["retired_units"], 20, "unit 1 retired")
+        with _unit_back(cluster, 1):
+            meta = producer.put(_td(4), partition="after")
+            assert set(meta.units) == {1}
+            assert (1 in producer.mapped_units) == use_shm  # its new arena
+            assert trainer.get_data(meta)["x"].tolist() == _td(4)["x"].tolist()
+            assert producer.status()["counters"]["open_puts"] == 0
+
+
+@contextlib.contextmanager
+def _unit_back(cluster: tq.Cluster, unit_id: int) -> Iterator[None]:
+    """Unit `unit_id` (dead and retired) started again with the same id, its stale arena
+    removed first, until the block ends."""
+    os.unlink(arena_path(cluster.cluster_id, unit_id))
+    env = {**os.environ, "PYTHONPATH": ROOT, "SLUICE_SECRET": cluster.secret}
+    command = [sys.executable, "-m", "storage", "--unit-id", str(unit_id), "--capacity", str(128 << 20)]
+    command += ["--cluster-id", cluster.cluster_id, "--controller", cluster.address]
+    back = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert back.stdout is not None and back.stdout.readline().startswith("SLUICE_STORAGE ")
+        yield
     finally:
         back.send_signal(signal.SIGTERM)
         back.wait(10)

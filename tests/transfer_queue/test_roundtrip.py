@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.helpers import put_anew
+from transfer_queue._tensors import Columns
 
 DTYPES = [
     torch.bool,
@@ -155,6 +156,34 @@ def test_rows_of_one_unit_read_over_tcp_are_private_to_the_batch(shared_cluster)
         again = client.get_data(one)
         _assert_same(data["dense_int64"][torch.as_tensor(mine)], again["dense_int64"])
         _assert_same(_ragged_rows(data["ragged_float32"], mine), again["ragged_float32"])
+        client.clear(meta)
+
+
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_a_jagged_tensor_with_holes_is_stored_as_its_rows(shared_cluster, use_shm):
+    """`torch.nested.narrow` keeps the whole buffer and gives each row a length shorter than its
+    run: only those lengths are the rows (and their sequence lengths)."""
+    block = torch.arange(20).reshape(4, 5)
+    cut = torch.nested.narrow(
+        block, 1, torch.zeros(4, dtype=torch.int64), torch.tensor([1, 0, 3, 5]), layout=torch.jagged
+    )
+    td = TensorDict({"r": cut}, batch_size=[4])
+    assert Columns(td).seqlens() == [1, 0, 3, 5]
+    with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
+        meta = client.put(td, partition=f"holes-{uuid.uuid4().hex[:6]}")
+        rows = client.get_data(meta)["r"].unbind()
+        assert [r.tolist() for r in rows] == [[0], [], [10, 11, 12], [15, 16, 17, 18, 19]]
+        client.clear(meta)
+
+
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "shm"])
+def test_a_read_of_only_empty_ragged_rows(shared_cluster, use_shm):
+    """Rows whose ragged field is empty on their unit: a read over TCP brings no frame for it."""
+    ragged = torch.nested.nested_tensor([torch.zeros(0, 2), torch.ones(3, 2), torch.zeros(0, 2)], layout=torch.jagged)
+    meta = put_anew(shared_cluster.address, {"r": ragged}, partition=f"empty-{uuid.uuid4().hex[:6]}")
+    with tq.connect(shared_cluster.address, use_shm=use_shm) as client:
+        rows = client.get_data(meta.select([0, 2]))["r"].unbind()
+        assert [tuple(r.shape) for r in rows] == [(0, 2), (0, 2)]
         client.clear(meta)
 
 

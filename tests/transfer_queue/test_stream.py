@@ -35,6 +35,22 @@ def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
     assert status["consumed"] == 50 and status["leased"] == 0
 
 
+def test_a_partial_stream_ends_only_when_the_sealed_partition_is_drained(cluster, client):
+    """With `allow_partial`, nothing ready within `timeout` (here 0: the batch after the first is
+    answered empty at once) is no end of the stream while the partition is not sealed."""
+    client.put(rows(4))
+    sizes = []
+    for _batch, meta in client.stream(["x"], 4, task="train", timeout=0.0, allow_partial=True):
+        sizes.append(len(meta))
+        if len(sizes) == 1:
+            with tq.connect(cluster.address) as producer:
+                producer.put(rows(6, 4))
+                producer.seal()
+    assert sizes == [4, 4, 2]
+    status = client.status()["partitions"]["train"]["tasks"]["train"]
+    assert status["consumed"] == 10 and status["leased"] == 0
+
+
 def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
     client.put(rows(32))
     for _batch, meta in client.stream(["x"], 8, task="train", timeout=5):

@@ -1,0 +1,56 @@
+"""Generation slots on the client: a put spends its grant's slots only once it is committed, so a
+failed put leaves them to the grant (for a retry, or `release`), and a restore draws on no grant."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+import transfer_queue as tq
+from tests.conftest import MakeCluster
+
+
+def _batch(n: int, width: int = 4) -> TensorDict:
+    return TensorDict({"x": torch.zeros(n, width)}, batch_size=[n])
+
+
+def test_a_failed_put_leaves_its_slots_to_the_grant(make_cluster: MakeCluster):
+    cluster = make_cluster(max_staleness=0, consumer_batch_size=8)
+    with cluster.connect() as client:
+        client.seal("train")
+        with client.acquire(8, timeout=5) as grant:
+            try:
+                client.put(_batch(8), partition="train", grant=grant)
+            except tq.SealedError:
+                pass
+            assert grant.remaining == 8
+        assert client.status()["admission"]["running"] == 0  # released when the block ended
+        client.acquire(8, timeout=5).release()  # the whole budget is free again
+
+
+def test_a_put_retried_after_a_failure_carries_the_grants_version(make_cluster: MakeCluster):
+    cluster = make_cluster(storage_capacity="16MiB", max_staleness=1, consumer_batch_size=8)
+    with cluster.connect() as client:
+        client.set_version(5)
+        grant = client.acquire(8, timeout=5)
+        try:
+            client.put(_batch(8, 1 << 20), timeout=2)  # 32 MiB: more than the unit holds
+        except tq.CapacityError:
+            pass
+        meta = client.put(_batch(8), timeout=5)  # the retry draws on the same open grant
+        assert meta.policy_versions == [grant.version] * 8
+        assert grant.remaining == 0 and client.status()["admission"]["running"] == 0
+
+
+def test_a_restore_draws_on_no_open_grant(make_cluster: MakeCluster, tmp_path):
+    with make_cluster().connect() as client:
+        client.put(_batch(8), partition="prompts")  # unversioned: never too stale
+        client.save_checkpoint(tmp_path / "ckpt")
+    with make_cluster(max_staleness=0, consumer_batch_size=8).connect() as client:
+        grant = client.acquire(8, timeout=5)  # open while the checkpoint is restored
+        assert client.restore_checkpoint(tmp_path / "ckpt") == 8
+        assert grant.remaining == 8
+        client.set_version(grant.version + 3)  # samples of the grant's version would now be too stale
+        meta = client.get_meta(["x"], 8, task="t", partition="prompts", timeout=5)
+        assert len(meta) == 8
+        grant.release()
