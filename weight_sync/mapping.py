@@ -153,7 +153,11 @@ class FlatShard:
     shapes: Mapping[str, Sequence[int]]
 
     def layout(self, name: str, local: torch.Tensor) -> Layout:
-        """The layout of this rank's flat shard of `name` (`local` must hold exactly it)."""
+        """The layout of this rank's flat shard of `name` (`local` must hold exactly it).
+
+        Raises `SchemaError` if `shapes` lacks `name` or `local` has another size."""
+        if name not in self.shapes:
+            raise SchemaError(f"{name}: FlatShard.shapes has no global shape for it")
         layout = Layout.full(self.shapes[name]).flat_shard(self.rank, self.size)
         if local.numel() != layout.numel:
             raise SchemaError(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transfer_queue.wire.errors import SchemaError
-from weight_sync import LLAMA, TPShard, WeightPublisher, WeightSubscriber
+from weight_sync import LLAMA, FlatShard, TPShard, WeightPublisher, WeightSubscriber
 
 ATTN, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
 Q, KV, HIDDEN, INTER = 24, 8, 12, 40
@@ -154,3 +154,11 @@ def test_part_sizes_that_disagree_are_refused():
             pubs[rank].publish(fused(1, rank, 2), 1)
         with pytest.raises(SchemaError, match=r"qkv_proj\.(weight|bias).*disagree"):
             sub.wait(1, timeout=10)
+
+
+def test_a_flat_shard_without_a_tensors_shape_names_it():
+    shapes = {n: s for n, s in SHAPES.items() if "bias" not in n}
+    with WeightPublisher(None, "shm", shard=FlatShard(0, 2, shapes), timeout=10) as pub:
+        local = {n: t.reshape(-1)[: -(-t.numel() // 2)] for n, t in weights(1).items()}
+        with pytest.raises(SchemaError, match=r"q_proj\.bias: FlatShard\.shapes has no global shape"):
+            pub.publish(local, 1)
