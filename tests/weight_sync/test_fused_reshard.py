@@ -13,6 +13,7 @@ import torch
 
 from transfer_queue.wire.errors import SchemaError
 from weight_sync import LLAMA, FlatShard, TPShard, WeightPublisher, WeightSubscriber
+from weight_sync.subscriber import _signature
 
 ATTN, MLP = "model.layers.0.self_attn.", "model.layers.0.mlp."
 Q, KV, HIDDEN, INTER = 24, 8, 12, 40
@@ -162,3 +163,11 @@ def test_a_flat_shard_without_a_tensors_shape_names_it():
         local = {n: t.reshape(-1)[: -(-t.numel() // 2)] for n, t in weights(1).items()}
         with pytest.raises(SchemaError, match=r"q_proj\.bias: FlatShard\.shapes has no global shape"):
             pub.publish(local, 1)
+
+
+def test_subscribers_that_declare_other_part_sizes_do_not_share_a_relay():
+    """Equal signatures mean equal plans (a relay forwards its bytes to its equals): part sizes
+    change the plan, so they change the signature."""
+    held = fused(0, 0, 2)
+    signatures = {_signature(held, TPShard(0, 2, parts=p), LLAMA) for p in ({}, PARTS, {"qkv_proj.": (Q, KV, KV)})}
+    assert len(signatures) == 3
