@@ -2,8 +2,9 @@
 
 Every tensor has one *global* shape. A local tensor (a trainer's shard, or the slice an
 inference rank needs) is described by a `Layout`: an optional slice along one dim (tensor
-parallelism, FSDP2's dim-0 shards) followed by an optional flat range of that slice (FSDP1's
-flat shards). A layout decomposes into `Piece`s: boxes in global coordinates whose elements are
+parallelism, FSDP2's dim-0 shards; a fused tensor's TP shard is one dim-0 slice per part, since
+its global tensor is its parts concatenated, [q; k; v], and TP splits each part) followed by an
+optional flat range of those slices (FSDP1's flat shards). A layout decomposes into `Piece`s: boxes in global coordinates whose elements are
 one contiguous row-major run of the local tensor. `intersect` and `subtract` are the box
 arithmetic the reshard planner (`plan.py`) is built from.
 """
@@ -104,33 +105,49 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
 class Layout(msgspec.Struct, frozen=True, array_like=True):
     """Which elements of a global tensor of `shape` a local tensor holds, in its own order.
 
-    `dim >= 0`: the local tensor is the slice [start, stop) of dimension `dim` (tensor
-    parallelism). `flat_stop >= 0`: of that (possibly sliced) tensor, the local tensor holds
-    only the flat row-major range [flat_start, flat_stop) as a 1-D run (FSDP1's flat shards).
+    `dim >= 0`: the local tensor is the slices `spans` ([start, stop) each) of dimension `dim`,
+    concatenated along it: one slice for a tensor-parallel shard, one per part for the TP shard
+    of a fused tensor (dim 0 only). `flat_stop >= 0`: of that, the local tensor holds only the
+    flat row-major range [flat_start, flat_stop) as a 1-D run (FSDP1's flat shards). `parts`:
+    the dim-0 sizes of the tensors a fused tensor concatenates (q, k, v), () for any other.
     """
 
     shape: tuple[int, ...]
     dim: int = -1
-    start: int = 0
-    stop: int = 0
+    spans: tuple[tuple[int, int], ...] = ()
     flat_start: int = 0
     flat_stop: int = -1
+    parts: tuple[int, ...] = ()
 
     @classmethod
-    def full(cls, shape: Sequence[int]) -> Layout:
-        """The whole tensor (a replica)."""
-        return cls(tuple(shape))
+    def full(cls, shape: Sequence[int], parts: Sequence[int] = ()) -> Layout:
+        """The whole tensor (a replica); `parts` as for `tp`."""
+        return cls(tuple(shape), parts=tuple(parts))
 
     @classmethod
-    def tp(cls, shape: Sequence[int], dim: int, rank: int, size: int) -> Layout:
+    def tp(cls, shape: Sequence[int], dim: int, rank: int, size: int, parts: Sequence[int] = ()) -> Layout:
         """Rank `rank` of `size` along `dim`, split like `torch.chunk` (the last chunk may be
-        short); 1-D and 0-D tensors are not split by a `dim` they lack (they stay replicated)."""
-        shape = tuple(shape)
+        short); 1-D and 0-D tensors are not split by a `dim` they lack (they stay replicated).
+
+        A fused tensor (`parts`: the dim-0 sizes of what it concatenates) split along dim 0 is
+        split part by part, as vLLM's `QKVParallelLinear` and Megatron do: the rank holds its
+        chunk of each part, concatenated. Raises `SchemaError` if `parts` do not add up to
+        dim 0 of `shape`.
+        """
+        shape, parts = tuple(shape), tuple(parts)
+        if parts and (not shape or sum(parts) != shape[0]):
+            raise SchemaError(f"parts {parts} do not add up to dim 0 of shape {shape}")
         if size == 1 or dim >= len(shape):
-            return cls(shape)
-        chunk = -(-shape[dim] // size)
-        start = min(rank * chunk, shape[dim])
-        return cls(shape, dim, start, min(start + chunk, shape[dim]))
+            return cls(shape, parts=parts)
+        blocks = parts if parts and dim == 0 else (shape[dim],)
+        spans = []
+        origin = 0
+        for n in blocks:
+            chunk = -(-n // size)
+            start = min(rank * chunk, n)
+            spans.append((origin + start, origin + min(start + chunk, n)))
+            origin += n
+        return cls(shape, dim, tuple(spans), parts=parts)
 
     def flat_shard(self, rank: int, size: int) -> Layout:
         """Rank `rank` of `size` equal flat shards of this layout (FSDP1: padded, so the last
@@ -141,17 +158,29 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
         return msgspec.structs.replace(self, flat_start=start, flat_stop=min(start + chunk, total))
 
     @property
+    def boxes(self) -> list[Box]:
+        """The boxes of the dim slices, before any flat range, in local order."""
+        if self.dim < 0:
+            return [((0,) * len(self.shape), self.shape)]
+        out = []
+        for start, stop in self.spans:
+            lo, hi = [0] * len(self.shape), list(self.shape)
+            lo[self.dim], hi[self.dim] = start, stop
+            out.append((tuple(lo), tuple(hi)))
+        return out
+
+    @property
     def box(self) -> Box:
-        """The box of the dim slice, before any flat range."""
-        lo = [0] * len(self.shape)
-        hi = list(self.shape)
-        if self.dim >= 0:
-            lo[self.dim], hi[self.dim] = self.start, self.stop
-        return tuple(lo), tuple(hi)
+        """The box of the dim slice of a layout with one (not a fused tensor's TP shard)."""
+        boxes = self.boxes
+        if len(boxes) != 1:
+            raise ValueError(f"layout {self} holds {len(boxes)} boxes, not one")
+        return boxes[0]
 
     @property
     def box_numel(self) -> int:
-        return numel(*self.box)
+        """Elements of the dim slices, before any flat range."""
+        return sum(numel(*b) for b in self.boxes)
 
     @property
     def numel(self) -> int:
@@ -162,30 +191,47 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """Shape of the local tensor: the box, or 1-D for a flat shard."""
+        """Shape of the local tensor: the dim slices concatenated, or 1-D for a flat shard."""
         if self.flat_stop >= 0:
             return (self.numel,)
-        lo, hi = self.box
-        return tuple(h - l for l, h in zip(lo, hi))
+        if self.dim < 0:
+            return self.shape
+        return tuple(sum(b - a for a, b in self.spans) if d == self.dim else n for d, n in enumerate(self.shape))
 
     def check(self) -> None:
-        """Raise `SchemaError` unless the slice and flat range lie inside the tensor."""
+        """Raise `SchemaError` unless the slices and flat range lie inside the tensor, slices
+        of a dim other than 0 are one, and `parts` add up to dim 0."""
         ndim = len(self.shape)
-        if self.dim >= ndim or (self.dim >= 0 and not 0 <= self.start <= self.stop <= self.shape[self.dim]):
-            raise SchemaError(f"layout {self} slices outside the tensor")
+        if self.dim >= ndim or (
+            self.dim >= 0
+            and (
+                not self.spans
+                or (len(self.spans) > 1 and self.dim != 0)
+                or not all(0 <= a <= b <= self.shape[self.dim] for a, b in self.spans)
+            )
+        ):
+            raise SchemaError(f"layout {self} slices outside the tensor, or several slices of a dim other than 0")
+        if self.parts and (not ndim or sum(self.parts) != self.shape[0]):
+            raise SchemaError(f"layout {self} has parts that do not add up to dim 0")
         if self.flat_stop >= 0 and not 0 <= self.flat_start <= self.flat_stop <= self.box_numel:
             raise SchemaError(f"layout {self} has a flat range outside its slice")
 
     def pieces(self) -> list[Piece]:
         """The local tensor as contiguous boxes in global coordinates, in local order."""
-        lo, hi = self.box
-        if self.flat_stop < 0:
-            return [Piece(lo, hi, 0)] if numel(lo, hi) else []
         out = []
-        offset = 0
-        for blo, bhi in flat_boxes([h - l for l, h in zip(lo, hi)], self.flat_start, self.flat_stop):
-            glo = tuple(a + b for a, b in zip(blo, lo))
-            ghi = tuple(a + b for a, b in zip(bhi, lo))
-            out.append(Piece(glo, ghi, offset))
-            offset += numel(glo, ghi)
+        offset = 0  # of the next piece in the local tensor
+        base = 0  # of the current box in the dim slices, before any flat range
+        for lo, hi in self.boxes:
+            n = numel(lo, hi)
+            if self.flat_stop < 0:
+                runs = [((0,) * len(lo), tuple(h - l for l, h in zip(lo, hi)))] if n else []
+            else:
+                start, stop = max(self.flat_start - base, 0), min(self.flat_stop - base, n)
+                runs = flat_boxes([h - l for l, h in zip(lo, hi)], start, stop)
+            for blo, bhi in runs:
+                glo = tuple(a + b for a, b in zip(blo, lo))
+                ghi = tuple(a + b for a, b in zip(bhi, lo))
+                out.append(Piece(glo, ghi, offset))
+                offset += numel(glo, ghi)
+            base += n
         return out

@@ -6,13 +6,20 @@ rank holds. Both turn a local tensor into a `Layout` of its global tensor. `LLAM
 Megatron/vLLM's split for Llama/Qwen: column-parallel layers split dim 0, row-parallel
 layers dim 1, norms replicated.
 
+Fused tensors (`LLAMA_FUSED`: `qkv_proj`, `gate_up_proj`) are their parts concatenated along
+dim 0, [q; k; v], and that is their global tensor. Tensor parallelism splits them part by part,
+as vLLM's `QKVParallelLinear` and Megatron do: TP rank r holds [q_r; k_r; v_r], not rows
+r/T..(r+1)/T of [q; k; v]. So a fused tensor's TP shard needs the sizes of its parts (with
+GQA, q is larger than k and v): `TPShard(parts=...)` declares them, a publisher's manifest
+carries them, and the unfused names on the other side (`q_proj`, ...) give them.
+
 Names: `NameMapping.bind` matches the subscriber's tensors to the publishers' and returns one
 `Binding` per (subscriber tensor, source tensor) part: which box of the source's global tensor
 lands in which view of the subscriber's tensor. Beyond renaming, it fuses (the subscriber holds
-`qkv_proj`, the trainer sends `q_proj`, `k_proj`, `v_proj`: each part is a dim-0 block of the
-fused local tensor, itself TP-split like vLLM's `QKVParallelLinear`) and splits (the trainer
-sends `gate_up_proj`, the subscriber holds `gate_proj` and `up_proj`). `LLAMA` (also `QWEN`)
-does this for Llama/Qwen-style checkpoints.
+`qkv_proj`, the trainer sends `q_proj`, `k_proj`, `v_proj`: each part's TP slice is a dim-0
+block of the fused local tensor) and splits (the trainer sends `gate_up_proj`, the subscriber
+holds `gate_proj` and `up_proj`). `LLAMA` (also `QWEN`) does this for Llama/Qwen-style
+checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +33,16 @@ from transfer_queue import SchemaError
 
 from .layout import Box, Layout
 
-__all__ = ["TPShard", "FlatShard", "Binding", "NameMapping", "LLAMA_TP_DIMS", "LLAMA", "QWEN"]
+__all__ = [
+    "TPShard",
+    "FlatShard",
+    "Binding",
+    "NameMapping",
+    "LLAMA_TP_DIMS",
+    "LLAMA_FUSED",
+    "LLAMA",
+    "QWEN",
+]
 
 LLAMA_TP_DIMS: dict[str, int] = {
     "embed_tokens.": 0,
@@ -43,14 +59,26 @@ LLAMA_TP_DIMS: dict[str, int] = {
 }
 """Split dim by name fragment (first match wins); unmatched tensors are replicated."""
 
+LLAMA_FUSED: tuple[str, ...] = ("qkv_proj.", "gate_up_proj.")
+"""Name fragments of fused tensors, which tensor parallelism splits part by part."""
+
 
 @dataclass(frozen=True)
 class TPShard:
-    """Tensor-parallel rank `rank` of `size`; `dims` maps a name fragment to the split dim."""
+    """Tensor-parallel rank `rank` of `size`; `dims` maps a name fragment to the split dim.
+
+    `parts` maps a name fragment of a fused tensor (those of `LLAMA_FUSED`, or another whose
+    parts are declared here) to the global dim-0 sizes of its parts, e.g. `{"qkv_proj.":
+    (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), "gate_up_proj.":
+    (intermediate, intermediate)}`. A publisher holding fused tensors split along dim 0 must
+    declare them; a subscriber only for a fused tensor it holds split along dim 0 that is
+    published fused by a publisher that did not declare them.
+    """
 
     rank: int = 0
     size: int = 1
     dims: Mapping[str, int] = field(default_factory=lambda: dict(LLAMA_TP_DIMS))
+    parts: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -60,22 +88,59 @@ class TPShard:
         """The dim `name` is split along, or -1 (replicated)."""
         return next((d for frag, d in self.dims.items() if frag in name), -1)
 
+    def fused(self, name: str) -> str | None:
+        """The fragment that makes `name` a fused tensor (see `parts`), or None."""
+        return next((frag for frag in (*self.parts, *LLAMA_FUSED) if frag in name), None)
+
+    def part_sizes(self, name: str) -> tuple[int, ...] | None:
+        """The declared global dim-0 sizes of fused `name`'s parts, or None."""
+        frag = self.fused(name)
+        return tuple(self.parts[frag]) if frag is not None and frag in self.parts else None
+
+    def splits_parts(self, name: str) -> bool:
+        """Whether this rank holds a slice of each part of `name` (fused, split along dim 0)."""
+        return self.size > 1 and self.dim(name) == 0 and self.fused(name) is not None
+
     def box(self, name: str, shape: Sequence[int], origin: Sequence[int] | None = None) -> Box:
-        """The box of a global `shape` (placed at `origin`) that this rank holds of `name`."""
+        """The box of a global `shape` (placed at `origin`) that this rank holds of `name`,
+        split as one tensor: for a fused tensor split part by part, pass each part's shape."""
         layout = Layout.tp(shape, self.dim(name), self.rank, self.size) if self.dim(name) >= 0 else Layout.full(shape)
         lo, hi = layout.box
         origin = tuple(origin) if origin is not None else (0,) * len(lo)
         return tuple(a + o for a, o in zip(lo, origin)), tuple(b + o for b, o in zip(hi, origin))
 
     def layout(self, name: str, local: torch.Tensor) -> Layout:
-        """The layout of a trainer rank's local `name`, split evenly (global = local × size)."""
+        """The layout of a trainer rank's local `name`, split evenly (global = local × size),
+        or, for a fused tensor split along dim 0, split part by part (global dim 0 = the sum
+        of its declared parts).
+
+        Raises `SchemaError` if `local` is not that shard, or is a fused tensor's TP shard
+        whose part sizes are not declared (its layout cannot be known).
+        """
         dim = self.dim(name)
         shape = list(local.shape)
-        if 0 <= dim < len(shape):
+        parts = self.part_sizes(name)
+        if self.splits_parts(name) and shape:
+            if parts is None:
+                raise SchemaError(
+                    f"{name}: TP rank {self.rank} of {self.size} holds a slice of each part of this fused tensor; "
+                    f"declare the global sizes of its parts: TPShard(parts={{{self.fused(name)!r}: (...)}})"
+                )
+            shape[0] = sum(parts)
+        elif 0 <= dim < len(shape):
             shape[dim] *= self.size
-        layout = Layout.tp(shape, dim, self.rank, self.size) if dim >= 0 else Layout.full(shape)
+        if parts is not None and (not shape or shape[0] != sum(parts)):
+            raise SchemaError(
+                f"{name}: declared parts {parts} do not add up to dim 0 of its global shape {tuple(shape)}"
+            )
+        layout = (
+            Layout.tp(shape, dim, self.rank, self.size, parts or ()) if dim >= 0 else Layout.full(shape, parts or ())
+        )
         if layout.local_shape != tuple(local.shape):
-            raise SchemaError(f"{name}: local shape {tuple(local.shape)} is not an even TP shard of {tuple(shape)}")
+            split = f", split part by part {parts}" if self.splits_parts(name) else ""
+            raise SchemaError(
+                f"{name}: local shape {tuple(local.shape)} is not an even TP shard of {tuple(shape)}{split}"
+            )
         return layout
 
 
@@ -88,7 +153,11 @@ class FlatShard:
     shapes: Mapping[str, Sequence[int]]
 
     def layout(self, name: str, local: torch.Tensor) -> Layout:
-        """The layout of this rank's flat shard of `name` (`local` must hold exactly it)."""
+        """The layout of this rank's flat shard of `name` (`local` must hold exactly it).
+
+        Raises `SchemaError` if `shapes` lacks `name` or `local` has another size."""
+        if name not in self.shapes:
+            raise SchemaError(f"{name}: FlatShard.shapes has no global shape for it")
         layout = Layout.full(self.shapes[name]).flat_shard(self.rank, self.size)
         if local.numel() != layout.numel:
             raise SchemaError(
@@ -122,13 +191,18 @@ class NameMapping:
         self.fuse = {f".{k}.": tuple(f".{p}." for p in v) for k, v in (fuse or {}).items()}
 
     def bind(
-        self, sources: Mapping[str, Sequence[int]], targets: Mapping[str, torch.Tensor], shard: TPShard
+        self, sources: Mapping[str, Sequence[int] | Layout], targets: Mapping[str, torch.Tensor], shard: TPShard
     ) -> list[Binding]:
         """One `Binding` per part of every target tensor.
 
-        `sources` maps trainer names to global shapes. Raises `SchemaError` when a target has
-        no source or its local shape does not match what its TP slice should be.
+        `sources` maps trainer names to global shapes, or to the layouts the publishers stage
+        them with (whose `parts` give a fused tensor's part sizes). Raises `SchemaError` when a
+        target has no source, its local shape does not match what its TP slice should be, or
+        its TP slice takes a slice of each part of a fused tensor whose part sizes are unknown
+        or disagree (declared on either side, or given by the unfused names).
         """
+        shapes = {n: tuple(s.shape) if isinstance(s, Layout) else tuple(s) for n, s in sources.items()}
+        declared = {n: s.parts for n, s in sources.items() if isinstance(s, Layout) and s.parts}
         by_name: dict[str, str] = {}
         for source in sources:
             name = self.rename(source)
@@ -136,7 +210,7 @@ class NameMapping:
                 by_name[name] = source
         out: list[Binding] = []
         for target, tensor in targets.items():
-            parts = self._parts(target, by_name, sources, targets, shard)
+            parts = self._parts(target, by_name, shapes, declared, targets, shard)
             if parts is None:
                 raise SchemaError(f"no published tensor maps to {target!r} (published e.g. {sorted(by_name)[:3]})")
             row = 0
@@ -156,36 +230,83 @@ class NameMapping:
         return out
 
     def _parts(
-        self, target, by_name, sources, targets, shard
+        self, target, by_name, shapes, declared, targets, shard
     ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None:
-        """(source, origin, shape) of each region of a source that makes up `target`."""
+        """(source, origin, shape) of each region of a source that makes up `target`: the
+        regions' TP slices, concatenated along dim 0, are `target`'s local tensor."""
+        splits = shard.size > 1 and shard.dim(target) == 0 and (shard.fused(target) or self._fused(target))
         if target in by_name:
-            shape = tuple(sources[by_name[target]])
-            return [(by_name[target], (0,) * len(shape), shape)]
+            source = by_name[target]
+            shape = shapes[source]
+            if not splits or not shape:
+                return [(source, (0,) * len(shape), shape)]
+            sizes = _agree(target, source, shape[0], declared.get(source), shard.part_sizes(target))
+            return _blocks(source, sizes, shape)
         for fused, parts in self.fuse.items():
             if fused in target:  # fuse: the target is the dim-0 concatenation of parts
                 names = [target.replace(fused, p) for p in parts]
                 if all(n in by_name for n in names):
-                    return [(by_name[n], (0,) * len(sources[by_name[n]]), tuple(sources[by_name[n]])) for n in names]
+                    regions = [(by_name[n], (0,) * len(shapes[by_name[n]]), shapes[by_name[n]]) for n in names]
+                    if shard.part_sizes(target) is not None and all(r[2] for r in regions):
+                        rows = tuple(r[2][0] for r in regions)
+                        _agree(target, target, sum(rows), rows, shard.part_sizes(target))
+                    return regions
             for part in parts:  # split: the target is a dim-0 block of the fused source
                 fused_name = target.replace(part, fused)
                 if part in target and fused_name in by_name:
-                    return [self._block(target, part, parts, fused, by_name[fused_name], sources, targets, shard)]
+                    source = by_name[fused_name]
+                    known = [declared.get(source), shard.part_sizes(fused_name)]
+                    if known == [None, None]:  # each sibling's own binding checks its TP slice
+                        known = [self._sibling_rows(target, part, parts, source, targets, shard)]
+                    sizes = _agree(target, source, shapes[source][0], *known)
+                    return [_blocks(source, sizes, shapes[source])[parts.index(part)]]
         return None
 
-    def _block(self, target, part, parts, fused, source, sources, targets, shard):
-        """Region of fused `source` that part `part` of `target` is, sized from its siblings."""
-        offset = 0
-        shape = tuple(sources[source])
+    def _fused(self, name: str) -> bool:
+        return any(fused in name for fused in self.fuse)
+
+    @staticmethod
+    def _sibling_rows(target, part, parts, source, targets, shard) -> tuple[int, ...]:
+        """The global rows of each part of fused `source`, from the subscriber's tensors that
+        hold them (`target`, part `part`, and its siblings), each an even TP slice."""
+        rows = []
         for sibling in parts:
-            tensor = targets.get(target.replace(part, sibling))
+            name = target.replace(part, sibling)
+            tensor = targets.get(name)
             if tensor is None:
-                raise SchemaError(f"{target}: splitting {source} needs its sibling {target.replace(part, sibling)}")
-            rows = tensor.shape[0] * (shard.size if shard.dim(target.replace(part, sibling)) == 0 else 1)
-            if sibling == part:
-                return source, (offset, *(0,) * (len(shape) - 1)), (rows, *shape[1:])
-            offset += rows
-        raise AssertionError("part is one of parts")
+                raise SchemaError(f"{target}: splitting {source} needs its sibling {name}")
+            rows.append(tensor.shape[0] * (shard.size if shard.dim(name) == 0 else 1))
+        return tuple(rows)
+
+
+def _agree(target: str, source: str, rows: int, *candidates: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The part sizes of fused `source` (dim 0: `rows`) that every known candidate gives.
+
+    Raises `SchemaError` if none is known, they differ, or they do not add up to `rows`."""
+    known = {tuple(c) for c in candidates if c is not None}
+    if not known:
+        raise SchemaError(
+            f"{target}: its TP slice is a slice of each part of fused {source!r}, whose part sizes are unknown: "
+            "declare them (TPShard(parts=...)) here or on the publisher, or publish the parts unfused"
+        )
+    if len(known) > 1:
+        raise SchemaError(f"{target}: the part sizes of fused {source!r} disagree: {sorted(known)}")
+    sizes = known.pop()
+    if sum(sizes) != rows:
+        raise SchemaError(f"{target}: parts {sizes} of fused {source!r} do not add up to its {rows} rows")
+    return sizes
+
+
+def _blocks(
+    source: str, sizes: Sequence[int], shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(source, origin, shape) of each part of fused `source`, in order."""
+    out = []
+    offset = 0
+    for n in sizes:
+        out.append((source, (offset, *(0,) * (len(shape) - 1)), (n, *shape[1:])))
+        offset += n
+    return out
 
 
 def strip_wrappers(name: str) -> str:

@@ -117,8 +117,8 @@ class PublisherRanks:
                 if mid not in self._manifests:
                     self._manifests[mid] = self.call(rank, Describe(mid)).manifest
             manifests = [self._manifests[mid] for mid in ids]
-            shapes = {e.name: e.layout.shape for m in manifests for e in m.entries}
-            bindings = self._mapping.bind(shapes, self._targets, self._shard)
+            layouts = {e.name: e.layout for m in manifests for e in m.entries}
+            bindings = self._mapping.bind(layouts, self._targets, self._shard)
             plan = self._plans[ids] = build_plan(manifests, bindings, first=self._shard.rank)
         return plan
 

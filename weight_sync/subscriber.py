@@ -392,6 +392,7 @@ def _signature(targets: Mapping[str, torch.Tensor], shard: TPShard, mapping: Nam
                 shard.rank,
                 shard.size,
                 sorted(shard.dims.items()),
+                sorted((k, list(v)) for k, v in shard.parts.items()),
                 sorted(mapping.fuse.items()),
                 mapping.rename.__qualname__,
             ]

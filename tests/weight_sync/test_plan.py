@@ -60,7 +60,14 @@ def test_subtract_and_intersect_partition_a_box(shape, data):
 
 
 def _trainer_layouts(shape, kind: str, size: int) -> list[Layout]:
-    """Layouts of `size` trainer ranks (some may hold nothing, like FSDP's padded tails)."""
+    """Layouts of `size` trainer ranks (some may hold nothing, like FSDP's padded tails); a
+    fused tensor's parts are q, k, v with GQA-like sizes (some empty in small shapes)."""
+    parts = (shape[0] - 2 * (shape[0] // 3), shape[0] // 3, shape[0] // 3)
+    if kind == "fused":
+        return [Layout.tp(shape, 0, r, size, parts) for r in range(size)]
+    if kind == "fused_fsdp":  # 2-way TP split part by part, each shard flat-split over size // 2 ranks
+        half = max(size // 2, 1)
+        return [Layout.tp(shape, 0, r // half, 2, parts).flat_shard(r % half, half) for r in range(2 * half)]
     if kind == "replica":
         return [Layout.full(shape) for _ in range(size)]
     if kind == "fsdp":
@@ -76,7 +83,7 @@ def _trainer_layouts(shape, kind: str, size: int) -> list[Layout]:
 @settings(max_examples=150, deadline=None)
 @given(
     shapes,
-    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]),
+    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp", "fused", "fused_fsdp"]),
     st.integers(1, 4),
     st.integers(1, 4),
     st.data(),
@@ -94,6 +101,15 @@ def test_every_target_element_is_written_exactly_once(shape, kind, train_size, i
             assert piece in sources[r] and intersect(box, piece.box) == box
 
 
+def test_a_fused_tp_shard_is_a_slice_of_each_part():
+    """vLLM's [q_1; k_1; v_1] of [q; k; v] (8, 4, 4 rows) at TP 2: three runs of the local tensor."""
+    layout = Layout.tp((16, 6), 0, 1, 2, parts=(8, 4, 4))
+    assert layout.local_shape == (8, 6)
+    assert [(p.lo[0], p.hi[0], p.offset) for p in layout.pieces()] == [(4, 8, 0), (10, 12, 24), (14, 16, 36)]
+    with pytest.raises(SchemaError, match="do not add up"):
+        Layout.tp((16, 6), 0, 1, 2, parts=(8, 4))
+
+
 def test_replicas_spread_reads_over_ranks():
     sources = [Layout.full((8, 4)).pieces() for _ in range(4)]
     ranks = [plan_tensor(sources, ((0, 0), (8, 4)), first=i)[0][0] for i in range(4)]
@@ -109,8 +125,8 @@ def _stage(full: dict[str, torch.Tensor], layouts: dict[str, Layout], rank: int,
     """Stage a trainer rank's local tensors: the manifest and the slot bytes."""
     local = {}
     for name, layout in layouts.items():
-        lo, hi = layout.box
-        part = full[name][tuple(slice(a, b) for a, b in zip(lo, hi))].contiguous()
+        boxes = [full[name][tuple(slice(a, b) for a, b in zip(lo, hi))] for lo, hi in layout.boxes]
+        part = torch.cat(boxes, max(layout.dim, 0)).contiguous()
         local[name] = part.reshape(-1)[layout.flat_start : layout.flat_stop] if layout.flat_stop >= 0 else part
     manifest = layout_buckets([(n, t.dtype, layouts[n]) for n, t in local.items()], bucket, rank, size)
     slot = torch.zeros(max(manifest.nbytes, 1), dtype=torch.uint8)
@@ -120,7 +136,7 @@ def _stage(full: dict[str, torch.Tensor], layouts: dict[str, Layout], rank: int,
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp"]),
+    st.sampled_from(["replica", "fsdp", "tp_first", "tp_last", "tp_fsdp", "fused", "fused_fsdp"]),
     st.integers(1, 3),
     st.integers(1, 3),
     st.data(),
