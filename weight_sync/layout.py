@@ -105,19 +105,29 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
 class Layout(msgspec.Struct, frozen=True, array_like=True):
     """Which elements of a global tensor of `shape` a local tensor holds, in its own order.
 
-    `dim >= 0`: the local tensor is the slices `spans` ([start, stop) each) of dimension `dim`,
-    concatenated along it: one slice for a tensor-parallel shard, one per part for the TP shard
-    of a fused tensor (dim 0 only). `flat_stop >= 0`: of that, the local tensor holds only the
-    flat row-major range [flat_start, flat_stop) as a 1-D run (FSDP1's flat shards). `parts`:
-    the dim-0 sizes of the tensors a fused tensor concatenates (q, k, v), () for any other.
+    `dim >= 0`: the local tensor is the slices `spans` ([start, stop), then `more`) of
+    dimension `dim`, concatenated along it: one slice for a tensor-parallel shard, one per part
+    for the TP shard of a fused tensor (dim 0 only). `flat_stop >= 0`: of that, the local
+    tensor holds only the flat row-major range [flat_start, flat_stop) as a 1-D run (FSDP1's
+    flat shards). `parts`: the dim-0 sizes of the tensors a fused tensor concatenates (q, k,
+    v), () for any other. `parts` and `more` come last, so that a layout without them is
+    encoded as before they existed (manifests travel between processes).
     """
 
     shape: tuple[int, ...]
     dim: int = -1
-    spans: tuple[tuple[int, int], ...] = ()
+    start: int = 0
+    stop: int = 0
     flat_start: int = 0
     flat_stop: int = -1
     parts: tuple[int, ...] = ()
+    more: tuple[tuple[int, int], ...] = ()
+    """The slices after [start, stop) (a fused tensor's TP shard: one per further part)."""
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The slices of dimension `dim`, in local order (none when `dim` < 0)."""
+        return ((self.start, self.stop), *self.more) if self.dim >= 0 else ()
 
     @classmethod
     def full(cls, shape: Sequence[int], parts: Sequence[int] = ()) -> Layout:
@@ -147,7 +157,8 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
             start = min(rank * chunk, n)
             spans.append((origin + start, origin + min(start + chunk, n)))
             origin += n
-        return cls(shape, dim, tuple(spans), parts=parts)
+        (start, stop), *more = spans
+        return cls(shape, dim, start, stop, parts=parts, more=tuple(more))
 
     def flat_shard(self, rank: int, size: int) -> Layout:
         """Rank `rank` of `size` equal flat shards of this layout (FSDP1: padded, so the last
