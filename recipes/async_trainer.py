@@ -73,7 +73,9 @@ class AsyncTrainer:
         self.prompts_fed = n
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> dict[str, Any]:
-        """Train `trainer.total_steps` steps; returns the run's totals (also in `run.json`)."""
+        """Train `trainer.total_steps` steps; returns the run's totals (also in `run.json`). A
+        signal that stops it mid-way still leaves `run.json`, with the totals of the steps it
+        finished, each worker's statistics as last announced, and `interrupted` true."""
         self.feed_prompts()
         self.publisher.publish(self.learner.model.state_dict(), version=self.version)
         start = time.perf_counter()
@@ -82,6 +84,10 @@ class AsyncTrainer:
             try:
                 for step in range(1, self.cfg.trainer.total_steps + 1):
                     samples = log.write(self.step(step, start, samples)).samples
+            except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): keep what the steps made
+                seen = [msgspec.to_builtins(stats) for stats in self._rollout_seen.values()]
+                log.finish({**self.totals(time.perf_counter() - start, samples), "rollout": seen}, interrupted=True)
+                raise
             finally:
                 self.client.announce(STOP_KEY, msgspec.msgpack.encode(self.version))
             wall = time.perf_counter() - start

@@ -25,6 +25,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout_key
+from recipes.colocated import run_colocated
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
 from recipes.rollout_worker import RolloutWorker
@@ -80,7 +81,7 @@ def check_run(run_dir: Path, cfg: RecipeConfig) -> dict:
     assert versions == sorted(versions) and versions[-1] == totals["final_version"]
     if cfg.max_staleness is not None:  # the bound holds for every consumed sample
         assert max(int(k) for s in steps for k in s["staleness"]) <= cfg.max_staleness
-    assert totals["duplicates"] == 0 and totals["consumed"] == totals["samples"]
+    assert totals["duplicates"] == 0 and totals["consumed"] == totals["samples"] and totals["interrupted"] is False
     if cfg.mode == "async":  # every produced sample consumed once, dropped as stale, or left over
         assert totals["consumed"] + totals["dropped"] + totals["left"] == totals["produced"]
         assert [w["version"] for w in totals["rollout"]] == [totals["final_version"]] * cfg.rollout.workers
@@ -581,20 +582,23 @@ def _ignore_sigint() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sig", "to_group"),
-    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
-    ids=["SIGINT", "SIGTERM", "Ctrl-C"],
+    ("command", "sig", "to_group"),
+    [("demo", signal.SIGINT, False), ("experiments", signal.SIGTERM, False), ("demo", signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM-runner", "Ctrl-C"],
 )
-def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig, to_group):
+def test_a_run_stops_on_a_signal_with_every_process_it_started_and_keeps_its_record(tmp_path, command, sig, to_group):
     """Started as a script's background job is (SIGINT ignored, so Python raises no
-    KeyboardInterrupt of its own), the demo still stops on SIGINT, as on SIGTERM: mid-run, it
-    stops its trainer, its rollout worker and its cluster's services, keeps the steps recorded so
-    far, and ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to
-    the whole process group: the demo alone takes it and stops the others once, each cleanly (no
-    error logged)."""
+    KeyboardInterrupt of its own), the demo still stops on SIGINT, as the experiment runner on
+    SIGTERM: mid-run, it stops its trainer, its rollout worker and its cluster's services, and
+    ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to the whole
+    process group: the demo alone takes it and stops the others once, each cleanly (no error
+    logged). The run leaves its record: the steps done in `steps.jsonl`, their totals in
+    `run.json` marked `interrupted`, and the plot and summary of those steps."""
+    args = ("fully_async",) if command == "experiments" else ()
     demo = _python(
         "-m",
-        "recipes.demo",
+        f"recipes.{command}",
+        *args,
         "--out",
         str(tmp_path),
         "trainer.total_steps=5000",
@@ -618,7 +622,7 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
             os.killpg(demo.pid, sig)
         else:
             demo.send_signal(sig)
-        _out, err = demo.communicate(timeout=60)
+        out, err = demo.communicate(timeout=60)
         assert demo.returncode == -sig, err[-3000:]
         assert not [pid for pid in started if alive(pid)]
     finally:
@@ -627,11 +631,39 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    recorded = [s["step"] for s in load_steps(run_dir)]
+    steps = load_steps(run_dir)
+    recorded = [s["step"] for s in steps]
     assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) >= 2
     for log in ("trainer.log", "rollout-0.log"):
         text = (run_dir / log).read_text()
         assert "Error" not in text and "Traceback" not in text, text[-3000:]
+    totals = json.loads((run_dir / "run.json").read_text())
+    assert totals["interrupted"] is True and totals["samples"] == steps[-1]["samples"] == 64 * len(steps)
+    assert totals["final_version"] == steps[-1]["version"] and totals["duplicates"] == 0
+    assert [w["worker"] for w in totals["rollout"]] == [0]  # its statistics as last announced
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and str(tmp_path / "compare.png") in out
+    assert "| fully_async (interrupted) |" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
+    """The co-located baseline runs in the runner's process: a signal mid-run (the `SystemExit`
+    `tq.exit_on_signals` raises, here from the step callback) still leaves `run.json`, with the
+    totals of the steps done and `interrupted` true, and goes on to end the process."""
+    cfg = load(["colocated_sync"], ["trainer.total_steps=50", *SMALL, f"out_dir={tmp_path}"])
+
+    def signal_after_step_two(record: Any) -> None:
+        if record.step == 2:
+            raise SystemExit(128 + signal.SIGTERM)
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            run_colocated(cfg, signal_after_step_two)
+    finally:
+        torch.set_num_threads(threads)  # the run takes every core, as it does in its own process
+    totals = json.loads((tmp_path / "run.json").read_text())
+    assert totals["interrupted"] is True and totals["final_version"] == 2
+    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == load_steps(tmp_path)[-1]["samples"]
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
