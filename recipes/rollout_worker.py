@@ -20,7 +20,9 @@ prompts another worker leased meanwhile, is logged and counted (`RolloutStats.la
 Everything that uses the subscriber or the engine's weights (applies, generations, and the
 subscriber's `close`) runs on one thread the worker owns, one call after another: the
 subscriber is used from one thread at a time, and a `run` cancelled mid-apply (Ctrl-C) closes it
-only once that apply is over.
+only once that apply is over. That thread waits only for weights that exist (the trainer's
+first, announced under `WEIGHTS_KEY`, or a version the controller announced), so a stop never
+waits for a trainer that has not published.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
@@ -46,7 +48,7 @@ import transfer_queue as tq
 from transfer_queue.host import STOP_SIGNALS
 from weight_sync import WeightSubscriber
 
-from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
+from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
 from .config import RecipeConfig, command_line, reporting_errors
 from .engines import make_engine
 from .task import PAD, DigitReversal
@@ -58,7 +60,8 @@ T = TypeVar("T")
 _FOREVER = 1e6
 """Timeout for waits that end by an event (budget, stop), not by time."""
 WEIGHT_TIMEOUT = 120.0
-"""Seconds to wait for a weight version the controller already announced."""
+"""Seconds to wait for the trainer's first weights (`WEIGHTS_KEY`), and for a weight version
+the controller already announced."""
 
 
 class RolloutWorker:
@@ -90,10 +93,13 @@ class RolloutWorker:
 
         However it ends (cancelled included), it closes the subscriber on the worker's thread,
         after the apply or generation still running there: that is how long cleanup can wait,
-        and it is bounded. An apply gives up at `WEIGHT_TIMEOUT` (its `wait`), plus at most the
-        subscriber's per-step `timeout` (30 s) for each step of the transfer then in progress
-        and of the `poll` after it. A generation ends within `max_new_tokens` tokens, each swap
-        in it (partial rollout) an apply bounded so.
+        and it is bounded. An apply waits only for a version that exists (the trainer's first,
+        once announced, or one the controller announced): its transfer, each step of which the
+        subscriber bounds by its `timeout` (30 s). A generation ends within `max_new_tokens`
+        tokens, each swap in it (partial rollout) an apply bounded so.
+
+        Raises:
+            tq.TimeoutError: the trainer published no weights within `WEIGHT_TIMEOUT`.
         """
         client = await tq.connect_async(self.address)
         stop = asyncio.ensure_future(client.lookup(STOP_KEY, timeout=_FOREVER))
@@ -101,7 +107,11 @@ class RolloutWorker:
             asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
         )
         try:
-            await self._idle(self._in_thread(self._apply, 0))
+            # waited for here, where a stop cancels it, not on the thread, where it would hold the stop up
+            first = await self._idle(client.lookup(WEIGHTS_KEY, timeout=WEIGHT_TIMEOUT))
+            if first is None:
+                raise tq.TimeoutError(f"the trainer published no weights within {WEIGHT_TIMEOUT:g} s")
+            await self._idle(self._in_thread(self._apply, msgspec.msgpack.decode(first, type=int)))
             while not stop.done():
                 if not await self._batch(client, stop):
                     break

@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout_key
+from recipes.channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
 from recipes.colocated import run_colocated
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
@@ -296,13 +296,14 @@ def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monk
         with pytest.raises(asyncio.CancelledError):
             await running["run"]
 
-    with tq.init(1, "64MiB") as cluster:
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as trainer:
         publisher = WeightPublisher(cluster.address, transport="shm")
         worker = RolloutWorker(cfg, cluster.address)
         subscriber = worker.subscriber
         close_subscriber = subscriber.close
         try:
             publisher.publish(dict(worker.engine.weights()), version=0)
+            trainer.announce(WEIGHTS_KEY, msgspec.msgpack.encode(0))
             monkeypatch.setattr(tq, "connect_async", connect_observed)
             monkeypatch.setattr(
                 subscriber, "wait", recorded("wait", subscriber.wait, cancel_the_run_then_hold_until_cleanup)
@@ -317,6 +318,45 @@ def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monk
     assert calls == [("wait", thread), ("poll", thread), ("close", thread)]
     assert thread != threading.main_thread().name and not errors
     assert worker.stats.version == 0  # the apply finished: the engine holds version 0
+
+
+STOPPED_WITHIN = 10.0
+"""Seconds a stopped rollout worker may take to leave (it takes about one; it took 120 s)."""
+
+
+def test_a_worker_stopped_before_its_trainer_published_leaves_at_once(monkeypatch):
+    """A signal reaches a worker whose trainer never published (`_until_signal` cancels `run`):
+    it leaves at once, not once its first weight fetch gave up (`WEIGHT_TIMEOUT`, 120 s). The
+    test cancels `run` once the worker, waiting for the weights, asked the cluster for the
+    trainer's stop (it asks as soon as it waits)."""
+    cfg = load(["fully_async"], SMALL)
+    connect = tq.connect_async
+    waiting = asyncio.Event()
+
+    async def connect_observed(address: str) -> tq.AsyncClient:
+        client = await connect(address)
+        lookup = client.lookup
+
+        async def lookup_observed(key: str, timeout: float = 30.0) -> bytes | None:
+            if key == STOP_KEY:
+                waiting.set()
+            return await lookup(key, timeout=timeout)
+
+        client.lookup = lookup_observed
+        return client
+
+    async def stopped_while_waiting_for_weights() -> None:
+        run = asyncio.ensure_future(worker.run())
+        await waiting.wait()
+        run.cancel()
+        await asyncio.wait({run}, timeout=STOPPED_WITHIN)
+        assert run.cancelled(), f"the worker was still there {STOPPED_WITHIN:g} s after it was stopped"
+
+    with tq.init(1, "64MiB") as cluster:
+        worker = RolloutWorker(cfg, cluster.address)
+        monkeypatch.setattr(tq, "connect_async", connect_observed)
+        asyncio.run(stopped_while_waiting_for_weights())
+    assert worker.stats.version == -1
 
 
 def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):
