@@ -169,12 +169,12 @@ def test_a_worker_whose_prompts_lease_ran_out_logs_the_late_ack_and_goes_on(capl
         worker = RolloutWorker(cfg, cluster.address)
         generate = worker._generate
 
-        def generate_past_the_lease(prompts: torch.Tensor):  # noqa: ANN202
+        def generate_past_the_lease(prompts: torch.Tensor, *cancelled: Any):  # noqa: ANN202
             # what an expired lease does, without waiting for it: the prompts go back to the
             # pool (a nack naming no lease), and another worker leases them
             other.nack(msgspec.structs.replace(put, task=ROLLOUT_TASK, lease_id=0))
             assert len(other.get_meta(["prompts"], n, ROLLOUT_TASK, PROMPTS, timeout=5)) == n
-            return generate(prompts)
+            return generate(prompts, *cancelled)
 
         async def two_batches() -> list[bool]:
             client = await tq.connect_async(cluster.address)
@@ -357,6 +357,56 @@ def test_a_worker_stopped_before_its_trainer_published_leaves_at_once(monkeypatc
         monkeypatch.setattr(tq, "connect_async", connect_observed)
         asyncio.run(stopped_while_waiting_for_weights())
     assert worker.stats.version == -1
+
+
+def test_a_worker_stopped_mid_generation_stops_at_the_next_token_step():
+    """`run` cancelled while a batch generates (a signal, `_until_signal`): the generation stops
+    at its next token step instead of finishing the batch, and nothing of it is put. The test
+    cancels the batch from inside the engine's second decode step and holds that step until the
+    cancellation is through; then it counts the decode steps the generation took."""
+    cfg = load(["fully_async"], SMALL)
+    n = cfg.rollout.prompts_per_batch
+    decoded: list[int] = []
+    cancelled = threading.Event()
+    running: dict[str, Any] = {}
+
+    async def one_batch() -> None:
+        client = await tq.connect_async(cluster.address)
+        try:
+            stop = asyncio.get_running_loop().create_future()  # the trainer's stop: never, here
+            running.update(loop=asyncio.get_running_loop(), batch=asyncio.ensure_future(worker._batch(client, stop)))
+            running["batch"].add_done_callback(lambda _: cancelled.set())
+            with pytest.raises(asyncio.CancelledError):
+                await running["batch"]
+        finally:
+            await client.close()
+
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as client:
+        publisher = WeightPublisher(cluster.address, transport="shm")
+        worker = RolloutWorker(cfg, cluster.address)
+        decode = worker.engine._decode
+
+        def decode_observed(tokens: torch.Tensor, state: Any) -> torch.Tensor:
+            decoded.append(len(tokens))
+            if len(decoded) == 2:
+                running["loop"].call_soon_threadsafe(running["batch"].cancel)
+                assert cancelled.wait(60), "the batch was not cancelled"
+            return decode(tokens, state)
+
+        worker.engine._decode = decode_observed
+        try:
+            publisher.publish(dict(worker.engine.weights()), version=0)
+            client.put(
+                TensorDict({"prompts": worker.task.prompts(n, torch.Generator().manual_seed(0))}, [n]),
+                partition=PROMPTS,
+            )
+            asyncio.run(one_batch())
+            worker._thread.submit(lambda: None).result(timeout=60)  # the generation is over
+        finally:
+            worker.subscriber.close()
+            publisher.close()
+        assert len(decoded) == 2, f"{len(decoded)} decode steps, the last {len(decoded) - 2} after the cancel"
+        assert worker.stats.batches == 0 and TRAIN not in client.status()["partitions"]
 
 
 def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):
