@@ -22,8 +22,8 @@ subscriber's `close`) runs on one thread the worker owns, one call after another
 subscriber is used from one thread at a time, and a `run` cancelled mid-apply (Ctrl-C) closes it
 only once that apply is over. That thread waits only for weights that exist (the trainer's
 first, announced under `WEIGHTS_KEY`, or a version the controller announced), and a generation
-whose await is cancelled stops at its next token step, so a stopped worker leaves within
-about a second.
+whose await is cancelled stops at its next token step: a stopped worker waits at most for
+the apply or the token step under way.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
