@@ -4,8 +4,9 @@ Each step takes `require_batches` mini-batches of whole groups (`grpo_group` sam
 no staler than `max_staleness`, computes group advantages, recomputes the proximal log-probs
 under the current weights, takes one optimizer step on the decoupled (or plain) PPO loss, acks
 and clears the samples, and every `trigger_parameter_sync_step` steps publishes the weights as
-a new version through `weight_sync`. It also feeds the prompt partition for the whole run and,
-when done, tells the rollout workers to stop (`STOP_KEY`, holding the final version). A step
+a new version through `weight_sync`. It also feeds the prompt partition for the whole run, tells
+the rollout workers when its first weights are published (`WEIGHTS_KEY`) and, when done, to
+stop (`STOP_KEY`, holding the final version). A step
 the workers can no longer fill (they used up the prompts and sealed the train partition) ends
 the run at once with `tq.UnsatisfiableError` naming the likely cause.
 
@@ -33,7 +34,17 @@ import transfer_queue as tq
 from weight_sync import WeightPublisher
 
 from . import config as config_mod
-from .channels import FIELDS, PROMPT_SLACK, PROMPTS, STOP_KEY, TRAIN, TRAIN_TASK, RolloutStats, rollout_key
+from .channels import (
+    FIELDS,
+    PROMPT_SLACK,
+    PROMPTS,
+    STOP_KEY,
+    TRAIN,
+    TRAIN_TASK,
+    WEIGHTS_KEY,
+    RolloutStats,
+    rollout_key,
+)
 from .config import RecipeConfig
 from .learner import Learner, RolloutBatch
 from .records import RunLog, StepRecord
@@ -73,15 +84,22 @@ class AsyncTrainer:
         self.prompts_fed = n
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None) -> dict[str, Any]:
-        """Train `trainer.total_steps` steps; returns the run's totals (also in `run.json`)."""
+        """Train `trainer.total_steps` steps; returns the run's totals (also in `run.json`). A
+        signal that stops it mid-way still leaves `run.json`, with the totals of the steps it
+        finished, each worker's statistics as last announced, and `interrupted` true."""
         self.feed_prompts()
         self.publisher.publish(self.learner.model.state_dict(), version=self.version)
+        self.client.announce(WEIGHTS_KEY, msgspec.msgpack.encode(self.version))
         start = time.perf_counter()
         samples = 0
         with RunLog(self.cfg.out_dir, on_step) as log:
             try:
                 for step in range(1, self.cfg.trainer.total_steps + 1):
                     samples = log.write(self.step(step, start, samples)).samples
+            except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): keep what the steps made
+                seen = [msgspec.to_builtins(stats) for stats in self._rollout_seen.values()]
+                log.finish({**self.totals(time.perf_counter() - start, samples), "rollout": seen}, interrupted=True)
+                raise
             finally:
                 self.client.announce(STOP_KEY, msgspec.msgpack.encode(self.version))
             wall = time.perf_counter() - start

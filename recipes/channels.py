@@ -15,6 +15,7 @@ __all__ = [
     "ROLLOUT_TASK",
     "STOP_KEY",
     "TRAIN",
+    "WEIGHTS_KEY",
     "TRAIN_TASK",
     "RolloutStats",
     "rollout_key",
@@ -26,6 +27,10 @@ ROLLOUT_TASK, TRAIN_TASK = "rollout", "actor_update"
 FIELDS = ["prompts", "responses", "logprobs", "rewards"]
 STOP_KEY = "recipes/stop"
 """Announced by the trainer when it is done; the value is the final version (msgpack int)."""
+WEIGHTS_KEY = "recipes/weights"
+"""Announced by the trainer once it published its first weights; the value is their version
+(msgpack int). A rollout worker waits for it before it asks the weight channel for anything,
+so that its thread only ever waits for weights that exist, and a stop never waits on it."""
 PROMPT_SLACK = 1.5
 """Prompts fed per prompt consumed: room for rollouts produced ahead and dropped as too stale."""
 

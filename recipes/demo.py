@@ -7,6 +7,8 @@ trainer process streams whole GRPO groups, takes decoupled-PPO steps and publish
 version back through the weight channel. A progress bar follows the trainer; the closing
 summary gives the mean reward at the start and at the end, samples/s, the worst staleness
 consumed (checked against η) and the plot it wrote. Exit status 1 if an invariant failed.
+Stopped by a signal, it still writes `run.json` (the totals of the steps done, `interrupted`
+true) and the plot of those steps, then ends by that signal.
 
     python -m recipes.demo [--out results/demo] [key=value ...]
 """
@@ -24,7 +26,7 @@ import transfer_queue as tq
 
 from .config import load
 from .experiments import run_experiment
-from .report import load_steps, write_report
+from .report import load_steps, report_recorded, write_report
 
 __all__ = ["main"]
 
@@ -40,8 +42,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load(["fully_async"], args.overrides)
     run_dir = args.out / cfg.name
-    totals = run_experiment(cfg, run_dir)
-    png, _ = write_report({cfg.seed: {cfg.name: run_dir}}, args.out, baseline=cfg.name)
+    runs = {cfg.seed: {cfg.name: run_dir}}
+    try:
+        totals = run_experiment(cfg, run_dir)
+    except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): plot the steps recorded
+        recorded = report_recorded(runs, args.out, baseline=cfg.name)
+        if recorded:
+            print(f"\ninterrupted: totals of the steps done in {run_dir / 'run.json'}; plot: {recorded[0]}", flush=True)
+        raise
+    png, _ = write_report(runs, args.out, baseline=cfg.name)
     steps = load_steps(run_dir)
     start = statistics.fmean(s["reward_mean"] for s in steps[:WINDOW])
     end = statistics.fmean(s["reward_mean"] for s in steps[-WINDOW:])

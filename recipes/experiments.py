@@ -10,7 +10,9 @@ the same size). A co-located config (`mode: colocated`) runs in one process on e
 Progress shows as a bar per run. Per run `DIR/<name>/` holds `steps.jsonl` (one record per
 trainer step), `run.json` (totals), the resolved config, and each process's log; then
 `DIR/compare.png` and `DIR/summary.md` compare the runs. With several seeds, each seed's runs
-go under `DIR/seed-<s>/` and the comparison reports mean ± spread over seeds.
+go under `DIR/seed-<s>/` and the comparison reports mean ± spread over seeds. Stopped by a
+signal, it still compares the runs recorded so far, the one it stopped marked `interrupted`
+in its `run.json` (`report.report_recorded`), then ends by that signal.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from transfer_queue.host import die_with_parent, stop_processes
 from .colocated import run_colocated
 from .config import RecipeConfig, load, to_yaml
 from .records import StepRecord
-from .report import write_report
+from .report import report_recorded, write_report
 
 __all__ = ["ExperimentError", "run_experiment", "main"]
 
@@ -169,12 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"config names must differ: {names}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [configs[0].seed]
     runs: dict[int, dict[str, Path]] = {}
-    for seed in seeds:  # seeds outermost: machine drift hits every config alike
-        base = args.out if len(seeds) == 1 else args.out / f"seed-{seed}"
-        for cfg in configs:
-            run_experiment(replace(cfg, seed=seed), base / cfg.name)
-            runs.setdefault(seed, {})[cfg.name] = base / cfg.name
-    png, summary = write_report(runs, args.out, baseline="sync" if "sync" in names else names[0])
+    baseline = "sync" if "sync" in names else names[0]
+    try:
+        for seed in seeds:  # seeds outermost: machine drift hits every config alike
+            base = args.out if len(seeds) == 1 else args.out / f"seed-{seed}"
+            for cfg in configs:
+                runs.setdefault(seed, {})[cfg.name] = base / cfg.name
+                run_experiment(replace(cfg, seed=seed), base / cfg.name)
+    except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): compare what was recorded
+        recorded = report_recorded(runs, args.out, baseline)
+        if recorded:
+            print(f"interrupted: wrote {recorded[0]} and {recorded[1]} from the runs recorded so far", flush=True)
+        raise
+    png, summary = write_report(runs, args.out, baseline)
     print(summary.read_text())
     print(f"wrote {png} and {summary}")
     return 0

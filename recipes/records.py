@@ -1,4 +1,8 @@
-"""What a run records: one `StepRecord` per trainer step in `steps.jsonl`, totals in `run.json`."""
+"""What a run records: one `StepRecord` per trainer step in `steps.jsonl`, totals in `run.json`.
+
+`run.json`'s `interrupted` says whether the totals are a whole run's (false) or those of the
+steps a run stopped by a signal had finished (true): long work leaves its record either way.
+"""
 
 from __future__ import annotations
 
@@ -104,7 +108,10 @@ class RunLog:
             self.on_step(record)
         return record
 
-    def finish(self, totals: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, totals: dict[str, Any], interrupted: bool = False) -> dict[str, Any]:
+        """Write `totals` to `run.json`, with `interrupted` (a signal stopped the run: the
+        totals are those of the steps it finished); returns them so marked."""
+        totals = {**totals, "interrupted": interrupted}
         if self.out:
             self.out.joinpath("run.json").write_text(json.dumps(totals, indent=1))
         return totals

@@ -2,7 +2,9 @@
 `summary.json` (a row per config: throughput, ratio to the baseline, final reward, staleness).
 
 With several seeds, curves are means over seeds and figures are `mean ± std`; throughput ratios
-to the baseline are taken seed by seed (runs of one seed ran back to back), then averaged.
+to the baseline are taken seed by seed (runs of one seed ran back to back), then averaged. A run
+a signal stopped (`interrupted` in its `run.json`) is compared over the steps it finished and
+marked so; `report_recorded` compares whatever a stopped runner had recorded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["RunSummary", "load_steps", "summarize", "write_report"]
+__all__ = ["RunSummary", "load_steps", "report_recorded", "summarize", "write_report"]
 
 FINAL_WINDOW = 0.1
 """Final reward = mean reward over this last fraction of steps (at equal samples for all runs)."""
@@ -41,6 +43,8 @@ class RunSummary:
     rollout_idle: float | None
     dropped: int
     spanned: int
+    interrupted: bool
+    """Some seed's run was stopped by a signal: its figures cover the steps it finished."""
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -78,6 +82,7 @@ def summarize(runs: dict[int, dict[str, Path]], baseline: str) -> list[RunSummar
                 rollout_idle=statistics.fmean(idle_r) if idle_r else None,
                 dropped=sum(totals["dropped"] for _, totals, _ in per_seed),
                 spanned=sum(s["spanned"] for steps, _, _ in per_seed for s in steps),
+                interrupted=any(totals.get("interrupted", False) for _, totals, _ in per_seed),
             )
         )
     return rows
@@ -100,8 +105,9 @@ def _markdown(rows: list[RunSummary], baseline: str) -> str:
     ]
     for r in rows:
         idle_r = "-" if r.rollout_idle is None else f"{r.rollout_idle:.2f}"
+        name = f"{r.name} (interrupted)" if r.interrupted else r.name
         lines.append(
-            f"| {r.name} | {_fmt(r.samples_per_s, 0)} | {_fmt(r.ratio, 2)} | {_fmt(r.final_reward, 3)} | "
+            f"| {name} | {_fmt(r.samples_per_s, 0)} | {_fmt(r.ratio, 2)} | {_fmt(r.final_reward, 3)} | "
             f"{r.worst_staleness} | {r.trainer_idle:.2f} | {idle_r} | {r.dropped} | {r.spanned} |"
         )
     lines += [
@@ -177,3 +183,19 @@ def write_report(runs: dict[int, dict[str, Path]], out: Path, baseline: str) -> 
     md.write_text(_markdown(rows, baseline))
     (out / "summary.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return png, md
+
+
+def report_recorded(runs: dict[int, dict[str, Path]], out: Path, baseline: str) -> tuple[Path, Path] | None:
+    """`write_report` over the runs of `runs` that recorded totals and at least one step (a
+    runner stopped by a signal: those it finished and the one it stopped), keeping the configs
+    every such seed recorded; returns its two files, or None when no run had a step recorded."""
+    recorded: dict[int, dict[str, Path]] = {}
+    for seed, by_name in runs.items():
+        kept = {name: d for name, d in by_name.items() if (d / "run.json").exists() and load_steps(d)}
+        if kept:
+            recorded[seed] = kept
+    names = set.intersection(*(set(d) for d in recorded.values())) if recorded else set()
+    if not names:
+        return None
+    common = {seed: {n: d for n, d in by_name.items() if n in names} for seed, by_name in recorded.items()}
+    return write_report(common, out, baseline)

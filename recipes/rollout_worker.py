@@ -20,7 +20,10 @@ prompts another worker leased meanwhile, is logged and counted (`RolloutStats.la
 Everything that uses the subscriber or the engine's weights (applies, generations, and the
 subscriber's `close`) runs on one thread the worker owns, one call after another: the
 subscriber is used from one thread at a time, and a `run` cancelled mid-apply (Ctrl-C) closes it
-only once that apply is over.
+only once that apply is over. That thread waits only for weights that exist (the trainer's
+first, announced under `WEIGHTS_KEY`, or a version the controller announced), and a generation
+whose await is cancelled stops at its next token step: a stopped worker waits at most for
+the apply or the token step under way.
 
     python -m recipes.rollout_worker --address tcp://127.0.0.1:41000 [--worker-id N] [CONFIG.yaml] [key=value ...]
 """
@@ -32,6 +35,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +50,7 @@ import transfer_queue as tq
 from transfer_queue.host import STOP_SIGNALS
 from weight_sync import WeightSubscriber
 
-from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, RolloutStats, rollout_key
+from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
 from .config import RecipeConfig, command_line, reporting_errors
 from .engines import make_engine
 from .task import PAD, DigitReversal
@@ -58,7 +62,8 @@ T = TypeVar("T")
 _FOREVER = 1e6
 """Timeout for waits that end by an event (budget, stop), not by time."""
 WEIGHT_TIMEOUT = 120.0
-"""Seconds to wait for a weight version the controller already announced."""
+"""Seconds to wait for the trainer's first weights (`WEIGHTS_KEY`), and for a weight version
+the controller already announced."""
 
 
 class RolloutWorker:
@@ -90,10 +95,13 @@ class RolloutWorker:
 
         However it ends (cancelled included), it closes the subscriber on the worker's thread,
         after the apply or generation still running there: that is how long cleanup can wait,
-        and it is bounded. An apply gives up at `WEIGHT_TIMEOUT` (its `wait`), plus at most the
-        subscriber's per-step `timeout` (30 s) for each step of the transfer then in progress
-        and of the `poll` after it. A generation ends within `max_new_tokens` tokens, each swap
-        in it (partial rollout) an apply bounded so.
+        and it is bounded. An apply waits only for a version that exists (the trainer's first,
+        once announced, or one the controller announced): its transfer, each step of which the
+        subscriber bounds by its `timeout` (30 s). A cancelled generation stops at its next token
+        step (`_generated`).
+
+        Raises:
+            tq.TimeoutError: the trainer published no weights within `WEIGHT_TIMEOUT`.
         """
         client = await tq.connect_async(self.address)
         stop = asyncio.ensure_future(client.lookup(STOP_KEY, timeout=_FOREVER))
@@ -101,7 +109,11 @@ class RolloutWorker:
             asyncio.ensure_future(self._watch_versions(client)) if self.cfg.async_training.partial_rollout else None
         )
         try:
-            await self._idle(self._in_thread(self._apply, 0))
+            # waited for here, where a stop cancels it, not on the thread, where it would hold the stop up
+            first = await self._idle(client.lookup(WEIGHTS_KEY, timeout=WEIGHT_TIMEOUT))
+            if first is None:
+                raise tq.TimeoutError(f"the trainer published no weights within {WEIGHT_TIMEOUT:g} s")
+            await self._idle(self._in_thread(self._apply, msgspec.msgpack.decode(first, type=int)))
             while not stop.done():
                 if not await self._batch(client, stop):
                     break
@@ -149,7 +161,7 @@ class RolloutWorker:
                 return False
             prompts = (await client.get_data(meta, device=self.device))["prompts"]
             start = time.perf_counter()
-            rollouts = await self._in_thread(self._generate, prompts)
+            rollouts = await self._generated(prompts)
             groups = [i for i in meta.indexes for _ in range(cfg.group_size)]
             for rows, span in rollouts.by_span():
                 td = rollouts.select(rows)
@@ -193,6 +205,16 @@ class RolloutWorker:
         async for version in client.versions(after=max(self.subscriber.version, 0)):
             self.latest = version
 
+    async def _generated(self, prompts: torch.Tensor) -> Rollouts:
+        """`_generate(prompts)` on the worker's thread. Cancelled (the worker stopped, or this
+        batch), the generation stops at its next token step rather than finishing the batch."""
+        cancelled = threading.Event()
+        try:
+            return await self._in_thread(self._generate, prompts, cancelled.is_set)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
     async def _in_thread(self, call: Callable[..., T], *args: object) -> T:
         """`call(*args)` on the worker's thread, after whatever runs there. Cancelling the
         await leaves a call already running to finish there (a thread cannot be stopped)."""
@@ -223,14 +245,21 @@ class RolloutWorker:
             self.stats.weight_apply_s += time.perf_counter() - start
         self.stats.version = self.subscriber.version
 
-    def _generate(self, prompts: torch.Tensor) -> Rollouts:
-        """`group_size` responses per prompt; with partial rollout, swap weights mid-way."""
+    def _generate(self, prompts: torch.Tensor, cancelled: Callable[[], bool] = lambda: False) -> Rollouts:
+        """`group_size` responses per prompt; with partial rollout, swap weights mid-way.
+
+        Raises:
+            asyncio.CancelledError: `cancelled()` turned True; the engine stopped at the token
+                step where it did (`Engine.generate`'s `interrupt`), the batch unfinished.
+        """
         group, width = self.cfg.rollout.group_size, self.task.max_new_tokens
         prefixes = prompts.repeat_interleave(group, 0)
         out = Rollouts.empty(prefixes, width, self.subscriber.version)
-        interrupt = None
-        if self.cfg.async_training.partial_rollout:
-            interrupt = lambda: self.latest > self.subscriber.version  # noqa: E731
+        partial = self.cfg.async_training.partial_rollout
+
+        def interrupt() -> bool:
+            return cancelled() or (partial and self.latest > self.subscriber.version)
+
         while True:
             live = torch.nonzero(~out.finished).squeeze(1)
             done = int(out.lengths[live[0]])  # live rows are aligned: same tokens so far
@@ -244,6 +273,8 @@ class RolloutWorker:
             out.last[live] = self.subscriber.version
             if bool(out.finished.all()):
                 break
+            if cancelled():
+                raise asyncio.CancelledError(f"generation cancelled after {done + n} of up to {width} tokens")
             self._apply(self.latest)
         out.rewards = self.task.rewards(prefixes, out.tokens)
         return out

@@ -22,7 +22,8 @@ Interrupt granularity: one token. `generate` drives `LLMEngine.step()` itself (o
 step per call for every running row) and checks `interrupt()` after each step; on True it
 aborts the rows still running and returns them with `finished=False`, cut to the tokens
 every unfinished row has (the rows stay aligned, as the rollout worker requires). Without
-`interrupt` it is one `LLM.generate` call.
+`interrupt` it is one `LLM.generate` call; the rollout worker always passes one (a stop ends its
+batch at the next step).
 
 Side effects of running vLLM in this process: it seeds the process's global RNGs with
 `cfg.seed`, and its CPU worker replaces `torch.set_num_threads` by a no-op (set threads

@@ -24,7 +24,8 @@ import torch
 from tensordict import TensorDict
 
 import transfer_queue as tq
-from recipes.channels import PROMPTS, ROLLOUT_TASK, TRAIN, RolloutStats, rollout_key
+from recipes.channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
+from recipes.colocated import run_colocated
 from recipes.config import CONFIG_DIR, RecipeConfig, load
 from recipes.report import load_steps
 from recipes.rollout_worker import RolloutWorker
@@ -80,7 +81,7 @@ def check_run(run_dir: Path, cfg: RecipeConfig) -> dict:
     assert versions == sorted(versions) and versions[-1] == totals["final_version"]
     if cfg.max_staleness is not None:  # the bound holds for every consumed sample
         assert max(int(k) for s in steps for k in s["staleness"]) <= cfg.max_staleness
-    assert totals["duplicates"] == 0 and totals["consumed"] == totals["samples"]
+    assert totals["duplicates"] == 0 and totals["consumed"] == totals["samples"] and totals["interrupted"] is False
     if cfg.mode == "async":  # every produced sample consumed once, dropped as stale, or left over
         assert totals["consumed"] + totals["dropped"] + totals["left"] == totals["produced"]
         assert [w["version"] for w in totals["rollout"]] == [totals["final_version"]] * cfg.rollout.workers
@@ -168,12 +169,12 @@ def test_a_worker_whose_prompts_lease_ran_out_logs_the_late_ack_and_goes_on(capl
         worker = RolloutWorker(cfg, cluster.address)
         generate = worker._generate
 
-        def generate_past_the_lease(prompts: torch.Tensor):  # noqa: ANN202
+        def generate_past_the_lease(prompts: torch.Tensor, *cancelled: Any):  # noqa: ANN202
             # what an expired lease does, without waiting for it: the prompts go back to the
             # pool (a nack naming no lease), and another worker leases them
             other.nack(msgspec.structs.replace(put, task=ROLLOUT_TASK, lease_id=0))
             assert len(other.get_meta(["prompts"], n, ROLLOUT_TASK, PROMPTS, timeout=5)) == n
-            return generate(prompts)
+            return generate(prompts, *cancelled)
 
         async def two_batches() -> list[bool]:
             client = await tq.connect_async(cluster.address)
@@ -295,13 +296,14 @@ def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monk
         with pytest.raises(asyncio.CancelledError):
             await running["run"]
 
-    with tq.init(1, "64MiB") as cluster:
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as trainer:
         publisher = WeightPublisher(cluster.address, transport="shm")
         worker = RolloutWorker(cfg, cluster.address)
         subscriber = worker.subscriber
         close_subscriber = subscriber.close
         try:
             publisher.publish(dict(worker.engine.weights()), version=0)
+            trainer.announce(WEIGHTS_KEY, msgspec.msgpack.encode(0))
             monkeypatch.setattr(tq, "connect_async", connect_observed)
             monkeypatch.setattr(
                 subscriber, "wait", recorded("wait", subscriber.wait, cancel_the_run_then_hold_until_cleanup)
@@ -316,6 +318,95 @@ def test_a_worker_cancelled_mid_apply_closes_its_subscriber_after_the_apply(monk
     assert calls == [("wait", thread), ("poll", thread), ("close", thread)]
     assert thread != threading.main_thread().name and not errors
     assert worker.stats.version == 0  # the apply finished: the engine holds version 0
+
+
+STOPPED_WITHIN = 10.0
+"""Seconds a stopped rollout worker may take to leave (it takes about one; it took 120 s)."""
+
+
+def test_a_worker_stopped_before_its_trainer_published_leaves_at_once(monkeypatch):
+    """A signal reaches a worker whose trainer never published (`_until_signal` cancels `run`):
+    it leaves at once, not once its first weight fetch gave up (`WEIGHT_TIMEOUT`, 120 s). The
+    test cancels `run` once the worker, waiting for the weights, asked the cluster for the
+    trainer's stop (it asks as soon as it waits)."""
+    cfg = load(["fully_async"], SMALL)
+    connect = tq.connect_async
+    waiting = asyncio.Event()
+
+    async def connect_observed(address: str) -> tq.AsyncClient:
+        client = await connect(address)
+        lookup = client.lookup
+
+        async def lookup_observed(key: str, timeout: float = 30.0) -> bytes | None:
+            if key == STOP_KEY:
+                waiting.set()
+            return await lookup(key, timeout=timeout)
+
+        client.lookup = lookup_observed
+        return client
+
+    async def stopped_while_waiting_for_weights() -> None:
+        run = asyncio.ensure_future(worker.run())
+        await waiting.wait()
+        run.cancel()
+        await asyncio.wait({run}, timeout=STOPPED_WITHIN)
+        assert run.cancelled(), f"the worker was still there {STOPPED_WITHIN:g} s after it was stopped"
+
+    with tq.init(1, "64MiB") as cluster:
+        worker = RolloutWorker(cfg, cluster.address)
+        monkeypatch.setattr(tq, "connect_async", connect_observed)
+        asyncio.run(stopped_while_waiting_for_weights())
+    assert worker.stats.version == -1
+
+
+def test_a_worker_stopped_mid_generation_stops_at_the_next_token_step():
+    """`run` cancelled while a batch generates (a signal, `_until_signal`): the generation stops
+    at its next token step instead of finishing the batch, and nothing of it is put. The test
+    cancels the batch from inside the engine's second decode step and holds that step until the
+    cancellation is through; then it counts the decode steps the generation took."""
+    cfg = load(["fully_async"], SMALL)
+    n = cfg.rollout.prompts_per_batch
+    decoded: list[int] = []
+    cancelled = threading.Event()
+    running: dict[str, Any] = {}
+
+    async def one_batch() -> None:
+        client = await tq.connect_async(cluster.address)
+        try:
+            stop = asyncio.get_running_loop().create_future()  # the trainer's stop: never, here
+            running.update(loop=asyncio.get_running_loop(), batch=asyncio.ensure_future(worker._batch(client, stop)))
+            running["batch"].add_done_callback(lambda _: cancelled.set())
+            with pytest.raises(asyncio.CancelledError):
+                await running["batch"]
+        finally:
+            await client.close()
+
+    with tq.init(1, "64MiB") as cluster, tq.connect(cluster.address) as client:
+        publisher = WeightPublisher(cluster.address, transport="shm")
+        worker = RolloutWorker(cfg, cluster.address)
+        decode = worker.engine._decode
+
+        def decode_observed(tokens: torch.Tensor, state: Any) -> torch.Tensor:
+            decoded.append(len(tokens))
+            if len(decoded) == 2:
+                running["loop"].call_soon_threadsafe(running["batch"].cancel)
+                assert cancelled.wait(60), "the batch was not cancelled"
+            return decode(tokens, state)
+
+        worker.engine._decode = decode_observed
+        try:
+            publisher.publish(dict(worker.engine.weights()), version=0)
+            client.put(
+                TensorDict({"prompts": worker.task.prompts(n, torch.Generator().manual_seed(0))}, [n]),
+                partition=PROMPTS,
+            )
+            asyncio.run(one_batch())
+            worker._thread.submit(lambda: None).result(timeout=60)  # the generation is over
+        finally:
+            worker.subscriber.close()
+            publisher.close()
+        assert len(decoded) == 2, f"{len(decoded)} decode steps, the last {len(decoded) - 2} after the cancel"
+        assert worker.stats.batches == 0 and TRAIN not in client.status()["partitions"]
 
 
 def test_a_rollout_worker_and_a_trainer_against_sluice_serve_make_a_run(tmp_path):
@@ -581,20 +672,23 @@ def _ignore_sigint() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sig", "to_group"),
-    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
-    ids=["SIGINT", "SIGTERM", "Ctrl-C"],
+    ("command", "sig", "to_group"),
+    [("demo", signal.SIGINT, False), ("experiments", signal.SIGTERM, False), ("demo", signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM-runner", "Ctrl-C"],
 )
-def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig, to_group):
+def test_a_run_stops_on_a_signal_with_every_process_it_started_and_keeps_its_record(tmp_path, command, sig, to_group):
     """Started as a script's background job is (SIGINT ignored, so Python raises no
-    KeyboardInterrupt of its own), the demo still stops on SIGINT, as on SIGTERM: mid-run, it
-    stops its trainer, its rollout worker and its cluster's services, keeps the steps recorded so
-    far, and ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to
-    the whole process group: the demo alone takes it and stops the others once, each cleanly (no
-    error logged)."""
+    KeyboardInterrupt of its own), the demo still stops on SIGINT, as the experiment runner on
+    SIGTERM: mid-run, it stops its trainer, its rollout worker and its cluster's services, and
+    ends by that signal (a shell reports 128 + its number). A terminal's Ctrl-C goes to the whole
+    process group: the demo alone takes it and stops the others once, each cleanly (no error
+    logged). The run leaves its record: the steps done in `steps.jsonl`, their totals in
+    `run.json` marked `interrupted`, and the plot and summary of those steps."""
+    args = ("fully_async",) if command == "experiments" else ()
     demo = _python(
         "-m",
-        "recipes.demo",
+        f"recipes.{command}",
+        *args,
         "--out",
         str(tmp_path),
         "trainer.total_steps=5000",
@@ -618,7 +712,7 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
             os.killpg(demo.pid, sig)
         else:
             demo.send_signal(sig)
-        _out, err = demo.communicate(timeout=60)
+        out, err = demo.communicate(timeout=60)
         assert demo.returncode == -sig, err[-3000:]
         assert not [pid for pid in started if alive(pid)]
     finally:
@@ -627,11 +721,39 @@ def test_the_demo_stops_on_a_signal_with_every_process_it_started(tmp_path, sig,
             if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    recorded = [s["step"] for s in load_steps(run_dir)]
+    steps = load_steps(run_dir)
+    recorded = [s["step"] for s in steps]
     assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) >= 2
     for log in ("trainer.log", "rollout-0.log"):
         text = (run_dir / log).read_text()
         assert "Error" not in text and "Traceback" not in text, text[-3000:]
+    totals = json.loads((run_dir / "run.json").read_text())
+    assert totals["interrupted"] is True and totals["samples"] == steps[-1]["samples"] == 64 * len(steps)
+    assert totals["final_version"] == steps[-1]["version"] and totals["duplicates"] == 0
+    assert [w["worker"] for w in totals["rollout"]] == [0]  # its statistics as last announced
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and str(tmp_path / "compare.png") in out
+    assert "| fully_async (interrupted) |" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
+    """The co-located baseline runs in the runner's process: a signal mid-run (the `SystemExit`
+    `tq.exit_on_signals` raises, here from the step callback) still leaves `run.json`, with the
+    totals of the steps done and `interrupted` true, and goes on to end the process."""
+    cfg = load(["colocated_sync"], ["trainer.total_steps=50", *SMALL, f"out_dir={tmp_path}"])
+
+    def signal_after_step_two(record: Any) -> None:
+        if record.step == 2:
+            raise SystemExit(128 + signal.SIGTERM)
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            run_colocated(cfg, signal_after_step_two)
+    finally:
+        torch.set_num_threads(threads)  # the run takes every core, as it does in its own process
+    totals = json.loads((tmp_path / "run.json").read_text())
+    assert totals["interrupted"] is True and totals["final_version"] == 2
+    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == load_steps(tmp_path)[-1]["samples"]
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
