@@ -88,3 +88,27 @@ def test_a_subscriber_that_comes_after_the_group_gave_up_forming_is_told():
         ), summary["errors"]
     finally:
         pub.close()
+
+
+def test_a_subscriber_that_comes_after_the_group_formed_is_told_and_the_group_goes_on():
+    """A group of one member formed and took version 1; a second subscriber is told it came
+    after the group formed, and its leaving does not break the group: the member takes 2."""
+    pub = WeightPublisher(None, transport=TorchTransport(world_size=2), bucket_bytes=BUCKET, delta=False)
+    member = Subscribers(1, pub.endpoint, "torch")
+    try:
+        pub.publish(weights(1), 1)
+        member.wait_applied(1)
+        late = Subscribers(1, pub.endpoint, "torch", first_id=1)
+        late.wait_errors()
+        (summary,) = late.finish().values()
+        assert summary["applied"] == [] and summary["final"] == -1, summary
+        assert summary["errors"] and all(
+            "formed with its 2 members before this subscriber joined" in e for e in summary["errors"]
+        ), summary["errors"]
+        pub.publish(weights(2), 2)
+        member.wait_applied(2)
+        (kept,) = member.finish().values()
+        assert kept["applied"] == [1, 2]
+        check(kept, 2)
+    finally:
+        pub.close()
