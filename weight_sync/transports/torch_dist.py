@@ -32,6 +32,14 @@ version by bumping a counter in the group's TCPStore (`_WHOLE`); the pusher read
 before each version and broadcasts whole when it moved. A member that asks during a version the
 pusher has already started as a delta fails that one too (it holds no base) and asks again, so
 the whole version comes at most two versions later.
+
+A broken group (docs/weight-sync.md, "`torch`: when the group breaks"). The group forms once and
+does not go on without a member, nor form again: whoever first sees it break (a member that
+closes, a broadcast that fails, the publisher giving up waiting for members to join) records
+why in the store (`_BROKEN`). The publisher reads it before each version and while it waits on a
+broadcast; from then on it releases every version `send` is given. Members waiting on a
+broadcast read it every `_POLL` (gloo) and raise `WeightSyncError` with it, as does every later
+`receive`, and a subscriber that joins after it.
 """
 
 from __future__ import annotations
@@ -63,11 +71,31 @@ _GOODBYE = -2
 """Header version that tells subscribers the publisher closed the group."""
 _IDLE = datetime.timedelta(days=7)
 """How long a subscriber waits for the next version's header (trainer steps can be long)."""
+_BROKEN = "sluice/weight_sync/broken"
+"""Store key: why the group broke for good (set once, by whoever saw it first: the publisher, a
+member whose broadcast failed, or a member that left). Members waiting on a broadcast read it
+every `_POLL`, the publisher before each version and while it waits on one."""
+_POLL = datetime.timedelta(seconds=1)
+"""How often a gloo broadcast still waiting looks whether the group broke (`_BROKEN`)."""
 _WHOLE = "sluice/weight_sync/whole"
 """Store counter a member bumps to ask for the next version whole (it holds no intact base)."""
 _HEADER = 6
 """int64s opening each broadcast: version, manifest id - 2**63, slot bytes, buckets, bucket bytes,
 and the base of a delta (-1: whole)."""
+
+
+class _Broken(Exception):
+    """The group's store says the group broke (`_BROKEN`, the reason in `args[0]`)."""
+
+
+def _outlive(work, group: _Backend | None) -> None:  # noqa: ANN001 - a c10d Work
+    """Wait for a broadcast given up on, holding its `group` until it ended (by the group's
+    timeout, or a peer closing its connection): the group's destructor would wait for it."""
+    try:
+        work.wait()
+    except RuntimeError:
+        pass  # it failed: ended all the same
+    del group  # the last reference may go now
 
 
 @register
@@ -96,6 +124,11 @@ class TorchTransport(Transport):
         self._bounce: torch.Tensor | None = None
         self._ended: str | None = None
         """Subscriber: why this member left the group for good (None: still in it)."""
+        self._rank = -1
+        """Subscriber: this member's group rank (-1: not joined)."""
+        self._broken: str | None = None
+        """Publisher: why the group broke for good (None: it did not); `send` then releases
+        every version at once."""
         self.deltas = backend == "gloo"
         self._source: Source | None = None
         self._last_ok = -1
@@ -126,14 +159,64 @@ class TorchTransport(Transport):
         group = self._group
         assert group is not None  # publisher and subscriber form the group before broadcasting
         if tensor.device == self.device:
-            group.broadcast(tensor, 0, timeout).wait()
+            self._wait(group.broadcast(tensor, 0, timeout))
             return
         if self._bounce is None or self._bounce.numel() < tensor.numel():
             self._bounce = torch.empty(tensor.numel(), dtype=tensor.dtype, device=self.device)
         bounce = self._bounce[: tensor.numel()]
         bounce.copy_(tensor)
-        group.broadcast(bounce, 0, timeout).wait()
+        self._wait(group.broadcast(bounce, 0, timeout))
         tensor.copy_(bounce)
+
+    def _wait(self, work) -> None:  # noqa: ANN001 - a c10d Work
+        """Wait for a broadcast; under gloo, look every `_POLL` whether the group broke meanwhile
+        (`_BROKEN`: a member left, or failed where this process has no connection to see it).
+        Under NCCL `wait` only orders streams, as before: a member there learns of a broken
+        group from NCCL's own timeout.
+
+        Raises:
+            RuntimeError: the broadcast failed (a peer's connection closed, or it timed out).
+            _Broken: the group broke meanwhile (its broadcast is left pending: the group is dead).
+        """
+        if self.backend != "gloo":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # it ended meanwhile, or failed: its own outcome
+                    return
+            reason = self._broken_reason()
+            if reason is not None:
+                # gloo cannot cancel the broadcast, and the group's destructor waits for it (at
+                # exit too): a daemon thread holds the group until the broadcast ends
+                threading.Thread(target=_outlive, args=(work, self._group), name="sluice-ws-torch", daemon=True).start()
+                raise _Broken(reason)
+
+    def _broken_reason(self) -> str | None:
+        """Why the group broke, as its store says (None: it did not); a store that does not
+        answer means the publisher, its host, is gone."""
+        store = self._store if self._store is not None else self._member_store
+        if store is None:
+            return None
+        try:
+            return store.get(_BROKEN).decode() if store.check([_BROKEN]) else None
+        except RuntimeError as exc:
+            return f"the torch group broke: its publisher's store does not answer ({exc})"
+
+    def _break(self, reason: str) -> str:
+        """Record in the group's store that the group broke for good, for `reason` unless
+        someone recorded why first; returns the reason recorded (the first)."""
+        store = self._store if self._store is not None else self._member_store
+        if store is not None:
+            try:
+                return store.compare_set(_BROKEN, "", reason).decode()
+            except RuntimeError:
+                pass  # the publisher, the store's host, is gone: there is no one left to tell
+        return reason
 
     # -- publisher -----------------------------------------------------------------------
 
@@ -150,6 +233,9 @@ class TorchTransport(Transport):
     def send(self, slot, release) -> None:  # noqa: ANN001
         """Queue `slot` for broadcast (only the newest queued version is kept)."""
         with self._cond:
+            if self._broken is not None:
+                release()  # the group broke: no one receives it
+                return
             if self._queued is not None:
                 self._queued[2]()  # a newer version supersedes one not yet on the wire
             self._queued = (slot, slot.version, release)
@@ -159,7 +245,16 @@ class TorchTransport(Transport):
         assert self._store is not None  # `serve` made it before starting this thread
         try:
             self._group = self._make_group(self._store, 0)
-        except Exception:  # noqa: BLE001 - the group never formed (closed, or peers missing)
+        except Exception as exc:  # noqa: BLE001 - the group never formed (closed, or peers missing)
+            if self._closed:
+                return  # the publisher closed before its subscribers came: nothing broke
+            members = self.world_size - 1
+            joined = min(self._store.add(_RANK, 0), members)
+            log.info("the torch group did not form: %s", exc)
+            self._give_up(
+                f"the torch group never formed: {joined} of its {members} subscriber(s) joined within "
+                f"TorchTransport.timeout={self.timeout:g} s of the publisher"
+            )
             return
         while True:
             with self._cond:
@@ -168,7 +263,7 @@ class TorchTransport(Transport):
                 if self._closed:
                     try:
                         self._broadcast(torch.full((_HEADER,), _GOODBYE, dtype=torch.int64))
-                    except RuntimeError:
+                    except (RuntimeError, _Broken):
                         pass  # members are gone already
                     return
                 assert self._queued is not None  # woken with a slot queued, or closed (returned above)
@@ -176,12 +271,28 @@ class TorchTransport(Transport):
                 self._queued = None
             try:
                 self._push(slot, version)
-            except (RuntimeError, SluiceError):
-                return  # a member died: the group is broken for good
+            except (RuntimeError, SluiceError, _Broken) as exc:
+                self._give_up(f"the torch group broke while the publisher broadcast version {version}: {exc}")
+                return
             finally:
                 release()
 
+    def _give_up(self, reason: str) -> None:
+        """The group broke for good (a member died or left, or it never formed): record why
+        (members waiting on a broadcast and late joiners read it from the store), log it, and
+        release the queued version and, from now on, every one `send` is given."""
+        reason = self._break(reason)
+        log.error("weight sync over torch stopped: %s", reason)
+        with self._cond:
+            self._broken = reason
+            if self._queued is not None:
+                self._queued[2]()
+            self._queued = None
+
     def _push(self, slot, version: int) -> None:  # noqa: ANN001
+        reason = self._broken_reason()  # a member that left while the group was idle
+        if reason is not None:
+            raise _Broken(reason)
         manifest = slot.manifest
         bucket = manifest.bucket_bytes
         staged = self._delta_of(slot)
@@ -245,25 +356,16 @@ class TorchTransport(Transport):
         and `job.received` (the bytes broadcast) to what arrived.
 
         Raises:
-            WeightSyncError: the group failed or closed, the publisher abandoned the version, or
+            WeightSyncError: the group broke (a member died or left; the first to see it recorded
+                why in the group's store, and every member raises that), never formed, formed
+                before this subscriber joined, or closed; the publisher abandoned the version; or
                 a delta could not be applied (then a whole version is asked for).
         """
+        if self._ended is not None:
+            raise WeightSyncError(self._ended)
         try:
             if self._group is None:
-                host, port = job.endpoint.rsplit(":", 1)
-                store = dist.TCPStore(
-                    host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout)
-                )
-                self.world_size = int(store.get(_WORLD))
-                rank = store.add(_RANK, 1)
-                if rank >= self.world_size:
-                    raise WeightSyncError(
-                        f"the torch group is full ({self.world_size} members); raise world_size at the publisher"
-                    )
-                self._group = self._make_group(store, rank)
-                self._member_store = store
-            if self._ended is not None:
-                raise WeightSyncError(self._ended)
+                self._join(job.endpoint)
             while True:
                 header = torch.zeros(_HEADER, dtype=torch.int64)
                 self._broadcast(header, _IDLE)  # the next version may be far off
@@ -291,8 +393,39 @@ class TorchTransport(Transport):
                     if refused is not None:
                         raise WeightSyncError(refused)
                     return into
-        except RuntimeError as exc:
-            raise WeightSyncError(f"torch.distributed broadcast failed: {exc}") from exc
+        except (RuntimeError, _Broken) as exc:
+            if self._member_store is None:  # no group rank taken: the next receive tries to join again
+                raise WeightSyncError(f"could not reach the torch group's store at {job.endpoint}: {exc}") from exc
+            self._ended = self._break(f"the torch group broke at group rank {self._rank}: {exc}")
+            raise WeightSyncError(self._ended) from exc
+
+    def _join(self, endpoint: str) -> None:
+        """Join the group the publisher at `endpoint` hosts (its store), as the next group rank.
+
+        Raises:
+            WeightSyncError: the group broke or never formed before this subscriber came, or
+                formed with all its members (it cannot grow).
+            RuntimeError: the store or the group's rendezvous failed (the caller records it).
+        """
+        host, port = endpoint.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
+        self.world_size = int(store.get(_WORLD))
+        if store.check([_BROKEN]):
+            self._ended = (
+                f"{store.get(_BROKEN).decode()}; this subscriber joined after that, so it is not in the group "
+                "(a torch group forms once: the publisher and world_size - 1 subscribers that join within "
+                "TorchTransport.timeout)"
+            )
+            raise WeightSyncError(self._ended)
+        rank = store.add(_RANK, 1)
+        if rank >= self.world_size:
+            self._ended = (
+                f"the torch group formed with its {self.world_size} members before this subscriber joined; "
+                "it cannot grow (raise world_size at the publisher)"
+            )
+            raise WeightSyncError(self._ended)
+        self._member_store, self._rank = store, rank
+        self._group = self._make_group(store, rank)
 
     def _receive_delta(
         self, job: Job, into: torch.Tensor, size: int, buckets: int, bucket: int, base: int, wanted: bool
@@ -320,9 +453,9 @@ class TorchTransport(Transport):
             self._broadcast(head)
             try:
                 frame = Frame.unpack(head.numpy().tobytes())
-            except WeightSyncError as exc:
-                self._ended = f"the torch group is out of step: {exc}"  # payload sizes unknown from here
-                raise
+            except WeightSyncError as exc:  # payload sizes unknown from here: the group cannot go on
+                self._ended = self._break(f"the torch group is out of step at group rank {self._rank}: {exc}")
+                raise WeightSyncError(self._ended) from exc
             payload = target if frame.kind == WHOLE and frame.span == target.numel() else None
             if payload is None:
                 payload = torch.empty(frame.payload, dtype=torch.uint8)
@@ -351,8 +484,12 @@ class TorchTransport(Transport):
                 log.warning("could not ask the torch group's publisher for a whole version: %s", exc)
 
     def close(self) -> None:
-        """Publisher: say goodbye to the group and stop. Subscriber: leave; a receive blocked
-        in the collective cannot be interrupted (gloo has no cancel) and ends with the group."""
+        """Publisher: say goodbye to the group and stop. Subscriber: leave, which breaks the
+        group (its size is fixed): the publisher and the other members learn it from the store
+        (`_BROKEN`). A receive blocked in the collective cannot be interrupted (gloo has no
+        cancel) and ends with the group."""
+        if self._member_store is not None and self._ended is None:
+            self._ended = self._break(f"the torch group broke: the subscriber at group rank {self._rank} left it")
         with self._cond:
             self._closed = True
             if self._queued is not None:
