@@ -7,6 +7,8 @@ commands (`sluice`, the recipes).
 - `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
 - `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
+- `FreeMarks`: what an arena file keeps after the arena, so that a co-located reader can tell
+  whether the bytes it copied out were still its rows' (a unit marks each extent it frees);
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
 - `exit_on_signals`: SIGINT, SIGTERM and SIGHUP (`STOP_SIGNALS`) unwind a command, which then ends
@@ -29,6 +31,8 @@ import subprocess
 import sys
 import threading
 import time
+from array import array
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "open_arena",
     "map_file",
     "unmap",
+    "FreeMarks",
     "keep_freed_memory",
     "give_back_freed_memory",
     "reachable",
@@ -112,6 +117,110 @@ def unmap(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass
+
+
+class FreeMarks:
+    """The free marks of a unit's arena: a table in the arena's file, after its `capacity` bytes
+    (from `offset(capacity)`, a page boundary), that tells a co-located reader whether the
+    extents it copied its rows from stayed theirs while it copied.
+
+    A reader of a mapped arena copies rows from the runs the unit named in its reply, after the
+    reply; nothing holds those extents meanwhile, and a clear of the rows followed by a new
+    write could land another batch's bytes there. So the unit marks every extent it frees
+    (`freed`) before the extent goes back to its free list, hence before any write can land
+    there: word 1 of the table counts the extents freed (the epoch), and word 2 + r holds the
+    epoch of the last free that touched region r (`REGION` bytes of arena from r x `REGION`).
+    The reader notes the epoch (`epoch`) before it asks for rows and, once its copies are done,
+    checks (`intact`) that no region of the runs it copied was marked since: then none of those
+    extents was freed, or reused, while it copied. A region shared with another extent makes a
+    free of that one count too; the check never passes bytes that were overwritten, but may
+    fail bytes that were not (the reader then reads them again another way).
+
+    Ordering: the unit stores a mark before the extent can be handed out, and a writer of the
+    extent stores its bytes only after it was handed out, so a reader that copied any of those
+    bytes loads the mark after them (x86-64 orders loads with loads, and stores are seen by all
+    processors in one order). Word 0 is the region size, written when the table is made: a
+    file without it (a unit of a release before free marks) has no marks.
+    """
+
+    REGION = 4096
+    _HEADER = 2  # words before the marks: the region size, the epoch
+
+    def __init__(self, mm: mmap.mmap):
+        self._mm: mmap.mmap | None = mm
+        self._words = memoryview(mm).cast("q")
+
+    @classmethod
+    def offset(cls, capacity: int) -> int:
+        """Where the marks of an arena of `capacity` bytes start in its file."""
+        page = mmap.ALLOCATIONGRANULARITY
+        return -(-capacity // page) * page
+
+    @classmethod
+    def nbytes(cls, capacity: int) -> int:
+        """Bytes of the marks of an arena of `capacity` bytes (8 per `REGION` of arena, and 16)."""
+        return (cls._HEADER + -(-capacity // cls.REGION)) * 8
+
+    @classmethod
+    def create(cls, fd: int, capacity: int) -> FreeMarks:
+        """The unit's marks in its arena file `fd` (already `offset + nbytes` long, zeroed).
+
+        Raises:
+            OSError: they cannot be mapped."""
+        marks = cls(mmap.mmap(fd, cls.nbytes(capacity), flags=mmap.MAP_SHARED, offset=cls.offset(capacity)))
+        marks._words[0] = cls.REGION
+        return marks
+
+    @classmethod
+    def open(cls, cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> FreeMarks | None:
+        """A reader's view of unit `unit_id`'s marks, or None where its arena file is not what
+        `open_arena` accepts or holds no marks of this layout (a unit before free marks)."""
+        fd = open_arena(cluster_id, unit_id, shm_path, capacity)
+        if fd is None:
+            return None
+        try:
+            start, size = cls.offset(capacity), cls.nbytes(capacity)
+            if os.fstat(fd).st_size < start + size:
+                return None
+            marks = cls(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if marks._words[0] != cls.REGION:
+            marks.close()
+            return None
+        return marks
+
+    def epoch(self) -> int:
+        """How many extents the unit has freed so far."""
+        return self._words[1]
+
+    def freed(self, offset: int, nbytes: int) -> None:
+        """Mark the extent of `nbytes` bytes at `offset` freed (the unit, before it may be reused)."""
+        if nbytes <= 0:
+            return
+        words = self._words
+        epoch = words[1] + 1
+        first, last = self._HEADER + offset // self.REGION, self._HEADER + (offset + nbytes - 1) // self.REGION
+        words[first : last + 1] = array("q", [epoch]) * (last + 1 - first)
+        words[1] = epoch
+
+    def intact(self, runs: Iterable[tuple[int, int]], since: int) -> bool:
+        """Whether no extent holding any of `runs` ((offset, nbytes) of arena) was freed after
+        the epoch `since` (noted before the runs were asked for)."""
+        words, region, head = self._words, self.REGION, self._HEADER
+        for offset, nbytes in runs:
+            if nbytes > 0 and max(words[head + offset // region : head + (offset + nbytes - 1) // region + 1]) > since:
+                return False
+        return True
+
+    def close(self) -> None:
+        """Unmap the marks. Idempotent."""
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            self._words.release()
+            mm.close()
 
 
 _malloc_tuned = False

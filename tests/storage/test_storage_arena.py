@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage.arena import Arena, ExtentAllocator
+from transfer_queue.host import FreeMarks
 
 PAGE = 16
 PAGES = 64
@@ -114,8 +115,9 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
     path = f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u1"
     arena = Arena(path, (4 << 20) + 100)
     try:
-        assert os.path.getsize(path) == (4 << 20) + 100
         assert arena.capacity == (4 << 20) + 96  # whole aligned extents only
+        # then the free marks, from the next page: 8 bytes per 4 KiB of arena, and 16
+        assert os.path.getsize(path) == (4 << 20) + 4096 + 8 * (2 + 1025)
         with pytest.raises(FileExistsError):
             Arena(path, 1 << 20)  # another unit with the same name must not clobber this one
         arena.array[:4] = [1, 2, 3, 4]
@@ -128,3 +130,46 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
         arena.close()
     assert not os.path.exists(path)
     arena.close()  # idempotent
+
+
+def test_freed_extents_are_marked_for_readers_of_the_file() -> None:
+    """A reader that noted the epoch before asking for runs learns whether any extent under them
+    was freed since: the extent itself, or another in the same 4 KiB."""
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    with Arena(path, 1 << 20) as arena:
+        marks = FreeMarks.open(cluster, 0, path, arena.capacity)
+        assert marks is not None
+        try:
+            a, b, c = (arena.new_chunk(n) for n in (5000, 100, 8192))
+            assert a is not None and b is not None and c is not None
+            assert (a.offset, b.offset, c.offset) == (0, 5008, 5120)  # b and c share a's second page
+            since = marks.epoch()
+            arena.unref(b)
+            assert marks.epoch() == since + 1
+            assert not marks.intact([(5008, 100)], since)  # b itself
+            assert not marks.intact([(0, 5000)], since)  # a: its second page held b
+            assert not marks.intact([(6000, 100)], since)  # c: in the same page too
+            assert marks.intact([(0, 4096), (8192, 5120)], since)  # pages b never touched
+            assert marks.intact([(5008, 100)], marks.epoch())  # freed before the epoch noted
+            assert marks.intact([(5008, 0)], since)  # an empty run holds no bytes
+        finally:
+            marks.close()
+            marks.close()  # idempotent
+
+
+def test_a_reader_finds_no_marks_in_a_file_without_them() -> None:
+    """An arena file of a unit before free marks (no table after the arena), or another file:
+    the reader reads that unit with frames."""
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert FreeMarks.open(cluster, 0, path, 1 << 20) is None  # too short
+        os.ftruncate(fd, FreeMarks.offset(1 << 20) + FreeMarks.nbytes(1 << 20))
+        assert FreeMarks.open(cluster, 0, path, 1 << 20) is None  # long enough, no region size
+        assert FreeMarks.open(cluster, 0, path + "x", 1 << 20) is None  # not the unit's name
+    finally:
+        os.close(fd)
+        os.unlink(path)
