@@ -1,7 +1,7 @@
 """The unit's memory: one shared-memory file, carved into extents of any size.
 
 A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`: `capacity`
-bytes of arena (and its free marks after them, 8 bytes per 4 KiB of arena), mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
+bytes of arena (and its free log after them, 192 KiB), mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
 memory is accounted exactly against `capacity` (the unit pushes back instead of growing), the
 pages stay warm after the first use (a first-touch fault costs far more than a warm copy,
 docs/architecture.md, section 3),
@@ -11,9 +11,9 @@ and a co-located client can map the same file and copy straight in or out.
 `Arena` adds the file and its mapping; `Chunk` is one allocated extent (one Write's rows of one
 field) with a reference count: one reference per stored row plus one per holder (a writer until
 it registers its rows, a zero-copy reply frame until ZeroMQ has sent it). The extent goes back to
-the free list when the count drops to zero, marked freed in the file's `FreeMarks` (after the
-arena's bytes) first, so that a co-located reader can tell whether the extents it copied from
-were freed, and maybe written again, meanwhile.
+the free list when the count drops to zero, logged in the file's `FreeLog` (after the arena's
+bytes) first, so that a co-located reader can tell whether the extents it copied from were
+freed, and maybe written again, meanwhile.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from transfer_queue.host import FreeMarks, arena_path, map_file
+from transfer_queue.host import FreeLog, arena_path, map_file
 from transfer_queue.wire.sizes import ALIGN
 
 __all__ = ["ALIGN", "ExtentAllocator", "Chunk", "Arena"]
@@ -169,7 +169,7 @@ class Arena:
         capacity = self.allocator.capacity
         self.path = path
         self.size = capacity
-        file_size = FreeMarks.offset(capacity) + FreeMarks.nbytes(capacity)
+        file_size = FreeLog.offset(capacity) + FreeLog.nbytes()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, file_size)
@@ -183,7 +183,7 @@ class Arena:
                     "lower storage_capacity or enlarge /dev/shm"
                 ) from exc
             self._mmap: mmap.mmap | None = map_file(fd, capacity)
-            self.marks = FreeMarks.create(fd, capacity)
+            self.frees = FreeLog.create(fd, capacity)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -216,9 +216,11 @@ class Arena:
         return self.allocator.alloc(nbytes)
 
     def free(self, offset: int, nbytes: int) -> None:
-        """Return an extent, marked freed first (`FreeMarks`): a co-located reader that copied
+        """Return an extent, logged freed first (`FreeLog`): a co-located reader that copied
         from it meanwhile then knows its bytes may be another write's."""
-        self.marks.freed(offset, self.allocator.rounded(nbytes))
+        occupied = self.allocator.rounded(nbytes)
+        if occupied:
+            self.frees.freed(offset, occupied)
         self.allocator.free(offset, nbytes)
 
     def new_chunk(self, nbytes: int) -> Chunk | None:
@@ -283,7 +285,7 @@ class Arena:
         if self._prefault is not None:
             self._prefault.join()
         if self._mmap is not None:
-            self.marks.close()
+            self.frees.close()
             mm, self._mmap = self._mmap, None
             try:
                 self.view.release()

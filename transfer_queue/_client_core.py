@@ -31,7 +31,7 @@ from ._control import INT64, ControlCore, as_int, count
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
-from .host import FreeMarks, host_id, keep_freed_memory, map_file, open_arena, unmap
+from .host import FreeLog, host_id, keep_freed_memory, map_file, open_arena, unmap
 from .wire.errors import CapacityError, ProtocolError, SchemaError, SluiceError
 from .wire.messages import (
     FEATURES,
@@ -118,7 +118,7 @@ class ClientCore(ControlCore):
         self.cluster_id = ""
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         self._pinned = HostRegistry()  # arenas registered with CUDA, once this client copies to or from a GPU
-        self._marks: dict[int, FreeMarks | None] = {}  # per mapped unit, once read: `_free_marks`
+        self._frees: dict[int, FreeLog | None] = {}  # per mapped unit, once read: `_free_log`
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self.grants: list[Grant] = []
         self._stay = -1  # the unit of this producer's previous put (`BeginPut.stay`)
@@ -184,10 +184,10 @@ class ClientCore(ControlCore):
             del view
             unmap(mm)  # a tensor may still view it; the mapping then goes with that tensor
         self._arenas.clear()
-        for marks in self._marks.values():
-            if marks is not None:
-                marks.close()
-        self._marks.clear()
+        for log in self._frees.values():
+            if log is not None:
+                log.close()
+        self._frees.clear()
         self._pool.clear()
 
     # -- producers ---------------------------------------------------------------------
@@ -428,9 +428,9 @@ class ClientCore(ControlCore):
         """The flow of `Client.get_data`: reads from every unit holding the batch, in parallel;
         on a CUDA `device`, each run is copied straight from the arena or the received frame.
 
-        Rows copied out of a mapped arena are checked against the unit's free marks once the
-        copies are done (`FreeMarks`): where an extent they were copied from was freed meanwhile
-        (the rows cleared, or a neighbour's in the same 4 KiB), that unit's rows are read again
+        Rows copied out of a mapped arena are checked against the unit's free log once the
+        copies are done (`FreeLog`): where an extent they were copied from was freed meanwhile
+        (the rows cleared, or replaced), or that cannot be told, that unit's rows are read again
         as frames, which its unit holds until sent: the rows, or the `SchemaError` a read of
         rows it no longer holds raises. Never another write's bytes."""
         names = list(meta.fields) if fields is None else list(fields)
@@ -444,17 +444,17 @@ class ClientCore(ControlCore):
         if not len(meta) or not names:
             return Assembler(specs, len(meta), self._pool, dev).result()
         targets = _by_unit(meta.units, meta.indexes)
-        framed: set[int] = set()  # units whose mapped read was freed under it: read as frames
+        framed: set[int] = set()  # units whose mapped read may have been freed under it: read as frames
         while True:  # at most once more per unit read through its arena
             calls: list[Call] = []
-            since: dict[int, tuple[FreeMarks, int]] = {}
+            since: dict[int, tuple[FreeLog, int]] = {}
             for unit_id, _, rows in targets:
-                marks = None if unit_id in framed else self._free_marks(unit_id)
-                if marks is None:
+                log = None if unit_id in framed else self._free_log(unit_id)
+                if log is None:
                     keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
                 else:
-                    since[unit_id] = marks, marks.epoch()  # noted before the unit names the runs
-                via: Via = "frames" if marks is None else "shm"
+                    since[unit_id] = log, log.epoch()  # noted before the unit names the runs
+                via: Via = "frames" if log is None else "shm"
                 calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
             replies = yield calls
             assembler = Assembler(specs, len(meta), self._pool, dev)
@@ -471,15 +471,15 @@ class ClientCore(ControlCore):
                 return data
             framed |= moved
 
-    def _free_marks(self, unit_id: int) -> FreeMarks | None:
-        """The free marks of a unit whose arena this client reads, or None: reach it with frames
-        (no arena mapped, `use_shm=False`, or a unit of a release before free marks)."""
+    def _free_log(self, unit_id: int) -> FreeLog | None:
+        """The free log of a unit whose arena this client reads, or None: reach it with frames
+        (no arena mapped, `use_shm=False`, or a unit of a release before the free log)."""
         if unit_id not in self._arenas or self.use_shm is False:
             return None
-        if unit_id not in self._marks:
+        if unit_id not in self._frees:
             unit = self.units[unit_id]
-            self._marks[unit_id] = FreeMarks.open(self.cluster_id, unit_id, unit.shm_path, unit.capacity)
-        return self._marks[unit_id]
+            self._frees[unit_id] = FreeLog.open(self.cluster_id, unit_id, unit.shm_path, unit.capacity)
+        return self._frees[unit_id]
 
     def ack(self, meta: BatchMeta) -> Flow:
         """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.

@@ -7,8 +7,8 @@ commands (`sluice`, the recipes).
 - `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
 - `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
-- `FreeMarks`: what an arena file keeps after the arena, so that a co-located reader can tell
-  whether the bytes it copied out were still its rows' (a unit marks each extent it frees);
+- `FreeLog`: what an arena file keeps after the arena, so that a co-located reader can tell
+  whether the bytes it copied out were still its rows' (a unit logs each extent it frees);
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
 - `exit_on_signals`: SIGINT, SIGTERM and SIGHUP (`STOP_SIGNALS`) unwind a command, which then ends
@@ -31,9 +31,10 @@ import subprocess
 import sys
 import threading
 import time
-from array import array
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "host_id",
@@ -42,7 +43,7 @@ __all__ = [
     "open_arena",
     "map_file",
     "unmap",
-    "FreeMarks",
+    "FreeLog",
     "keep_freed_memory",
     "give_back_freed_memory",
     "reachable",
@@ -119,107 +120,121 @@ def unmap(mm: mmap.mmap) -> None:
         pass
 
 
-class FreeMarks:
-    """The free marks of a unit's arena: a table in the arena's file, after its `capacity` bytes
-    (from `offset(capacity)`, a page boundary), that tells a co-located reader whether the
-    extents it copied its rows from stayed theirs while it copied.
+class FreeLog:
+    """The free log of a unit's arena: a ring in the arena's file, after its `capacity` bytes
+    (from `offset(capacity)`, a page boundary), of the extents the unit freed last, so that a
+    co-located reader can tell whether the extents it copied its rows from stayed theirs.
 
     A reader of a mapped arena copies rows from the runs the unit named in its reply, after the
-    reply; nothing holds those extents meanwhile, and a clear of the rows followed by a new
-    write could land another batch's bytes there. So the unit marks every extent it frees
-    (`freed`) before the extent goes back to its free list, hence before any write can land
-    there: word 1 of the table counts the extents freed (the epoch), and word 2 + r holds the
-    epoch of the last free that touched region r (`REGION` bytes of arena from r x `REGION`).
-    The reader notes the epoch (`epoch`) before it asks for rows and, once its copies are done,
-    checks (`intact`) that no region of the runs it copied was marked since: then none of those
-    extents was freed, or reused, while it copied. A region shared with another extent makes a
-    free of that one count too; the check never passes bytes that were overwritten, but may
-    fail bytes that were not (the reader then reads them again another way).
+    reply; nothing holds those extents meanwhile, and a clear of the rows followed by a new write
+    could land another batch's bytes there. So the unit logs every extent it frees (`freed`)
+    before the extent goes back to its free list, hence before any write can land there: word 1
+    counts the extents freed (the epoch), and free number e is entry e mod `RING`: (e, start,
+    end). The reader notes the epoch (`epoch`) before it asks for rows and, once its copies are
+    done, checks (`intact`) that none of the frees since overlapped the runs it copied: then no
+    extent under them was freed, or written again, while it copied. Where more than `RING` frees
+    came since, or an entry it needs was overwritten meanwhile, it cannot tell, and says so.
 
-    Ordering: the unit stores a mark before the extent can be handed out, and a writer of the
-    extent stores its bytes only after it was handed out, so a reader that copied any of those
-    bytes loads the mark after them (x86-64 orders loads with loads, and stores are seen by all
-    processors in one order). Word 0 is the region size, written when the table is made: a
-    file without it (a unit of a release before free marks) has no marks.
+    Ordering: the unit writes an entry (its tag last) and then the epoch before the extent can be
+    handed out, and a writer of the extent stores its bytes only after it was handed out, so a
+    reader that copied any of those bytes loads the new epoch and entry after them (x86-64 keeps
+    loads in order, and every processor sees stores in one order). Word 0 is `RING`, written when
+    the log is made: a file without it (a unit of a release before the log) has none.
     """
 
-    REGION = 4096
-    _HEADER = 2  # words before the marks: the region size, the epoch
+    RING = 8192
+    _HEADER = 2  # words before the entries: RING, the epoch
 
     def __init__(self, mm: mmap.mmap):
         self._mm: mmap.mmap | None = mm
         self._words = memoryview(mm).cast("q")
+        self._table = np.frombuffer(mm, np.int64)
 
     @classmethod
     def offset(cls, capacity: int) -> int:
-        """Where the marks of an arena of `capacity` bytes start in its file."""
+        """Where the log of an arena of `capacity` bytes starts in its file."""
         page = mmap.ALLOCATIONGRANULARITY
         return -(-capacity // page) * page
 
     @classmethod
-    def nbytes(cls, capacity: int) -> int:
-        """Bytes of the marks of an arena of `capacity` bytes (8 per `REGION` of arena, and 16)."""
-        return (cls._HEADER + -(-capacity // cls.REGION)) * 8
+    def nbytes(cls) -> int:
+        """Bytes of a log (192 KiB, whatever the arena's size)."""
+        return (cls._HEADER + 3 * cls.RING) * 8
 
     @classmethod
-    def create(cls, fd: int, capacity: int) -> FreeMarks:
-        """The unit's marks in its arena file `fd` (already `offset + nbytes` long, zeroed).
+    def create(cls, fd: int, capacity: int) -> FreeLog:
+        """The unit's log in its arena file `fd` (already `offset + nbytes` long, zeroed).
 
         Raises:
-            OSError: they cannot be mapped."""
-        marks = cls(mmap.mmap(fd, cls.nbytes(capacity), flags=mmap.MAP_SHARED, offset=cls.offset(capacity)))
-        marks._words[0] = cls.REGION
-        return marks
+            OSError: it cannot be mapped."""
+        log = cls(mmap.mmap(fd, cls.nbytes(), flags=mmap.MAP_SHARED, offset=cls.offset(capacity)))
+        log._words[0] = cls.RING
+        return log
 
     @classmethod
-    def open(cls, cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> FreeMarks | None:
-        """A reader's view of unit `unit_id`'s marks, or None where its arena file is not what
-        `open_arena` accepts or holds no marks of this layout (a unit before free marks)."""
+    def open(cls, cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> FreeLog | None:
+        """A reader's view of unit `unit_id`'s log, or None where its arena file is not what
+        `open_arena` accepts or holds no log of this layout (a unit before the free log)."""
         fd = open_arena(cluster_id, unit_id, shm_path, capacity)
         if fd is None:
             return None
         try:
-            start, size = cls.offset(capacity), cls.nbytes(capacity)
-            if os.fstat(fd).st_size < start + size:
+            start = cls.offset(capacity)
+            if os.fstat(fd).st_size < start + cls.nbytes():
                 return None
-            marks = cls(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start))
+            log = cls(mmap.mmap(fd, cls.nbytes(), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start))
         except OSError:
             return None
         finally:
             os.close(fd)
-        if marks._words[0] != cls.REGION:
-            marks.close()
+        if log._words[0] != cls.RING:
+            log.close()
             return None
-        return marks
+        return log
 
     def epoch(self) -> int:
         """How many extents the unit has freed so far."""
         return self._words[1]
 
     def freed(self, offset: int, nbytes: int) -> None:
-        """Mark the extent of `nbytes` bytes at `offset` freed (the unit, before it may be reused)."""
-        if nbytes <= 0:
-            return
+        """Log the extent of `nbytes` bytes at `offset` freed (the unit, before it may be reused)."""
         words = self._words
         epoch = words[1] + 1
-        first, last = self._HEADER + offset // self.REGION, self._HEADER + (offset + nbytes - 1) // self.REGION
-        words[first : last + 1] = array("q", [epoch]) * (last + 1 - first)
+        at = self._HEADER + 3 * (epoch % self.RING)
+        words[at] = 0  # the entry is being written
+        words[at + 1] = offset
+        words[at + 2] = offset + nbytes
+        words[at] = epoch
         words[1] = epoch
 
     def intact(self, runs: Iterable[tuple[int, int]], since: int) -> bool:
-        """Whether no extent holding any of `runs` ((offset, nbytes) of arena) was freed after
-        the epoch `since` (noted before the runs were asked for)."""
-        words, region, head = self._words, self.REGION, self._HEADER
-        for offset, nbytes in runs:
-            if nbytes > 0 and max(words[head + offset // region : head + (offset + nbytes - 1) // region + 1]) > since:
-                return False
-        return True
+        """Whether no extent freed after the epoch `since` (noted before the runs were asked for)
+        overlapped any of `runs` ((offset, nbytes) of arena); False also where that cannot be
+        told (more than `RING` frees since)."""
+        now = self._words[1]
+        if now == since:
+            return True  # the common case: nothing was freed
+        if now - since > self.RING:
+            return False
+        epochs = np.arange(since + 1, now + 1, dtype=np.int64)
+        at = self._HEADER + 3 * (epochs % self.RING)
+        table = self._table
+        starts, ends = table[at + 1], table[at + 2]
+        if not np.array_equal(table[at], epochs):  # read after its extent: overwritten by a later free
+            return False
+        spans = np.array([run for run in runs if run[1] > 0], dtype=np.int64).reshape(-1, 2)
+        order = np.argsort(starts)
+        starts, reach = starts[order], np.maximum.accumulate(ends[order])
+        # a freed [start, end) overlaps a run [a, b) where start < b and end > a
+        below = np.searchsorted(starts, spans[:, 0] + spans[:, 1])  # extents that start before b
+        return not bool(np.any((below > 0) & (reach[np.maximum(below - 1, 0)] > spans[:, 0])))
 
     def close(self) -> None:
-        """Unmap the marks. Idempotent."""
+        """Unmap the log. Idempotent."""
         if self._mm is not None:
             mm, self._mm = self._mm, None
             self._words.release()
+            del self._table
             mm.close()
 
 

@@ -89,11 +89,33 @@ def test_a_mapped_read_whose_rows_are_cleared_and_reused_meanwhile_raises(client
     assert _overlap(first_runs, reused[0]), "the second put did not reuse the first's extent: no race was made"
 
 
-def test_a_mapped_read_whose_neighbour_is_freed_meanwhile_reads_its_rows_again(clients, monkeypatch) -> None:
+def test_a_mapped_read_whose_rows_are_replaced_meanwhile_reads_them_again(clients, monkeypatch) -> None:
+    """The rows still exist, with new values elsewhere, and their old extent holds another put's
+    bytes: the reader reads the rows again (as frames), and gets their new values."""
+    reader, writer, unit = clients
+    first = writer.put(_batch(1.0))
+    first_runs = _runs(unit, first)
+    reused: list[list[tuple[int, int]]] = []
+
+    def replace_and_put() -> None:
+        writer.put(_batch(5.0), meta=first)  # new values of the same rows: the unit freed the old before answering
+        other = writer.put(_batch(2.0))
+        reused.append(_runs(unit, other))
+
+    calls = _between_reply_and_copy(monkeypatch, replace_and_put)
+    data = reader.get_data(first)
+    assert torch.unique(data["x"]).tolist() == [5.0]
+    assert len(calls) == 2  # the mapped read could not vouch for its bytes: read again as frames
+    assert _overlap(first_runs, reused[0]), "the other put did not reuse the old extent: no race was made"
+
+
+def test_a_mapped_read_whose_neighbour_is_freed_meanwhile_keeps_its_copy(clients, monkeypatch) -> None:
+    """Only a free that overlaps the runs read makes the reader read again: a neighbour's (cleared
+    and its extent written again) is no alarm."""
     reader, writer, unit = clients
     kept = writer.put(_batch(1.0, width=16))
-    neighbour = writer.put(_batch(3.0, width=16))  # 512 bytes after `kept`: the same 4 KiB of arena
-    assert _runs(unit, kept)[0][0] // 4096 == _runs(unit, neighbour)[0][0] // 4096
+    neighbour = writer.put(_batch(3.0, width=16))  # the next 512 bytes of arena
+    assert _runs(unit, neighbour)[0][0] == sum(_runs(unit, kept)[0])
 
     def clear_neighbour() -> None:
         writer.clear(neighbour)
@@ -103,4 +125,4 @@ def test_a_mapped_read_whose_neighbour_is_freed_meanwhile_reads_its_rows_again(c
     calls = _between_reply_and_copy(monkeypatch, clear_neighbour)
     data = reader.get_data(kept)
     assert torch.equal(data["x"], _batch(1.0, width=16)["x"])
-    assert len(calls) == 2  # the mapped read could not vouch for its bytes: read again as frames
+    assert len(calls) == 1
