@@ -211,23 +211,35 @@ class FreeLog:
         """Whether no extent freed after the epoch `since` (noted before the runs were asked for)
         overlapped any of `runs` ((offset, nbytes) of arena); False also where that cannot be
         told (more than `RING` frees since)."""
-        now = self._words[1]
+        words = self._words
+        now = words[1]
         if now == since:
             return True  # the common case: nothing was freed
         if now - since > self.RING:
             return False
+        spans = [run for run in runs if run[1] > 0]
+        if not spans:
+            return True
+        if (now - since) * len(spans) <= 64:  # a few frees and runs: compared one by one (numpy: 60 us)
+            freed = []
+            for epoch in range(since + 1, now + 1):
+                at = self._HEADER + 3 * (epoch % self.RING)
+                freed.append((words[at + 1], words[at + 2]))
+                if words[at] != epoch:  # read after its extent: overwritten by a later free
+                    return False
+            # a freed [start, end) overlaps a run [offset, offset + size) where start < offset + size and end > offset
+            return not any(start < offset + size and end > offset for offset, size in spans for start, end in freed)
         epochs = np.arange(since + 1, now + 1, dtype=np.int64)
-        at = self._HEADER + 3 * (epochs % self.RING)
+        slots = self._HEADER + 3 * (epochs % self.RING)
         table = self._table
-        starts, ends = table[at + 1], table[at + 2]
-        if not np.array_equal(table[at], epochs):  # read after its extent: overwritten by a later free
+        starts, ends = table[slots + 1], table[slots + 2]
+        if not np.array_equal(table[slots], epochs):  # as above
             return False
-        spans = np.array([run for run in runs if run[1] > 0], dtype=np.int64).reshape(-1, 2)
         order = np.argsort(starts)
         starts, reach = starts[order], np.maximum.accumulate(ends[order])
-        # a freed [start, end) overlaps a run [a, b) where start < b and end > a
-        below = np.searchsorted(starts, spans[:, 0] + spans[:, 1])  # extents that start before b
-        return not bool(np.any((below > 0) & (reach[np.maximum(below - 1, 0)] > spans[:, 0])))
+        offsets, sizes = np.array(spans, dtype=np.int64).T
+        below = np.searchsorted(starts, offsets + sizes)  # extents that start before the run's end
+        return not bool(np.any((below > 0) & (reach[np.maximum(below - 1, 0)] > offsets)))
 
     def close(self) -> None:
         """Unmap the log. Idempotent."""

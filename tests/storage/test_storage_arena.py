@@ -175,6 +175,7 @@ def test_a_reader_cannot_vouch_for_runs_after_more_frees_than_the_log_holds() ->
                 assert chunk is not None and chunk.offset == 0
                 arena.unref(chunk)
             assert log.intact([(4096, 16)], since)  # every free since is still in the ring
+            assert not log.intact([(4096, 16), (8, 16)], since)  # and each overlaps this run
             chunk = arena.new_chunk(16)
             assert chunk is not None
             arena.unref(chunk)
