@@ -1,11 +1,11 @@
 """The unit's memory: one shared-memory file, carved into extents of any size.
 
 A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`: `capacity`
-bytes of arena (and its free log after them, 192 KiB), mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
-memory is accounted exactly against `capacity` (the unit pushes back instead of growing), the
-pages stay warm after the first use (a first-touch fault costs far more than a warm copy,
-docs/architecture.md, section 3),
-and a co-located client can map the same file and copy straight in or out.
+bytes of arena (and its free log after them, 192 KiB), mapped once for the unit's whole life.
+Every tensor byte the unit holds lives in it, so memory is accounted exactly against `capacity`
+(the unit pushes back instead of growing), the pages stay warm after the first use (a
+first-touch fault costs far more than a warm copy, docs/architecture.md, section 3), and a
+co-located client can map the same file and copy straight in or out.
 
 `ExtentAllocator` is the pure bookkeeping (best fit over `ALIGN`-byte extents, coalescing);
 `Arena` adds the file and its mapping; `Chunk` is one allocated extent (one Write's rows of one
