@@ -1,17 +1,19 @@
 """The unit's memory: one shared-memory file, carved into extents of any size.
 
-A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`, of `capacity`
-bytes, mapped once for the unit's whole life. Every tensor byte the unit holds lives in it, so
-memory is accounted exactly against `capacity` (the unit pushes back instead of growing), the
-pages stay warm after the first use (a first-touch fault costs far more than a warm copy,
-docs/architecture.md, section 3),
-and a co-located client can map the same file and copy straight in or out.
+A storage unit owns exactly one file, `/dev/shm/sluice-{cluster_id}-u{unit_id}`: `capacity`
+bytes of arena (and its free log after them, 192 KiB), mapped once for the unit's whole life.
+Every tensor byte the unit holds lives in it, so memory is accounted exactly against `capacity`
+(the unit pushes back instead of growing), the pages stay warm after the first use (a
+first-touch fault costs far more than a warm copy, docs/architecture.md, section 3), and a
+co-located client can map the same file and copy straight in or out.
 
 `ExtentAllocator` is the pure bookkeeping (best fit over `ALIGN`-byte extents, coalescing);
 `Arena` adds the file and its mapping; `Chunk` is one allocated extent (one Write's rows of one
 field) with a reference count: one reference per stored row plus one per holder (a writer until
 it registers its rows, a zero-copy reply frame until ZeroMQ has sent it). The extent goes back to
-the free list when the count drops to zero.
+the free list when the count drops to zero, logged in the file's `FreeLog` (after the arena's
+bytes) first, so that a co-located reader can tell whether the extents it copied from were
+freed, and maybe written again, meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 
 import numpy as np
 
-from transfer_queue.host import arena_path, map_file
+from transfer_queue.host import FreeLog, arena_path, map_file
 from transfer_queue.wire.sizes import ALIGN
 
 __all__ = ["ALIGN", "ExtentAllocator", "Chunk", "Arena"]
@@ -164,21 +166,24 @@ class Arena:
 
     def __init__(self, path: str, capacity: int):
         self.allocator = ExtentAllocator(capacity)
+        capacity = self.allocator.capacity
         self.path = path
         self.size = capacity
+        file_size = FreeLog.offset(capacity) + FreeLog.nbytes()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, capacity)
+            os.ftruncate(fd, file_size)
             try:
                 # Reserve the tmpfs pages now: a full /dev/shm fails here, with a clear error,
                 # instead of killing the unit with SIGBUS on some later write.
-                os.posix_fallocate(fd, 0, capacity)
+                os.posix_fallocate(fd, 0, file_size)
             except OSError as exc:
                 raise MemoryError(
-                    f"cannot reserve {capacity} bytes in {os.path.dirname(path)}: {exc.strerror}; "
+                    f"cannot reserve {file_size} bytes in {os.path.dirname(path)}: {exc.strerror}; "
                     "lower storage_capacity or enlarge /dev/shm"
                 ) from exc
             self._mmap: mmap.mmap | None = map_file(fd, capacity)
+            self.frees = FreeLog.create(fd, capacity)
         except BaseException:
             os.close(fd)
             _unlink(path)
@@ -211,6 +216,11 @@ class Arena:
         return self.allocator.alloc(nbytes)
 
     def free(self, offset: int, nbytes: int) -> None:
+        """Return an extent, logged freed first (`FreeLog`): a co-located reader that copied
+        from it meanwhile then knows its bytes may be another write's."""
+        occupied = self.allocator.rounded(nbytes)
+        if occupied:
+            self.frees.freed(offset, occupied)
         self.allocator.free(offset, nbytes)
 
     def new_chunk(self, nbytes: int) -> Chunk | None:
@@ -225,7 +235,7 @@ class Arena:
             return False
         if chunk.refs < 0:
             raise ValueError(f"{chunk!r} released more often than referenced")
-        self.allocator.free(chunk.offset, chunk.nbytes)
+        self.free(chunk.offset, chunk.nbytes)
         return True
 
     # -- life cycle ----------------------------------------------------------------------
@@ -275,6 +285,7 @@ class Arena:
         if self._prefault is not None:
             self._prefault.join()
         if self._mmap is not None:
+            self.frees.close()
             mm, self._mmap = self._mmap, None
             try:
                 self.view.release()

@@ -31,7 +31,7 @@ from ._control import INT64, ControlCore, as_int, count
 from ._flows import CONTROLLER, Call, Finish, Flow, Give, Launch, Plan, Run, Withdraw
 from ._tensors import Assembler, BufferPool, Columns
 from .cuda import HostRegistry, copies, pinned_empty, target_device, tensor_ptr
-from .host import host_id, keep_freed_memory, map_file, open_arena, unmap
+from .host import FreeLog, host_id, keep_freed_memory, map_file, open_arena, unmap
 from .wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from .wire.messages import (
     FEATURES,
@@ -120,6 +120,7 @@ class ClientCore(ControlCore):
         self.cluster_id = ""
         self._arenas: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
         self._pinned = HostRegistry()  # arenas registered with CUDA, once this client copies to or from a GPU
+        self._frees: dict[int, FreeLog | None] = {}  # per mapped unit, once read: `_free_log`
         self._pool = BufferPool()  # get_data's output memory, reused once the caller drops it
         self.grants: list[Grant] = []
         self._stay = -1  # the unit of this producer's previous put (`BeginPut.stay`)
@@ -192,6 +193,9 @@ class ClientCore(ControlCore):
         self._pinned.unregister(tensor_ptr(view))  # before the mapping goes
         del view
         unmap(mm)
+        log = self._frees.pop(unit_id, None)  # it is the unmapped file's: a unit back anew has its own
+        if log is not None:
+            log.close()
 
     def _restarted(self, units: Sequence[int], known: dict[int, UnitInfo]) -> Flow:
         """After a call to a storage unit failed (`ServiceError`): whether one of `units` came
@@ -479,7 +483,13 @@ class ClientCore(ControlCore):
 
     def _read(self, meta: BatchMeta, fields: Sequence[str] | None, device: str | torch.device | None) -> Flow:
         """Reads from every unit holding the batch, in parallel; on a CUDA `device`, each run is
-        copied straight from the arena or the received frame."""
+        copied straight from the arena or the received frame.
+
+        Rows copied out of a mapped arena are checked against the unit's free log once the
+        copies are done (`FreeLog`): where an extent they were copied from was freed meanwhile
+        (the rows cleared, or replaced), or that cannot be told, that unit's rows are read again
+        as frames, which its unit holds until sent: the rows, or the `SchemaError` a read of
+        rows it no longer holds raises. Never another write's bytes."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
@@ -487,22 +497,48 @@ class ClientCore(ControlCore):
         dev = target_device(device)
         if dev is not None:
             self._pin_arenas()
-        assembler = Assembler({f: meta.fields[f] for f in names}, len(meta), self._pool, dev)
+        specs = {f: meta.fields[f] for f in names}
         if not len(meta) or not names:
-            return assembler.result()
+            return Assembler(specs, len(meta), self._pool, dev).result()
         targets = _by_unit(meta.units, meta.indexes)
-        calls = []
-        vias: list[Via] = []
-        for unit_id, _, rows in targets:
-            via: Via = "shm" if unit_id in self._arenas and self.use_shm is not False else "frames"
-            if via == "frames":
-                keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
-            calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
-            vias.append(via)
-        replies = yield calls
-        _assemble(assembler, self._arenas, names, len(meta), targets, vias, replies)
-        with copies(dev):  # the frames and arena views stay referenced until the copies are done
-            return assembler.result()
+        framed: set[int] = set()  # units whose mapped read may have been freed under it: read as frames
+        while True:  # at most once more per unit read through its arena
+            calls: list[Call] = []
+            vias: list[Via] = []
+            since: dict[int, tuple[FreeLog, int]] = {}
+            for unit_id, _, rows in targets:
+                log = None if unit_id in framed else self._free_log(unit_id)
+                if log is None:
+                    keep_freed_memory(256 << 20)  # the frames ZeroMQ receives then land in warm memory
+                else:
+                    since[unit_id] = log, log.epoch()  # noted before the unit names the runs
+                via: Via = "frames" if log is None else "shm"
+                calls.append(Call(unit_id, Read(meta.partition, rows, names, via)))
+                vias.append(via)
+            replies = yield calls
+            assembler = Assembler(specs, len(meta), self._pool, dev)
+            _assemble(assembler, self._arenas, names, len(meta), targets, vias, replies)
+            with copies(dev):  # the frames and arena views stay referenced until the copies are done
+                data = assembler.result()
+            moved = {
+                unit_id
+                for (unit_id, _, _), (reply, _) in zip(targets, replies)
+                if unit_id in since
+                and not since[unit_id][0].intact((run for name in names for run in reply.runs[name]), since[unit_id][1])
+            }
+            if not moved:
+                return data
+            framed |= moved
+
+    def _free_log(self, unit_id: int) -> FreeLog | None:
+        """The free log of a unit whose arena this client reads, or None: reach it with frames
+        (no arena mapped, `use_shm=False`, or a unit of a release before the free log)."""
+        if unit_id not in self._arenas or self.use_shm is False:
+            return None
+        if unit_id not in self._frees:
+            unit = self.units[unit_id]
+            self._frees[unit_id] = FreeLog.open(self.cluster_id, unit_id, unit.shm_path, unit.capacity)
+        return self._frees[unit_id]
 
     def ack(self, meta: BatchMeta) -> Flow:
         """Mark the batch consumed by its task (exactly-once effect per task), ending its lease.

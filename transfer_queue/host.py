@@ -7,6 +7,8 @@ commands (`sluice`, the recipes).
 - `shm_prefix`, `arena_path`: how a cluster's /dev/shm files are named;
 - `open_arena`: a unit's arena file, opened only if it is exactly what its name promises;
 - `map_file`, `unmap`: map a shared-memory file (or descriptor) and let go of it again;
+- `FreeLog`: what an arena file keeps after the arena, so that a co-located reader can tell
+  whether the bytes it copied out were still its rows' (a unit logs each extent it frees);
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
 - `exit_on_signals`: SIGINT, SIGTERM and SIGHUP (`STOP_SIGNALS`) unwind a command, which then ends
@@ -29,7 +31,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "host_id",
@@ -38,6 +43,7 @@ __all__ = [
     "open_arena",
     "map_file",
     "unmap",
+    "FreeLog",
     "keep_freed_memory",
     "give_back_freed_memory",
     "reachable",
@@ -112,6 +118,136 @@ def unmap(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass
+
+
+class FreeLog:
+    """The free log of a unit's arena: a ring in the arena's file, after its `capacity` bytes
+    (from `offset(capacity)`, a page boundary), of the extents the unit freed last, so that a
+    co-located reader can tell whether the extents it copied its rows from stayed theirs.
+
+    A reader of a mapped arena copies rows from the runs the unit named in its reply, after the
+    reply; nothing holds those extents meanwhile, and a clear of the rows followed by a new write
+    could land another batch's bytes there. So the unit logs every extent it frees (`freed`)
+    before the extent goes back to its free list, hence before any write can land there: word 1
+    counts the extents freed (the epoch), and free number e is entry e mod `RING`: (e, start,
+    end). The reader notes the epoch (`epoch`) before it asks for rows and, once its copies are
+    done, checks (`intact`) that none of the frees since overlapped the runs it copied: then no
+    extent under them was freed, or written again, while it copied. Where more than `RING` frees
+    came since, or an entry it needs was overwritten meanwhile, it cannot tell, and says so.
+
+    Ordering: the unit writes an entry (its tag last) and then the epoch before the extent can be
+    handed out, and a writer of the extent stores its bytes only after it was handed out, so a
+    reader that copied any of those bytes loads the new epoch and entry after them (x86-64 keeps
+    loads in order, and every processor sees stores in one order). Word 0 is `RING`, written when
+    the log is made: a file without it (a unit of a release before the log) has none.
+    """
+
+    RING = 8192
+    _HEADER = 2  # words before the entries: RING, the epoch
+
+    def __init__(self, mm: mmap.mmap):
+        self._mm: mmap.mmap | None = mm
+        self._words = memoryview(mm).cast("q")
+        self._table = np.frombuffer(mm, np.int64)
+
+    @classmethod
+    def offset(cls, capacity: int) -> int:
+        """Where the log of an arena of `capacity` bytes starts in its file."""
+        page = mmap.ALLOCATIONGRANULARITY
+        return -(-capacity // page) * page
+
+    @classmethod
+    def nbytes(cls) -> int:
+        """Bytes of a log (192 KiB, whatever the arena's size)."""
+        return (cls._HEADER + 3 * cls.RING) * 8
+
+    @classmethod
+    def create(cls, fd: int, capacity: int) -> FreeLog:
+        """The unit's log in its arena file `fd` (already `offset + nbytes` long, zeroed).
+
+        Raises:
+            OSError: it cannot be mapped."""
+        log = cls(mmap.mmap(fd, cls.nbytes(), flags=mmap.MAP_SHARED, offset=cls.offset(capacity)))
+        log._words[0] = cls.RING
+        return log
+
+    @classmethod
+    def open(cls, cluster_id: str, unit_id: int, shm_path: str, capacity: int) -> FreeLog | None:
+        """A reader's view of unit `unit_id`'s log, or None where its arena file is not what
+        `open_arena` accepts or holds no log of this layout (a unit before the free log)."""
+        fd = open_arena(cluster_id, unit_id, shm_path, capacity)
+        if fd is None:
+            return None
+        try:
+            start = cls.offset(capacity)
+            if os.fstat(fd).st_size < start + cls.nbytes():
+                return None
+            log = cls(mmap.mmap(fd, cls.nbytes(), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if log._words[0] != cls.RING:
+            log.close()
+            return None
+        return log
+
+    def epoch(self) -> int:
+        """How many extents the unit has freed so far."""
+        return self._words[1]
+
+    def freed(self, offset: int, nbytes: int) -> None:
+        """Log the extent of `nbytes` bytes at `offset` freed (the unit, before it may be reused)."""
+        words = self._words
+        epoch = words[1] + 1
+        at = self._HEADER + 3 * (epoch % self.RING)
+        words[at] = 0  # the entry is being written
+        words[at + 1] = offset
+        words[at + 2] = offset + nbytes
+        words[at] = epoch
+        words[1] = epoch
+
+    def intact(self, runs: Iterable[tuple[int, int]], since: int) -> bool:
+        """Whether no extent freed after the epoch `since` (noted before the runs were asked for)
+        overlapped any of `runs` ((offset, nbytes) of arena); False also where that cannot be
+        told (more than `RING` frees since)."""
+        words = self._words
+        now = words[1]
+        if now == since:
+            return True  # the common case: nothing was freed
+        if now - since > self.RING:
+            return False
+        spans = [run for run in runs if run[1] > 0]
+        if not spans:
+            return True
+        if (now - since) * len(spans) <= 64:  # a few frees and runs: compared one by one (numpy: 60 us)
+            freed = []
+            for epoch in range(since + 1, now + 1):
+                at = self._HEADER + 3 * (epoch % self.RING)
+                freed.append((words[at + 1], words[at + 2]))
+                if words[at] != epoch:  # read after its extent: overwritten by a later free
+                    return False
+            # a freed [start, end) overlaps a run [offset, offset + size) where start < offset + size and end > offset
+            return not any(start < offset + size and end > offset for offset, size in spans for start, end in freed)
+        epochs = np.arange(since + 1, now + 1, dtype=np.int64)
+        slots = self._HEADER + 3 * (epochs % self.RING)
+        table = self._table
+        starts, ends = table[slots + 1], table[slots + 2]
+        if not np.array_equal(table[slots], epochs):  # as above
+            return False
+        order = np.argsort(starts)
+        starts, reach = starts[order], np.maximum.accumulate(ends[order])
+        offsets, sizes = np.array(spans, dtype=np.int64).T
+        below = np.searchsorted(starts, offsets + sizes)  # extents that start before the run's end
+        return not bool(np.any((below > 0) & (reach[np.maximum(below - 1, 0)] > offsets)))
+
+    def close(self) -> None:
+        """Unmap the log. Idempotent."""
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            self._words.release()
+            del self._table
+            mm.close()
 
 
 _malloc_tuned = False

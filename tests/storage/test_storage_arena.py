@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage.arena import Arena, ExtentAllocator
+from transfer_queue.host import FreeLog
 
 PAGE = 16
 PAGES = 64
@@ -114,8 +115,9 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
     path = f"/dev/shm/sluice-test-{uuid.uuid4().hex[:8]}-u1"
     arena = Arena(path, (4 << 20) + 100)
     try:
-        assert os.path.getsize(path) == (4 << 20) + 100
         assert arena.capacity == (4 << 20) + 96  # whole aligned extents only
+        # then the free log, from the next page
+        assert os.path.getsize(path) == (4 << 20) + 4096 + FreeLog.nbytes()
         with pytest.raises(FileExistsError):
             Arena(path, 1 << 20)  # another unit with the same name must not clobber this one
         arena.array[:4] = [1, 2, 3, 4]
@@ -128,3 +130,73 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
         arena.close()
     assert not os.path.exists(path)
     arena.close()  # idempotent
+
+
+def test_freed_extents_are_logged_for_readers_of_the_file() -> None:
+    """A reader that noted the epoch before asking for runs learns whether an extent freed since
+    overlapped them, and only then (a neighbour's free is no alarm)."""
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    with Arena(path, 1 << 20) as arena:
+        log = FreeLog.open(cluster, 0, path, arena.capacity)
+        assert log is not None
+        try:
+            a, b, c = (arena.new_chunk(n) for n in (5000, 100, 8192))
+            assert a is not None and b is not None and c is not None
+            assert (a.offset, b.offset, c.offset) == (0, 5008, 5120)
+            since = log.epoch()
+            assert log.intact([(5008, 100)], since)  # nothing freed: one word read
+            arena.unref(b)
+            assert log.epoch() == since + 1
+            assert not log.intact([(5008, 100)], since)  # b itself
+            assert not log.intact([(0, 16), (5000, 16)], since)  # a run that reaches into b
+            assert log.intact([(0, 5008), (5120, 8192)], since)  # its neighbours
+            assert log.intact([(5008, 100)], log.epoch())  # freed before the epoch noted
+            assert log.intact([(5008, 0)], since)  # an empty run holds no bytes
+            arena.unref(a)
+            arena.unref(c)
+            assert not log.intact([(6000, 10)], since) and not log.intact([(6000, 10)], since + 1)
+            assert log.intact([(6000, 10)], since + 3)
+        finally:
+            log.close()
+            log.close()  # idempotent
+
+
+def test_a_reader_cannot_vouch_for_runs_after_more_frees_than_the_log_holds() -> None:
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    with Arena(path, 1 << 20) as arena:
+        log = FreeLog.open(cluster, 0, path, arena.capacity)
+        assert log is not None
+        try:
+            since = log.epoch()
+            for _ in range(FreeLog.RING):
+                chunk = arena.new_chunk(16)
+                assert chunk is not None and chunk.offset == 0
+                arena.unref(chunk)
+            assert log.intact([(4096, 16)], since)  # every free since is still in the ring
+            assert not log.intact([(4096, 16), (8, 16)], since)  # and each overlaps this run
+            chunk = arena.new_chunk(16)
+            assert chunk is not None
+            arena.unref(chunk)
+            assert not log.intact([(4096, 16)], since)  # one too many: the first was overwritten
+            assert log.intact([(4096, 16)], since + 1)
+        finally:
+            log.close()
+
+
+def test_a_reader_finds_no_log_in_a_file_without_one() -> None:
+    """An arena file of a unit before the free log (nothing after the arena), or another file:
+    the reader reads that unit with frames."""
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert FreeLog.open(cluster, 0, path, 1 << 20) is None  # too short
+        os.ftruncate(fd, FreeLog.offset(1 << 20) + FreeLog.nbytes())
+        assert FreeLog.open(cluster, 0, path, 1 << 20) is None  # long enough, no ring size
+        assert FreeLog.open(cluster, 0, path + "x", 1 << 20) is None  # not the unit's name
+    finally:
+        os.close(fd)
+        os.unlink(path)
