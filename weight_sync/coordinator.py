@@ -98,6 +98,8 @@ class Coordinator:
                 pending.reply(Ok())
                 self._wake()
             case Staged(rank=rank, version=version, complete=ok):
+                if self.joined.get(rank, pending.peer) != pending.peer:
+                    raise SchemaError(f"rank {rank} was replaced by a rank {rank} that joined later")
                 self.on_staged(rank, version, ok)
                 pending.reply(Ok())
             case Latest() | Confirm():
@@ -107,12 +109,13 @@ class Coordinator:
 
     def _check_join(self, info: RankInfo, peer: bytes) -> None:
         """Admit a rank only into its own place in this group: one that counts another group
-        size, or a place taken by a rank still connected, would leave subscribers a rank list
-        that does not add up (a launcher's misconfiguration, said to that rank at once).
+        size would leave subscribers a rank list that does not add up (a launcher's
+        misconfiguration, said to that rank at once). A rank that joins where one still
+        connected was takes its place (a restart while the old process hangs, its connection
+        open): said in the log, and the old one's `Staged` are refused from then on.
 
         Raises:
-            SchemaError: `info`'s world size differs, its rank is not in 1..world_size-1, or
-                another connection's rank holds its place.
+            SchemaError: `info`'s world size differs, or its rank is not in 1..world_size-1.
         """
         if info.world_size != self.world_size:
             raise SchemaError(
@@ -122,8 +125,12 @@ class Coordinator:
             raise SchemaError(f"rank {info.rank} has no place among ranks 1..{self.world_size - 1} of this channel")
         holder = self.joined.get(info.rank)
         if holder is not None and holder != peer:
-            raise SchemaError(
-                f"rank {info.rank} already joined from {self.ranks[info.rank].control}, which is still connected"
+            log.warning(
+                "rank %d joined again from %s; the rank %d at %s, still connected, is replaced",
+                info.rank,
+                info.control,
+                info.rank,
+                self.ranks[info.rank].control,
             )
 
     def left(self, peer: bytes) -> None:
@@ -144,7 +151,7 @@ class Coordinator:
         else:
             ranks = self.holders.setdefault(version, set())
             ranks.add(rank)
-            for old in [v for v in self.holders if v < version - RECENT]:
+            for old in sorted(self.holders)[:-RECENT]:
                 del self.holders[old]  # never complete (a rank died or failed it): forgotten
             if len(ranks) == self.world_size and version > self.complete:
                 self._complete(version)

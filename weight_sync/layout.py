@@ -110,8 +110,8 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
     for the TP shard of a fused tensor (dim 0 only). `flat_stop >= 0`: of that, the local
     tensor holds only the flat row-major range [flat_start, flat_stop) as a 1-D run (FSDP1's
     flat shards). `parts`: the dim-0 sizes of the tensors a fused tensor concatenates (q, k,
-    v), () for any other. `parts` and `more` come last, so that a layout without them is
-    encoded as before they existed (manifests travel between processes).
+    v), () for any other. `parts` and `more` come last, so that peers of a release before them
+    decode a layout without them (msgspec ignores trailing array items).
     """
 
     shape: tuple[int, ...]

@@ -168,8 +168,7 @@ class WeightPublisher:
             `host` is beyond loopback without credentials.
         ValueError: `rank` is not below `world_size`; `slots` < 1; `torch` under NCCL with host transports;
             `validate=True` with GPU-staging transports only.
-        SchemaError (rank > 0): rank 0 counts another `world_size`, or a rank of this number
-            still connected holds its place (nothing is left running).
+        SchemaError (rank > 0): rank 0 counts another `world_size` (nothing is left running).
     """
 
     def __init__(
@@ -387,9 +386,7 @@ class WeightPublisher:
         if self._closed:
             raise tq.ClosedError("this publisher was closed")
         if version <= self._last:
-            failed = (
-                " (its publish failed: the version before it is still served)" if self._failed == self._last else ""
-            )
+            failed = " (its publish failed: publish a newer version)" if self._failed == self._last else ""
             raise VersionError(f"version {version} is not above the last published version {self._last}{failed}")
         items = _items(tensors)
         manifest = self._manifest(items)

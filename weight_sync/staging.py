@@ -454,9 +454,10 @@ class SlotTable:
         self._reset(slot, -1)
 
     def newest(self) -> int:
-        """The newest version a slot is claimed for, complete or still being staged (-1: none)."""
+        """The newest version a slot is claimed for, complete or still being staged (-1: none;
+        a failed one is no longer claimed)."""
         with self.cond:
-            return max((s.version for s in self.slots), default=-1)
+            return max((s.version for s in self.slots if not s.failed), default=-1)
 
     def find(self, version: int) -> Slot | None:
         with self.cond:

@@ -276,7 +276,8 @@ class WeightSubscriber:
         endpoint = self._publisher
         if endpoint is None:
             assert self._client is not None  # __init__ requires an address or a publisher endpoint
-            raw = self._client.lookup(directory_key(self.name), timeout=timeout)
+            # in steps of at most `timeout` (the controller bounds a lookup's); `wait` asks again
+            raw = self._client.lookup(directory_key(self.name), timeout=min(timeout, self.timeout))
             if raw is None:
                 self._unreached = f"nothing announced channel {self.name!r} to the controller"
                 return False

@@ -245,28 +245,38 @@ def test_every_rank_is_leased_at_once_and_a_refusal_releases_the_others():
         p0.close()
 
 
-def test_a_rank_that_does_not_fit_the_group_is_refused_and_a_restarted_one_joins_again():
-    """Rank 0 refuses a rank that counts another group size or takes the place of a rank still
-    connected (before, it admitted both, and every subscriber then got `InternalError:
-    KeyError` or read the wrong rank), and the refused publisher leaves nothing running. A
-    rank whose process ended joins again in its place, and the channel goes on."""
+def test_a_rank_that_does_not_fit_the_group_is_refused_and_a_restarted_one_takes_its_place(caplog):
+    """Rank 0 refuses a rank that counts another group size (before, it admitted it, and every
+    subscriber then got `InternalError: KeyError`), and the refused publisher leaves nothing
+    running. A rank that joins where one still connected was (a restart while the old process
+    hangs) takes its place, said in the log: the old one's versions no longer count, and the
+    channel goes on with the new one. A rank whose connection closed joins again too."""
     threads = threading.active_count()
-    with WeightPublisher(None, "shm", world_size=2, timeout=10) as p0:
+    mine = {"w": torch.zeros(8)}
+    with (
+        WeightPublisher(None, "shm", world_size=2, timeout=10) as p0,
+        WeightSubscriber(None, mine, publisher=p0.endpoint) as sub,
+    ):
         with pytest.raises(tq.SchemaError, match="counts 3 publisher ranks; rank 0 counts 2"):
             WeightPublisher(None, "shm", rank=2, world_size=3, coordinator=p0.endpoint, timeout=10)
-        p1 = WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
-        with pytest.raises(tq.SchemaError, match="rank 1 already joined"):
-            WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
-        assert p0._coordinator.ranks[1] == p1.info
-        p1.close()
+        hung = WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
+        again = WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10)
+        assert p0._coordinator.ranks[1] == again.info and "is replaced" in caplog.text
+        p0.publish({"w": torch.full((8,), 1.0)}, version=1)
+        hung.publish({"w": torch.full((8,), 1.0)}, version=1)  # its Staged is refused: not complete
+        assert sub.poll() is None
+        again.publish({"w": torch.full((8,), 1.0)}, version=1)
+        assert sub.wait(1, timeout=30) == 1
+        hung.close()
+        again.close()
         eventually(lambda: 1 not in p0._coordinator.joined, 10, "rank 1's connection seen closed")
         with (
-            WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10) as again,
-            WeightSubscriber(None, mine := {"w": torch.zeros(8)}, publisher=p0.endpoint) as sub,
+            WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10) as third,
+            WeightSubscriber(None, mine, publisher=p0.endpoint) as later,  # `sub` knows the rank that left
         ):
-            for pub in (p0, again):
-                pub.publish({"w": torch.full((8,), 3.0)}, version=1)
-            assert sub.wait(1, timeout=30) == 1 and torch.equal(mine["w"], torch.full((8,), 3.0))
+            for pub in (p0, third):
+                pub.publish({"w": torch.full((8,), 3.0)}, version=2)
+            assert later.wait(2, timeout=30) == 2 and torch.equal(mine["w"], torch.full((8,), 3.0))
     eventually(lambda: threading.active_count() <= threads + 1, 10, "the publishers' threads gone")
 
 
@@ -391,3 +401,33 @@ def test_a_failed_publish_keeps_the_version_before_it_and_says_its_number_is_tak
             pub.publish({"w": torch.full((8,), 2.0), "b": torch.full((4,), 2.0)}, version=2)
         pub.publish({"w": torch.full((8,), 3.0), "b": torch.full((4,), 3.0)}, version=3)
         assert sub.wait(3, timeout=30) == 3 and torch.equal(mine["b"], torch.full((4,), 3.0))
+
+
+def test_a_one_slot_publisher_whose_publish_failed_says_so_to_a_late_subscriber():
+    """With one slot, a publish that fails while staging leaves nothing to serve. A subscriber
+    that comes then is told at once (`WeightSyncError`) instead of waiting for a version being
+    staged that the failed one is not (it waited out its timeout)."""
+    with WeightPublisher(None, "shm", slots=1) as pub:
+        pub.publish({"w": torch.ones(8), "b": torch.ones(4)}, version=1)
+        with pytest.raises(tq.SluiceError):
+            pub.publish({"w": torch.ones(8), "b": torch.empty(4, device="meta")}, version=2)
+        with WeightSubscriber(None, {"w": torch.zeros(8), "b": torch.zeros(4)}, publisher=pub.endpoint) as late:
+            started = time.monotonic()
+            with pytest.raises(tq.WeightSyncError):
+                late.wait(1, timeout=20)
+            assert time.monotonic() - started < 10
+
+
+def test_versions_far_apart_complete_when_the_other_ranks_stage_them_later():
+    """Version numbers need not be consecutive (training steps 100, 200): rank 0 stages both
+    before rank 1 stages either, and both still complete (a version was forgotten when the
+    next was more than RECENT numbers above it)."""
+    with (
+        WeightPublisher(None, "shm", world_size=2, timeout=10) as p0,
+        WeightPublisher(None, "shm", rank=1, world_size=2, coordinator=p0.endpoint, timeout=10) as p1,
+    ):
+        for pub in (p0, p1):
+            for version in (100, 200):
+                pub.publish({"w": torch.full((8,), float(version))}, version=version)
+        eventually(lambda: p0._coordinator.complete == 200, 10, "version 200 complete")
+        assert list(p0._coordinator.recent) == [100, 200]

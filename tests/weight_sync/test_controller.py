@@ -44,3 +44,26 @@ def test_versions_reach_the_controller_only_when_complete():
         finally:
             if proc.is_alive():
                 kill(proc)
+
+
+def test_a_subscriber_that_finds_the_channel_through_the_controller_may_wait_without_a_deadline():
+    """`wait(v, timeout=math.inf)` through the controller (`address=`): it waits for the channel
+    to be announced and the version to come (it raised SchemaError at once: the controller's
+    lookup refuses a timeout above 1e9 s)."""
+    import math
+    import threading
+
+    import torch
+
+    from weight_sync import WeightPublisher, WeightSubscriber
+
+    with tq.init(num_storage_units=1, storage_capacity="64MiB") as cluster:
+        mine = {"w": torch.zeros(8)}
+        got: list[int] = []
+        with WeightSubscriber(cluster.address, mine, timeout=2.0) as sub:
+            waiting = threading.Thread(target=lambda: got.append(sub.wait(1, timeout=math.inf)), daemon=True)
+            waiting.start()
+            with WeightPublisher(cluster.address, "shm") as pub:
+                pub.publish({"w": torch.ones(8)}, version=1)
+                waiting.join(60)
+            assert got == [1] and torch.equal(mine["w"], torch.ones(8))
