@@ -29,11 +29,12 @@ from transfer_queue.wire.messages import (
     SetVersion,
     UnitInfo,
 )
-from transfer_queue.wire.meta import FieldSpec
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 from .journaled import journaled_controller, state, stop
 
 SPECS = {"x": FieldSpec("int64", ())}
+RAGGED2 = {"a": FieldSpec("int64", (RAGGED,)), "b": FieldSpec("int64", (RAGGED,))}
 
 
 def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
@@ -52,6 +53,11 @@ async def _fill(ctl: Controller) -> list[int]:
         for _ in range(3):
             plan = _put(ctl, part, RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4))
     ctl.puts.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
+    # fields counted as their client gave them: the replay must not split the rows' bytes again
+    plan = ctl.puts.on_begin_put(BeginPut("r", RAGGED2, 2, 80, field_bytes={"a": 64, "b": 16}), [])
+    ctl.puts.landed(plan.indexes[0], 0)
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes, RAGGED2, RowInfo([0] * 2, [0] * 2, [0] * 2, [0] * 2)), [])
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes, {"b": RAGGED2["b"]}, None, 32, {"b": 32}), [])  # b again
     keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
     ctl.keys.on_tag(KvTag("k", ["p1"], [{"status": "finished", "n": 2}]), [])
     ctl.puts.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
