@@ -278,7 +278,37 @@ def _partition(rec: Table) -> Partition:
         part.ready[name][:n] = np.asarray(values, bool)
     for name, values in rec.field_bytes.items():
         part.field_bytes[name][:n] = values
+    if not rec.field_bytes:  # written before field bytes were
+        _split_row_bytes(part, n)
     for name, values in rec.consumed.items():
         task = part.task(name)
         part.consume(task, np.flatnonzero(np.asarray(values, bool)))
     return part
+
+
+def _split_row_bytes(part: Partition, n: int) -> None:
+    """Each row's bytes per field, for a snapshot written before they were journaled: its
+    `row_bytes` split over the fields it holds (`ready`) as `ledger.field_sizes` splits an older
+    client's put: each dense field its size, the ragged ones the rest, evenly, the rounding to
+    the first. (Left at 0, the first write of a column again after an upgrade would count its
+    bytes in full, as if the rows held none of them.) Rows are split by the fields they hold:
+    numpy's unique of the ready columns, once per restore."""
+    names = list(part.schema)
+    if not names or not n:
+        return
+    patterns, group = np.unique(np.stack([part.ready[name][:n] for name in names]), axis=1, return_inverse=True)
+    group = group.ravel()
+    for g, pattern in enumerate(patterns.T.tolist()):
+        rows = np.flatnonzero(group == g)
+        held = [name for name, ready in zip(names, pattern) if ready]
+        dense = [name for name in held if not part.schema[name].ragged]
+        rest = part.row_bytes[rows].copy()
+        for name in dense:
+            part.field_bytes[name][rows] = size = np.minimum(part.schema[name].row_bytes, rest)
+            rest -= size
+        takers = [name for name in held if part.schema[name].ragged] or dense[:1]
+        if takers:
+            share = rest // len(takers)
+            for name in takers:
+                part.field_bytes[name][rows] += share
+            part.field_bytes[takers[0]][rows] += rest - share * len(takers)

@@ -121,7 +121,7 @@ class KeyService:
             raise SchemaError("the cluster has no storage units registered yet")
         n = len(keys)
         units = place_rows(self.ledger.unit_bytes, n, 0)
-        first = self.ledger.new_rows(index.part, units, 0, {}, {}, committed=True)
+        first = self.ledger.new_rows(index.part, units, {}, {}, {}, committed=True)
         for key, gidx in zip(keys, range(first, first + n)):
             index.add(key, gidx)
         self._record(Keyed(index.part.name, keys, list(range(first, first + n))))

@@ -25,7 +25,7 @@ from transfer_queue.wire.sizes import arena_bytes
 from .records import Freed, Placed, Record
 from .table import Partition
 
-__all__ = ["Ledger", "OnFreed", "KEEP_FREED", "all_equal"]
+__all__ = ["Ledger", "OnFreed", "KEEP_FREED", "all_equal", "field_sizes"]
 
 KEEP_FREED = 8 << 20
 """Freed heap the controller keeps for its next allocations; beyond it, compaction returns it."""
@@ -39,10 +39,22 @@ def _nobody(partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
     """Nobody to tell of freed rows (no unit links yet)."""
 
 
-def field_sizes(fields: dict[str, FieldSpec], n: int, row_bytes: int) -> dict[str, int]:
-    """Bytes per row of each of a put's `fields`, which add up to its `row_bytes` (the client's
-    average over `n` rows): a dense field its arena share (`arena_bytes`), the ragged ones what
-    is left, shared evenly (the put says only their sum); the rounding goes to the first."""
+def field_sizes(fields: dict[str, FieldSpec], n: int, row_bytes: int, given: dict[str, int]) -> dict[str, int]:
+    """Bytes per row of each of a put's `fields`, which add up to its `row_bytes` (over `n`
+    rows): those its client counted (`given`, `BeginPut.field_bytes`), or for a client before
+    those, `row_bytes` split by the specs: a dense field its arena share (`arena_bytes`), the
+    ragged ones what is left, shared evenly; the rounding goes to the first.
+
+    Raises:
+        SchemaError: `given` does not name exactly `fields`, holds a size below 0, or does not
+            add up to `row_bytes`."""
+    if given:
+        if given.keys() != fields.keys() or min(given.values()) < 0 or sum(given.values()) != row_bytes:
+            raise SchemaError(
+                f"field_bytes {given} must give each of the fields {sorted(fields)} >= 0 bytes, "
+                f"{row_bytes} (row_bytes) in all"
+            )
+        return given
     sizes = {name: arena_bytes(spec.row_bytes * n) // n for name, spec in fields.items() if not spec.ragged}
     ragged = [name for name, spec in fields.items() if spec.ragged]
     rest = row_bytes - sum(sizes.values())
@@ -155,26 +167,27 @@ class Ledger:
         self,
         part: Partition,
         units: np.ndarray,
-        row_bytes: int,
+        sizes: dict[str, int],
         fields: dict,
         shares: dict[int, int],
         committed: bool = False,
     ) -> int:
-        """New rows on `units` (uncommitted: a put's, until its commit; committed: keys'), under
-        fresh global indexes, journaled; returns the first index."""
+        """New rows of `fields` on `units` (uncommitted: a put's, until its commit; committed:
+        keys'), `sizes` bytes of each field per row (`field_sizes`), under fresh global indexes,
+        journaled; returns the first index."""
         first = self.next_index
         self.next_index += len(units)
-        self._append(part, first, units, row_bytes, fields, shares, committed)
-        self._record(Placed(part.name, first, units.tolist(), row_bytes, fields, committed))
+        self._append(part, first, units, sizes, fields, shares, committed)
+        row_bytes = sum(sizes.values())
+        self._record(Placed(part.name, first, units.tolist(), row_bytes, fields, committed, sizes))
         return first
 
     def restore_rows(self, rec: Placed) -> None:
         """Redo recorded new rows (journal replay): the same indexes, counted, not journaled."""
         units = np.asarray(rec.units, np.int64)
         part = self.partition(rec.partition)
-        self._append(
-            part, rec.first, units, rec.row_bytes, rec.fields, self.shares(units, rec.row_bytes), rec.committed
-        )
+        sizes = field_sizes(rec.fields, len(units), rec.row_bytes, rec.field_bytes)
+        self._append(part, rec.first, units, sizes, rec.fields, self.shares(units, rec.row_bytes), rec.committed)
         self.advance(rec.first + len(units))
 
     def _append(
@@ -182,7 +195,7 @@ class Ledger:
         part: Partition,
         first: int,
         units: np.ndarray,
-        row_bytes: int,
+        sizes: dict[str, int],
         fields: dict,
         shares: dict[int, int],
         committed: bool,
@@ -190,18 +203,20 @@ class Ledger:
         """Register rows first.. on `units` (`shares`: their bytes per unit) and count their bytes."""
         part.add_fields(fields)
         rows = part.append(first, len(units), units, 0)
-        part.hold(rows, field_sizes(fields, len(units), row_bytes))
+        part.hold(rows, sizes)
         part.committed[rows] = committed
         for unit_id, nbytes in shares.items():
             self.unit_bytes[unit_id] += nbytes
 
-    def write_fields(self, part: Partition, rows: np.ndarray, fields: dict[str, FieldSpec], row_bytes: int) -> None:
-        """Existing `rows` were written `fields`, `row_bytes` each (a put with `meta=`): count on
-        the rows and units what they did not hold before. A field a row held already (a consumer
-        that wrote it again after its lease expired) was replaced on its unit: only the
-        difference in size counts."""
+    def write_fields(
+        self, part: Partition, rows: np.ndarray, fields: dict[str, FieldSpec], sizes: dict[str, int]
+    ) -> None:
+        """Existing `rows` were written `fields`, `sizes` bytes of each per row (a put with
+        `meta=`, `field_sizes`): count on the rows and units what they did not hold before. A
+        field a row held already (a consumer that wrote it again after its lease expired) was
+        replaced on its unit: only the difference in size counts."""
         part.add_fields(fields)
-        grown = part.hold(rows, field_sizes(fields, len(rows), row_bytes))
+        grown = part.hold(rows, sizes)
         units = part.unit[rows]
         for unit_id in np.unique(units).tolist():
             if unit_id in self.unit_bytes:  # not a retired unit

@@ -52,7 +52,7 @@ from transfer_queue.wire.rpc import MAX_BATCH, current_peer, error_from_code
 
 from .admission import Admission
 from .intake import WINDOW_SHARE, Intake
-from .ledger import Ledger, all_equal
+from .ledger import Ledger, all_equal, field_sizes
 from .placement import place_rows
 from .records import Committed, Record
 from .table import Partition
@@ -144,14 +144,16 @@ class Puts:
             raise SchemaError(f"bad put: row_bytes {msg.row_bytes} and timeout {msg.timeout} must be >= 0")
         if not msg.fields:
             raise SchemaError("a put needs at least one field")
+        sizes = field_sizes(msg.fields, msg.n, msg.row_bytes, msg.field_bytes)
         peer = current_peer.get()
         self.intake.check(msg.n, msg.row_bytes, self.storage_capacity, len(self.open), peer)
         if msg.now:  # its producer holds arena space reserved ahead: it must not wait holding it
-            return (None if len(self.intake) else self._place(msg, peer)) or PutPlan([], [])
-        return self.intake.admit(lambda: self._place(msg, peer), msg.timeout, lambda: self._full(msg))
+            return (None if len(self.intake) else self._place(msg, sizes, peer)) or PutPlan([], [])
+        return self.intake.admit(lambda: self._place(msg, sizes, peer), msg.timeout, lambda: self._full(msg))
 
-    def _place(self, msg: BeginPut, peer: bytes) -> PutPlan | None:
-        """Place the put's rows now, or None while one of its units has no room."""
+    def _place(self, msg: BeginPut, sizes: dict[str, int], peer: bytes) -> PutPlan | None:
+        """Place the put's rows now (`sizes`: each field's bytes per row), or None while one of
+        its units has no room."""
         ledger = self.ledger
         part = ledger.partition(msg.partition)
         part.check_schema(msg.fields)
@@ -168,7 +170,7 @@ class Puts:
                 break
         else:
             return None
-        first = ledger.new_rows(part, units, msg.row_bytes, msg.fields, shares)
+        first = ledger.new_rows(part, units, sizes, msg.fields, shares)
         self.intake.opened(framed, peer)
         lifetime = 2 * msg.timeout + _PUT_GRACE
         timer = asyncio.get_running_loop().call_later(lifetime, self._expire, first)
@@ -351,7 +353,8 @@ class Puts:
         part = self.ledger.existing(msg.partition)
         rows = part.rows_of(msg.indexes)
         part.check_schema(msg.fields)
-        self.ledger.write_fields(part, rows, msg.fields, msg.row_bytes)
+        sizes = field_sizes(msg.fields, len(rows), msg.row_bytes, msg.field_bytes)
+        self.ledger.write_fields(part, rows, msg.fields, sizes)
         return part, rows
 
     def _open_put(self, msg: CommitPut) -> _OpenPut:

@@ -55,6 +55,8 @@ class Placed(_Rec, tag="placed", frozen=True):
     row_bytes: int
     fields: dict[str, FieldSpec]
     committed: bool = False
+    field_bytes: dict[str, int] = {}
+    """Each field's bytes per row (`ledger.field_sizes`); {} in a journal written before them."""
 
 
 class Committed(_Rec, tag="committed", frozen=True):

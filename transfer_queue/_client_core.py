@@ -35,6 +35,7 @@ from .host import FreeLog, host_id, keep_freed_memory, map_file, open_arena, unm
 from .wire.errors import CapacityError, ProtocolError, SchemaError, ServiceError, SluiceError, TimeoutError
 from .wire.messages import (
     FEATURES,
+    FIELD_BYTES,
     AbortPut,
     Ack,
     Acquire,
@@ -240,9 +241,9 @@ class ClientCore(ControlCore):
             partition = meta.partition
             # new columns of rows already placed: written straight to their units, checked at commit
             yield from self._write(partition, cols, list(meta.indexes), meta.units, timeout)
-            yield from self.one(
-                CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
-            )
+            sizes = cols.field_bytes() if FIELD_BYTES in self.features else {}  # an older controller refuses them
+            commit = CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes(), sizes)
+            yield from self.one(CONTROLLER, commit, Ok)
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         grant = grant or next((g for g in self.grants if g.remaining > 0), None)
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
@@ -262,7 +263,10 @@ class ClientCore(ControlCore):
         if grant is not None:
             grant.remaining -= drawn  # so that another put in flight does not draw them too
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
-        begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
+        sizes = cols.field_bytes() if FIELD_BYTES in self.features else {}  # an older controller refuses them
+        begin = BeginPut(
+            partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay, field_bytes=sizes
+        )
         plan: PutPlan | None = None
         try:
             plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout

@@ -152,18 +152,24 @@ class Columns:
         self.specs: dict[str, FieldSpec] = {name: col.spec for name, col in self.columns.items()}
         """Each field's schema, in the batch's order (shared by the messages of one put)."""
 
-    def row_bytes(self) -> int:
-        """Average arena bytes per sample over all fields (ragged fields by their actual size),
-        each field's bytes rounded up as a unit's arena stores them (`arena_bytes`), so the
-        controller's account of a put (rows x row_bytes) covers what its unit really uses."""
-        total = 0
-        for col in self.columns.values():
+    def field_bytes(self) -> dict[str, int]:
+        """Each field's arena bytes per sample (ragged fields by their actual size): its bytes
+        over all samples rounded up as a unit's arena stores them (`arena_bytes`), then divided
+        by the samples, rounded up, so the controller's account of a put (rows x each field's
+        bytes) covers what its unit really uses, and writing a field again replaces its count."""
+        sizes = {}
+        for name, col in self.columns.items():
             if col.dense is not None:
-                total += arena_bytes(col.spec.row_bytes * self.n)
+                nbytes = col.spec.row_bytes * self.n
             else:
                 assert col.offsets is not None  # a column is dense or ragged
-                total += arena_bytes(int(col.offsets[-1]) * col.spec.row_bytes)
-        return -(-total // self.n)
+                nbytes = int(col.offsets[-1]) * col.spec.row_bytes
+            sizes[name] = -(-arena_bytes(nbytes) // self.n)
+        return sizes
+
+    def row_bytes(self) -> int:
+        """Arena bytes per sample over all fields (`field_bytes`)."""
+        return sum(self.field_bytes().values())
 
     def seqlens(self) -> list[int]:
         """Tokens per sample for seqlen balancing: the longest ragged field, else the sum of an

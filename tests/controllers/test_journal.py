@@ -4,10 +4,13 @@ torn last record gives back the same tables."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from controllers import journal as journal_mod
+from controllers.records import Record, Table
 from controllers.service import Controller
 from tests.helpers import eventually_async
 from transfer_queue.wire.errors import LeaseExpiredError, SchemaError
@@ -29,11 +32,12 @@ from transfer_queue.wire.messages import (
     SetVersion,
     UnitInfo,
 )
-from transfer_queue.wire.meta import FieldSpec
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 from .journaled import journaled_controller, state, stop
 
 SPECS = {"x": FieldSpec("int64", ())}
+RAGGED2 = {"a": FieldSpec("int64", (RAGGED,)), "b": FieldSpec("int64", (RAGGED,))}
 
 
 def _put(ctl: Controller, part: str, rows: RowInfo) -> PutPlan:
@@ -52,6 +56,11 @@ async def _fill(ctl: Controller) -> list[int]:
         for _ in range(3):
             plan = _put(ctl, part, RowInfo([1] * 4, [2] * 4, list(range(4)), [0] * 4))
     ctl.puts.on_commit_put(CommitPut("b", plan.indexes, {"y": FieldSpec("int64", ())}, None, 8), [])  # a new column
+    # fields counted as their client gave them: the replay must not split the rows' bytes again
+    plan = ctl.puts.on_begin_put(BeginPut("r", RAGGED2, 2, 80, field_bytes={"a": 64, "b": 16}), [])
+    ctl.puts.landed(plan.indexes[0], 0)
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes, RAGGED2, RowInfo([0] * 2, [0] * 2, [0] * 2, [0] * 2)), [])
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes, {"b": RAGGED2["b"]}, None, 32, {"b": 32}), [])  # b again
     keyed = ctl.keys.on_resolve(KvResolve("k", ["p0", "p1"], create=True), []).meta  # rows of keys (TransferQueue face)
     ctl.keys.on_tag(KvTag("k", ["p1"], [{"status": "finished", "n": 2}]), [])
     ctl.puts.on_commit_put(CommitPut("k", keyed.indexes, SPECS, None, 8), [])  # their first column
@@ -129,6 +138,44 @@ async def test_a_late_ack_journals_only_the_samples_it_took(tmp_path) -> None:
     again = journaled_controller(path, "journaltest")
     assert state(again) == before
     stop(again)
+
+
+async def test_a_snapshot_from_before_field_bytes(tmp_path) -> None:
+    """A snapshot written before field bytes were journaled holds none: each row's bytes are
+    split over the fields it holds as an older client's put is, so writing a column again after
+    the upgrade counts only the difference (left at 0, `a` again would count 2 x 24 bytes more)."""
+    path = tmp_path / "j"
+    ctl = journaled_controller(path, "journaltest")
+    ctl.links.on_register_unit(RegisterUnit(UnitInfo(0, "tcp://127.0.0.1:9", 1 << 30), "s"), [])
+    specs = {**SPECS, **RAGGED2}
+    plan = ctl.puts.on_begin_put(BeginPut("r", specs, 2, 56), [])  # an older client's: x 8, a and b 24 each
+    ctl.puts.landed(plan.indexes[0], 0)
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes, specs, RowInfo([0] * 2, [0] * 2, [0] * 2, [0] * 2)), [])
+    ctl.puts.on_commit_put(CommitPut("r", plan.indexes[:1], {"y": SPECS["x"]}, None, 8), [])  # rows of other fields
+    before = state(ctl)
+    stop(ctl)
+    stop(journaled_controller(path, "journaltest"))  # opening it leaves a snapshot
+    _without_field_bytes(path)
+    again = journaled_controller(path, "journaltest")
+    assert state(again) == before
+    again.puts.on_commit_put(CommitPut("r", plan.indexes, {"a": RAGGED2["a"]}, None, 24), [])
+    assert again.ledger.unit_bytes == before["bytes"] == {0: 120}
+    stop(again)
+
+
+def _without_field_bytes(path: Path) -> None:
+    """Rewrite the journal at `path` as a release before field bytes wrote it: tables without."""
+    decoder = msgspec.msgpack.Decoder(Record)
+    data, pos, out = path.read_bytes(), 0, bytearray()
+    while pos < len(data):
+        (size,) = journal_mod._LEN.unpack_from(data, pos)
+        rec = decoder.decode(data[pos + journal_mod._LEN.size : pos + journal_mod._LEN.size + size])
+        pos += journal_mod._LEN.size + size
+        if isinstance(rec, Table):
+            rec = msgspec.structs.replace(rec, field_bytes={})
+        body = msgspec.msgpack.encode(rec)
+        out += journal_mod._LEN.pack(len(body)) + body
+    path.write_bytes(bytes(out))
 
 
 def test_a_corrupt_journal_is_refused(tmp_path) -> None:

@@ -30,14 +30,14 @@ def test_rows_are_counted_on_their_units_and_freed_once():
     ledger, records, freed = _ledger()
     part = ledger.partition("p")
     units = np.array([0, 0, 1], np.int64)
-    first = ledger.new_rows(part, units, 10, X, ledger.shares(units, 10))
+    first = ledger.new_rows(part, units, {"x": 10}, X, ledger.shares(units, 10))
     assert (first, ledger.next_index) == (0, 3)
     assert ledger.unit_bytes == {0: 20, 1: 10} and ledger.room() == {0: 980, 1: 990}
-    assert records == [Placed("p", 0, [0, 0, 1], 10, X, False)]
+    assert records == [Placed("p", 0, [0, 0, 1], 10, X, False, {"x": 10})]
     y = {"y": FieldSpec("int8", (5,))}
-    ledger.write_fields(part, part.rows_of([0, 2]), y, 5)  # a new column of two rows
+    ledger.write_fields(part, part.rows_of([0, 2]), y, {"y": 5})  # a new column of two rows
     assert ledger.unit_bytes == {0: 25, 1: 15}
-    ledger.write_fields(part, part.rows_of([0, 2]), y, 5)  # written again: replaced, not added
+    ledger.write_fields(part, part.rows_of([0, 2]), y, {"y": 5})  # written again: replaced, not added
     assert ledger.unit_bytes == {0: 25, 1: 15}
     rows = part.rows_of([1, 2])
     ledger.free_rows(part, rows)
@@ -45,14 +45,14 @@ def test_rows_are_counted_on_their_units_and_freed_once():
     assert ledger.unit_bytes == {0: 15, 1: 0}
     assert records[1:] == [Freed("p", [1, 2])]
     assert freed == [("p", {0: [1], 1: [2]})]
-    assert ledger.new_rows(part, np.array([1], np.int64), 0, X, {}) == 3, "indexes are never reused"
+    assert ledger.new_rows(part, np.array([1], np.int64), {"x": 0}, X, {}) == 3, "indexes are never reused"
 
 
 def test_a_dropped_partition_and_a_retired_unit_leave_no_bytes_behind():
     ledger, _, freed = _ledger()
     part = ledger.partition("p")
     units = np.array([0, 1], np.int64)
-    ledger.new_rows(part, units, 10, X, ledger.shares(units, 10))
+    ledger.new_rows(part, units, {"x": 10}, X, ledger.shares(units, 10))
     assert ledger.retire_unit(1).unit_id == 1 and ledger.unit_bytes == {0: 10}
     assert ledger.shares(units, 10) == {0: 10}, "a retired unit takes no share"
     ledger.drop_partition("p")

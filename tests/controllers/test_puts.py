@@ -4,6 +4,7 @@ consumer sees rows whose bytes are not all in place; a unit that fails the write
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ import transfer_queue as tq
 from tests.faults import eventually, unit_status
 from tests.peers import ask, peer
 from transfer_queue.wire.messages import (
+    FIELD_BYTES,
     AbortPut,
     BeginPut,
     CommitPut,
@@ -26,7 +28,7 @@ from transfer_queue.wire.messages import (
     WriteLanded,
     WriteReply,
 )
-from transfer_queue.wire.meta import FieldSpec
+from transfer_queue.wire.meta import RAGGED, FieldSpec
 
 SPEC = {"x": FieldSpec("float32", (4,))}
 
@@ -34,20 +36,21 @@ SPEC = {"x": FieldSpec("float32", (4,))}
 def _rounds(client: tq.Client, td: TensorDict) -> list[list[str]]:
     """Run one put, recording the requests of each round trip by message type (a notice, sent
     without awaiting an answer, marked `!`)."""
-    rounds: list[list[str]] = []
+    rounds: list[list] = []
+    client._run(_watched(client._core.put(td), rounds))
+    return [[type(c.msg).__name__ + ("!" if c.notice else "") for c in calls] for calls in rounds]
 
-    def watched(flow):
-        replies = None
-        while True:
-            try:
-                calls = next(flow) if replies is None else flow.send(replies)
-            except StopIteration as stop:
-                return stop.value
-            rounds.append([type(c.msg).__name__ + ("!" if c.notice else "") for c in calls])
-            replies = yield calls
 
-    client._run(watched(client._core.put(td)))
-    return rounds
+def _watched(flow, rounds: list[list]):
+    """`flow`, recording the calls of each of its round trips in `rounds`."""
+    replies = None
+    while True:
+        try:
+            calls = next(flow) if replies is None else flow.send(replies)
+        except StopIteration as stop:
+            return stop.value
+        rounds.append(list(calls))
+        replies = yield calls
 
 
 def _begin_and_commit(controller) -> tuple[PutPlan, int]:
@@ -387,6 +390,12 @@ def test_space_reserved_ahead_takes_only_the_plans_rows(make_cluster):
         controller.close()
 
 
+def _tokens(*lengths: int) -> torch.Tensor:
+    """A ragged field of 16 rows, of `lengths` tokens in turn."""
+    rows = [torch.zeros(lengths[i % len(lengths)], dtype=torch.int64) for i in range(16)]
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
 def test_a_column_written_again_replaces_its_bytes(make_cluster):
     """A consumer whose lease expired and the one that got its samples next both write their
     column: the unit replaces the rows, and the controller counts the difference in size only
@@ -395,12 +404,57 @@ def test_a_column_written_again_replaces_its_bytes(make_cluster):
     with tq.connect(cluster.address) as client:
         meta = client.put(TensorDict({"x": torch.zeros(16, 4)}, batch_size=[16]))
         address = client.units[0].address
-
-        def tokens(length: int) -> torch.Tensor:
-            return torch.nested.nested_tensor([torch.zeros(length, dtype=torch.int64)] * 16, layout=torch.jagged)
-
         for length in (4, 8, 2, 2, 2):  # 5 x 4 MiB of `y`: more than the unit holds, counted again
-            column = TensorDict({"y": torch.zeros(16, 64 * 1024), "tokens": tokens(length)}, batch_size=[16])
+            column = TensorDict({"y": torch.zeros(16, 64 * 1024), "tokens": _tokens(length)}, batch_size=[16])
             client.put(column, meta=meta)
             assert client.status()["bytes"] == unit_status(address)["used"]
         client.put(TensorDict({"x": torch.zeros(16, 4)}, batch_size=[16]), timeout=1)
+
+
+def test_each_field_written_again_replaces_its_own_bytes(make_cluster):
+    """Rows of two ragged fields of very different sizes and a dense one, then each field written
+    again on its own (and two at once), with other sizes: the controller counts each field's
+    bytes as the client gave them (`BeginPut.field_bytes`, `CommitPut.field_bytes`), so its count
+    is the unit's throughout. Before, it knew only a row's total and shared the ragged part of it
+    evenly: writing the short `b` again took off half the long `a` (65,728 counted of 131,200)."""
+    cluster = make_cluster(storage_capacity="16MiB")
+    with tq.connect(cluster.address) as client:
+        data = {"a": _tokens(1024), "b": _tokens(1), "x": torch.zeros(16, 3)}
+        meta = client.put(TensorDict(data, batch_size=[16]))
+        address = client.units[0].address
+        assert client.status()["bytes"] == unit_status(address)["used"] == 131_392
+        for column in (
+            {"b": _tokens(1)},
+            {"a": _tokens(1024)},
+            {"b": _tokens(3, 700, 0)},
+            {"x": torch.ones(16, 3)},
+            {"a": _tokens(5), "x": torch.ones(16, 3)},
+            {"b": _tokens(1)},
+        ):
+            client.put(TensorDict(column, batch_size=[16]), meta=meta)
+            assert client.status()["bytes"] == unit_status(address)["used"], list(column)
+
+
+def test_field_bytes_between_releases(make_cluster):
+    """Every peer refuses a field it does not know, so a client sends `field_bytes` only to a
+    controller that granted `FIELD_BYTES`: to an older one (here: one that did not grant it) its
+    `BeginPut` and `CommitPut` carry none, and encode as before. From an older client (none
+    given), the controller splits a put's `row_bytes` by the specs as before. Sizes that do not
+    add up to `row_bytes` are refused."""
+    cluster = make_cluster()
+    with tq.connect(cluster.address) as client:
+        assert FIELD_BYTES in client._core.features
+        client._core.features -= {FIELD_BYTES}
+        rounds: list[list] = []
+        meta = client._run(_watched(client._core.put(TensorDict({"a": _tokens(3)}, batch_size=[16])), rounds))
+        client._run(_watched(client._core.put(TensorDict({"b": _tokens(2)}, batch_size=[16]), meta=meta), rounds))
+        puts = [c.msg for calls in rounds for c in calls if isinstance(c.msg, (BeginPut, CommitPut))]
+        assert len(puts) == 3 and not any(
+            "field_bytes" in msgspec.msgpack.decode(msgspec.msgpack.encode(m)) for m in puts
+        )
+        assert client.status()["bytes"] == unit_status(client.units[0].address)["used"] == 16 * (24 + 16)
+        controller = peer(cluster.address)
+        ragged = {"a": FieldSpec("int64", (RAGGED,)), "b": FieldSpec("int64", (RAGGED,))}
+        wrong = ask(controller, BeginPut("train", ragged, 2, 80, field_bytes={"a": 64, "b": 8}))
+        assert isinstance(wrong, ErrorReply) and wrong.code == "schema" and "row_bytes" in wrong.message, wrong
+        controller.close()

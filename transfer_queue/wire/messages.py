@@ -21,6 +21,7 @@ from .staleness import Checked, StalenessConfig
 __all__ = [
     "LANE",
     "LEASE",
+    "FIELD_BYTES",
     "FEATURES",
     "ClusterConfig",
     "UnitInfo",
@@ -155,7 +156,10 @@ LANE = "lane"
 """Feature: the controller names its host and local lane (`HelloReply.host_id`, `.local`)."""
 LEASE = "lease"
 """Feature: the controller reads the lease an `Ack` or `Nack` ends (`lease_id`)."""
-FEATURES = frozenset({LANE, LEASE})
+FIELD_BYTES = "field_bytes"
+"""Feature: the controller accounts a put by each field's bytes (`BeginPut.field_bytes`,
+`CommitPut.field_bytes`)."""
+FEATURES = frozenset({LANE, LEASE, FIELD_BYTES})
 """The features of this release: what a client asks for in `Hello` and the controller grants
 (`HelloReply.features`). A feature gates what a peer of the release before could not decode: a
 new field of a request goes only to a controller that granted its feature (the client core's
@@ -199,6 +203,11 @@ class BeginPut(_Msg, tag="begin_put", frozen=True):
     """Place the put now or not at all (an empty `PutPlan`) instead of waiting for room: its
     producer holds arena space reserved ahead of the plan (`Write.ahead`), which it must not
     hold while the put waits for room the controller does not know it holds."""
+    field_bytes: dict[str, int] = {}
+    """Each field's arena bytes per row (its bytes over the put's rows / `n`, rounded up), which
+    add up to `row_bytes`: the controller counts each field's, so that writing a field again
+    replaces its bytes. Sent only to a controller that granted `FIELD_BYTES`; {}: an older
+    client, whose `row_bytes` the controller splits by the fields' specs (`ledger.field_sizes`)."""
 
 
 class CommitPut(_Msg, tag="commit_put", frozen=True):
@@ -212,6 +221,8 @@ class CommitPut(_Msg, tag="commit_put", frozen=True):
     fields: dict[str, FieldSpec]
     rows: RowInfo | None = None
     row_bytes: int = 0
+    field_bytes: dict[str, int] = {}
+    """New columns: each one's bytes per row, as `BeginPut.field_bytes` (and gated the same way)."""
 
 
 class WriteLanded(_Msg, tag="write_landed", frozen=True):
