@@ -76,7 +76,7 @@ def test_small_puts_cost_their_bytes_and_the_controller_accounts_them(make_clust
             client.put(batch)
         ctl, used = _accounts(client)
         assert used <= 1.1 * raw, (used, raw)  # per field at most 15 bytes of alignment
-        assert 0 <= ctl - used <= 4 * 201, (ctl, used)  # a put's row_bytes rounds up by < 1 per row
+        assert 0 <= ctl - used <= 4 * 201, (ctl, used)  # each field's bytes per row round up by < 1
         client.clear_partition()
         client.clear_partition("one")
         assert _accounts(client) == (0, 0)
