@@ -279,7 +279,8 @@ class AsyncClient(AsyncDriver):
         may be short; the stream still ends only once the sealed partition is drained for `task`.
 
         Raises:
-            TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
+            TimeoutError: no batch within `timeout` seconds (None: wait indefinitely); with
+                `allow_partial=True`, no sample (the message names fields no put has brought).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
             LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
                 of its samples went to another consumer of the task (raised a batch later).

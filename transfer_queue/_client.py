@@ -228,11 +228,12 @@ class Client(ControlClient):
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
         yourself first if you finished it) and gives back the one prefetched. `timeout=None`
         waits indefinitely. Batches come on `device` (see `get_data`). With `allow_partial=True`
-        a batch may be short (what was ready within `timeout`); where nothing was, the stream
-        waits again: it ends only once the sealed partition is drained for `task`.
+        a batch may be short (what was ready within `timeout`); the stream still ends only once
+        the sealed partition is drained for `task`.
 
         Raises:
-            TimeoutError: (from the iterator) no batch within `timeout` seconds.
+            TimeoutError: (from the iterator) no batch within `timeout` seconds; with
+                `allow_partial=True`, no sample (the message names fields no put has brought).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
             LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
                 of its samples went to another consumer of the task (raised a batch later).

@@ -577,21 +577,21 @@ class ClientCore(ControlCore):
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
         `meta` once the sealed partition is drained for `task`. A failed read gives the lease back.
 
-        With `allow_partial`, the controller answers an empty batch when nothing was ready within
-        `timeout`, sealed or not; only a request for a whole batch is answered empty at once just
-        when the partition is sealed and drained for the task (else it times out). So an empty
-        partial batch is followed by such a request (`timeout=0`, the rows it may lease are a
-        batch like any other), and the wait begins again while the partition is not drained."""
-        while True:
-            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
-            if len(meta) or not options.get("allow_partial"):
-                break
-            try:
-                whole = {**options, "allow_partial": False}
-                meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **whole)
-                break
-            except TimeoutError:  # not drained: more samples may come
-                continue
+        A whole batch is asked for first, waiting up to `timeout`: the controller answers it
+        empty only when the sealed partition is drained for the task (short when what is left
+        is), where an empty partial batch may also mean that nothing was ready. With
+        `allow_partial`, a request that timed out is followed by one for what is ready now
+        (`timeout=0`), and when that is nothing too, the first one's `TimeoutError` is raised
+        (its message names fields no put has brought)."""
+        whole = {**options, "allow_partial": False}
+        try:
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **whole)
+        except TimeoutError:
+            if not options.get("allow_partial"):
+                raise
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **options)
+            if not len(meta):
+                raise
         if not len(meta):
             return None, meta
         try:
