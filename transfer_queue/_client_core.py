@@ -92,6 +92,7 @@ class Grant:
     version: int
     remaining: int
     _client: Any = field(repr=False, default=None)
+    _puts: int = field(repr=False, default=0)  # puts in flight holding some of its slots
 
     def __enter__(self) -> Grant:
         return self
@@ -261,6 +262,7 @@ class ClientCore(ControlCore):
         drawn = 0 if grant is None else min(cols.n, grant.remaining)
         if grant is not None:
             grant.remaining -= drawn  # so that another put in flight does not draw them too
+            grant._puts += 1  # nor does one that ends first drop the grant while these may come back
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
         plan: PutPlan | None = None
@@ -271,6 +273,7 @@ class ClientCore(ControlCore):
         except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
             if grant is not None:
                 grant.remaining += drawn
+                grant._puts -= 1
             # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
             if plan is None or isinstance(exc, GeneratorExit):
                 raise
@@ -281,8 +284,10 @@ class ClientCore(ControlCore):
             if not (retry and isinstance(exc, ServiceError) and (yield from self._restarted(plan.units, known))):
                 raise
             return (yield from self._put_rows(partition, cols, rows, grant, timeout, retry=False))
-        if grant is not None and grant.remaining == 0 and grant in self.grants:
-            self.grants.remove(grant)
+        if grant is not None:
+            grant._puts -= 1
+            if grant.remaining == 0 and grant._puts == 0 and grant in self.grants:
+                self.grants.remove(grant)  # spent: no put in flight may give slots back
         self._stay = plan.units[-1]
         if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]

@@ -3,6 +3,9 @@ failed put leaves them to the grant (for a retry, or `release`), and a restore d
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -40,6 +43,27 @@ def test_a_put_retried_after_a_failure_carries_the_grants_version(make_cluster: 
         meta = client.put(_batch(8), timeout=5)  # the retry draws on the same open grant
         assert meta.policy_versions == [grant.version] * 8
         assert grant.remaining == 0 and client.status()["admission"]["running"] == 0
+
+
+async def test_a_grant_outlives_its_last_slots_while_a_put_holding_some_is_in_flight(make_cluster: MakeCluster):
+    """Two puts share a grant of 8: B commits its 4 while A still holds the other 4, waiting for
+    room it never gets. The grant stays open for A's slots, which come back when A fails: the
+    retry without `grant=` draws on them (versioned), and no slot stays running."""
+    cluster = make_cluster(storage_capacity="16MiB", max_staleness=1, consumer_batch_size=8)
+    client = await tq.connect_async(cluster.address)
+    await client.set_version(5)
+    await client.put(_batch(1, 2 << 20), partition="fill")  # 8 MiB of 16, under no grant
+    grant = await client.acquire(8, timeout=5)
+    a = asyncio.ensure_future(client.put(_batch(4, 1 << 20), partition="big", timeout=3))  # 16 MiB: no room
+    b = await client.put(_batch(4), partition="small", timeout=5)
+    assert b.policy_versions == [5] * 4 and not a.done()
+    with pytest.raises(tq.CapacityError):
+        await a
+    assert grant.remaining == 4
+    retry = await client.put(_batch(4), partition="small", timeout=5)
+    assert retry.policy_versions == [5] * 4
+    assert grant.remaining == 0 and (await client.status())["admission"]["running"] == 0
+    await client.close()
 
 
 def test_a_restore_draws_on_no_open_grant(make_cluster: MakeCluster, tmp_path):
