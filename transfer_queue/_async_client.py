@@ -77,11 +77,14 @@ class AsyncClient(AsyncDriver):
         the grant's version; with neither, the samples carry no version, e.g. prompts: they
         read as version 0 and are never too stale). `groups` are GRPO group ids (default: one
         group per sample). `source` is the prompt batch the samples came from (needed by the
-        `requeue` stale policy). On any error nothing of the batch becomes visible.
+        `requeue` stale policy). `grant` defaults to the oldest of this client's open grants
+        with slots left for the whole batch (see `Grant`). On any error nothing of the batch
+        becomes visible.
 
         Raises:
             CapacityError: storage stayed full for `timeout` seconds.
-            SchemaError: the data contradicts the partition's fields, or an argument is invalid.
+            SchemaError: the data contradicts the partition's fields, an argument is invalid, or
+                without `grant=` no open grant of this client has slots left for the batch.
             SealedError: the partition was sealed.
         """
         return await self._run(

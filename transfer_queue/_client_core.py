@@ -82,9 +82,11 @@ _CHECKPOINT_ROWS = 1024
 class Grant:
     """Generation slots granted by `acquire`: `n` samples under policy `version`.
 
-    Puts by the same client draw on its open grants (oldest first) unless given `grant=`; a put
-    spends the slots once it is committed, so a failed one leaves them here (for a retry, or
-    `release`). As a context manager it returns the slots it did not use when the block ends.
+    A put by the same client without `grant=` draws on the oldest of its open grants with slots
+    left for the whole batch (none fits: `SchemaError`; it holds none: the put is under no
+    grant); a put spends the slots once it is committed, so a failed one leaves them here (for a
+    retry, or `release`). As a context manager it returns the slots it did not use when the
+    block ends.
     """
 
     grant_id: int
@@ -245,7 +247,7 @@ class ClientCore(ControlCore):
                 CONTROLLER, CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes()), Ok
             )
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
-        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
+        grant = grant or self._draw(cols.n)
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         return (yield from self._put_rows(partition, cols, rows, grant, timeout))
 
@@ -273,7 +275,7 @@ class ClientCore(ControlCore):
         except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
             if grant is not None:
                 grant.remaining += drawn
-                grant._puts -= 1
+                self._put_ended(grant)
             # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
             if plan is None or isinstance(exc, GeneratorExit):
                 raise
@@ -285,9 +287,7 @@ class ClientCore(ControlCore):
                 raise
             return (yield from self._put_rows(partition, cols, rows, grant, timeout, retry=False))
         if grant is not None:
-            grant._puts -= 1
-            if grant.remaining == 0 and grant._puts == 0 and grant in self.grants:
-                self.grants.remove(grant)  # spent: no put in flight may give slots back
+            self._put_ended(grant)
         self._stay = plan.units[-1]
         if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]
@@ -300,6 +300,32 @@ class ClientCore(ControlCore):
             units=plan.units,
             fields=dict(cols.specs),
         )
+
+    def _draw(self, n: int) -> Grant | None:
+        """The grant a put of `n` samples without `grant=` draws on: the oldest of this client's
+        open grants with `n` slots left (slots held by its puts in flight are not left); None
+        where it holds none (the samples then carry no version unless given one).
+
+        Raises:
+            SchemaError: it holds open grants, none with `n` slots left (a put under no grant
+                would store unversioned samples, never too stale, past admission)."""
+        if not self.grants:
+            return None
+        fits = next((g for g in self.grants if g.remaining >= n), None)
+        if fits is None:
+            left = ", ".join(f"grant {g.grant_id}: {g.remaining}" for g in self.grants)
+            raise SchemaError(
+                f"a put of {n} samples without grant=, and no open grant of this client has {n} slots left "
+                f"({left}): pass grant=, put smaller batches, or acquire more"
+            )
+        return fits
+
+    def _put_ended(self, grant: Grant) -> None:
+        """A put under `grant` ended, its slots spent or given back: with no slot left and no
+        put in flight that may give some back, the grant is spent (no longer drawn on)."""
+        grant._puts -= 1
+        if grant.remaining == 0 and grant._puts == 0 and grant in self.grants:
+            self.grants.remove(grant)
 
     def _begin(self, begin: BeginPut, cols: Columns, timeout: float) -> Flow:
         """`begin`'s plan, and (unit, its reply) where the put holds arena space reserved along

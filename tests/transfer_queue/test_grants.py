@@ -66,6 +66,21 @@ async def test_a_grant_outlives_its_last_slots_while_a_put_holding_some_is_in_fl
     await client.close()
 
 
+def test_a_put_without_grant_draws_on_the_oldest_grant_it_fits(make_cluster: MakeCluster):
+    """g1 has 2 slots left, g2 8: a put of 4 draws on g2; one of 8 fits neither and is refused
+    before anything is sent (under no grant its samples would carry no version)."""
+    cluster = make_cluster(max_staleness=4, consumer_batch_size=100)
+    with cluster.connect() as client:
+        g1 = client.acquire(4, timeout=5)
+        client.put(_batch(2))
+        g2 = client.acquire(8, timeout=5)
+        meta = client.put(_batch(4))
+        assert (g1.remaining, g2.remaining) == (2, 4) and meta.policy_versions == [g2.version] * 4
+        with pytest.raises(tq.SchemaError, match="no open grant of this client has 8 slots left"):
+            client.put(_batch(8))
+        assert client.status()["partitions"]["train"]["samples"] == 6
+
+
 def test_a_restore_draws_on_no_open_grant(make_cluster: MakeCluster, tmp_path):
     with make_cluster().connect() as client:
         client.put(_batch(8), partition="prompts")  # unversioned: never too stale
