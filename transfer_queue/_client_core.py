@@ -85,8 +85,9 @@ class Grant:
     A put by the same client without `grant=` draws on the oldest of its open grants with slots
     left for the whole batch (none fits: `SchemaError`; it holds none: the put is under no
     grant); a put spends the slots once it is committed, so a failed one leaves them here (for a
-    retry, or `release`). As a context manager it returns the slots it did not use when the
-    block ends.
+    retry, or `release`), except one that failed after its commit was sent and before the answer
+    came (cancelled, timed out): it may have been committed, so only `release` offers its slots
+    back. As a context manager it returns the slots it did not use when the block ends.
     """
 
     grant_id: int
@@ -95,6 +96,7 @@ class Grant:
     remaining: int
     _client: Any = field(repr=False, default=None)
     _puts: int = field(repr=False, default=0)  # puts in flight holding some of its slots
+    _unsure: int = field(repr=False, default=0)  # slots of failed puts that may have been committed (`_put_rows`)
 
     def __enter__(self) -> Grant:
         return self
@@ -111,6 +113,22 @@ class Grant:
     def release(self):
         """Give the unused slots back (returns an awaitable on an `AsyncClient`)."""
         return self._client.release(self)
+
+
+@dataclass
+class _Commit:
+    """An open put's `CommitPut` call, sent by `_write` along with the put's writes. `unsure`
+    while it is out and unanswered: a put that fails then (cancelled, a driver timeout, the
+    controller gone) cannot tell whether the controller applied it (`AbortPut` leaves committed
+    rows alone, and its answer does not say)."""
+
+    call: Call
+    unsure: bool = False
+
+    def sent(self) -> Call:
+        """The call, about to be sent: unsure until its answer comes."""
+        self.unsure = True
+        return self.call
 
 
 class ClientCore(ControlCore):
@@ -257,7 +275,8 @@ class ClientCore(ControlCore):
         """Put `cols` as new rows described by `rows`, under `grant` (or none). The put holds the
         grant's slots while it runs and spends them once it is committed: a failed put leaves
         them to the grant, for a retry or `release` (the controller counts slots only for puts it
-        applied). With `retry`, a put that failed because a unit of its plan restarted (a write
+        applied), unless its commit was sent and never answered (cancelled, timed out: it may
+        have been applied), which leaves them to `release` alone. With `retry`, a put that failed because a unit of its plan restarted (a write
         to its old address: nothing of the put was committed, and it was aborted) is put once
         more, to the units as they are now (`_restarted`)."""
         known = self.units  # `hello` replaces it
@@ -268,13 +287,19 @@ class ClientCore(ControlCore):
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         begin = BeginPut(partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay)
         plan: PutPlan | None = None
+        commit: _Commit | None = None
         try:
             plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
-            commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+            commit = _Commit(
+                Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+            )
             yield from self._write(partition, cols, plan.indexes, plan.units, timeout, commit, plan.tickets, ahead)
         except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
             if grant is not None:
-                grant.remaining += drawn
+                if commit is not None and commit.unsure:  # maybe spent: never drawn on again (see `release`)
+                    grant._unsure += drawn
+                else:
+                    grant.remaining += drawn
                 self._put_ended(grant)
             # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
             if plan is None or isinstance(exc, GeneratorExit):
@@ -367,7 +392,7 @@ class ClientCore(ControlCore):
         indexes: list[int],
         units: list[int],
         timeout: float,
-        commit: Call | None = None,
+        commit: _Commit | None = None,
         tickets: dict[int, bytes] | None = None,
         ahead: tuple[int, WriteReply] | None = None,
     ):
@@ -401,10 +426,12 @@ class ClientCore(ControlCore):
             data = _host_frames(buffers, cols.device) if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers, None, rows, ticket))
-        if commit is not None and all(job[1] == "frames" for job in jobs):
-            calls.append(commit)  # every write carries its bytes: commit along with them
-            commit = None
+        framed = commit is not None and all(job[1] == "frames" for job in jobs)
+        if commit is not None and framed:
+            calls.append(commit.sent())  # every write carries its bytes: commit along with them
         answered = [reply for reply, _ in (yield calls)] if calls else []
+        if commit is not None:
+            commit.unsure = False  # answered, if it was sent
         errors = [exc for reply in answered if (exc := _failure(reply)) is not None]
         replies = iter(answered)  # one per job that sent a write, in order
         commits = []
@@ -423,10 +450,12 @@ class ClientCore(ControlCore):
                         else CommitWrite(reply.token, abort=bool(errors))
                     )
                     commits.append(Call(unit_id, done, notice=put >= 0))
-        if commit is not None and not errors:
-            commits.append(commit)
+        if commit is not None and not framed and not errors:
+            commits.append(commit.sent())
         if commits:
             replies = yield commits
+            if commit is not None:
+                commit.unsure = False
             errors += [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
         if errors:
             raise errors[0]
@@ -459,12 +488,16 @@ class ClientCore(ControlCore):
         return grant
 
     def release(self, grant: Grant) -> Flow:
-        """Return a grant's unused slots."""
+        """Return a grant's unused slots. While no put under it is in flight, those of failed puts
+        that may have been committed are offered too: the controller returns at most the slots
+        it still holds for the grant, so none a put spent comes back."""
         if grant in self.grants:
             self.grants.remove(grant)
-        if grant.remaining > 0:
-            yield from self.one(CONTROLLER, Release(grant.grant_id, grant.remaining), Ok)
+        unsure = grant._unsure if grant._puts == 0 else 0
+        if grant.remaining + unsure > 0:
+            yield from self.one(CONTROLLER, Release(grant.grant_id, grant.remaining + unsure), Ok)
             grant.remaining = 0
+            grant._unsure -= unsure
 
     # -- consumers ---------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ failed put leaves them to the grant (for a retry, or `release`), and a restore d
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.conftest import MakeCluster
+from transfer_queue.wire.messages import CommitPut
 
 
 def _batch(n: int, width: int = 4) -> TensorDict:
@@ -79,6 +81,68 @@ def test_a_put_without_grant_draws_on_the_oldest_grant_it_fits(make_cluster: Mak
         with pytest.raises(tq.SchemaError, match="no open grant of this client has 8 slots left"):
             client.put(_batch(8))
         assert client.status()["partitions"]["train"]["samples"] == 6
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+async def test_a_put_cancelled_once_its_commit_was_applied_spends_its_slots(make_cluster: MakeCluster, use_shm):
+    """The put is cancelled as its commit's answer comes, the commit applied: its slots do not
+    go back to the grant, where a put without `grant=` would draw on them (8 samples accepted
+    under a grant of 4), and `release` returns none of them."""
+    cluster = make_cluster(max_staleness=4, consumer_batch_size=100)
+    client = await tq.connect_async(cluster.address, use_shm=use_shm)
+    grant = await client.acquire(4, timeout=5)
+    call = client._call
+
+    async def cancel_once_committed(c):
+        reply = await call(c)
+        if isinstance(c.msg, CommitPut):
+            put.cancel()  # before the put's flow sees the answer
+        return reply
+
+    client._call = cancel_once_committed
+    put = asyncio.ensure_future(client.put(_batch(4), grant=grant))
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    client._call = call
+    assert grant.remaining == 0 and (await client.status())["partitions"]["train"]["samples"] == 4
+    await grant.release()
+    admission = (await client.status())["admission"]
+    assert admission["accepted"] == 4 and admission["running"] == 0
+    await client.close()
+
+
+async def test_a_put_cancelled_while_its_commit_waits_leaves_its_slots_to_release(make_cluster: MakeCluster):
+    """The unit is stopped, so the commit waits for its write: cancelled then, the commit is
+    withdrawn and the put aborted, and the client cannot tell that from an applied commit. Its
+    slots are not drawn on again, and `release` returns them (the controller still holds them)."""
+    cluster = make_cluster(max_staleness=4, consumer_batch_size=100)
+    unit = cluster.backend.procs[1]
+    client = await tq.connect_async(cluster.address, use_shm=False)
+    grant = await client.acquire(4, timeout=5)
+    committing = asyncio.Event()
+    call = client._call
+
+    async def tell_commit(c):
+        if isinstance(c.msg, CommitPut):
+            committing.set()
+        return await call(c)
+
+    client._call = tell_commit
+    unit.send_signal(signal.SIGSTOP)
+    try:
+        put = asyncio.ensure_future(client.put(_batch(4), grant=grant))
+        await committing.wait()
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+    finally:
+        unit.send_signal(signal.SIGCONT)
+    client._call = call
+    assert grant.remaining == 0
+    await grant.release()
+    admission = (await client.status())["admission"]
+    assert admission["accepted"] == 0 and admission["running"] == 0
+    await client.close()
 
 
 def test_a_restore_draws_on_no_open_grant(make_cluster: MakeCluster, tmp_path):
