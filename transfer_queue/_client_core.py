@@ -276,9 +276,10 @@ class ClientCore(ControlCore):
         grant's slots while it runs and spends them once it is committed: a failed put leaves
         them to the grant, for a retry or `release` (the controller counts slots only for puts it
         applied), unless its commit was sent and never answered (cancelled, timed out: it may
-        have been applied), which leaves them to `release` alone. With `retry`, a put that failed because a unit of its plan restarted (a write
-        to its old address: nothing of the put was committed, and it was aborted) is put once
-        more, to the units as they are now (`_restarted`)."""
+        have been applied), which leaves them to `release` alone. With `retry`, a put that failed
+        because a unit of its plan restarted (a write to its old address: nothing of the put was
+        committed, and it was aborted) is put once more, to the units as they are now
+        (`_restarted`)."""
         known = self.units  # `hello` replaces it
         drawn = 0 if grant is None else min(cols.n, grant.remaining)
         if grant is not None:
@@ -427,7 +428,7 @@ class ClientCore(ControlCore):
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers, None, rows, ticket))
         framed = commit is not None and all(job[1] == "frames" for job in jobs)
-        if commit is not None and framed:
+        if framed and commit is not None:
             calls.append(commit.sent())  # every write carries its bytes: commit along with them
         answered = [reply for reply, _ in (yield calls)] if calls else []
         if commit is not None:
