@@ -77,11 +77,14 @@ class AsyncClient(AsyncDriver):
         the grant's version; with neither, the samples carry no version, e.g. prompts: they
         read as version 0 and are never too stale). `groups` are GRPO group ids (default: one
         group per sample). `source` is the prompt batch the samples came from (needed by the
-        `requeue` stale policy). On any error nothing of the batch becomes visible.
+        `requeue` stale policy). `grant` defaults to the oldest of this client's open grants
+        with slots left for the whole batch (see `Grant`). On any error nothing of the batch
+        becomes visible.
 
         Raises:
             CapacityError: storage stayed full for `timeout` seconds.
-            SchemaError: the data contradicts the partition's fields, or an argument is invalid.
+            SchemaError: the data contradicts the partition's fields, an argument is invalid, or
+                without `grant=` no open grant of this client has slots left for the batch.
             SealedError: the partition was sealed.
         """
         return await self._run(
@@ -279,7 +282,8 @@ class AsyncClient(AsyncDriver):
         may be short; the stream still ends only once the sealed partition is drained for `task`.
 
         Raises:
-            TimeoutError: no batch within `timeout` seconds (None: wait indefinitely).
+            TimeoutError: no batch within `timeout` seconds (None: wait indefinitely); with
+                `allow_partial=True`, no sample (the message names fields no put has brought).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
             LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
                 of its samples went to another consumer of the task (raised a batch later).

@@ -89,11 +89,14 @@ class Client(ControlClient):
         the grant's version; with neither, the samples carry no version, e.g. prompts: they
         read as version 0 and are never too stale). `groups` are GRPO group ids (default: one
         group per sample). `source` is the prompt batch the samples came from (needed by the
-        `requeue` stale policy). On any error nothing of the batch becomes visible.
+        `requeue` stale policy). `grant` defaults to the oldest of this client's open grants
+        with slots left for the whole batch (see `Grant`). On any error nothing of the batch
+        becomes visible.
 
         Raises:
             CapacityError: storage stayed full for `timeout` seconds.
-            SchemaError: the data contradicts the partition's fields, or an argument is invalid.
+            SchemaError: the data contradicts the partition's fields, an argument is invalid, or
+                without `grant=` no open grant of this client has slots left for the batch.
             SealedError: the partition was sealed.
         """
         return self._run(
@@ -228,11 +231,12 @@ class Client(ControlClient):
         taken, costing no round trip). Leaving the loop early nacks the batch in hand (ack it
         yourself first if you finished it) and gives back the one prefetched. `timeout=None`
         waits indefinitely. Batches come on `device` (see `get_data`). With `allow_partial=True`
-        a batch may be short (what was ready within `timeout`); where nothing was, the stream
-        waits again: it ends only once the sealed partition is drained for `task`.
+        a batch may be short (what was ready within `timeout`); the stream still ends only once
+        the sealed partition is drained for `task`.
 
         Raises:
-            TimeoutError: (from the iterator) no batch within `timeout` seconds.
+            TimeoutError: (from the iterator) no batch within `timeout` seconds; with
+                `allow_partial=True`, no sample (the message names fields no put has brought).
             SchemaError: `device` is not the CPU or a CUDA device this process has.
             LeaseExpiredError: (from the iterator) a batch's lease expired before its ack and some
                 of its samples went to another consumer of the task (raised a batch later).

@@ -83,9 +83,12 @@ _CHECKPOINT_ROWS = 1024
 class Grant:
     """Generation slots granted by `acquire`: `n` samples under policy `version`.
 
-    Puts by the same client draw on its open grants (oldest first) unless given `grant=`; a put
-    spends the slots once it is committed, so a failed one leaves them here (for a retry, or
-    `release`). As a context manager it returns the slots it did not use when the block ends.
+    A put by the same client without `grant=` draws on the oldest of its open grants with slots
+    left for the whole batch (none fits: `SchemaError`; it holds none: the put is under no
+    grant); a put spends the slots once it is committed, so a failed one leaves them here (for a
+    retry, or `release`), except one that failed after its commit was sent and before the answer
+    came (cancelled, timed out): it may have been committed, so only `release` offers its slots
+    back. As a context manager it returns the slots it did not use when the block ends.
     """
 
     grant_id: int
@@ -93,6 +96,8 @@ class Grant:
     version: int
     remaining: int
     _client: Any = field(repr=False, default=None)
+    _puts: int = field(repr=False, default=0)  # puts in flight holding some of its slots
+    _unsure: int = field(repr=False, default=0)  # slots of failed puts that may have been committed (`_put_rows`)
 
     def __enter__(self) -> Grant:
         return self
@@ -109,6 +114,22 @@ class Grant:
     def release(self):
         """Give the unused slots back (returns an awaitable on an `AsyncClient`)."""
         return self._client.release(self)
+
+
+@dataclass
+class _Commit:
+    """An open put's `CommitPut` call, sent by `_write` along with the put's writes. `unsure`
+    while it is out and unanswered: a put that fails then (cancelled, a driver timeout, the
+    controller gone) cannot tell whether the controller applied it (`AbortPut` leaves committed
+    rows alone, and its answer does not say)."""
+
+    call: Call
+    unsure: bool = False
+
+    def sent(self) -> Call:
+        """The call, about to be sent: unsure until its answer comes."""
+        self.unsure = True
+        return self.call
 
 
 class ClientCore(ControlCore):
@@ -245,7 +266,7 @@ class ClientCore(ControlCore):
             commit = CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes(), sizes)
             yield from self.one(CONTROLLER, commit, Ok)
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
-        grant = grant or next((g for g in self.grants if g.remaining > 0), None)
+        grant = grant or self._draw(cols.n)
         rows = self._row_info(cols, policy_version, groups, grant, source)  # validates first
         return (yield from self._put_rows(partition, cols, rows, grant, timeout))
 
@@ -255,26 +276,36 @@ class ClientCore(ControlCore):
         """Put `cols` as new rows described by `rows`, under `grant` (or none). The put holds the
         grant's slots while it runs and spends them once it is committed: a failed put leaves
         them to the grant, for a retry or `release` (the controller counts slots only for puts it
-        applied). With `retry`, a put that failed because a unit of its plan restarted (a write
-        to its old address: nothing of the put was committed, and it was aborted) is put once
-        more, to the units as they are now (`_restarted`)."""
+        applied), unless its commit was sent and never answered (cancelled, timed out: it may
+        have been applied), which leaves them to `release` alone. With `retry`, a put that failed
+        because a unit of its plan restarted (a write to its old address: nothing of the put was
+        committed, and it was aborted) is put once more, to the units as they are now
+        (`_restarted`)."""
         known = self.units  # `hello` replaces it
         drawn = 0 if grant is None else min(cols.n, grant.remaining)
         if grant is not None:
             grant.remaining -= drawn  # so that another put in flight does not draw them too
+            grant._puts += 1  # nor does one that ends first drop the grant while these may come back
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
         sizes = cols.field_bytes() if FIELD_BYTES in self.features else {}  # an older controller refuses them
         begin = BeginPut(
             partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay, field_bytes=sizes
         )
         plan: PutPlan | None = None
+        commit: _Commit | None = None
         try:
             plan, ahead = yield from self._begin(begin, cols, timeout)  # waits for room up to timeout
-            commit = Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+            commit = _Commit(
+                Call(CONTROLLER, CommitPut(partition, plan.indexes, cols.specs, rows), (), timeout + GRACE)
+            )
             yield from self._write(partition, cols, plan.indexes, plan.units, timeout, commit, plan.tickets, ahead)
         except BaseException as exc:  # a failed write or commit, a driver timeout, a cancel
             if grant is not None:
-                grant.remaining += drawn
+                if commit is not None and commit.unsure:  # maybe spent: never drawn on again (see `release`)
+                    grant._unsure += drawn
+                else:
+                    grant.remaining += drawn
+                self._put_ended(grant)
             # nothing to free; or GeneratorExit: the driver dropped this flow, nothing more may be sent
             if plan is None or isinstance(exc, GeneratorExit):
                 raise
@@ -285,8 +316,8 @@ class ClientCore(ControlCore):
             if not (retry and isinstance(exc, ServiceError) and (yield from self._restarted(plan.units, known))):
                 raise
             return (yield from self._put_rows(partition, cols, rows, grant, timeout, retry=False))
-        if grant is not None and grant.remaining == 0 and grant in self.grants:
-            self.grants.remove(grant)
+        if grant is not None:
+            self._put_ended(grant)
         self._stay = plan.units[-1]
         if plan.units[0] in self._arenas and self.use_shm is not False and _all_equal(plan.units):
             self._ahead = plan.units[0]
@@ -299,6 +330,32 @@ class ClientCore(ControlCore):
             units=plan.units,
             fields=dict(cols.specs),
         )
+
+    def _draw(self, n: int) -> Grant | None:
+        """The grant a put of `n` samples without `grant=` draws on: the oldest of this client's
+        open grants with `n` slots left (slots held by its puts in flight are not left); None
+        where it holds none (the samples then carry no version unless given one).
+
+        Raises:
+            SchemaError: it holds open grants, none with `n` slots left (a put under no grant
+                would store unversioned samples, never too stale, past admission)."""
+        if not self.grants:
+            return None
+        fits = next((g for g in self.grants if g.remaining >= n), None)
+        if fits is None:
+            left = ", ".join(f"grant {g.grant_id}: {g.remaining}" for g in self.grants)
+            raise SchemaError(
+                f"a put of {n} samples without grant=, and no open grant of this client has {n} slots left "
+                f"({left}): pass grant=, put smaller batches, or acquire more"
+            )
+        return fits
+
+    def _put_ended(self, grant: Grant) -> None:
+        """A put under `grant` ended, its slots spent or given back: with no slot left and no
+        put in flight that may give some back, the grant is spent (no longer drawn on)."""
+        grant._puts -= 1
+        if grant.remaining == 0 and grant._puts == 0 and grant in self.grants:
+            self.grants.remove(grant)
 
     def _begin(self, begin: BeginPut, cols: Columns, timeout: float) -> Flow:
         """`begin`'s plan, and (unit, its reply) where the put holds arena space reserved along
@@ -340,7 +397,7 @@ class ClientCore(ControlCore):
         indexes: list[int],
         units: list[int],
         timeout: float,
-        commit: Call | None = None,
+        commit: _Commit | None = None,
         tickets: dict[int, bytes] | None = None,
         ahead: tuple[int, WriteReply] | None = None,
     ):
@@ -374,10 +431,12 @@ class ClientCore(ControlCore):
             data = _host_frames(buffers, cols.device) if via == "frames" else ()
             calls.append(Call(unit_id, msg, data, timeout + GRACE, notice=via == "frames" and commit is not None))
             jobs.append((unit_id, via, buffers, None, rows, ticket))
-        if commit is not None and all(job[1] == "frames" for job in jobs):
-            calls.append(commit)  # every write carries its bytes: commit along with them
-            commit = None
+        framed = commit is not None and all(job[1] == "frames" for job in jobs)
+        if framed and commit is not None:
+            calls.append(commit.sent())  # every write carries its bytes: commit along with them
         answered = [reply for reply, _ in (yield calls)] if calls else []
+        if commit is not None:
+            commit.unsure = False  # answered, if it was sent
         errors = [exc for reply in answered if (exc := _failure(reply)) is not None]
         replies = iter(answered)  # one per job that sent a write, in order
         commits = []
@@ -396,10 +455,12 @@ class ClientCore(ControlCore):
                         else CommitWrite(reply.token, abort=bool(errors))
                     )
                     commits.append(Call(unit_id, done, notice=put >= 0))
-        if commit is not None and not errors:
-            commits.append(commit)
+        if commit is not None and not framed and not errors:
+            commits.append(commit.sent())
         if commits:
             replies = yield commits
+            if commit is not None:
+                commit.unsure = False
             errors += [exc for reply, _ in replies if (exc := _failure(reply)) is not None]
         if errors:
             raise errors[0]
@@ -432,12 +493,16 @@ class ClientCore(ControlCore):
         return grant
 
     def release(self, grant: Grant) -> Flow:
-        """Return a grant's unused slots."""
+        """Return a grant's unused slots. While no put under it is in flight, those of failed puts
+        that may have been committed are offered too: the controller returns at most the slots
+        it still holds for the grant, so none a put spent comes back."""
         if grant in self.grants:
             self.grants.remove(grant)
-        if grant.remaining > 0:
-            yield from self.one(CONTROLLER, Release(grant.grant_id, grant.remaining), Ok)
+        unsure = grant._unsure if grant._puts == 0 else 0
+        if grant.remaining + unsure > 0:
+            yield from self.one(CONTROLLER, Release(grant.grant_id, grant.remaining + unsure), Ok)
             grant.remaining = 0
+            grant._unsure -= unsure
 
     # -- consumers ---------------------------------------------------------------------
 
@@ -581,21 +646,21 @@ class ClientCore(ControlCore):
         """One step of `stream`: lease the next batch and read it; `(None, meta)` with an empty
         `meta` once the sealed partition is drained for `task`. A failed read gives the lease back.
 
-        With `allow_partial`, the controller answers an empty batch when nothing was ready within
-        `timeout`, sealed or not; only a request for a whole batch is answered empty at once just
-        when the partition is sealed and drained for the task (else it times out). So an empty
-        partial batch is followed by such a request (`timeout=0`, the rows it may lease are a
-        batch like any other), and the wait begins again while the partition is not drained."""
-        while True:
-            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **options)
-            if len(meta) or not options.get("allow_partial"):
-                break
-            try:
-                whole = {**options, "allow_partial": False}
-                meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **whole)
-                break
-            except TimeoutError:  # not drained: more samples may come
-                continue
+        A whole batch is asked for first, waiting up to `timeout`: the controller answers it
+        empty only when the sealed partition is drained for the task (short when what is left
+        is), where an empty partial batch may also mean that nothing was ready. With
+        `allow_partial`, a request that timed out is followed by one for what is ready now
+        (`timeout=0`), and when that is nothing too, the first one's `TimeoutError` is raised
+        (its message names fields no put has brought)."""
+        whole = {**options, "allow_partial": False}
+        try:
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=timeout, **whole)
+        except TimeoutError:
+            if not options.get("allow_partial"):
+                raise
+            meta = yield from self.get_meta(fields, batch_size, task, partition, timeout=0.0, **options)
+            if not len(meta):
+                raise
         if not len(meta):
             return None, meta
         try:

@@ -36,19 +36,61 @@ def test_sync_stream_ends_when_the_sealed_partition_is_drained(cluster, client):
 
 
 def test_a_partial_stream_ends_only_when_the_sealed_partition_is_drained(cluster, client):
-    """With `allow_partial`, nothing ready within `timeout` (here 0: the batch after the first is
-    answered empty at once) is no end of the stream while the partition is not sealed."""
+    """With `allow_partial`, a batch is what was ready within `timeout` (here the 2 samples put
+    while the stream waited for a whole batch), and the stream goes on until the partition is
+    sealed and drained."""
     client.put(rows(4))
     sizes = []
-    for _batch, meta in client.stream(["x"], 4, task="train", timeout=0.0, allow_partial=True):
-        sizes.append(len(meta))
-        if len(sizes) == 1:
-            with tq.connect(cluster.address) as producer:
-                producer.put(rows(6, 4))
+    with tq.connect(cluster.address) as producer:
+        for _batch, meta in client.stream(["x"], 4, task="train", timeout=2.0, allow_partial=True):
+            sizes.append(len(meta))
+            if len(sizes) == 1:
+                producer.put(rows(2, 4))
+            elif len(sizes) == 2:
+                producer.put(rows(4, 6))
                 producer.seal()
-    assert sizes == [4, 4, 2]
+    assert sizes == [4, 2, 4]
     status = client.status()["partitions"]["train"]["tasks"]["train"]
     assert status["consumed"] == 10 and status["leased"] == 0
+
+
+async def _stream_until_it_ends(client, fields: list[str], timeout: float) -> list[int]:
+    """The sizes of the batches a partial stream hands out, raising what it raises; bounded
+    (asyncio's TimeoutError, not Sluice's) so that a stream that never ends fails the test."""
+    sizes: list[int] = []
+
+    async def consume() -> None:
+        async for _batch, meta in client.stream(fields, 4, task="train", timeout=timeout, allow_partial=True):
+            sizes.append(len(meta))
+
+    await asyncio.wait_for(consume(), 10)
+    return sizes
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.5])
+async def test_a_partial_stream_raises_when_nothing_came_within_timeout(cluster, timeout):
+    """The producer is gone, the partition not sealed: once nothing came within `timeout` the
+    stream raises Sluice's `TimeoutError` (with 0, at once: it does not ask again and again),
+    the batch it handed out acked and nothing left leased."""
+    client = await tq.connect_async(cluster.address)
+    await client.put(rows(4))
+    with pytest.raises(tq.TimeoutError, match="too few ready samples"):
+        await _stream_until_it_ends(client, ["x"], timeout)
+    task = (await client.status())["partitions"]["train"]["tasks"]["train"]
+    assert task["consumed"] == 4 and task["leased"] == 0
+    await client.close()
+
+
+async def test_a_partial_stream_names_a_field_no_put_brought(cluster):
+    """A misspelled field on a sealed partition that still has samples: the stream raises the
+    controller's `TimeoutError` naming it, as a stream without `allow_partial` does."""
+    client = await tq.connect_async(cluster.address)
+    await client.put(rows(4))
+    await client.seal()
+    with pytest.raises(tq.TimeoutError, match=r"field\(s\) \['x_typo'\] that no put has brought"):
+        await _stream_until_it_ends(client, ["x_typo"], 0.5)
+    assert await _stream_until_it_ends(client, ["x"], 0.5) == [4]  # and the real name drains it
+    await client.close()
 
 
 def test_leaving_a_stream_early_gives_back_what_was_not_consumed(client):
