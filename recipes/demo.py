@@ -26,7 +26,7 @@ import transfer_queue as tq
 
 from .config import load
 from .experiments import run_experiment
-from .report import load_steps, report_recorded, write_report
+from .report import clear_records, load_steps, report_recorded, write_report
 
 __all__ = ["main"]
 
@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load(["fully_async"], args.overrides)
     run_dir = args.out / cfg.name
     runs = {cfg.seed: {cfg.name: run_dir}}
+    for directory in (args.out, run_dir):
+        clear_records(directory)  # a signal before the run wrote its records finds none of an earlier one's
     try:
         totals = run_experiment(cfg, run_dir)
     except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): plot the steps recorded

@@ -27,7 +27,7 @@ import transfer_queue as tq
 from recipes.channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
 from recipes.colocated import run_colocated
 from recipes.config import CONFIG_DIR, RecipeConfig, load
-from recipes.report import load_steps
+from recipes.report import RECORDS, load_steps
 from recipes.rollout_worker import RolloutWorker
 from tests.helpers import alive, descendants, eventually
 from weight_sync import WeightPublisher
@@ -733,6 +733,28 @@ def test_a_run_stops_on_a_signal_with_every_process_it_started_and_keeps_its_rec
     assert [w["worker"] for w in totals["rollout"]] == [0]  # its statistics as last announced
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and str(tmp_path / "compare.png") in out
     assert "| fully_async (interrupted) |" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_run_stopped_before_its_first_step_reports_none_of_an_earlier_run_s(tmp_path):
+    """An earlier run's records in the same `--out` go when the demo starts: stopped while its
+    trainer still loads, it ends by the signal with no steps to report, rather than printing
+    and plotting the earlier run's as the steps done (its `run.json` said `interrupted` false)."""
+    run_dir = tmp_path / "fully_async"
+    run_dir.mkdir()
+    for directory in (tmp_path, run_dir):
+        for name in RECORDS:
+            (directory / name).write_text('{"interrupted": false}\n')  # an earlier run's, in short
+    demo = _python("-m", "recipes.demo", "--out", str(tmp_path), *SMALL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        eventually(lambda: (run_dir / "trainer.log").exists(), 120, "the trainer started")
+        demo.send_signal(signal.SIGTERM)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == -signal.SIGTERM, err[-3000:]
+    assert "interrupted" not in out and "Traceback" not in err, out + err[-3000:]
+    left = [path for directory in (tmp_path, run_dir) for path in map(directory.joinpath, RECORDS) if path.exists()]
+    assert left == [], left
 
 
 def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
