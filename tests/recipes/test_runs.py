@@ -729,6 +729,8 @@ def test_a_run_stops_on_a_signal_with_every_process_it_started_and_keeps_its_rec
         assert "Error" not in text and "Traceback" not in text, text[-3000:]
     totals = json.loads((run_dir / "run.json").read_text())
     assert totals["interrupted"] is True and totals["samples"] == steps[-1]["samples"] == 64 * len(steps)
+    # the totals of the steps finished: neither the time nor the samples of the step it stopped
+    assert totals["wall_s"] == round(steps[-1]["time_s"], 3) and totals["consumed"] == totals["samples"]
     assert totals["final_version"] == steps[-1]["version"] and totals["duplicates"] == 0
     assert [w["worker"] for w in totals["rollout"]] == [0]  # its statistics as last announced
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and str(tmp_path / "compare.png") in out
@@ -760,11 +762,13 @@ def test_a_run_stopped_before_its_first_step_reports_none_of_an_earlier_run_s(tm
 def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
     """The co-located baseline runs in the runner's process: a signal mid-run (the `SystemExit`
     `tq.exit_on_signals` raises, here from the step callback) still leaves `run.json`, with the
-    totals of the steps done and `interrupted` true, and goes on to end the process."""
+    totals of the steps done and `interrupted` true (their wall time, not the time to the
+    signal, which came 50 ms after step 2), and goes on to end the process."""
     cfg = load(["colocated_sync"], ["trainer.total_steps=50", *SMALL, f"out_dir={tmp_path}"])
 
     def signal_after_step_two(record: Any) -> None:
         if record.step == 2:
+            time.sleep(0.05)  # not a wait: the time between the step's end and the signal
             raise SystemExit(128 + signal.SIGTERM)
 
     threads = torch.get_num_threads()
@@ -775,7 +779,11 @@ def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_p
         torch.set_num_threads(threads)  # the run takes every core, as it does in its own process
     totals = json.loads((tmp_path / "run.json").read_text())
     assert totals["interrupted"] is True and totals["final_version"] == 2
-    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == load_steps(tmp_path)[-1]["samples"]
+    last = load_steps(tmp_path)[-1]
+    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == last["samples"]
+    assert totals["wall_s"] == round(last["time_s"], 3) and totals["samples_per_s"] == round(
+        last["samples"] / last["time_s"], 3
+    )
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
