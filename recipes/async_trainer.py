@@ -27,14 +27,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import msgspec
-import torch
+from transfer_queue.host import stop_while_loading
 
-import transfer_queue as tq
-from weight_sync import WeightPublisher
+stop_while_loading(__name__)  # before the heavy imports
 
-from . import config as config_mod
-from .channels import (
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+import transfer_queue as tq  # noqa: E402
+from weight_sync import WeightPublisher  # noqa: E402
+
+from . import config as config_mod  # noqa: E402
+from .channels import (  # noqa: E402
     FIELDS,
     PROMPT_SLACK,
     PROMPTS,
@@ -45,10 +49,10 @@ from .channels import (
     RolloutStats,
     rollout_key,
 )
-from .config import RecipeConfig
-from .learner import Learner, RolloutBatch
-from .records import RunLog, StepRecord
-from .task import PAD, DigitReversal
+from .config import RecipeConfig  # noqa: E402
+from .learner import Learner, RolloutBatch  # noqa: E402
+from .records import RunLog, StepRecord  # noqa: E402
+from .task import PAD, DigitReversal  # noqa: E402
 
 __all__ = ["AsyncTrainer", "main"]
 

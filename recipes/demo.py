@@ -22,11 +22,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import transfer_queue as tq
+from transfer_queue.host import stop_while_loading
 
-from .config import load
-from .experiments import run_experiment
-from .report import clear_records, load_steps, report_recorded, write_report
+stop_while_loading(__name__)  # before the heavy imports
+
+import transfer_queue as tq  # noqa: E402
+
+from .config import load  # noqa: E402
+from .experiments import run_experiment  # noqa: E402
+from .report import clear_records, load_steps, report_recorded, write_report  # noqa: E402
 
 __all__ = ["main"]
 

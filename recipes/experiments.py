@@ -27,15 +27,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from transfer_queue.host import die_with_parent, stop_processes, stop_while_loading
 
-import transfer_queue as tq
-from transfer_queue.host import die_with_parent, stop_processes
+stop_while_loading(__name__)  # before the heavy imports
 
-from .colocated import run_colocated
-from .config import RecipeConfig, load, to_yaml
-from .records import StepRecord
-from .report import clear_records, report_recorded, write_report
+from tqdm import tqdm  # noqa: E402
+
+import transfer_queue as tq  # noqa: E402
+
+from .colocated import run_colocated  # noqa: E402
+from .config import RecipeConfig, load, to_yaml  # noqa: E402
+from .records import StepRecord  # noqa: E402
+from .report import clear_records, report_recorded, write_report  # noqa: E402
 
 __all__ = ["ExperimentError", "run_experiment", "main"]
 

@@ -759,6 +759,50 @@ def test_a_run_stopped_before_its_first_step_reports_none_of_an_earlier_run_s(tm
     assert left == [], left
 
 
+def _loading_torch(pid: int) -> bool:
+    """Whether process `pid` has mapped torch's library: its `import torch` is under way."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # gone already: let the test see how it ended
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--out", "{tmp}"],
+        ["experiments", "fully_async", "--out", "{tmp}"],
+        ["async_trainer", "--address", "tcp://127.0.0.1:9"],
+        ["rollout_worker", "--address", "tcp://127.0.0.1:9"],
+        ["dataflow_demo"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_a_command_stops_at_once_on_a_signal_while_it_loads(tmp_path, command):
+    """Started as a script's background job is (SIGINT inherited ignored), a command spends
+    seconds loading torch before `main` installs its handlers: a SIGINT then ends it at once,
+    by that signal, without a traceback and having started nothing. It used to be lost, and the
+    demo ran on to its end."""
+    module, *args = command
+    proc = _python(
+        "-m",
+        f"recipes.{module}",
+        *(a.format(tmp=tmp_path) for a in args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        eventually(lambda: _loading_torch(proc.pid), 60, "torch loading")
+        assert not descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err and not out
+
+
 def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
     """The co-located baseline runs in the runner's process: a signal mid-run (the `SystemExit`
     `tq.exit_on_signals` raises, here from the step callback) still leaves `run.json`, with the
