@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(set(names)) != len(names):
         parser.error(f"config names must differ: {names}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [configs[0].seed]
-    out = args.out
+    out = args.out.resolve()  # the trainer and rollout workers run from the repository's root
     runs = {
         seed: {cfg.name: (out if len(seeds) == 1 else out / f"seed-{seed}") / cfg.name for cfg in configs}
         for seed in seeds

@@ -100,11 +100,11 @@ def test_every_config_runs_through_the_experiment_runner(tmp_path):
     assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
 
 
-def _recipe(module: str, *args: str, timeout: float) -> str:
-    """`python -m recipes.MODULE ARGS...` from the repository root, which must succeed; its stdout."""
+def _recipe(module: str, *args: str, timeout: float, cwd: Path = ROOT) -> str:
+    """`python -m recipes.MODULE ARGS...` from `cwd`, which must succeed; its stdout."""
     run = subprocess.run(
         [sys.executable, "-m", f"recipes.{module}", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=ENV,
         capture_output=True,
         text=True,
@@ -634,11 +634,12 @@ def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):
 
 
 def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
-    stdout = _recipe("demo", "--out", str(tmp_path), "trainer.total_steps=8", *SMALL, timeout=300)
+    """`--out` relative to the directory it runs in, not the repository's root its processes run in."""
+    stdout = _recipe("demo", "--out", "out", "trainer.total_steps=8", *SMALL, timeout=300, cwd=tmp_path)
     reward = [line for line in stdout.splitlines() if line.startswith("reward ")]
     assert len(reward) == 1 and " -> " in reward[0]
-    assert f"plot: {tmp_path / 'compare.png'}" in stdout
-    assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in stdout
+    assert f"plot: {tmp_path / 'out' / 'compare.png'}" in stdout
+    assert (tmp_path / "out" / "compare.png").exists() and "worst staleness consumed" in stdout
 
 
 _RUNNER = """
