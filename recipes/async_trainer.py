@@ -27,14 +27,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import msgspec
-import torch
+from transfer_queue.host import stop_while_loading
 
-import transfer_queue as tq
-from weight_sync import WeightPublisher
+stop_while_loading(__name__)  # before the heavy imports
 
-from . import config as config_mod
-from .channels import (
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+import transfer_queue as tq  # noqa: E402
+from weight_sync import WeightPublisher  # noqa: E402
+
+from . import config as config_mod  # noqa: E402
+from .channels import (  # noqa: E402
     FIELDS,
     PROMPT_SLACK,
     PROMPTS,
@@ -45,10 +49,10 @@ from .channels import (
     RolloutStats,
     rollout_key,
 )
-from .config import RecipeConfig
-from .learner import Learner, RolloutBatch
-from .records import RunLog, StepRecord
-from .task import PAD, DigitReversal
+from .config import RecipeConfig  # noqa: E402
+from .learner import Learner, RolloutBatch  # noqa: E402
+from .records import RunLog, StepRecord  # noqa: E402
+from .task import PAD, DigitReversal  # noqa: E402
 
 __all__ = ["AsyncTrainer", "main"]
 
@@ -67,6 +71,7 @@ class AsyncTrainer:
         self.version = 0
         self.prompts_fed = 0
         self.consumed: set[int] = set()
+        self.consumed_after: list[int] = []  # len(consumed) after each step: an interrupted run's totals are its last
         self.duplicates = 0
         self._rollout_seen: dict[int, RolloutStats] = {}
 
@@ -98,13 +103,19 @@ class AsyncTrainer:
                     samples = log.write(self.step(step, start, samples)).samples
             except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): keep what the steps made
                 seen = [msgspec.to_builtins(stats) for stats in self._rollout_seen.values()]
-                log.finish({**self.totals(time.perf_counter() - start, samples), "rollout": seen}, interrupted=True)
+                last = log.last  # the totals of the steps finished, not of the one stopped
+                done = (
+                    (last.time_s, last.samples, last.version, self.consumed_after[last.step - 1])
+                    if last
+                    else (0, 0, 0, 0)
+                )
+                log.finish({**self.totals(*done), "rollout": seen}, interrupted=True)
                 raise
             finally:
                 self.client.announce(STOP_KEY, msgspec.msgpack.encode(self.version))
             wall = time.perf_counter() - start
             workers = self._wait_for_workers()  # first: no put is in flight when totals are taken
-            return log.finish({**self.totals(wall, samples), "rollout": workers})
+            return log.finish({**self.totals(wall, samples, self.version, len(self.consumed)), "rollout": workers})
 
     def step(self, step: int, start: float, samples_before: int) -> StepRecord:
         cfg, at = self.cfg, self.cfg.async_training
@@ -134,6 +145,7 @@ class AsyncTrainer:
             self.client.ack(meta)
             self.client.clear(meta)
             self._count_consumed(meta.indexes)
+        self.consumed_after.append(len(self.consumed))
         sync_s = 0.0
         if step % at.trigger_parameter_sync_step == 0:
             self.version += 1
@@ -217,17 +229,18 @@ class AsyncTrainer:
                 final.append(msgspec.to_builtins(msgspec.msgpack.decode(raw, type=RolloutStats)))
         return final
 
-    def totals(self, wall_s: float, samples: int) -> dict[str, Any]:
-        """The run's bookkeeping: what was produced, consumed, dropped and left over."""
+    def totals(self, wall_s: float, samples: int, version: int, consumed: int) -> dict[str, Any]:
+        """The run's bookkeeping: what was produced, consumed, dropped and left over; `wall_s`,
+        `samples`, `version` and `consumed` as of the run's end or (interrupted) its last step."""
         status = self.client.status()
         train = status["partitions"].get(TRAIN, {"samples": 0})
         return {
             "name": self.cfg.name,
             "wall_s": round(wall_s, 3),
             "samples": samples,
-            "samples_per_s": round(samples / wall_s, 3),
-            "final_version": self.version,
-            "consumed": len(self.consumed),
+            "samples_per_s": round(samples / wall_s, 3) if wall_s else 0.0,
+            "final_version": version,
+            "consumed": consumed,
             "duplicates": self.duplicates,
             "produced": status["counters"]["samples_put"] - self.prompts_fed,
             "dropped": status["staleness"]["dropped"],

@@ -35,7 +35,7 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
     prompts_gen = torch.Generator().manual_seed(cfg.seed + 1)
     sample_gen = torch.Generator(engine.device).manual_seed(cfg.seed * 1009)
     group, width = cfg.rollout.group_size, task.max_new_tokens
-    start, samples, done = time.perf_counter(), 0, 0
+    start, samples = time.perf_counter(), 0
     with RunLog(cfg.out_dir, on_step) as log:
         try:
             for step in range(1, cfg.trainer.total_steps + 1):
@@ -57,7 +57,7 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
                 t1 = time.perf_counter()
                 stats = learner.step(batch)
                 now = time.perf_counter()
-                samples, done = samples + len(batch), step
+                samples += len(batch)
                 log.write(
                     StepRecord.of(
                         step,
@@ -73,9 +73,13 @@ def run_colocated(cfg: RecipeConfig, on_step: Callable[[StepRecord], None] | Non
                     )
                 )
         except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): keep what the steps made
-            log.finish(_totals(cfg.name, time.perf_counter() - start, samples, done), interrupted=True)
+            last = log.last  # the totals of the steps finished, not of the one stopped
+            log.finish(
+                _totals(cfg.name, last.time_s, last.samples, last.step) if last else _totals(cfg.name, 0.0, 0, 0),
+                interrupted=True,
+            )
             raise
-        return log.finish(_totals(cfg.name, time.perf_counter() - start, samples, done))
+        return log.finish(_totals(cfg.name, time.perf_counter() - start, samples, cfg.trainer.total_steps))
 
 
 def _totals(name: str, wall: float, samples: int, steps: int) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def _totals(name: str, wall: float, samples: int, steps: int) -> dict[str, Any]:
         "name": name,
         "wall_s": round(wall, 3),
         "samples": samples,
-        "samples_per_s": round(samples / wall, 3),
+        "samples_per_s": round(samples / wall, 3) if wall else 0.0,
         "final_version": steps,
         "consumed": samples,
         "duplicates": 0,

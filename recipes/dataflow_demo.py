@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
-import signal
 import sys
 import threading
 import time
@@ -25,17 +24,11 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from transfer_queue.host import STOP_SIGNALS
+from transfer_queue.host import stop_while_loading
 
-if __name__ == "__main__":
-    # Until `main` installs its handlers, a stop signal ends the command at once: it started
-    # nothing yet. Loading torch takes seconds, in which a SIGINT that came inherited ignored
-    # (a script's background job) was lost, and the demo ran on to its end; raised inside a
-    # half-done import instead, a library's `except` may swallow it.
-    for _sig in STOP_SIGNALS:
-        signal.signal(_sig, signal.SIG_DFL)
+stop_while_loading(__name__)  # before the heavy imports
 
-import torch  # noqa: E402 - after the stop signals are set (above)
+import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 

@@ -22,11 +22,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import transfer_queue as tq
+from transfer_queue.host import stop_while_loading
 
-from .config import load
-from .experiments import run_experiment
-from .report import load_steps, report_recorded, write_report
+stop_while_loading(__name__)  # before the heavy imports
+
+import transfer_queue as tq  # noqa: E402
+
+from .config import load  # noqa: E402
+from .experiments import run_experiment  # noqa: E402
+from .report import clear_records, load_steps, report_recorded, write_report  # noqa: E402
 
 __all__ = ["main"]
 
@@ -40,17 +44,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="where the run and its plot go")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    out = args.out.resolve()  # the trainer and rollout worker run from the repository's root
     cfg = load(["fully_async"], args.overrides)
-    run_dir = args.out / cfg.name
+    run_dir = out / cfg.name
     runs = {cfg.seed: {cfg.name: run_dir}}
+    for directory in (out, run_dir):
+        clear_records(directory)  # a signal before the run wrote its records finds none of an earlier one's
     try:
         totals = run_experiment(cfg, run_dir)
     except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): plot the steps recorded
-        recorded = report_recorded(runs, args.out, baseline=cfg.name)
+        recorded = report_recorded(runs, out, baseline=cfg.name)
         if recorded:
             print(f"\ninterrupted: totals of the steps done in {run_dir / 'run.json'}; plot: {recorded[0]}", flush=True)
         raise
-    png, _ = write_report(runs, args.out, baseline=cfg.name)
+    png, _ = write_report(runs, out, baseline=cfg.name)
     steps = load_steps(run_dir)
     start = statistics.fmean(s["reward_mean"] for s in steps[:WINDOW])
     end = statistics.fmean(s["reward_mean"] for s in steps[-WINDOW:])

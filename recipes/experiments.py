@@ -27,15 +27,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from transfer_queue.host import die_with_parent, stop_processes, stop_while_loading
 
-import transfer_queue as tq
-from transfer_queue.host import die_with_parent, stop_processes
+stop_while_loading(__name__)  # before the heavy imports
 
-from .colocated import run_colocated
-from .config import RecipeConfig, load, to_yaml
-from .records import StepRecord
-from .report import report_recorded, write_report
+from tqdm import tqdm  # noqa: E402
+
+import transfer_queue as tq  # noqa: E402
+
+from .colocated import run_colocated  # noqa: E402
+from .config import RecipeConfig, load, to_yaml  # noqa: E402
+from .records import StepRecord  # noqa: E402
+from .report import clear_records, report_recorded, write_report  # noqa: E402
 
 __all__ = ["ExperimentError", "run_experiment", "main"]
 
@@ -49,8 +52,11 @@ class ExperimentError(RuntimeError):
 
 
 def run_experiment(cfg: RecipeConfig, out: Path, progress: bool = True) -> dict[str, Any]:
-    """Run one config into `out` (`steps.jsonl`, `run.json`, logs); returns the totals."""
+    """Run one config into `out` (`steps.jsonl`, `run.json`, logs); returns the totals. The
+    records a previous run left in `out` go first: a run stopped before it wrote its own has
+    none, rather than the previous run's."""
     out.mkdir(parents=True, exist_ok=True)
+    clear_records(out)
     cfg = replace(cfg, out_dir=str(out))
     config_file = out / f"{cfg.name}.yaml"
     config_file.write_text(to_yaml(cfg))
@@ -170,20 +176,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(set(names)) != len(names):
         parser.error(f"config names must differ: {names}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [configs[0].seed]
-    runs: dict[int, dict[str, Path]] = {}
+    out = args.out.resolve()  # the trainer and rollout workers run from the repository's root
+    runs = {
+        seed: {cfg.name: (out if len(seeds) == 1 else out / f"seed-{seed}") / cfg.name for cfg in configs}
+        for seed in seeds
+    }
+    for directory in [out, *(d for by_name in runs.values() for d in by_name.values())]:
+        clear_records(directory)  # a signal before a run wrote its records finds none of an earlier one's
     baseline = "sync" if "sync" in names else names[0]
     try:
         for seed in seeds:  # seeds outermost: machine drift hits every config alike
-            base = args.out if len(seeds) == 1 else args.out / f"seed-{seed}"
             for cfg in configs:
-                runs.setdefault(seed, {})[cfg.name] = base / cfg.name
-                run_experiment(replace(cfg, seed=seed), base / cfg.name)
+                run_experiment(replace(cfg, seed=seed), runs[seed][cfg.name])
     except (KeyboardInterrupt, SystemExit):  # a signal (`tq.exit_on_signals`): compare what was recorded
-        recorded = report_recorded(runs, args.out, baseline)
+        recorded = report_recorded(runs, out, baseline)
         if recorded:
             print(f"interrupted: wrote {recorded[0]} and {recorded[1]} from the runs recorded so far", flush=True)
         raise
-    png, summary = write_report(runs, args.out, baseline)
+    png, summary = write_report(runs, out, baseline)
     print(summary.read_text())
     print(f"wrote {png} and {summary}")
     return 0

@@ -1,7 +1,9 @@
 """What a run records: one `StepRecord` per trainer step in `steps.jsonl`, totals in `run.json`.
 
 `run.json`'s `interrupted` says whether the totals are a whole run's (false) or those of the
-steps a run stopped by a signal had finished (true): long work leaves its record either way.
+steps a run stopped by a signal had finished (true: wall time, samples, consumed and the final
+version as they stood at the last step recorded, none of the step it stopped): long work leaves
+its record either way.
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ class StepRecord:
 
 class RunLog:
     """Writes `steps.jsonl` line by line (flushed, so progress can be followed) and `run.json`
-    into `out_dir` (nothing when it is ""), and hands each record to `on_step`."""
+    into `out_dir` (nothing when it is ""), and hands each record to `on_step`. `last` is the
+    last record written (None before the first): an interrupted run's totals are taken there."""
 
     def __init__(self, out_dir: str, on_step: Callable[[StepRecord], None] | None = None):
         self.out = Path(out_dir) if out_dir else None
         self.on_step = on_step
+        self.last: StepRecord | None = None
         self._steps = None
 
     def __enter__(self) -> RunLog:
@@ -104,6 +108,7 @@ class RunLog:
         if self._steps:
             self._steps.write(json.dumps(asdict(record)) + "\n")
             self._steps.flush()
+        self.last = record
         if self.on_step:
             self.on_step(record)
         return record

@@ -19,10 +19,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["RunSummary", "load_steps", "report_recorded", "summarize", "write_report"]
+__all__ = ["RECORDS", "RunSummary", "clear_records", "load_steps", "report_recorded", "summarize", "write_report"]
 
 FINAL_WINDOW = 0.1
 """Final reward = mean reward over this last fraction of steps (at equal samples for all runs)."""
+
+
+RECORDS = ("steps.jsonl", "run.json", "compare.png", "summary.md", "summary.json")
+"""What a run (`steps.jsonl`, `run.json`) and a comparison (the rest) write into a directory."""
+
+
+def clear_records(directory: Path) -> None:
+    """Remove the `RECORDS` a previous run or comparison left in `directory`, so that a run
+    stopped before it wrote its own is not reported with the previous one's."""
+    for name in RECORDS:
+        (directory / name).unlink(missing_ok=True)
 
 
 def load_steps(run_dir: Path) -> list[dict]:
@@ -188,7 +199,9 @@ def write_report(runs: dict[int, dict[str, Path]], out: Path, baseline: str) -> 
 def report_recorded(runs: dict[int, dict[str, Path]], out: Path, baseline: str) -> tuple[Path, Path] | None:
     """`write_report` over the runs of `runs` that recorded totals and at least one step (a
     runner stopped by a signal: those it finished and the one it stopped), keeping the configs
-    every such seed recorded; returns its two files, or None when no run had a step recorded."""
+    every such seed recorded; returns its two files, or None when no run had a step recorded.
+    The runs' directories must hold only this runner's records (`clear_records` before each
+    run), or a previous run's would be reported as this one's."""
     recorded: dict[int, dict[str, Path]] = {}
     for seed, by_name in runs.items():
         kept = {name: d for name, d in by_name.items() if (d / "run.json").exists() and load_steps(d)}

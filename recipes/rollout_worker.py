@@ -43,17 +43,20 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
-import torch
+from transfer_queue.host import STOP_SIGNALS, stop_while_loading
 
-import transfer_queue as tq
-from transfer_queue.host import STOP_SIGNALS
-from weight_sync import WeightSubscriber
+stop_while_loading(__name__)  # before the heavy imports
 
-from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
-from .config import RecipeConfig, command_line, reporting_errors
-from .engines import make_engine
-from .task import PAD, DigitReversal
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+import transfer_queue as tq  # noqa: E402
+from weight_sync import WeightSubscriber  # noqa: E402
+
+from .channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key  # noqa: E402
+from .config import RecipeConfig, command_line, reporting_errors  # noqa: E402
+from .engines import make_engine  # noqa: E402
+from .task import PAD, DigitReversal  # noqa: E402
 
 __all__ = ["RolloutWorker", "main"]
 

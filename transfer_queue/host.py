@@ -12,7 +12,7 @@ commands (`sluice`, the recipes).
 - `keep_freed_memory`: keep freed large blocks warm in glibc's heap;
 - `reachable`: an endpoint as other hosts can dial it;
 - `exit_on_signals`: SIGINT, SIGTERM and SIGHUP (`STOP_SIGNALS`) unwind a command, which then ends
-  by that signal;
+  by that signal; `stop_while_loading`: until then, they end a command that is still loading;
 - `die_with_parent`: a child process's `preexec_fn`: it ends when the process that started it dies;
 - `stop_processes`: SIGTERM child processes, SIGKILL those that outlast a deadline.
 """
@@ -48,6 +48,7 @@ __all__ = [
     "give_back_freed_memory",
     "reachable",
     "exit_on_signals",
+    "stop_while_loading",
     "STOP_SIGNALS",
     "die_with_parent",
     "stop_processes",
@@ -378,6 +379,20 @@ def exit_on_signals() -> None:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Ctrl-C, `kill` and a closed terminal (or a dropped ssh session)."""
+
+
+def stop_while_loading(module: str) -> None:
+    """Where `module` (the caller's `__name__`) is "__main__", a module run as a command: from now
+    until `exit_on_signals` installs its handlers, a stop signal ends the process at once, by that
+    signal (SIG_DFL), as it has started nothing yet. Call it before the command's heavy imports:
+    loading torch takes seconds, in which a SIGINT that came inherited ignored (a script's
+    background job) was lost, and the command ran on to its end; raised inside a half-done import
+    instead, a library's `except` may swallow it. Imported as a library, the module changes
+    nothing (nor outside the main thread)."""
+    if module == "__main__" and threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
 
 _stopped_by: list[int] = []
 """The signal that stopped this process (`_exit_on`), once one came: the first, if more did."""

@@ -27,7 +27,7 @@ import transfer_queue as tq
 from recipes.channels import PROMPTS, ROLLOUT_TASK, STOP_KEY, TRAIN, WEIGHTS_KEY, RolloutStats, rollout_key
 from recipes.colocated import run_colocated
 from recipes.config import CONFIG_DIR, RecipeConfig, load
-from recipes.report import load_steps
+from recipes.report import RECORDS, load_steps
 from recipes.rollout_worker import RolloutWorker
 from tests.helpers import alive, descendants, eventually
 from weight_sync import WeightPublisher
@@ -100,11 +100,11 @@ def test_every_config_runs_through_the_experiment_runner(tmp_path):
     assert rows["sync"]["ratio"][0] == 1.0 and rows["sync"]["worst_staleness"] == 0
 
 
-def _recipe(module: str, *args: str, timeout: float) -> str:
-    """`python -m recipes.MODULE ARGS...` from the repository root, which must succeed; its stdout."""
+def _recipe(module: str, *args: str, timeout: float, cwd: Path = ROOT) -> str:
+    """`python -m recipes.MODULE ARGS...` from `cwd`, which must succeed; its stdout."""
     run = subprocess.run(
         [sys.executable, "-m", f"recipes.{module}", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=ENV,
         capture_output=True,
         text=True,
@@ -634,11 +634,12 @@ def test_a_rollout_worker_killed_mid_generation_does_not_stop_the_run(tmp_path):
 
 
 def test_make_demo_prints_the_reward_and_the_plot(tmp_path):
-    stdout = _recipe("demo", "--out", str(tmp_path), "trainer.total_steps=8", *SMALL, timeout=300)
+    """`--out` relative to the directory it runs in, not the repository's root its processes run in."""
+    stdout = _recipe("demo", "--out", "out", "trainer.total_steps=8", *SMALL, timeout=300, cwd=tmp_path)
     reward = [line for line in stdout.splitlines() if line.startswith("reward ")]
     assert len(reward) == 1 and " -> " in reward[0]
-    assert f"plot: {tmp_path / 'compare.png'}" in stdout
-    assert (tmp_path / "compare.png").exists() and "worst staleness consumed" in stdout
+    assert f"plot: {tmp_path / 'out' / 'compare.png'}" in stdout
+    assert (tmp_path / "out" / "compare.png").exists() and "worst staleness consumed" in stdout
 
 
 _RUNNER = """
@@ -729,20 +730,90 @@ def test_a_run_stops_on_a_signal_with_every_process_it_started_and_keeps_its_rec
         assert "Error" not in text and "Traceback" not in text, text[-3000:]
     totals = json.loads((run_dir / "run.json").read_text())
     assert totals["interrupted"] is True and totals["samples"] == steps[-1]["samples"] == 64 * len(steps)
+    # the totals of the steps finished: neither the time nor the samples of the step it stopped
+    assert totals["wall_s"] == round(steps[-1]["time_s"], 3) and totals["consumed"] == totals["samples"]
     assert totals["final_version"] == steps[-1]["version"] and totals["duplicates"] == 0
     assert [w["worker"] for w in totals["rollout"]] == [0]  # its statistics as last announced
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and str(tmp_path / "compare.png") in out
     assert "| fully_async (interrupted) |" in (tmp_path / "summary.md").read_text()
 
 
+def test_a_run_stopped_before_its_first_step_reports_none_of_an_earlier_run_s(tmp_path):
+    """An earlier run's records in the same `--out` go when the demo starts: stopped while its
+    trainer still loads, it ends by the signal with no steps to report, rather than printing
+    and plotting the earlier run's as the steps done (its `run.json` said `interrupted` false)."""
+    run_dir = tmp_path / "fully_async"
+    run_dir.mkdir()
+    for directory in (tmp_path, run_dir):
+        for name in RECORDS:
+            (directory / name).write_text('{"interrupted": false}\n')  # an earlier run's, in short
+    demo = _python("-m", "recipes.demo", "--out", str(tmp_path), *SMALL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        eventually(lambda: (run_dir / "trainer.log").exists(), 120, "the trainer started")
+        demo.send_signal(signal.SIGTERM)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == -signal.SIGTERM, err[-3000:]
+    assert "interrupted" not in out and "Traceback" not in err, out + err[-3000:]
+    left = [path for directory in (tmp_path, run_dir) for path in map(directory.joinpath, RECORDS) if path.exists()]
+    assert left == [], left
+
+
+def _loading_torch(pid: int) -> bool:
+    """Whether process `pid` has mapped torch's library: its `import torch` is under way."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # gone already: let the test see how it ended
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--out", "{tmp}"],
+        ["experiments", "fully_async", "--out", "{tmp}"],
+        ["async_trainer", "--address", "tcp://127.0.0.1:9"],
+        ["rollout_worker", "--address", "tcp://127.0.0.1:9"],
+        ["dataflow_demo"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_a_command_stops_at_once_on_a_signal_while_it_loads(tmp_path, command):
+    """Started as a script's background job is (SIGINT inherited ignored), a command spends
+    seconds loading torch before `main` installs its handlers: a SIGINT then ends it at once,
+    by that signal, without a traceback and having started nothing. It used to be lost, and the
+    demo ran on to its end."""
+    module, *args = command
+    proc = _python(
+        "-m",
+        f"recipes.{module}",
+        *(a.format(tmp=tmp_path) for a in args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        eventually(lambda: _loading_torch(proc.pid), 60, "torch loading")
+        assert not descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err and not out
+
+
 def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_path):
     """The co-located baseline runs in the runner's process: a signal mid-run (the `SystemExit`
     `tq.exit_on_signals` raises, here from the step callback) still leaves `run.json`, with the
-    totals of the steps done and `interrupted` true, and goes on to end the process."""
+    totals of the steps done and `interrupted` true (their wall time, not the time to the
+    signal, which came 50 ms after step 2), and goes on to end the process."""
     cfg = load(["colocated_sync"], ["trainer.total_steps=50", *SMALL, f"out_dir={tmp_path}"])
 
     def signal_after_step_two(record: Any) -> None:
         if record.step == 2:
+            time.sleep(0.05)  # not a wait: the time between the step's end and the signal
             raise SystemExit(128 + signal.SIGTERM)
 
     threads = torch.get_num_threads()
@@ -753,7 +824,11 @@ def test_a_colocated_run_stopped_by_a_signal_keeps_the_totals_of_its_steps(tmp_p
         torch.set_num_threads(threads)  # the run takes every core, as it does in its own process
     totals = json.loads((tmp_path / "run.json").read_text())
     assert totals["interrupted"] is True and totals["final_version"] == 2
-    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == load_steps(tmp_path)[-1]["samples"]
+    last = load_steps(tmp_path)[-1]
+    assert totals["samples"] == totals["consumed"] == 2 * cfg.samples_per_step == last["samples"]
+    assert totals["wall_s"] == round(last["time_s"], 3) and totals["samples_per_s"] == round(
+        last["samples"] / last["time_s"], 3
+    )
 
 
 def test_the_device_key_runs_the_recipe_through_the_device_paths(tmp_path):
