@@ -556,9 +556,9 @@ class ClientCore(ControlCore):
 
         Rows copied out of a mapped arena are checked against the unit's free log once the
         copies are done (`FreeLog`): where an extent they were copied from was freed meanwhile
-        (the rows cleared, or replaced), or that cannot be told, that unit's rows are read again
-        as frames, which its unit holds until sent: the rows, or the `SchemaError` a read of
-        rows it no longer holds raises. Never another write's bytes."""
+        (the rows cleared, or replaced), or that cannot be told, the batch is read again, that
+        unit's rows as frames, which its unit holds until sent: the rows, or the `SchemaError` a
+        read of rows it no longer holds raises. Never another write's bytes."""
         names = list(meta.fields) if fields is None else list(fields)
         missing = [f for f in names if f not in meta.fields]
         if missing:
