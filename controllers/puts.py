@@ -260,7 +260,11 @@ class Puts:
     def on_commit_put(self, msg: CommitPut, data) -> Ok | Awaitable[Ok]:
         """Commit new columns at once, or an open put's new rows once all its writes are stored."""
         if msg.rows is None:
-            self.apply(msg)
+            try:
+                self.apply(msg)
+            except SluiceError:
+                self._drop_clashing(msg)
+                raise
             self._record(Committed(msg))
             return Ok()
         put = self._open_put(msg)
@@ -356,6 +360,23 @@ class Puts:
         sizes = field_sizes(msg.fields, len(rows), msg.row_bytes, msg.field_bytes)
         self.ledger.write_fields(part, rows, msg.fields, sizes)
         return part, rows
+
+    def _drop_clashing(self, msg: CommitPut) -> None:
+        """A put of new columns was refused after its units stored it: have them drop the
+        fields whose dtype or shape clashes with the partition's, which they hold uncounted and
+        which would make them refuse every correct write of the field. Only those: a unit that
+        took one holds no row of that field otherwise (it would have refused the write), while a
+        field of the right spec may be another consumer's write whose commit is on its way."""
+        part = self.ledger.partitions.get(msg.partition)
+        if part is None:
+            return
+        clashing = [name for name, spec in msg.fields.items() if part.schema.get(name, spec) != spec]
+        live = np.asarray(msg.indexes, np.int64)[part.holds(msg.indexes)]
+        if not clashing or not len(live):
+            return
+        units = part.unit[part.rows_of(live)]
+        by_unit = {u: live[units == u].tolist() for u in np.unique(units).tolist()}
+        self.links.tell_free(part.name, by_unit, clashing)
 
     def _open_put(self, msg: CommitPut) -> _OpenPut:
         """The open put that `msg` commits; raises why it ended if it did."""

@@ -185,10 +185,13 @@ class UnitLinks:
         self.tell_free(partition, rows_by_unit)
         self.intake.wake()
 
-    def tell_free(self, partition: str, rows_by_unit: dict[int, list[int]] | None) -> None:
-        """Tell the units of `rows_by_unit` (None: every unit, every row of `partition`) to free them."""
+    def tell_free(
+        self, partition: str, rows_by_unit: dict[int, list[int]] | None, fields: list[str] | None = None
+    ) -> None:
+        """Tell the units of `rows_by_unit` (None: every unit, every row of `partition`) to free
+        them; with `fields`, only those fields of the rows."""
         targets = self.channels if rows_by_unit is None else rows_by_unit
         for unit_id in targets:
             channel = self.channels.get(unit_id)
             if channel is not None:
-                channel.post(Free(partition, None if rows_by_unit is None else rows_by_unit[unit_id]))
+                channel.post(Free(partition, None if rows_by_unit is None else rows_by_unit[unit_id], fields))

@@ -456,7 +456,7 @@ class StorageUnit(Service):
 
     def _on_free(self, msg: Free, frames: list[Any]) -> Handled:
         _no_frames(msg, frames)
-        if self.table.remove(msg.partition, msg.indexes):
+        if self.table.remove(msg.partition, msg.indexes, msg.fields):
             self.staging.drop_freed()
             self.space.wake()
         return Ok()

@@ -216,15 +216,34 @@ class Table:
 
     # -- freeing -------------------------------------------------------------------------
 
-    def remove(self, partition: str, indexes: Iterable[int] | None = None) -> int:
-        """Drop rows (all rows of the partition when `indexes` is None); returns rows dropped.
+    def remove(self, partition: str, indexes: Iterable[int] | None = None, fields: Iterable[str] | None = None) -> int:
+        """Drop rows (all rows of the partition when `indexes` is None); with `fields`, only those
+        fields of the `indexes` (a column put the controller refused: its bytes and its spec,
+        forgotten with the field's last row). Returns the rows (with `fields`: field rows) dropped.
 
-        Unknown partitions and indexes are ignored: freeing is idempotent.
+        Unknown partitions, fields and indexes are ignored: freeing is idempotent.
         """
         part = self.partitions.get(partition)
         if part is None:
             return 0
         unref = self.arena.unref
+        if fields is not None and indexes is not None:
+            present = part.held.intersection(indexes)
+            dropped = 0
+            for name in fields:
+                col = part.columns.get(name)
+                if col is None:
+                    continue
+                for seg, refs in Counter(s for s in map(col.rows.pop, present, repeat(None)) if s is not None).items():
+                    seg.live -= refs
+                    unref(seg.chunk, refs)
+                    dropped += refs
+                if not col.rows:
+                    del part.columns[name]
+            part.held.difference_update(i for i in present if not any(i in c.rows for c in part.columns.values()))
+            if not part.columns:
+                del self.partitions[partition]
+            return dropped
         if indexes is None:
             for col in part.columns.values():
                 for seg, refs in Counter(col.rows.values()).items():

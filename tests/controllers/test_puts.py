@@ -12,6 +12,7 @@ from tensordict import TensorDict
 
 import transfer_queue as tq
 from tests.faults import eventually, unit_status
+from tests.helpers import put_anew
 from tests.peers import ask, peer
 from transfer_queue.wire.messages import (
     FIELD_BYTES,
@@ -458,3 +459,23 @@ def test_field_bytes_between_releases(make_cluster):
         wrong = ask(controller, BeginPut("train", ragged, 2, 80, field_bytes={"a": 64, "b": 8}))
         assert isinstance(wrong, ErrorReply) and wrong.code == "schema" and "row_bytes" in wrong.message, wrong
         controller.close()
+
+
+def test_a_refused_column_put_leaves_its_units_as_they_were(make_cluster):
+    """A column put whose dtype clashes with the partition's is refused at commit, after its unit
+    stored it: the unit drops it again, so it holds no uncounted bytes and a correct put of the
+    column is taken (before, the unit kept the wrong dtype and refused it)."""
+    cluster = make_cluster(num_storage_units=2)
+    with tq.connect(cluster.address) as client:
+        first = put_anew(cluster.address, TensorDict({"x": torch.zeros(4, 1024)}, batch_size=[4]))
+        other = put_anew(cluster.address, TensorDict({"x": torch.zeros(4, 1024)}, batch_size=[4]))
+        assert set(first.units) != set(other.units)
+        client.put(TensorDict({"y": torch.zeros(4, 256)}, batch_size=[4]), meta=first)  # y is float32
+        address = client.units[other.units[0]].address
+        used = unit_status(address)["used"]
+        with pytest.raises(tq.SchemaError, match="field 'y' of partition 'train' is float32"):
+            client.put(TensorDict({"y": torch.zeros(4, 256, dtype=torch.int64)}, batch_size=[4]), meta=other)
+        eventually(lambda: unit_status(address)["used"] == used, 10, "the refused column dropped")
+        written = client.put(TensorDict({"y": torch.ones(4, 256)}, batch_size=[4]), meta=other)
+        assert client.get_data(written)["y"].sum().item() == 4 * 256
+        assert client.status()["bytes"] == sum(unit_status(u.address)["used"] for u in client.units.values())

@@ -84,6 +84,18 @@ def test_remove_is_idempotent_and_frees_chunks(arena: Arena) -> None:
     assert table.remove("q") == 1 and arena.used == 0
 
 
+def test_removing_fields_keeps_the_rows_other_fields(arena: Arena) -> None:
+    table = Table(arena)
+    _insert(table, arena, "p", "x", DENSE, [0, 1])
+    _insert(table, arena, "p", "ids", RAGGED_SPEC, [0, 1], lengths=[1, 1])
+    assert table.remove("p", [0, 1, 99], ["ids", "nope"]) == 2
+    assert arena.used == 32 and table.fields("p") == {"x": DENSE}  # the spec went with its last row
+    assert table.row_counts() == {"p": 2} and table.read("p", [0, 1], ["x"]).runs["x"]
+    table.check_specs("p", {"ids": FieldSpec("float16", (RAGGED,))})  # a new spec is welcome
+    assert table.remove("p", [0, 1], ["x"]) == 2
+    assert table.row_counts() == {} and arena.used == 0
+
+
 def test_schema_errors_say_what_is_missing(arena: Arena) -> None:
     table = Table(arena, unit_id=2)
     _insert(table, arena, "p", "x", DENSE, [0, 1])

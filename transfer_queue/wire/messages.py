@@ -464,10 +464,12 @@ class Read(_Msg, tag="read", frozen=True):
 
 
 class Free(_Msg, tag="free", frozen=True):
-    """Drop rows (all rows of the partition when `indexes` is None)."""
+    """Drop rows (all rows of the partition when `indexes` is None); with `fields`, only those
+    fields of the rows (a column put the controller refused)."""
 
     partition: str
     indexes: list[int] | None = None
+    fields: list[str] | None = None
 
 
 class UnitStatus(_Msg, tag="unit_status", frozen=True):
