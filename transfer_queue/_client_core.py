@@ -262,8 +262,7 @@ class ClientCore(ControlCore):
             partition = meta.partition
             # new columns of rows already placed: written straight to their units, checked at commit
             yield from self._write(partition, cols, list(meta.indexes), meta.units, timeout)
-            sizes = cols.field_bytes() if FIELD_BYTES in self.features else {}  # an older controller refuses them
-            commit = CommitPut(partition, list(meta.indexes), cols.specs, None, cols.row_bytes(), sizes)
+            commit = CommitPut(partition, list(meta.indexes), cols.specs, None, *self._accounted(cols))
             yield from self.one(CONTROLLER, commit, Ok)
             return msgspec.structs.replace(meta, fields={**meta.fields, **cols.specs})
         grant = grant or self._draw(cols.n)
@@ -287,10 +286,8 @@ class ClientCore(ControlCore):
             grant.remaining -= drawn  # so that another put in flight does not draw them too
             grant._puts += 1  # nor does one that ends first drop the grant while these may come back
         mapped = list(self._arenas) if self.use_shm is not False else []  # these units get no frames
-        sizes = cols.field_bytes() if FIELD_BYTES in self.features else {}  # an older controller refuses them
-        begin = BeginPut(
-            partition, cols.specs, cols.n, cols.row_bytes(), timeout, mapped, self._stay, field_bytes=sizes
-        )
+        row_bytes, sizes = self._accounted(cols)
+        begin = BeginPut(partition, cols.specs, cols.n, row_bytes, timeout, mapped, self._stay, field_bytes=sizes)
         plan: PutPlan | None = None
         commit: _Commit | None = None
         try:
@@ -330,6 +327,13 @@ class ClientCore(ControlCore):
             units=plan.units,
             fields=dict(cols.specs),
         )
+
+    def _accounted(self, cols: Columns) -> tuple[int, dict[str, int]]:
+        """What a put of `cols` tells the controller it takes: its arena bytes per row, and each
+        field's (`Columns.field_bytes`, which add up to them), the latter only for a controller
+        that granted `FIELD_BYTES` (an older one refuses the field)."""
+        sizes = cols.field_bytes()
+        return sum(sizes.values()), sizes if FIELD_BYTES in self.features else {}
 
     def _draw(self, n: int) -> Grant | None:
         """The grant a put of `n` samples without `grant=` draws on: the oldest of this client's

@@ -167,10 +167,6 @@ class Columns:
             sizes[name] = -(-arena_bytes(nbytes) // self.n)
         return sizes
 
-    def row_bytes(self) -> int:
-        """Arena bytes per sample over all fields (`field_bytes`)."""
-        return sum(self.field_bytes().values())
-
     def seqlens(self) -> list[int]:
         """Tokens per sample for seqlen balancing: the longest ragged field, else the sum of an
         `attention_mask`, else 0."""
