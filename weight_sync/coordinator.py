@@ -192,11 +192,12 @@ class Coordinator:
         """Server thread: the newest of `versions` is recorded, and with it the others (or it
         could not be: they are abandoned); tell waiters, and start the next record."""
         self._recording = False
+        newest = max(versions)
         if error is not None:
-            log.error("could not record version %d in the controller: %s", max(versions), error)
+            log.error("could not record version %d in the controller: %s", newest, error)
             self.abandoned.extend(versions)
-        elif max(versions) > self.complete:
-            self.complete = max(versions)
+        elif newest > self.complete:
+            self.complete = newest
             self.recent.extend(versions)
         self._record_next()
         self._wake()

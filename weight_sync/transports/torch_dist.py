@@ -196,10 +196,16 @@ class TorchTransport(Transport):
                 threading.Thread(target=_outlive, args=(work, self._group), name="sluice-ws-torch", daemon=True).start()
                 raise _Broken(reason)
 
+    @property
+    def _group_store(self) -> dist.TCPStore | None:
+        """The group's store: the publisher's own (it hosts it), or a member's client of it
+        (None before it joined)."""
+        return self._store if self._store is not None else self._member_store
+
     def _broken_reason(self) -> str | None:
         """Why the group broke, as its store says (None: it did not); a store that does not
         answer means the publisher, its host, is gone."""
-        store = self._store if self._store is not None else self._member_store
+        store = self._group_store
         if store is None:
             return None
         try:
@@ -210,7 +216,7 @@ class TorchTransport(Transport):
     def _break(self, reason: str) -> str:
         """Record in the group's store that the group broke for good, for `reason` unless
         someone recorded why first; returns the reason recorded (the first)."""
-        store = self._store if self._store is not None else self._member_store
+        store = self._group_store
         if store is not None:
             try:
                 return store.compare_set(_BROKEN, "", reason).decode()
