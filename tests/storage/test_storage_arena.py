@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -132,57 +134,58 @@ def test_arena_file_is_exclusive_prefaulted_and_unlinked() -> None:
     arena.close()  # idempotent
 
 
+@contextlib.contextmanager
+def _arena_and_its_log() -> Iterator[tuple[Arena, FreeLog]]:
+    """A 1 MiB arena of a fresh cluster's unit 0, and a reader's view of its free log."""
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/sluice-{cluster}-u0"
+    with Arena(path, 1 << 20) as arena:
+        log = FreeLog.open(cluster, 0, path, arena.capacity)
+        assert log is not None
+        try:
+            yield arena, log
+        finally:
+            log.close()
+
+
 def test_freed_extents_are_logged_for_readers_of_the_file() -> None:
     """A reader that noted the epoch before asking for runs learns whether an extent freed since
     overlapped them, and only then (a neighbour's free is no alarm)."""
-    cluster = f"test-{uuid.uuid4().hex[:8]}"
-    path = f"/dev/shm/sluice-{cluster}-u0"
-    with Arena(path, 1 << 20) as arena:
-        log = FreeLog.open(cluster, 0, path, arena.capacity)
-        assert log is not None
-        try:
-            a, b, c = (arena.new_chunk(n) for n in (5000, 100, 8192))
-            assert a is not None and b is not None and c is not None
-            assert (a.offset, b.offset, c.offset) == (0, 5008, 5120)
-            since = log.epoch()
-            assert log.intact([(5008, 100)], since)  # nothing freed: one word read
-            arena.unref(b)
-            assert log.epoch() == since + 1
-            assert not log.intact([(5008, 100)], since)  # b itself
-            assert not log.intact([(0, 16), (5000, 16)], since)  # a run that reaches into b
-            assert log.intact([(0, 5008), (5120, 8192)], since)  # its neighbours
-            assert log.intact([(5008, 100)], log.epoch())  # freed before the epoch noted
-            assert log.intact([(5008, 0)], since)  # an empty run holds no bytes
-            arena.unref(a)
-            arena.unref(c)
-            assert not log.intact([(6000, 10)], since) and not log.intact([(6000, 10)], since + 1)
-            assert log.intact([(6000, 10)], since + 3)
-        finally:
-            log.close()
-            log.close()  # idempotent
+    with _arena_and_its_log() as (arena, log):
+        a, b, c = (arena.new_chunk(n) for n in (5000, 100, 8192))
+        assert a is not None and b is not None and c is not None
+        assert (a.offset, b.offset, c.offset) == (0, 5008, 5120)
+        since = log.epoch()
+        assert log.intact([(5008, 100)], since)  # nothing freed: one word read
+        arena.unref(b)
+        assert log.epoch() == since + 1
+        assert not log.intact([(5008, 100)], since)  # b itself
+        assert not log.intact([(0, 16), (5000, 16)], since)  # a run that reaches into b
+        assert log.intact([(0, 5008), (5120, 8192)], since)  # its neighbours
+        assert log.intact([(5008, 100)], log.epoch())  # freed before the epoch noted
+        assert log.intact([(5008, 0)], since)  # an empty run holds no bytes
+        arena.unref(a)
+        arena.unref(c)
+        assert not log.intact([(6000, 10)], since) and not log.intact([(6000, 10)], since + 1)
+        assert log.intact([(6000, 10)], since + 3)
+        log.close()
+        log.close()  # idempotent
 
 
 def test_a_reader_cannot_vouch_for_runs_after_more_frees_than_the_log_holds() -> None:
-    cluster = f"test-{uuid.uuid4().hex[:8]}"
-    path = f"/dev/shm/sluice-{cluster}-u0"
-    with Arena(path, 1 << 20) as arena:
-        log = FreeLog.open(cluster, 0, path, arena.capacity)
-        assert log is not None
-        try:
-            since = log.epoch()
-            for _ in range(FreeLog.RING):
-                chunk = arena.new_chunk(16)
-                assert chunk is not None and chunk.offset == 0
-                arena.unref(chunk)
-            assert log.intact([(4096, 16)], since)  # every free since is still in the ring
-            assert not log.intact([(4096, 16), (8, 16)], since)  # and each overlaps this run
+    with _arena_and_its_log() as (arena, log):
+        since = log.epoch()
+        for _ in range(FreeLog.RING):
             chunk = arena.new_chunk(16)
-            assert chunk is not None
+            assert chunk is not None and chunk.offset == 0
             arena.unref(chunk)
-            assert not log.intact([(4096, 16)], since)  # one too many: the first was overwritten
-            assert log.intact([(4096, 16)], since + 1)
-        finally:
-            log.close()
+        assert log.intact([(4096, 16)], since)  # every free since is still in the ring
+        assert not log.intact([(4096, 16), (8, 16)], since)  # and each overlaps this run
+        chunk = arena.new_chunk(16)
+        assert chunk is not None
+        arena.unref(chunk)
+        assert not log.intact([(4096, 16)], since)  # one too many: the first was overwritten
+        assert log.intact([(4096, 16)], since + 1)
 
 
 def test_a_reader_finds_no_log_in_a_file_without_one() -> None:

@@ -13,6 +13,22 @@ from .harness import Subscribers, check
 from .workers import BUCKET, kill, weights
 
 
+def _two_members_on_version_1() -> tuple[WeightPublisher, Subscribers, Subscribers]:
+    """A one-slot publisher and its group of two member processes, both holding version 1."""
+    pub = WeightPublisher(
+        None, transport=TorchTransport(world_size=3), bucket_bytes=BUCKET, slots=1, timeout=10, delta=False
+    )
+    try:
+        members = Subscribers(1, pub.endpoint, "torch"), Subscribers(1, pub.endpoint, "torch", first_id=1)
+        pub.publish(weights(1), 1)
+        for member in members:
+            member.wait_applied(1)
+    except BaseException:
+        pub.close()
+        raise
+    return pub, *members
+
+
 def _told(subs: Subscribers, why: str) -> None:
     """`subs` saw errors (`wait_errors` before), every one a `WeightSyncError` saying `why`, and
     each kept version 1, exactly."""
@@ -27,15 +43,8 @@ def test_a_member_that_leaves_breaks_the_group_and_the_others_are_told(caplog):
     (none waits for a slot the group holds), and the other member's poll raises, saying the
     member left; its tensors stay exactly version 1."""
     caplog.set_level(logging.ERROR, logger="sluice.weight_sync")
-    pub = WeightPublisher(
-        None, transport=TorchTransport(world_size=3), bucket_bytes=BUCKET, slots=1, timeout=10, delta=False
-    )
-    stay = Subscribers(1, pub.endpoint, "torch")
-    leave = Subscribers(1, pub.endpoint, "torch", first_id=1)
+    pub, stay, leave = _two_members_on_version_1()
     try:
-        pub.publish(weights(1), 1)
-        stay.wait_applied(1)
-        leave.wait_applied(1)
         (left,) = leave.finish().values()
         check(left, 1)
         for version in (2, 3, 4):
@@ -51,15 +60,8 @@ def test_a_member_killed_breaks_the_group_and_publishing_goes_on():
     """A member is SIGKILLed after version 1: the broadcast of 2 fails, the publisher (one
     slot) publishes 3..5 without waiting, and the other member's poll raises within the wait
     below, keeping version 1."""
-    pub = WeightPublisher(
-        None, transport=TorchTransport(world_size=3), bucket_bytes=BUCKET, slots=1, timeout=10, delta=False
-    )
-    survivor = Subscribers(1, pub.endpoint, "torch")
-    victim = Subscribers(1, pub.endpoint, "torch", first_id=1)
+    pub, survivor, victim = _two_members_on_version_1()
     try:
-        pub.publish(weights(1), 1)
-        survivor.wait_applied(1)
-        victim.wait_applied(1)
         kill(victim.procs[0])
         for version in range(2, 6):
             pub.publish(weights(version), version)
